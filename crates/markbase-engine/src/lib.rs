@@ -1,0 +1,1 @@
+//! markbase-engine
