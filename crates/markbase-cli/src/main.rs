@@ -1,1 +1,104 @@
-fn main() {}
+//! `markbase`: run, chat with, measure and inspect Gemma models from the command line.
+
+mod cmd;
+mod model;
+mod progress;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// MarkBase: an inference engine for Gemma models.
+#[derive(Parser, Debug)]
+#[command(name = "markbase", version, about, propagate_version = true)]
+struct Cli {
+    /// Model: a .gguf file or a Hugging Face directory (default: the pulled Gemma 3 270M Q4_K_M).
+    #[arg(short = 'm', long = "model", global = true, value_name = "PATH")]
+    model: Option<std::path::PathBuf>,
+    /// Worker threads (0 = all cores).
+    #[arg(
+        short = 't',
+        long = "threads",
+        global = true,
+        default_value_t = 0,
+        value_name = "N"
+    )]
+    threads: usize,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Download the default model (Gemma 3 270M Q4_K_M) into the cache.
+    Pull,
+    /// Generate a reply to PROMPT, streamed to stdout.
+    Run(cmd::run::Args),
+    /// Chat interactively (one message per line; /exit to quit, /clear to start over).
+    Chat(cmd::chat::Args),
+    /// Perplexity of the model on a text or a list of token ids.
+    Perplexity(cmd::perplexity::Args),
+    /// Show the token ids of TEXT.
+    Tokenize(cmd::tokenize::Args),
+    /// Show a model's metadata, tensors, hyper-parameters and chat template.
+    Inspect,
+    /// Measure prompt processing (pp) and generation (tg) speed.
+    Bench(cmd::bench::Args),
+}
+
+/// Options shared by every subcommand.
+pub struct Global {
+    /// `-m`, if given.
+    pub model: Option<std::path::PathBuf>,
+    /// `-t`.
+    pub threads: usize,
+}
+
+fn main() -> ExitCode {
+    // A panic is a bug, but the user still gets one line, not a backtrace.
+    std::panic::set_hook(Box::new(|info| {
+        let msg = info
+            .payload()
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| info.payload().downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "unknown panic".into());
+        let at = info
+            .location()
+            .map(|l| format!(" at {}:{}", l.file(), l.line()))
+            .unwrap_or_default();
+        eprintln!("error: internal error{at}: {}", one_line(&msg));
+    }));
+    let cli = Cli::parse();
+    let global = Global {
+        model: cli.model,
+        threads: cli.threads,
+    };
+    let result = std::panic::catch_unwind(|| match cli.command {
+        Command::Pull => cmd::pull::run(),
+        Command::Run(a) => cmd::run::run(&global, a),
+        Command::Chat(a) => cmd::chat::run(&global, a),
+        Command::Perplexity(a) => cmd::perplexity::run(&global, a),
+        Command::Tokenize(a) => cmd::tokenize::run(&global, a),
+        Command::Inspect => cmd::inspect::run(&global),
+        Command::Bench(a) => cmd::bench::run(&global, a),
+    });
+    match result {
+        Ok(Ok(())) => ExitCode::SUCCESS,
+        Ok(Err(e)) => {
+            eprintln!("error: {}", one_line(&format!("{e:#}")));
+            ExitCode::FAILURE
+        }
+        // The panic hook has already printed the message.
+        Err(_) => ExitCode::FAILURE,
+    }
+}
+
+/// Joins a possibly multi-line message into one line.
+fn one_line(s: &str) -> String {
+    s.lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .collect::<Vec<_>>()
+        .join("; ")
+}

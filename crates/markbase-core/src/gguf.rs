@@ -370,8 +370,10 @@ impl GgufFile {
         let mut tensors = Vec::with_capacity(raw.len());
         let mut tensor_index = HashMap::new();
         for (name, dims, ty, rel) in raw {
-            let dtype = GgmlType::from_id(ty)
-                .map_err(|e| Error::Unsupported(format!("tensor '{name}': {e}")))?;
+            let dtype = GgmlType::from_id(ty).map_err(|e| match e {
+                Error::Unsupported(m) => Error::Unsupported(format!("tensor '{name}': {m}")),
+                other => other,
+            })?;
             let n_el = dims
                 .iter()
                 .try_fold(1u64, |acc, &d| acc.checked_mul(d))

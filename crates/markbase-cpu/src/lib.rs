@@ -1,1 +1,12 @@
-//! markbase-cpu
+//! MarkBase CPU backend: f32 activations, weights used in place from the mapped file, work
+//! spread over a thread pool. Every fast operation has a plain twin in [`reference`].
+
+mod attention;
+pub mod backend;
+pub mod kernels;
+mod matmul;
+mod moe;
+mod ops;
+pub mod reference;
+
+pub use backend::{CpuBackend, CpuBuffer, CpuMatrix};

@@ -1,1 +1,19 @@
-//! markbase-engine
+//! MarkBase engine: loading a model with its tokenizer, sampling, the generation loop,
+//! perplexity, speed tests, and pulling the default model.
+
+pub mod bench;
+pub mod generate;
+pub mod load;
+pub mod perplexity;
+pub mod pull;
+pub mod sampling;
+pub mod stop;
+
+pub use bench::{bench, BenchOptions, BenchResult};
+pub use generate::{
+    default_stop_tokens, generate, FinishReason, GenerateOptions, Generation, Session, Timings,
+};
+pub use load::{load, load_tokenizer, LoadedModel};
+pub use perplexity::{perplexity, Perplexity};
+pub use sampling::{Sampler, SamplingParams};
+pub use stop::StopFilter;

@@ -5,6 +5,12 @@
 
 use crate::{Error, Result};
 
+mod float;
+mod kquants;
+mod legacy;
+
+pub use kquants::{k_scale_min, q3_k_scales};
+
 /// A ggml tensor type, numbered as in the GGUF file format.
 #[allow(non_camel_case_types)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -180,7 +186,7 @@ impl GgmlType {
 
     /// Bytes taken by `n` consecutive weights (`n` must be a multiple of the block size).
     pub fn bytes_for(self, n: usize) -> Result<usize> {
-        if n % self.block_size() != 0 {
+        if !n.is_multiple_of(self.block_size()) {
             return Err(Error::Format(format!(
                 "{n} weights is not a whole number of {} blocks of {}",
                 self.name(),
@@ -194,5 +200,53 @@ impl GgmlType {
 impl std::fmt::Display for GgmlType {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.name())
+    }
+}
+
+/// Reference dequantization of `dst.len()` consecutive weights stored as `ty` in `src`.
+///
+/// Plain scalar code that follows ggml's block layouts and its order of float operations, so
+/// results are bit-identical to ggml's (and gguf-py's) dequantization. `src.len()` must be
+/// exactly `ty.bytes_for(dst.len())`; otherwise a [`Error::Format`] names both sizes.
+pub fn dequantize_row(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<()> {
+    let need = ty.bytes_for(dst.len())?;
+    if src.len() != need {
+        return Err(Error::Format(format!(
+            "{ty} data for {} weights must be {need} bytes, got {} bytes",
+            dst.len(),
+            src.len()
+        )));
+    }
+    let convert = converter(ty);
+    if ty.block_size() == 1 {
+        convert(src, dst);
+    } else {
+        let blocks = src.chunks_exact(ty.type_size());
+        for (block, out) in blocks.zip(dst.chunks_exact_mut(ty.block_size())) {
+            convert(block, out);
+        }
+    }
+    Ok(())
+}
+
+/// The reference converter of `ty`: for a block format it dequantizes one block
+/// (`ty.type_size()` bytes in, `ty.block_size()` weights out); for a float format it converts
+/// any number of values.
+fn converter(ty: GgmlType) -> fn(&[u8], &mut [f32]) {
+    match ty {
+        GgmlType::F32 => float::f32_row,
+        GgmlType::F16 => float::f16_row,
+        GgmlType::BF16 => float::bf16_row,
+        GgmlType::Q4_0 => legacy::q4_0,
+        GgmlType::Q4_1 => legacy::q4_1,
+        GgmlType::Q5_0 => legacy::q5_0,
+        GgmlType::Q5_1 => legacy::q5_1,
+        GgmlType::Q8_0 => legacy::q8_0,
+        GgmlType::Q2_K => kquants::q2_k,
+        GgmlType::Q3_K => kquants::q3_k,
+        GgmlType::Q4_K => kquants::q4_k,
+        GgmlType::Q5_K => kquants::q5_k,
+        GgmlType::Q6_K => kquants::q6_k,
+        GgmlType::Q8_K => kquants::q8_k,
     }
 }

@@ -1,0 +1,74 @@
+//! `markbase bench`: prompt processing and generation speed, like llama-bench.
+
+use std::io::Write;
+
+use anyhow::Result;
+use markbase_engine::{bench, BenchOptions};
+use serde_json::json;
+
+use crate::Global;
+
+/// Arguments of `bench`.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Prompt tokens of the pp test (0 skips it).
+    #[arg(short = 'p', long = "n-prompt", default_value_t = 512)]
+    pub n_prompt: usize,
+    /// Generated tokens of the tg test (0 skips it).
+    #[arg(short = 'n', long = "n-gen", default_value_t = 128)]
+    pub n_gen: usize,
+    /// Timed repetitions of each test.
+    #[arg(short = 'r', long = "repetitions", default_value_t = 5)]
+    pub repetitions: usize,
+    /// Print {"results": [{"test": "pp512", "tokens_per_second": ...}, ...]}.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Runs `bench`.
+pub fn run(global: &Global, args: Args) -> Result<()> {
+    let loaded = crate::model::load_model(global)?;
+    let info = loaded.model.info();
+    let threads = if global.threads == 0 {
+        std::thread::available_parallelism().map_or(1, |n| n.get())
+    } else {
+        global.threads
+    };
+    let size_mib = info.weight_bytes as f64 / (1024.0 * 1024.0);
+    let opts = BenchOptions {
+        prompt_tokens: args.n_prompt,
+        gen_tokens: args.n_gen,
+        repetitions: args.repetitions,
+    };
+    let mut out = std::io::stdout().lock();
+    if !args.json {
+        writeln!(out, "| model | size | threads | test | t/s |")?;
+        writeln!(out, "| --- | ---: | ---: | ---: | ---: |")?;
+    }
+    let mut write_err = None;
+    let results = bench(&loaded.model, &opts, |r| {
+        if args.json || write_err.is_some() {
+            return;
+        }
+        let line = writeln!(
+            out,
+            "| {} | {size_mib:.1} MiB | {threads} | {} | {:.2} ± {:.2} |",
+            info.architecture, r.test, r.tokens_per_second, r.std_tokens_per_second
+        );
+        write_err = line.err();
+    })?;
+    if let Some(e) = write_err {
+        return Err(e.into());
+    }
+    if args.json {
+        let obj = json!({
+            "model": info.architecture,
+            "weight_bytes": info.weight_bytes,
+            "threads": threads,
+            "repetitions": args.repetitions,
+            "results": results,
+        });
+        writeln!(out, "{obj}")?;
+    }
+    Ok(())
+}

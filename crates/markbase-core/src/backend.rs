@@ -1,0 +1,279 @@
+//! The seam between model code and compute devices: a trait of coarse, fused operations.
+//!
+//! A model's forward is written once against [`Backend`]. Every buffer is owned by the backend
+//! (host memory on the CPU, device memory on a GPU); the model allocates its buffers once — a
+//! workspace sized for the largest batch of tokens it will run, plus the KV cache — and a forward
+//! step then allocates nothing. Operations are *enqueued*: a GPU backend launches kernels on one
+//! stream and never waits; the only host/device synchronisation of a step is
+//! [`Backend::read`], which copies the logits back. On the CPU every call simply runs.
+//!
+//! Batches are "flat": an activation buffer holds `n` token rows of a fixed width, and
+//! per-token positions / KV slots are passed explicitly, so one step can later carry tokens of
+//! several sequences (decode tokens and prefill chunks together) with each token's cache slots
+//! coming from that sequence's block table. For now one step carries one sequence.
+//!
+//! Shapes follow PyTorch: a weight matrix is `[n_out, k]`, row-major (ggml `{k, n_out}`).
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use memmap2::Mmap;
+
+use crate::quant::GgmlType;
+use crate::{Error, Result};
+
+/// Bytes of a stored tensor on the host: borrowed from a mapped file, or owned.
+#[derive(Clone)]
+pub enum HostBytes {
+    /// A byte range of a memory-mapped file (zero-copy).
+    Mapped {
+        /// The mapped file.
+        map: Arc<Mmap>,
+        /// The tensor's bytes within it.
+        range: Range<usize>,
+    },
+    /// Bytes produced at load time (e.g. a converted norm vector).
+    Owned(Arc<[u8]>),
+}
+
+impl HostBytes {
+    /// The bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        match self {
+            HostBytes::Mapped { map, range } => &map[range.clone()],
+            HostBytes::Owned(b) => b,
+        }
+    }
+}
+
+/// A weight matrix as stored: `rows` rows of `cols` weights in format `ty` (GGUF blocks as in
+/// the file, or plain F32/F16/BF16 from safetensors).
+#[derive(Clone)]
+pub struct HostMatrix {
+    /// Name, for error messages.
+    pub name: String,
+    /// Storage format.
+    pub ty: GgmlType,
+    /// Output rows (`n_out`).
+    pub rows: usize,
+    /// Weights per row (`k`).
+    pub cols: usize,
+    /// The data, `rows * ty.bytes_for(cols)` bytes.
+    pub bytes: HostBytes,
+}
+
+impl HostMatrix {
+    /// Checks that the byte length matches the shape and format.
+    pub fn check(&self) -> Result<()> {
+        let row = self.ty.bytes_for(self.cols).map_err(|e| Error::BadTensor {
+            name: self.name.clone(),
+            problem: e.to_string(),
+        })?;
+        let want = row * self.rows;
+        let got = self.bytes.as_slice().len();
+        if want != got {
+            return Err(Error::BadTensor {
+                name: self.name.clone(),
+                problem: format!(
+                    "{got} bytes for [{}, {}] {}; expected {want}",
+                    self.rows, self.cols, self.ty
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// Bytes of one row.
+    pub fn row_bytes(&self) -> usize {
+        self.bytes.as_slice().len() / self.rows.max(1)
+    }
+}
+
+/// Rotary position embedding parameters (half-split / NeoX pairing `(i, i + head_dim/2)`).
+///
+/// Pair `i` turns by `pos · θ^(−2i/head_dim) / linear_factor` for `i < rotated_pairs`; the
+/// remaining pairs are left as they are. Gemma 3 rotates all `head_dim/2` pairs; Gemma 4's
+/// proportional RoPE rotates only a leading part of them.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Rope {
+    /// Base θ.
+    pub theta: f32,
+    /// Linear position scaling (1 = none).
+    pub linear_factor: f32,
+    /// Pairs that rotate (at most `head_dim / 2`).
+    pub rotated_pairs: usize,
+}
+
+/// Shape and masking of one attention call.
+///
+/// Query token `t` sits at position `positions[t]`; it sees keys at positions
+/// `max(0, p − window + 1) ..= p` (all of `0..=p` without a window). The key/value of position
+/// `j` is read from cache slot `j % ring` — a full-attention layer's cache has `ring` ≥ every
+/// position, a sliding layer's cache is a ring that only keeps the recent keys.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AttnSpec {
+    /// Query heads.
+    pub n_heads: usize,
+    /// Key/value heads; query head `h` uses KV head `h / (n_heads / n_kv_heads)`.
+    pub n_kv_heads: usize,
+    /// Dimension of a head (≤ 512).
+    pub head_dim: usize,
+    /// Score multiplier (e.g. `query_pre_attn_scalar^-0.5`).
+    pub scale: f32,
+    /// Sliding window in keys, the current one included; `None` = full causal.
+    pub window: Option<usize>,
+    /// `cap · tanh(s / cap)` on scores, if set.
+    pub softcap: Option<f32>,
+    /// Slots in the cache buffers of this layer.
+    pub ring: usize,
+}
+
+/// What [`Backend::rms_norm`] does with its result.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NormOut {
+    /// `out = norm(x)`.
+    Write,
+    /// `out += norm(x)` (fused residual add).
+    AddTo,
+}
+
+/// A compute device: owns buffers and weights and runs the fused operations of a forward pass.
+///
+/// Lengths are in f32 elements; `n` counts token rows. Implementations check sizes and return
+/// [`Error::Invalid`] on a mismatch rather than panic.
+pub trait Backend: Send + Sync {
+    /// An activation buffer (f32 on the CPU; a device allocation on a GPU).
+    type Buffer: Send + Sync;
+    /// A weight matrix ready for [`Backend::matmul`] / [`Backend::embed`].
+    type Matrix: Send + Sync;
+    /// A small f32 vector (norm weights).
+    type Vector: Send + Sync;
+
+    /// A short name ("cpu", "cuda:0").
+    fn name(&self) -> String;
+    /// Prepares a stored matrix (the CPU uses the mapped bytes in place and touches every page;
+    /// a GPU copies the blocks to device memory as stored).
+    fn load_matrix(&self, m: &HostMatrix) -> Result<Self::Matrix>;
+    /// Prepares a vector of f32 values.
+    fn load_vector(&self, v: &[f32]) -> Result<Self::Vector>;
+    /// A zeroed buffer of `len` f32.
+    fn alloc(&self, len: usize) -> Result<Self::Buffer>;
+
+    /// `out[t] = table[tokens[t]] · scale` (gather, dequantize, scale) for each token.
+    fn embed(
+        &self,
+        table: &Self::Matrix,
+        tokens: &[u32],
+        scale: f32,
+        out: &mut Self::Buffer,
+    ) -> Result<()>;
+    /// Row-wise RMSNorm of `n` rows of `dim`: `x · rsqrt(mean(x²) + eps) · weight` (no weight:
+    /// plain normalisation), written to or added into `out` per [`NormOut`].
+    #[allow(clippy::too_many_arguments)]
+    fn rms_norm(
+        &self,
+        x: &Self::Buffer,
+        weight: Option<&Self::Vector>,
+        eps: f32,
+        n: usize,
+        dim: usize,
+        out: &mut Self::Buffer,
+        mode: NormOut,
+    ) -> Result<()>;
+    /// `out[n, w.rows] = x[n, w.cols] · wᵀ`, any stored format (decode: one dot per weight row;
+    /// prefill: each weight row is read once for all `n` tokens).
+    fn matmul(
+        &self,
+        x: &Self::Buffer,
+        n: usize,
+        w: &Self::Matrix,
+        out: &mut Self::Buffer,
+    ) -> Result<()>;
+    /// In place on `n` tokens × `n_heads` heads of `head_dim`: optional per-head RMSNorm with
+    /// `norm = (weight, eps)`, then RoPE at `positions[t]`.
+    #[allow(clippy::too_many_arguments)]
+    fn head_norm_rope(
+        &self,
+        x: &mut Self::Buffer,
+        n_heads: usize,
+        head_dim: usize,
+        norm: Option<(&Self::Vector, f32)>,
+        rope: &Rope,
+        positions: &[u32],
+    ) -> Result<()>;
+    /// Copies `n = slots.len()` rows of `k` and `v` (width `row`) into cache rows `slots[t]`.
+    #[allow(clippy::too_many_arguments)]
+    fn write_kv(
+        &self,
+        k: &Self::Buffer,
+        v: &Self::Buffer,
+        row: usize,
+        slots: &[u32],
+        k_cache: &mut Self::Buffer,
+        v_cache: &mut Self::Buffer,
+    ) -> Result<()>;
+    /// Softmax attention of `positions.len()` query rows `q` (`n_heads · head_dim` wide) over
+    /// the cache (`n_kv_heads · head_dim` per slot), per [`AttnSpec`]; `out` like `q`.
+    fn attention(
+        &self,
+        q: &Self::Buffer,
+        k_cache: &Self::Buffer,
+        v_cache: &Self::Buffer,
+        spec: &AttnSpec,
+        positions: &[u32],
+        out: &mut Self::Buffer,
+    ) -> Result<()>;
+    /// Mixture-of-experts routing of `n` tokens, each a row of `n_experts` router logits:
+    /// softmax over all experts, keep the `top_k` most probable (ties: lower id first),
+    /// renormalise those probabilities to sum 1 and multiply each by `expert_scale[e]`. Writes
+    /// per token `top_k` weights to `weights` and the chosen expert ids (as f32) to `ids`.
+    #[allow(clippy::too_many_arguments)]
+    fn moe_route(
+        &self,
+        logits: &Self::Buffer,
+        n: usize,
+        n_experts: usize,
+        top_k: usize,
+        expert_scale: &Self::Vector,
+        weights: &mut Self::Buffer,
+        ids: &mut Self::Buffer,
+    ) -> Result<()>;
+    /// Routed expert MLPs of `n` tokens: `out[t] = Σ_j weights[t·top_k + j] ·
+    /// expert_{ids[t·top_k + j]}(x[t])` with `expert_e(x) = down_e(gelu_tanh(gate_e x) ⊙ up_e x)`.
+    /// `gate_up` stacks the experts as `[E·2F, D]` (expert `e`: gate rows `e·2F .. e·2F + F`,
+    /// then its `F` up rows); `down` as `[E·D, F]`.
+    #[allow(clippy::too_many_arguments)]
+    fn moe_ffn(
+        &self,
+        x: &Self::Buffer,
+        n: usize,
+        gate_up: &Self::Matrix,
+        down: &Self::Matrix,
+        n_experts: usize,
+        top_k: usize,
+        weights: &Self::Buffer,
+        ids: &Self::Buffer,
+        out: &mut Self::Buffer,
+    ) -> Result<()>;
+    /// `dst[dst_off..dst_off + len] = src[src_off..src_off + len]`.
+    fn copy(
+        &self,
+        src: &Self::Buffer,
+        src_off: usize,
+        dst: &mut Self::Buffer,
+        dst_off: usize,
+        len: usize,
+    ) -> Result<()>;
+    /// `gate[i] = gelu_tanh(gate[i]) · up[i]` for `i < len`.
+    fn gelu_tanh_mul(&self, gate: &mut Self::Buffer, up: &Self::Buffer, len: usize) -> Result<()>;
+    /// `x[i] += y[i]` for `i < len`.
+    fn add(&self, x: &mut Self::Buffer, y: &Self::Buffer, len: usize) -> Result<()>;
+    /// `x[i] *= s` for `i < len`.
+    fn scale(&self, x: &mut Self::Buffer, s: f32, len: usize) -> Result<()>;
+    /// `x[i] = cap · tanh(x[i] / cap)` for `i < len`.
+    fn softcap(&self, x: &mut Self::Buffer, cap: f32, len: usize) -> Result<()>;
+    /// Copies host values into the start of `dst` (asynchronous on a GPU).
+    fn write(&self, src: &[f32], dst: &mut Self::Buffer) -> Result<()>;
+    /// Copies the first `dst.len()` values of `x` to the host — the step's one synchronisation.
+    fn read(&self, x: &Self::Buffer, dst: &mut [f32]) -> Result<()>;
+}

@@ -1,0 +1,96 @@
+//! `dequantize_row` against gguf-py's dequantization of the same blocks
+//! (tests/fixtures/quant, written by scripts/make_quant_fixtures.py).
+//!
+//! The reference code performs the same f32 operations in the same order as ggml/gguf-py
+//! (no fused multiply-adds), so the comparison is bit-exact.
+
+use std::path::PathBuf;
+
+use markbase_core::quant::{dequantize_row, GgmlType};
+use markbase_core::Error;
+
+const ALL: [GgmlType; 14] = [
+    GgmlType::F32,
+    GgmlType::F16,
+    GgmlType::BF16,
+    GgmlType::Q4_0,
+    GgmlType::Q4_1,
+    GgmlType::Q5_0,
+    GgmlType::Q5_1,
+    GgmlType::Q8_0,
+    GgmlType::Q2_K,
+    GgmlType::Q3_K,
+    GgmlType::Q4_K,
+    GgmlType::Q5_K,
+    GgmlType::Q6_K,
+    GgmlType::Q8_K,
+];
+
+fn fixture(name: &str) -> Vec<u8> {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/quant")
+        .join(name);
+    std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+fn load(ty: GgmlType) -> (Vec<u8>, Vec<f32>) {
+    let raw = fixture(&format!("{ty}.bin"));
+    let expected = fixture(&format!("{ty}.f32"))
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect();
+    (raw, expected)
+}
+
+#[test]
+fn every_format_matches_gguf_py_bit_for_bit() {
+    for ty in ALL {
+        let (raw, expected) = load(ty);
+        assert_eq!(
+            raw.len(),
+            ty.bytes_for(expected.len()).unwrap(),
+            "{ty}: fixture sizes disagree"
+        );
+        let mut got = vec![0f32; expected.len()];
+        dequantize_row(ty, &raw, &mut got).unwrap();
+        for (i, (g, e)) in got.iter().zip(&expected).enumerate() {
+            assert_eq!(
+                g.to_bits(),
+                e.to_bits(),
+                "{ty}: weight {i} (block {}): got {g}, gguf-py {e}",
+                i / ty.block_size()
+            );
+        }
+    }
+}
+
+#[test]
+fn rows_may_start_at_any_block() {
+    for ty in ALL {
+        let (raw, expected) = load(ty);
+        let (bs, ts) = (ty.block_size(), ty.type_size());
+        let blocks = expected.len() / bs;
+        // a row of the middle blocks only
+        let (first, count) = (blocks / 3, blocks / 2);
+        let mut got = vec![0f32; count * bs];
+        dequantize_row(ty, &raw[first * ts..(first + count) * ts], &mut got).unwrap();
+        assert_eq!(got, expected[first * bs..(first + count) * bs], "{ty}");
+    }
+}
+
+#[test]
+fn size_mismatches_are_format_errors_naming_the_sizes() {
+    let mut dst = [0f32; 64];
+    let err = dequantize_row(GgmlType::Q4_0, &[0u8; 35], &mut dst).unwrap_err();
+    assert!(matches!(err, Error::Format(_)));
+    let msg = err.to_string();
+    assert!(
+        msg.contains("Q4_0") && msg.contains("64") && msg.contains("36") && msg.contains("35"),
+        "{msg}"
+    );
+
+    let mut dst = [0f32; 100];
+    let err = dequantize_row(GgmlType::Q6_K, &[0u8; 210], &mut dst).unwrap_err();
+    assert!(matches!(err, Error::Format(_)));
+    assert!(err.to_string().contains("100"), "{err}");
+}

@@ -1,0 +1,377 @@
+//! [`CpuBackend`]: f32 activations in host memory, weights used in place from the mapped file,
+//! work spread over a private rayon pool.
+
+use markbase_core::backend::{AttnSpec, Backend, HostMatrix, NormOut, Rope};
+use markbase_core::quant::dequantize_row;
+use markbase_core::{Error, Result};
+
+use crate::attention::{self, MAX_HEAD_DIM};
+use crate::{matmul, moe, ops};
+
+/// The CPU backend.
+pub struct CpuBackend {
+    pool: rayon::ThreadPool,
+}
+
+/// An activation buffer: f32 values in host memory.
+pub struct CpuBuffer(Vec<f32>);
+
+impl CpuBuffer {
+    /// The values.
+    pub fn as_slice(&self) -> &[f32] {
+        &self.0
+    }
+}
+
+/// A weight matrix used in place (mapped bytes, or bytes made at load).
+pub struct CpuMatrix(HostMatrix);
+
+impl CpuBackend {
+    /// A backend running on `threads` threads (0 = one per core).
+    pub fn new(threads: usize) -> Result<Self> {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("markbase-cpu-{i}"))
+            .build()
+            .map_err(|e| Error::Invalid(format!("cannot start {threads} CPU threads: {e}")))?;
+        Ok(CpuBackend { pool })
+    }
+
+    /// Threads in the pool.
+    pub fn threads(&self) -> usize {
+        self.pool.current_num_threads()
+    }
+}
+
+fn need(what: &str, have: usize, want: usize) -> Result<()> {
+    if have < want {
+        return Err(Error::Invalid(format!(
+            "cpu {what}: buffer of {have} values, needs {want}"
+        )));
+    }
+    Ok(())
+}
+
+impl Backend for CpuBackend {
+    type Buffer = CpuBuffer;
+    type Matrix = CpuMatrix;
+    type Vector = Vec<f32>;
+
+    fn name(&self) -> String {
+        "cpu".into()
+    }
+
+    fn load_matrix(&self, m: &HostMatrix) -> Result<CpuMatrix> {
+        m.check()?;
+        // Touch every page so the first forward does not fault the weights in.
+        let bytes = m.bytes.as_slice();
+        let mut sum = 0u8;
+        for i in (0..bytes.len()).step_by(4096) {
+            sum = sum.wrapping_add(bytes[i]);
+        }
+        std::hint::black_box(sum);
+        Ok(CpuMatrix(m.clone()))
+    }
+
+    fn load_vector(&self, v: &[f32]) -> Result<Vec<f32>> {
+        Ok(v.to_vec())
+    }
+
+    fn alloc(&self, len: usize) -> Result<CpuBuffer> {
+        Ok(CpuBuffer(vec![0.0; len]))
+    }
+
+    fn embed(
+        &self,
+        table: &CpuMatrix,
+        tokens: &[u32],
+        scale: f32,
+        out: &mut CpuBuffer,
+    ) -> Result<()> {
+        let m = &table.0;
+        need("embed", out.0.len(), tokens.len() * m.cols)?;
+        let rb = m.row_bytes();
+        let bytes = m.bytes.as_slice();
+        for (t, &id) in tokens.iter().enumerate() {
+            let id = id as usize;
+            if id >= m.rows {
+                return Err(Error::Invalid(format!(
+                    "token id {id} is outside the {} rows of '{}'",
+                    m.rows, m.name
+                )));
+            }
+            let dst = &mut out.0[t * m.cols..(t + 1) * m.cols];
+            dequantize_row(m.ty, &bytes[id * rb..(id + 1) * rb], dst)?;
+            dst.iter_mut().for_each(|v| *v *= scale);
+        }
+        Ok(())
+    }
+
+    fn rms_norm(
+        &self,
+        x: &CpuBuffer,
+        weight: Option<&Vec<f32>>,
+        eps: f32,
+        n: usize,
+        dim: usize,
+        out: &mut CpuBuffer,
+        mode: NormOut,
+    ) -> Result<()> {
+        need("rms_norm input", x.0.len(), n * dim)?;
+        need("rms_norm output", out.0.len(), n * dim)?;
+        if let Some(w) = weight {
+            need("rms_norm weight", w.len(), dim)?;
+        }
+        self.pool.install(|| {
+            ops::rms_norm(
+                &x.0[..n * dim],
+                weight.map(|w| &w[..dim]),
+                eps,
+                dim,
+                &mut out.0[..n * dim],
+                mode == NormOut::AddTo,
+            )
+        });
+        Ok(())
+    }
+
+    fn matmul(&self, x: &CpuBuffer, n: usize, w: &CpuMatrix, out: &mut CpuBuffer) -> Result<()> {
+        let m = &w.0;
+        need("matmul input", x.0.len(), n * m.cols)?;
+        need("matmul output", out.0.len(), n * m.rows)?;
+        self.pool.install(|| matmul::matmul(&x.0, n, m, &mut out.0));
+        Ok(())
+    }
+
+    fn head_norm_rope(
+        &self,
+        x: &mut CpuBuffer,
+        n_heads: usize,
+        head_dim: usize,
+        norm: Option<(&Vec<f32>, f32)>,
+        rope: &Rope,
+        positions: &[u32],
+    ) -> Result<()> {
+        if !head_dim.is_multiple_of(2)
+            || head_dim > MAX_HEAD_DIM
+            || rope.rotated_pairs > head_dim / 2
+        {
+            return Err(Error::Invalid(format!(
+                "cpu rope: head_dim {head_dim} with {} rotated pairs",
+                rope.rotated_pairs
+            )));
+        }
+        let len = positions.len() * n_heads * head_dim;
+        need("rope", x.0.len(), len)?;
+        if let Some((w, _)) = norm {
+            need("head norm weight", w.len(), head_dim)?;
+        }
+        self.pool.install(|| {
+            ops::head_norm_rope(
+                &mut x.0[..len],
+                n_heads,
+                head_dim,
+                norm.map(|(w, e)| (&w[..head_dim], e)),
+                rope,
+                positions,
+            )
+        });
+        Ok(())
+    }
+
+    fn write_kv(
+        &self,
+        k: &CpuBuffer,
+        v: &CpuBuffer,
+        row: usize,
+        slots: &[u32],
+        k_cache: &mut CpuBuffer,
+        v_cache: &mut CpuBuffer,
+    ) -> Result<()> {
+        need(
+            "write_kv input",
+            k.0.len().min(v.0.len()),
+            slots.len() * row,
+        )?;
+        for (t, &s) in slots.iter().enumerate() {
+            let s = s as usize;
+            need(
+                "kv cache",
+                k_cache.0.len().min(v_cache.0.len()),
+                (s + 1) * row,
+            )?;
+            k_cache.0[s * row..(s + 1) * row].copy_from_slice(&k.0[t * row..(t + 1) * row]);
+            v_cache.0[s * row..(s + 1) * row].copy_from_slice(&v.0[t * row..(t + 1) * row]);
+        }
+        Ok(())
+    }
+
+    fn attention(
+        &self,
+        q: &CpuBuffer,
+        k_cache: &CpuBuffer,
+        v_cache: &CpuBuffer,
+        spec: &AttnSpec,
+        positions: &[u32],
+        out: &mut CpuBuffer,
+    ) -> Result<()> {
+        if spec.head_dim > MAX_HEAD_DIM
+            || spec.n_kv_heads == 0
+            || !spec.n_heads.is_multiple_of(spec.n_kv_heads)
+            || spec.ring == 0
+            || spec.window == Some(0)
+        {
+            return Err(Error::Invalid(format!("cpu attention: bad spec {spec:?}")));
+        }
+        let len = positions.len() * spec.n_heads * spec.head_dim;
+        need("attention query", q.0.len(), len)?;
+        need("attention output", out.0.len(), len)?;
+        let slots = spec.ring * spec.n_kv_heads * spec.head_dim;
+        need(
+            "attention cache",
+            k_cache.0.len().min(v_cache.0.len()),
+            slots,
+        )?;
+        self.pool.install(|| {
+            attention::attention(&q.0, &k_cache.0, &v_cache.0, spec, positions, &mut out.0)
+        });
+        Ok(())
+    }
+
+    fn moe_route(
+        &self,
+        logits: &CpuBuffer,
+        n: usize,
+        n_experts: usize,
+        top_k: usize,
+        expert_scale: &Vec<f32>,
+        weights: &mut CpuBuffer,
+        ids: &mut CpuBuffer,
+    ) -> Result<()> {
+        if top_k == 0 || top_k > n_experts {
+            return Err(Error::Invalid(format!(
+                "cpu moe_route: top {top_k} of {n_experts} experts"
+            )));
+        }
+        need("moe_route logits", logits.0.len(), n * n_experts)?;
+        need("moe_route expert scales", expert_scale.len(), n_experts)?;
+        need("moe_route weights", weights.0.len(), n * top_k)?;
+        need("moe_route ids", ids.0.len(), n * top_k)?;
+        moe::route(
+            &logits.0[..n * n_experts],
+            n_experts,
+            top_k,
+            expert_scale,
+            &mut weights.0[..n * top_k],
+            &mut ids.0[..n * top_k],
+        );
+        Ok(())
+    }
+
+    fn moe_ffn(
+        &self,
+        x: &CpuBuffer,
+        n: usize,
+        gate_up: &CpuMatrix,
+        down: &CpuMatrix,
+        n_experts: usize,
+        top_k: usize,
+        weights: &CpuBuffer,
+        ids: &CpuBuffer,
+        out: &mut CpuBuffer,
+    ) -> Result<()> {
+        let (gu, dn) = (&gate_up.0, &down.0);
+        let d = gu.cols;
+        let f = dn.cols;
+        if n_experts == 0 || gu.rows != n_experts * 2 * f || dn.rows != n_experts * d {
+            return Err(Error::Invalid(format!(
+                "cpu moe_ffn: '{}' [{}, {}] and '{}' [{}, {}] do not stack {n_experts} experts",
+                gu.name, gu.rows, gu.cols, dn.name, dn.rows, dn.cols
+            )));
+        }
+        need("moe_ffn input", x.0.len(), n * d)?;
+        need("moe_ffn output", out.0.len(), n * d)?;
+        need(
+            "moe_ffn weights",
+            weights.0.len().min(ids.0.len()),
+            n * top_k,
+        )?;
+        if let Some(bad) = ids.0[..n * top_k]
+            .iter()
+            .find(|&&e| !(e >= 0.0 && (e as usize) < n_experts && e.fract() == 0.0))
+        {
+            return Err(Error::Invalid(format!(
+                "cpu moe_ffn: expert id {bad} of {n_experts} experts"
+            )));
+        }
+        self.pool.install(|| {
+            moe::ffn(
+                &x.0[..n * d],
+                n,
+                gu,
+                dn,
+                top_k,
+                &weights.0[..n * top_k],
+                &ids.0[..n * top_k],
+                &mut out.0,
+            )
+        });
+        Ok(())
+    }
+
+    fn copy(
+        &self,
+        src: &CpuBuffer,
+        src_off: usize,
+        dst: &mut CpuBuffer,
+        dst_off: usize,
+        len: usize,
+    ) -> Result<()> {
+        need("copy source", src.0.len(), src_off + len)?;
+        need("copy destination", dst.0.len(), dst_off + len)?;
+        dst.0[dst_off..dst_off + len].copy_from_slice(&src.0[src_off..src_off + len]);
+        Ok(())
+    }
+
+    fn gelu_tanh_mul(&self, gate: &mut CpuBuffer, up: &CpuBuffer, len: usize) -> Result<()> {
+        need("gelu_tanh_mul", gate.0.len().min(up.0.len()), len)?;
+        self.pool
+            .install(|| ops::gelu_tanh_mul(&mut gate.0[..len], &up.0[..len]));
+        Ok(())
+    }
+
+    fn add(&self, x: &mut CpuBuffer, y: &CpuBuffer, len: usize) -> Result<()> {
+        need("add", x.0.len().min(y.0.len()), len)?;
+        x.0[..len]
+            .iter_mut()
+            .zip(&y.0[..len])
+            .for_each(|(a, b)| *a += b);
+        Ok(())
+    }
+
+    fn scale(&self, x: &mut CpuBuffer, s: f32, len: usize) -> Result<()> {
+        need("scale", x.0.len(), len)?;
+        x.0[..len].iter_mut().for_each(|a| *a *= s);
+        Ok(())
+    }
+
+    fn softcap(&self, x: &mut CpuBuffer, cap: f32, len: usize) -> Result<()> {
+        need("softcap", x.0.len(), len)?;
+        x.0[..len]
+            .iter_mut()
+            .for_each(|a| *a = cap * (*a / cap).tanh());
+        Ok(())
+    }
+
+    fn write(&self, src: &[f32], dst: &mut CpuBuffer) -> Result<()> {
+        need("write", dst.0.len(), src.len())?;
+        dst.0[..src.len()].copy_from_slice(src);
+        Ok(())
+    }
+
+    fn read(&self, x: &CpuBuffer, dst: &mut [f32]) -> Result<()> {
+        need("read", x.0.len(), dst.len())?;
+        dst.copy_from_slice(&x.0[..dst.len()]);
+        Ok(())
+    }
+}

@@ -1,0 +1,69 @@
+//! Quantized-weight kernels: dot products of stored weight rows (any [`GgmlType`]) with f32
+//! activations, with an AVX2+FMA path chosen at run time and a portable fallback.
+//!
+//! [`GgmlType`]: markbase_core::quant::GgmlType
+
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+pub mod dot;
+mod portable;
+
+use std::ops::Range;
+use std::sync::OnceLock;
+
+use markbase_core::quant::{dequantize_row, GgmlType};
+
+/// The instruction sets the kernels are written for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Isa {
+    /// Plain Rust, any CPU.
+    Portable,
+    /// x86-64 with AVX2, FMA and F16C.
+    Avx2,
+}
+
+impl Isa {
+    /// The best instruction set of this CPU (detected once, then cached).
+    pub fn detect() -> Isa {
+        static DETECTED: OnceLock<Isa> = OnceLock::new();
+        *DETECTED.get_or_init(|| {
+            if Isa::Avx2.available() {
+                Isa::Avx2
+            } else {
+                Isa::Portable
+            }
+        })
+    }
+
+    /// Whether this CPU can run kernels written for `self`.
+    pub fn available(self) -> bool {
+        match self {
+            Isa::Portable => true,
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => {
+                is_x86_feature_detected!("avx2")
+                    && is_x86_feature_detected!("fma")
+                    && is_x86_feature_detected!("f16c")
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            Isa::Avx2 => false,
+        }
+    }
+}
+
+/// Weights handled per step by the chunked kernels: a multiple of every block size.
+const CHUNK: usize = 256;
+
+/// The chunks of a row of `k` weights of `ty`: (first weight, weight count, byte range).
+fn chunks(ty: GgmlType, k: usize) -> impl Iterator<Item = (usize, usize, Range<usize>)> {
+    let (bs, ts) = (ty.block_size(), ty.type_size());
+    (0..k).step_by(CHUNK).map(move |start| {
+        let m = (k - start).min(CHUNK);
+        (start, m, start / bs * ts..(start + m) / bs * ts)
+    })
+}
+
+/// Reference dequantization of a chunk whose sizes this module computed (whole blocks).
+fn dequantize_chunk(ty: GgmlType, src: &[u8], dst: &mut [f32]) {
+    dequantize_row(ty, src, dst).expect("chunks are whole blocks of matching size");
+}

@@ -1,0 +1,88 @@
+//! Row-wise and element-wise CPU operations (norms, RoPE, activations).
+
+use markbase_core::backend::Rope;
+use rayon::prelude::*;
+
+/// Rows processed per parallel task in row-wise ops.
+const ROW_GRAIN: usize = 16;
+
+/// RMSNorm of one row into `out` (or added into it).
+#[inline]
+fn norm_row(x: &[f32], w: Option<&[f32]>, eps: f32, out: &mut [f32], add: bool) {
+    let ms = x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32;
+    let inv = 1.0 / (ms + eps).sqrt();
+    match (w, add) {
+        (Some(w), false) => out
+            .iter_mut()
+            .zip(x.iter().zip(w))
+            .for_each(|(o, (v, w))| *o = v * inv * w),
+        (Some(w), true) => out
+            .iter_mut()
+            .zip(x.iter().zip(w))
+            .for_each(|(o, (v, w))| *o += v * inv * w),
+        (None, false) => out.iter_mut().zip(x).for_each(|(o, v)| *o = v * inv),
+        (None, true) => out.iter_mut().zip(x).for_each(|(o, v)| *o += v * inv),
+    }
+}
+
+/// RMSNorm of `n` rows of `dim` (sizes checked by the caller).
+pub fn rms_norm(x: &[f32], w: Option<&[f32]>, eps: f32, dim: usize, out: &mut [f32], add: bool) {
+    out.par_chunks_mut(dim * ROW_GRAIN)
+        .zip(x.par_chunks(dim * ROW_GRAIN))
+        .for_each(|(o, x)| {
+            for (o, x) in o.chunks_mut(dim).zip(x.chunks(dim)) {
+                norm_row(x, w, eps, o, add);
+            }
+        });
+}
+
+/// In-place per-head RMSNorm (optional) and RoPE; `x` holds `positions.len()` tokens.
+pub fn head_norm_rope(
+    x: &mut [f32],
+    n_heads: usize,
+    head_dim: usize,
+    norm: Option<(&[f32], f32)>,
+    rope: &Rope,
+    positions: &[u32],
+) {
+    let half = head_dim / 2;
+    x.par_chunks_mut(n_heads * head_dim)
+        .zip(positions.par_iter())
+        .for_each(|(tok, &p)| {
+            let mut cos = [0f32; 256];
+            let mut sin = [0f32; 256];
+            for i in 0..rope.rotated_pairs {
+                let inv = 1.0 / rope.theta.powf((2 * i) as f32 / head_dim as f32);
+                let angle = (p as f32) * (inv / rope.linear_factor);
+                let (s, c) = (angle as f64).sin_cos();
+                cos[i] = c as f32;
+                sin[i] = s as f32;
+            }
+            for head in tok.chunks_mut(head_dim) {
+                if let Some((w, eps)) = norm {
+                    let ms = head.iter().map(|v| v * v).sum::<f32>() / head_dim as f32;
+                    let inv = 1.0 / (ms + eps).sqrt();
+                    head.iter_mut().zip(w).for_each(|(v, w)| *v *= inv * w);
+                }
+                let (a, b) = head.split_at_mut(half);
+                for i in 0..rope.rotated_pairs {
+                    let (x0, x1) = (a[i], b[i]);
+                    a[i] = x0 * cos[i] - x1 * sin[i];
+                    b[i] = x1 * cos[i] + x0 * sin[i];
+                }
+            }
+        });
+}
+
+/// `gelu_tanh(gate) · up` in place in `gate`.
+pub fn gelu_tanh_mul(gate: &mut [f32], up: &[f32]) {
+    const C: f32 = 0.797_884_6; // sqrt(2/pi)
+    gate.par_chunks_mut(4096)
+        .zip(up.par_chunks(4096))
+        .for_each(|(g, u)| {
+            for (g, u) in g.iter_mut().zip(u) {
+                let x = *g;
+                *g = 0.5 * x * (1.0 + (C * (x + 0.044715 * x * x * x)).tanh()) * u;
+            }
+        });
+}

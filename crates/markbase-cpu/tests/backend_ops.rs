@@ -1,0 +1,282 @@
+//! Every CpuBackend operation against its plain twin in `markbase_cpu::reference`, on fresh
+//! random inputs (set MARKBASE_TEST_SEED to replay a failure).
+
+use std::sync::Arc;
+
+use markbase_core::backend::{AttnSpec, Backend, HostBytes, HostMatrix, NormOut, Rope};
+use markbase_core::quant::GgmlType;
+use markbase_cpu::{reference, CpuBackend, CpuBuffer};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+fn rng() -> StdRng {
+    let seed = match std::env::var("MARKBASE_TEST_SEED") {
+        Ok(s) => s.parse().expect("MARKBASE_TEST_SEED must be an integer"),
+        Err(_) => rand::rng().random(),
+    };
+    eprintln!("MARKBASE_TEST_SEED={seed}");
+    StdRng::seed_from_u64(seed)
+}
+
+fn randn(rng: &mut StdRng, n: usize, scale: f32) -> Vec<f32> {
+    (0..n)
+        .map(|_| rng.random_range(-1.0..1.0f32) * scale)
+        .collect()
+}
+
+fn buf(be: &CpuBackend, v: &[f32], extra: usize) -> CpuBuffer {
+    let mut b = be.alloc(v.len() + extra).unwrap();
+    be.write(v, &mut b).unwrap();
+    b
+}
+
+fn assert_close(what: &str, got: &[f32], want: &[f32], tol: f32) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    let scale = want.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
+    for (i, (a, b)) in got.iter().zip(want).enumerate() {
+        assert!(
+            (a - b).abs() <= tol * scale,
+            "{what}[{i}]: {a} vs {b} (tolerance {tol} x {scale})"
+        );
+    }
+}
+
+/// A random stored matrix: random bytes with moderate f16 scales for quantized formats.
+fn random_matrix(rng: &mut StdRng, ty: GgmlType, rows: usize, cols: usize) -> HostMatrix {
+    let row_bytes = ty.bytes_for(cols).unwrap();
+    let mut bytes = vec![0u8; rows * row_bytes];
+    match ty {
+        GgmlType::F32 => {
+            for (c, v) in bytes.chunks_mut(4).zip(randn(rng, rows * cols, 1.0)) {
+                c.copy_from_slice(&v.to_le_bytes());
+            }
+        }
+        GgmlType::BF16 => {
+            for c in bytes.chunks_mut(2) {
+                c.copy_from_slice(&half::bf16::from_f32(rng.random_range(-1.0..1.0)).to_le_bytes());
+            }
+        }
+        _ => {
+            rng.fill(&mut bytes[..]);
+            let scales: &[usize] = match ty {
+                GgmlType::Q8_0 => &[0],
+                GgmlType::Q4_K => &[0, 2],
+                GgmlType::Q6_K => &[208],
+                _ => panic!("test covers F32, BF16, Q8_0, Q4_K, Q6_K"),
+            };
+            for block in bytes.chunks_mut(ty.type_size()) {
+                for &o in scales {
+                    let s = half::f16::from_f32(rng.random_range(0.001..0.05));
+                    block[o..o + 2].copy_from_slice(&s.to_le_bytes());
+                }
+            }
+        }
+    }
+    HostMatrix {
+        name: format!("random {ty}"),
+        ty,
+        rows,
+        cols,
+        bytes: HostBytes::Owned(Arc::from(bytes)),
+    }
+}
+
+#[test]
+fn matmul_and_embed_match_reference() {
+    let mut rng = rng();
+    let be = CpuBackend::new(2).unwrap();
+    for ty in [
+        GgmlType::F32,
+        GgmlType::BF16,
+        GgmlType::Q8_0,
+        GgmlType::Q4_K,
+        GgmlType::Q6_K,
+    ] {
+        let (rows, cols) = (rng.random_range(1..80), 256 * rng.random_range(1..4));
+        let m = random_matrix(&mut rng, ty, rows, cols);
+        let w = be.load_matrix(&m).unwrap();
+        for n in [1, 3, 70] {
+            let x = randn(&mut rng, n * cols, 1.0);
+            let mut out = be.alloc(n * rows + 5).unwrap();
+            be.matmul(&buf(&be, &x, 0), n, &w, &mut out).unwrap();
+            let want = reference::matmul(&x, n, &m).unwrap();
+            assert_close(
+                &format!("matmul {ty} n={n}"),
+                &out.as_slice()[..n * rows],
+                &want,
+                1e-5,
+            );
+        }
+        let tokens: Vec<u32> = (0..5).map(|_| rng.random_range(0..rows as u32)).collect();
+        let mut out = be.alloc(5 * cols).unwrap();
+        be.embed(&w, &tokens, 2.5, &mut out).unwrap();
+        let want = reference::embed(&m, &tokens, 2.5).unwrap();
+        assert_close(&format!("embed {ty}"), out.as_slice(), &want, 1e-6);
+        assert!(be.embed(&w, &[rows as u32], 1.0, &mut out).is_err());
+    }
+}
+
+#[test]
+fn rms_norm_matches_reference_both_modes() {
+    let mut rng = rng();
+    let be = CpuBackend::new(2).unwrap();
+    let (n, dim) = (rng.random_range(1..40), 64 * rng.random_range(1..5));
+    let x = randn(&mut rng, n * dim, 3.0);
+    let w = randn(&mut rng, dim, 2.0);
+    let base = randn(&mut rng, n * dim, 1.0);
+    let wv = be.load_vector(&w).unwrap();
+    let mut out = buf(&be, &base, 0);
+    be.rms_norm(
+        &buf(&be, &x, 0),
+        Some(&wv),
+        1e-6,
+        n,
+        dim,
+        &mut out,
+        NormOut::AddTo,
+    )
+    .unwrap();
+    let normed = reference::rms_norm(&x, Some(&w), 1e-6, dim);
+    let want: Vec<f32> = normed.iter().zip(&base).map(|(a, b)| a + b).collect();
+    assert_close("rms_norm add", out.as_slice(), &want, 1e-5);
+    let mut out = be.alloc(n * dim).unwrap();
+    be.rms_norm(
+        &buf(&be, &x, 0),
+        None,
+        1e-6,
+        n,
+        dim,
+        &mut out,
+        NormOut::Write,
+    )
+    .unwrap();
+    assert_close(
+        "rms_norm",
+        out.as_slice(),
+        &reference::rms_norm(&x, None, 1e-6, dim),
+        1e-5,
+    );
+}
+
+#[test]
+fn head_norm_rope_matches_reference() {
+    let mut rng = rng();
+    let be = CpuBackend::new(2).unwrap();
+    for (hd, pairs) in [(32, 16), (256, 128), (512, 64)] {
+        let (n, heads) = (rng.random_range(1..20), rng.random_range(1..5));
+        let x = randn(&mut rng, n * heads * hd, 2.0);
+        let w = randn(&mut rng, hd, 1.5);
+        let positions: Vec<u32> = (0..n).map(|_| rng.random_range(0..40_000)).collect();
+        let rope = Rope {
+            theta: [1e4, 1e6][rng.random_range(0..2)],
+            linear_factor: [1.0, 8.0][rng.random_range(0..2)],
+            rotated_pairs: pairs,
+        };
+        let mut b = buf(&be, &x, 0);
+        let wv = be.load_vector(&w).unwrap();
+        be.head_norm_rope(&mut b, heads, hd, Some((&wv, 1e-6)), &rope, &positions)
+            .unwrap();
+        let want = reference::head_norm_rope(&x, heads, hd, Some((&w, 1e-6)), &rope, &positions);
+        assert_close(&format!("rope hd={hd}"), b.as_slice(), &want, 1e-5);
+    }
+}
+
+#[test]
+fn attention_matches_reference() {
+    let mut rng = rng();
+    let be = CpuBackend::new(2).unwrap();
+    for case in 0..6 {
+        let hd = [32, 64, 256, 512][rng.random_range(0..4)];
+        let kv = rng.random_range(1..3);
+        let heads = kv * rng.random_range(1..4);
+        let window = if case % 2 == 0 {
+            Some(rng.random_range(1..20))
+        } else {
+            None
+        };
+        let ring = 150;
+        let n = rng.random_range(1..12);
+        let p0 = rng.random_range(0..(ring - n) as u32 + 60);
+        let positions: Vec<u32> = (p0..p0 + n as u32).collect();
+        if window.is_none() && p0 as usize + n > ring {
+            continue;
+        }
+        if let Some(w) = window {
+            // A ring must hold the window behind the first query plus the chunk.
+            assert!(w + n - 1 <= ring);
+        }
+        let spec = AttnSpec {
+            n_heads: heads,
+            n_kv_heads: kv,
+            head_dim: hd,
+            scale: rng.random_range(0.05..0.3),
+            window,
+            softcap: if case % 3 == 0 { Some(20.0) } else { None },
+            ring,
+        };
+        let q = randn(&mut rng, n * heads * hd, 1.0);
+        let kc = randn(&mut rng, ring * kv * hd, 1.0);
+        let vc = randn(&mut rng, ring * kv * hd, 1.0);
+        let mut out = be.alloc(n * heads * hd).unwrap();
+        be.attention(
+            &buf(&be, &q, 0),
+            &buf(&be, &kc, 0),
+            &buf(&be, &vc, 0),
+            &spec,
+            &positions,
+            &mut out,
+        )
+        .unwrap();
+        let want = reference::attention(&q, &kc, &vc, &spec, &positions);
+        assert_close(&format!("attention {spec:?}"), out.as_slice(), &want, 1e-5);
+    }
+}
+
+#[test]
+fn elementwise_ops_match_reference() {
+    let mut rng = rng();
+    let be = CpuBackend::new(2).unwrap();
+    let len = rng.random_range(1..10_000);
+    let g = randn(&mut rng, len, 5.0);
+    let u = randn(&mut rng, len, 2.0);
+    let mut gb = buf(&be, &g, 0);
+    be.gelu_tanh_mul(&mut gb, &buf(&be, &u, 0), len).unwrap();
+    assert_close(
+        "gelu_tanh_mul",
+        gb.as_slice(),
+        &reference::gelu_tanh_mul(&g, &u),
+        1e-6,
+    );
+    let mut cb = buf(&be, &g, 0);
+    be.softcap(&mut cb, 3.0, len).unwrap();
+    assert_close("softcap", cb.as_slice(), &reference::softcap(&g, 3.0), 1e-6);
+    let mut sb = buf(&be, &g, 0);
+    be.scale(&mut sb, -0.5, len).unwrap();
+    let want: Vec<f32> = g.iter().map(|v| v * -0.5).collect();
+    assert_close("scale", sb.as_slice(), &want, 0.0);
+    let mut kc = be.alloc(10 * 4).unwrap();
+    let mut vc = be.alloc(10 * 4).unwrap();
+    let k = randn(&mut rng, 8, 1.0);
+    let v = randn(&mut rng, 8, 1.0);
+    be.write_kv(
+        &buf(&be, &k, 0),
+        &buf(&be, &v, 0),
+        4,
+        &[7, 2],
+        &mut kc,
+        &mut vc,
+    )
+    .unwrap();
+    assert_eq!(&kc.as_slice()[28..32], &k[..4]);
+    assert_eq!(&vc.as_slice()[8..12], &v[4..]);
+    assert!(be
+        .write_kv(
+            &buf(&be, &k, 0),
+            &buf(&be, &v, 0),
+            4,
+            &[10, 2],
+            &mut kc,
+            &mut vc
+        )
+        .is_err());
+}

@@ -1,0 +1,141 @@
+//! Speed tests in the manner of llama-bench: `ppN` runs a prompt of N tokens in one forward
+//! call; `tgN` generates N tokens one forward call at a time. Each test starts from an empty
+//! cache, runs once untimed as a warm-up, then `repetitions` timed runs.
+
+use std::time::Instant;
+
+use markbase_core::{Error, Result};
+use markbase_models::{Logits, Model};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use serde::Serialize;
+
+/// What to measure.
+#[derive(Clone, Debug)]
+pub struct BenchOptions {
+    /// Prompt length of the `pp` test (0 skips it).
+    pub prompt_tokens: usize,
+    /// Tokens of the `tg` test (0 skips it).
+    pub gen_tokens: usize,
+    /// Timed runs per test.
+    pub repetitions: usize,
+}
+
+/// One test's result.
+#[derive(Clone, Debug, Serialize)]
+pub struct BenchResult {
+    /// `pp512`, `tg128`, …
+    pub test: String,
+    /// Tokens per run.
+    pub n_tokens: usize,
+    /// Mean tokens per second over the repetitions.
+    pub tokens_per_second: f64,
+    /// Sample standard deviation of tokens per second (0 for one repetition).
+    pub std_tokens_per_second: f64,
+    /// Tokens per second of each repetition.
+    pub samples: Vec<f64>,
+}
+
+/// Mean and sample standard deviation.
+pub fn mean_std(xs: &[f64]) -> (f64, f64) {
+    let n = xs.len() as f64;
+    if xs.is_empty() {
+        return (0.0, 0.0);
+    }
+    let mean = xs.iter().sum::<f64>() / n;
+    if xs.len() < 2 {
+        return (mean, 0.0);
+    }
+    let var = xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0);
+    (mean, var.sqrt())
+}
+
+/// Runs the tests of `opts` on `model`; `on_result` sees each result as it is finished.
+pub fn bench(
+    model: &Model,
+    opts: &BenchOptions,
+    mut on_result: impl FnMut(&BenchResult),
+) -> Result<Vec<BenchResult>> {
+    if opts.repetitions == 0 {
+        return Err(Error::Invalid("bench needs at least one repetition".into()));
+    }
+    let info = model.info();
+    let limit = info.context_length;
+    for (what, n) in [("-p", opts.prompt_tokens), ("-n", opts.gen_tokens)] {
+        if n > limit {
+            return Err(Error::Invalid(format!(
+                "bench {what} {n}: longer than the model's context of {limit} tokens"
+            )));
+        }
+    }
+    // Random token ids, fixed by a seed so every run measures the same work.
+    let mut rng = ChaCha8Rng::seed_from_u64(1234);
+    let max_n = opts.prompt_tokens.max(opts.gen_tokens);
+    let tokens: Vec<u32> = (0..max_n)
+        .map(|_| rng.random_range(0..info.n_vocab as u32))
+        .collect();
+    let mut results = Vec::new();
+
+    if opts.prompt_tokens > 0 {
+        let prompt = &tokens[..opts.prompt_tokens];
+        let mut cache = model.new_cache(prompt.len())?;
+        let run = |cache: &mut markbase_models::KvCache| -> Result<f64> {
+            cache.clear();
+            let t = Instant::now();
+            model.forward(cache, prompt, Logits::Last)?;
+            Ok(t.elapsed().as_secs_f64())
+        };
+        run(&mut cache)?;
+        let samples = (0..opts.repetitions)
+            .map(|_| run(&mut cache).map(|s| prompt.len() as f64 / s))
+            .collect::<Result<Vec<_>>>()?;
+        results.push(result(format!("pp{}", prompt.len()), prompt.len(), samples));
+        on_result(results.last().expect("just pushed"));
+    }
+
+    if opts.gen_tokens > 0 {
+        let gen = &tokens[..opts.gen_tokens];
+        let mut cache = model.new_cache(gen.len())?;
+        let run = |cache: &mut markbase_models::KvCache| -> Result<f64> {
+            cache.clear();
+            let t = Instant::now();
+            for &id in gen {
+                model.forward(cache, &[id], Logits::Last)?;
+            }
+            Ok(t.elapsed().as_secs_f64())
+        };
+        run(&mut cache)?;
+        let samples = (0..opts.repetitions)
+            .map(|_| run(&mut cache).map(|s| gen.len() as f64 / s))
+            .collect::<Result<Vec<_>>>()?;
+        results.push(result(format!("tg{}", gen.len()), gen.len(), samples));
+        on_result(results.last().expect("just pushed"));
+    }
+    Ok(results)
+}
+
+fn result(test: String, n_tokens: usize, samples: Vec<f64>) -> BenchResult {
+    let (mean, std) = mean_std(&samples);
+    BenchResult {
+        test,
+        n_tokens,
+        tokens_per_second: mean,
+        std_tokens_per_second: std,
+        samples,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mean_and_sample_std() {
+        let (m, s) = mean_std(&[2.0, 4.0, 4.0, 4.0, 5.0, 5.0, 7.0, 9.0]);
+        assert!((m - 5.0).abs() < 1e-12);
+        // Sample variance: 32 / 7.
+        assert!((s - (32.0f64 / 7.0).sqrt()).abs() < 1e-12);
+        assert_eq!(mean_std(&[3.0]), (3.0, 0.0));
+        assert_eq!(mean_std(&[]), (0.0, 0.0));
+    }
+}

@@ -1,0 +1,222 @@
+//! The default model (Gemma 3 270M Q4_K_M GGUF) against transformers' outputs on the same file
+//! (fixtures written by scripts/make_gemma3_270m_references.py).
+//!
+//! Logits: relative error ≤ 1e-3 at every position of every prompt (on a fixed sample of 384
+//! vocabulary ids plus each position's top 8), full-row logsumexp and argmax checked too, both
+//! for a whole-prompt prefill and for prefill followed by token-by-token decode across the
+//! 512-token sliding window. Greedy: 64-token continuations equal on at least 7 of 8 prompts.
+
+use std::path::PathBuf;
+
+use markbase_models::{LoadOptions, Logits, Model, ModelSource};
+use serde_json::Value;
+
+const MAX_REL_ERR: f64 = 1e-3;
+
+fn fixture_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/gemma3_270m")
+}
+
+fn load_model() -> Model {
+    let path = markbase_engine::pull::default_model_path().expect("default model");
+    let src = ModelSource::open(&path).expect("open model");
+    Model::load(
+        &src,
+        &LoadOptions {
+            threads: 0,
+            progress: None,
+        },
+    )
+    .expect("load model")
+}
+
+struct Reference {
+    sampled: Vec<usize>,
+    prompts: Vec<Value>,
+    logits: Vec<f32>,
+}
+
+fn reference() -> Reference {
+    let dir = fixture_dir();
+    let meta: Value =
+        serde_json::from_slice(&std::fs::read(dir.join("logits.json")).unwrap()).unwrap();
+    let bytes = std::fs::read(dir.join("logits.bin")).unwrap();
+    let logits = bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    Reference {
+        sampled: meta["sampled_ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as usize)
+            .collect(),
+        prompts: meta["prompts"].as_array().unwrap().clone(),
+        logits,
+    }
+}
+
+fn ids_of(v: &Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
+fn logsumexp(row: &[f32]) -> f64 {
+    let max = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
+    max + row
+        .iter()
+        .map(|&x| (x as f64 - max).exp())
+        .sum::<f64>()
+        .ln()
+}
+
+fn argmax(row: &[f32]) -> usize {
+    let mut best = 0;
+    for (i, &x) in row.iter().enumerate() {
+        if x > row[best] {
+            best = i;
+        }
+    }
+    best
+}
+
+/// Checks one position's row against the reference; returns its relative error.
+fn check_row(row: &[f32], reference: &[f32], pos: &Value, sampled: &[usize], what: &str) -> f64 {
+    let mut ours = Vec::new();
+    let mut theirs = Vec::new();
+    for (k, &id) in sampled.iter().enumerate() {
+        ours.push(row[id] as f64);
+        theirs.push(reference[k] as f64);
+    }
+    let top = pos["top8"].as_array().unwrap();
+    let top_logits = pos["top8_logits"].as_array().unwrap();
+    for (id, l) in top.iter().zip(top_logits) {
+        ours.push(row[id.as_u64().unwrap() as usize] as f64);
+        theirs.push(l.as_f64().unwrap());
+    }
+    let diff: f64 = ours
+        .iter()
+        .zip(&theirs)
+        .map(|(a, b)| (a - b) * (a - b))
+        .sum::<f64>()
+        .sqrt();
+    let norm: f64 = theirs.iter().map(|b| b * b).sum::<f64>().sqrt();
+    let rel = diff / norm;
+    assert!(
+        rel <= MAX_REL_ERR,
+        "{what}: relative error {rel:.2e} > {MAX_REL_ERR:.0e}"
+    );
+    let lse_ref = pos["logsumexp"].as_f64().unwrap();
+    let lse = logsumexp(row);
+    assert!(
+        (lse - lse_ref).abs() <= MAX_REL_ERR * lse_ref.abs().max(1.0),
+        "{what}: logsumexp {lse} vs {lse_ref}"
+    );
+    let want = pos["argmax"].as_u64().unwrap() as usize;
+    let got = argmax(row);
+    // A different argmax is only acceptable for a near-tie.
+    assert!(
+        got == want || (row[got] - row[want]).abs() < 1e-3 * row[want].abs().max(1.0),
+        "{what}: argmax {got} vs transformers' {want}"
+    );
+    rel
+}
+
+#[test]
+fn logits_match_transformers_prefill_and_decode() {
+    let model = load_model();
+    let r = reference();
+    let n_vocab = model.info().n_vocab;
+    let ns = r.sampled.len();
+    let mut offset = 0;
+    let mut worst: f64 = 0.0;
+    for (pi, prompt) in r.prompts.iter().enumerate() {
+        let ids = ids_of(&prompt["ids"]);
+        let positions = prompt["positions"].as_array().unwrap();
+        let reference_row = |p: usize| &r.logits[(offset + p) * ns..(offset + p + 1) * ns];
+
+        // Whole-prompt prefill, logits at every position.
+        let mut cache = model.new_cache(ids.len()).unwrap();
+        let all = model.forward(&mut cache, &ids, Logits::All).unwrap();
+        assert_eq!(all.len(), ids.len() * n_vocab);
+        for p in 0..ids.len() {
+            let row = &all[p * n_vocab..(p + 1) * n_vocab];
+            let what = format!("prompt {pi} prefill position {p}");
+            worst = worst.max(check_row(
+                row,
+                reference_row(p),
+                &positions[p],
+                &r.sampled,
+                &what,
+            ));
+        }
+
+        // Prefill of a prefix, then one token at a time.
+        let split = (ids.len() * 5 / 7).max(1);
+        let mut cache = model.new_cache(ids.len()).unwrap();
+        let last = model
+            .forward(&mut cache, &ids[..split], Logits::Last)
+            .unwrap();
+        let what = format!("prompt {pi} prefix-prefill position {}", split - 1);
+        check_row(
+            &last,
+            reference_row(split - 1),
+            &positions[split - 1],
+            &r.sampled,
+            &what,
+        );
+        for p in split..ids.len() {
+            let row = model
+                .forward(&mut cache, &ids[p..p + 1], Logits::Last)
+                .unwrap();
+            let what = format!("prompt {pi} decode position {p}");
+            worst = worst.max(check_row(
+                &row,
+                reference_row(p),
+                &positions[p],
+                &r.sampled,
+                &what,
+            ));
+        }
+        assert_eq!(cache.len(), ids.len());
+        offset += ids.len();
+    }
+    assert_eq!(offset * ns, r.logits.len());
+    eprintln!("worst relative error over all positions: {worst:.2e}");
+}
+
+#[test]
+fn greedy_continuations_match_transformers() {
+    let model = load_model();
+    let meta: Value =
+        serde_json::from_slice(&std::fs::read(fixture_dir().join("greedy.json")).unwrap()).unwrap();
+    let prompts = meta["prompts"].as_array().unwrap();
+    let mut equal = 0;
+    for (i, p) in prompts.iter().enumerate() {
+        let prompt = ids_of(&p["prompt_ids"]);
+        let want = ids_of(&p["continuation_ids"]);
+        let mut cache = model.new_cache(prompt.len() + want.len()).unwrap();
+        let mut logits = model.forward(&mut cache, &prompt, Logits::Last).unwrap();
+        let mut got = Vec::new();
+        while got.len() < want.len() {
+            let next = argmax(&logits) as u32;
+            got.push(next);
+            logits = model.forward(&mut cache, &[next], Logits::Last).unwrap();
+        }
+        if got == want {
+            equal += 1;
+        } else {
+            let first = got.iter().zip(&want).position(|(a, b)| a != b).unwrap();
+            eprintln!("prompt {i}: continuation differs from token {first}");
+        }
+    }
+    assert!(
+        equal >= 7,
+        "greedy continuations equal on {equal} of {} prompts",
+        prompts.len()
+    );
+}

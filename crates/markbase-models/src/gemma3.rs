@@ -1,0 +1,503 @@
+//! Gemma 3 text models (270M – 27B): hyper-parameters → weight names → forward on a [`Backend`].
+//!
+//! See docs/models/gemma3.md. Per layer: sandwich-normed attention (q/k RMSNorm, half-split
+//! RoPE, GQA, sliding or full causal mask) and a gelu-tanh gated MLP; embeddings scaled by
+//! sqrt(D); tied LM head unless the file has its own.
+
+use std::sync::Mutex;
+
+use markbase_core::backend::{AttnSpec, Backend, NormOut, Rope};
+use markbase_core::config::{Gemma3Config, LayerKind, RopeConfig};
+use markbase_core::{Error, Result};
+
+use crate::weights::WeightStore;
+
+/// Tokens run through the layers together; longer inputs are processed in chunks of this size.
+pub const MAX_BATCH: usize = 128;
+/// Token rows put through the LM head at a time when every position's logits are wanted.
+const LOGIT_ROWS: usize = 8;
+
+/// Weights of one decoder layer.
+struct Layer<B: Backend> {
+    kind: LayerKind,
+    attn_norm: B::Vector,
+    q: B::Matrix,
+    k: B::Matrix,
+    v: B::Matrix,
+    o: B::Matrix,
+    q_norm: B::Vector,
+    k_norm: B::Vector,
+    post_attn_norm: B::Vector,
+    ffn_norm: B::Vector,
+    gate: B::Matrix,
+    up: B::Matrix,
+    down: B::Matrix,
+    post_ffn_norm: B::Vector,
+}
+
+/// Activation buffers for one chunk of up to [`MAX_BATCH`] tokens, allocated once.
+struct Workspace<B: Backend> {
+    h: B::Buffer,
+    x: B::Buffer,
+    q: B::Buffer,
+    k: B::Buffer,
+    v: B::Buffer,
+    attn: B::Buffer,
+    proj: B::Buffer,
+    gate: B::Buffer,
+    up: B::Buffer,
+    head_in: B::Buffer,
+    head_norm: B::Buffer,
+    logits: B::Buffer,
+    positions: Vec<u32>,
+    slots: Vec<u32>,
+}
+
+/// The KV cache of one sequence: per layer a K and a V buffer of `ring` slots.
+pub struct Gemma3Cache<B: Backend> {
+    layers: Vec<(B::Buffer, B::Buffer, usize)>,
+    len: usize,
+    capacity: usize,
+}
+
+impl<B: Backend> Gemma3Cache<B> {
+    /// Tokens held.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether no token is held.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Most tokens the cache can hold.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Forgets every token.
+    pub fn clear(&mut self) {
+        self.len = 0;
+    }
+
+    /// Keeps the first `n` tokens. Sliding layers keep only their recent keys, so going back
+    /// further than their ring's slack (`ring − window` tokens) is an error.
+    pub fn truncate(&mut self, n: usize, window: usize) -> Result<()> {
+        if n >= self.len {
+            return Ok(());
+        }
+        for &(_, _, ring) in &self.layers {
+            if ring < self.capacity && self.len - n > ring + 1 - window.min(ring) {
+                return Err(Error::Invalid(format!(
+                    "cannot truncate the KV cache from {} to {n} tokens: sliding layers keep only the last {ring}",
+                    self.len
+                )));
+            }
+        }
+        self.len = n;
+        Ok(())
+    }
+}
+
+/// A loaded Gemma 3 text model on backend `B`.
+pub struct Gemma3<B: Backend> {
+    cfg: Gemma3Config,
+    backend: B,
+    embed: B::Matrix,
+    lm_head: Option<B::Matrix>,
+    final_norm: B::Vector,
+    layers: Vec<Layer<B>>,
+    work: Mutex<Workspace<B>>,
+}
+
+/// Converts a config RoPE into the backend's form (all pairs rotate).
+fn rope_of(r: &RopeConfig, head_dim: usize) -> Rope {
+    Rope {
+        theta: r.theta as f32,
+        linear_factor: r.linear_factor as f32,
+        rotated_pairs: head_dim / 2,
+    }
+}
+
+impl<B: Backend> Gemma3<B> {
+    /// Loads weights from `store` onto `backend`. `progress(done, total)` is called as weight
+    /// bytes are prepared.
+    pub fn load(
+        cfg: Gemma3Config,
+        store: &WeightStore,
+        backend: B,
+        progress: &dyn Fn(u64, u64),
+    ) -> Result<Self> {
+        let hf = matches!(store, WeightStore::Hf { .. });
+        let (d, hd, ff) = (cfg.d_model, cfg.head_dim, cfg.n_ff);
+        let (qd, kvd) = (cfg.n_heads * hd, cfg.n_kv_heads * hd);
+        let names = Names { hf };
+        let (embed_name, out_name, final_name) = names.globals();
+        let lm_head_present = store.has(out_name);
+        if !cfg.tie_embeddings && !lm_head_present {
+            return Err(Error::MissingTensor(out_name.to_string()));
+        }
+        let mut all: Vec<String> = vec![embed_name.into(), final_name.into()];
+        if lm_head_present {
+            all.push(out_name.into());
+        }
+        for i in 0..cfg.n_layers {
+            all.extend(names.layer(i).iter().map(|s| s.to_string()));
+        }
+        let total: u64 = all.iter().map(|n| store.n_bytes(n)).sum();
+        let mut done = 0u64;
+        let mut tick = |name: &str| {
+            done += store.n_bytes(name);
+            progress(done, total);
+        };
+        progress(0, total);
+
+        let norm = |name: &str, len: usize| -> Result<B::Vector> {
+            backend.load_vector(&store.norm(name, len, hf)?)
+        };
+        let embed = backend.load_matrix(&store.matrix(embed_name, cfg.n_vocab, d)?)?;
+        tick(embed_name);
+        let lm_head = if lm_head_present {
+            let m = backend.load_matrix(&store.matrix(out_name, cfg.n_vocab, d)?)?;
+            tick(out_name);
+            Some(m)
+        } else {
+            None
+        };
+        let final_norm = norm(final_name, d)?;
+        tick(final_name);
+        let mut layers = Vec::with_capacity(cfg.n_layers);
+        for i in 0..cfg.n_layers {
+            let n = names.layer(i);
+            let mut mat = |name: &str, rows: usize, cols: usize| -> Result<B::Matrix> {
+                let m = backend.load_matrix(&store.matrix(name, rows, cols)?)?;
+                tick(name);
+                Ok(m)
+            };
+            let q = mat(&n[1], qd, d)?;
+            let k = mat(&n[2], kvd, d)?;
+            let v = mat(&n[3], kvd, d)?;
+            let o = mat(&n[4], d, qd)?;
+            let gate = mat(&n[9], ff, d)?;
+            let up = mat(&n[10], ff, d)?;
+            let down = mat(&n[11], d, ff)?;
+            let layer = Layer {
+                kind: cfg.layer_kind(i),
+                attn_norm: norm(&n[0], d)?,
+                q,
+                k,
+                v,
+                o,
+                q_norm: norm(&n[5], hd)?,
+                k_norm: norm(&n[6], hd)?,
+                post_attn_norm: norm(&n[7], d)?,
+                ffn_norm: norm(&n[8], d)?,
+                gate,
+                up,
+                down,
+                post_ffn_norm: norm(&n[12], d)?,
+            };
+            for name in [&n[0], &n[5], &n[6], &n[7], &n[8], &n[12]] {
+                tick(name);
+            }
+            layers.push(layer);
+        }
+        let work = Mutex::new(Workspace {
+            h: backend.alloc(MAX_BATCH * d)?,
+            x: backend.alloc(MAX_BATCH * d)?,
+            q: backend.alloc(MAX_BATCH * qd)?,
+            k: backend.alloc(MAX_BATCH * kvd)?,
+            v: backend.alloc(MAX_BATCH * kvd)?,
+            attn: backend.alloc(MAX_BATCH * qd)?,
+            proj: backend.alloc(MAX_BATCH * d)?,
+            gate: backend.alloc(MAX_BATCH * ff)?,
+            up: backend.alloc(MAX_BATCH * ff)?,
+            head_in: backend.alloc(LOGIT_ROWS * d)?,
+            head_norm: backend.alloc(LOGIT_ROWS * d)?,
+            logits: backend.alloc(LOGIT_ROWS * cfg.n_vocab)?,
+            positions: Vec::with_capacity(MAX_BATCH),
+            slots: Vec::with_capacity(MAX_BATCH),
+        });
+        Ok(Gemma3 {
+            cfg,
+            backend,
+            embed,
+            lm_head,
+            final_norm,
+            layers,
+            work,
+        })
+    }
+
+    /// The hyper-parameters.
+    pub fn config(&self) -> &Gemma3Config {
+        &self.cfg
+    }
+
+    /// A cache for up to `max_tokens` tokens: full layers keep every position, sliding layers a
+    /// ring of `window + MAX_BATCH − 1` slots (a chunk's earliest query still sees its window).
+    pub fn new_cache(&self, max_tokens: usize) -> Result<Gemma3Cache<B>> {
+        if max_tokens > self.cfg.context_length {
+            return Err(Error::ContextOverflow {
+                tokens: max_tokens,
+                context: self.cfg.context_length,
+            });
+        }
+        let row = self.cfg.n_kv_heads * self.cfg.head_dim;
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| {
+                let ring = match l.kind {
+                    LayerKind::Full => max_tokens,
+                    LayerKind::Sliding => max_tokens.min(self.cfg.sliding_window + MAX_BATCH - 1),
+                }
+                .max(1);
+                Ok((
+                    self.backend.alloc(ring * row)?,
+                    self.backend.alloc(ring * row)?,
+                    ring,
+                ))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Gemma3Cache {
+            layers,
+            len: 0,
+            capacity: max_tokens,
+        })
+    }
+
+    /// Runs `tokens` at positions `cache.len()..`, appends them to the cache and returns the
+    /// logits of the last token (`all = false`) or of every token (row-major).
+    pub fn forward(
+        &self,
+        cache: &mut Gemma3Cache<B>,
+        tokens: &[u32],
+        all: bool,
+    ) -> Result<Vec<f32>> {
+        if tokens.is_empty() {
+            return Err(Error::Invalid("forward called with no tokens".into()));
+        }
+        let end = cache.len + tokens.len();
+        if end > cache.capacity {
+            return Err(Error::ContextOverflow {
+                tokens: end,
+                context: cache.capacity,
+            });
+        }
+        if cache.layers.len() != self.layers.len() {
+            return Err(Error::Invalid("KV cache belongs to another model".into()));
+        }
+        let n_vocab = self.cfg.n_vocab;
+        let mut out = vec![0f32; if all { tokens.len() * n_vocab } else { n_vocab }];
+        let mut work = self
+            .work
+            .lock()
+            .map_err(|_| Error::Invalid("model workspace poisoned by an earlier panic".into()))?;
+        let start = cache.len;
+        for (c, chunk) in tokens.chunks(MAX_BATCH).enumerate() {
+            let p0 = start + c * MAX_BATCH;
+            self.layers_forward(&mut work, cache, chunk, p0)?;
+            let n = chunk.len();
+            if all {
+                let base = c * MAX_BATCH;
+                self.lm_head(
+                    &mut work,
+                    0,
+                    n,
+                    &mut out[base * n_vocab..(base + n) * n_vocab],
+                )?;
+            } else if p0 + n == end {
+                self.lm_head(&mut work, n - 1, 1, &mut out)?;
+            }
+        }
+        cache.len = end;
+        Ok(out)
+    }
+
+    /// Final norm + LM head (+ softcap) for rows `first..first + n` of the hidden state.
+    fn lm_head(&self, w: &mut Workspace<B>, first: usize, n: usize, out: &mut [f32]) -> Result<()> {
+        let (be, d, nv) = (&self.backend, self.cfg.d_model, self.cfg.n_vocab);
+        let eps = self.cfg.rms_eps as f32;
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        for r0 in (0..n).step_by(LOGIT_ROWS) {
+            let rows = LOGIT_ROWS.min(n - r0);
+            be.copy(&w.h, (first + r0) * d, &mut w.head_in, 0, rows * d)?;
+            let final_norm = Some(&self.final_norm);
+            be.rms_norm(
+                &w.head_in,
+                final_norm,
+                eps,
+                rows,
+                d,
+                &mut w.head_norm,
+                NormOut::Write,
+            )?;
+            be.matmul(&w.head_norm, rows, head, &mut w.logits)?;
+            if let Some(cap) = self.cfg.final_logit_softcap {
+                be.softcap(&mut w.logits, cap as f32, rows * nv)?;
+            }
+            be.read(&w.logits, &mut out[r0 * nv..(r0 + rows) * nv])?;
+        }
+        Ok(())
+    }
+
+    /// Every decoder layer for one chunk of tokens starting at position `p0`; leaves the
+    /// hidden state in `w.h`.
+    fn layers_forward(
+        &self,
+        w: &mut Workspace<B>,
+        cache: &mut Gemma3Cache<B>,
+        tokens: &[u32],
+        p0: usize,
+    ) -> Result<()> {
+        let cfg = &self.cfg;
+        let be = &self.backend;
+        let n = tokens.len();
+        let (d, hd, ff) = (cfg.d_model, cfg.head_dim, cfg.n_ff);
+        let eps = cfg.rms_eps as f32;
+        w.positions.clear();
+        w.positions.extend((p0..p0 + n).map(|p| p as u32));
+        be.embed(&self.embed, tokens, (d as f32).sqrt(), &mut w.h)?;
+        for (layer, (kc, vc, ring)) in self.layers.iter().zip(cache.layers.iter_mut()) {
+            let (rope, window) = match layer.kind {
+                LayerKind::Full => (rope_of(&cfg.rope_global, hd), None),
+                LayerKind::Sliding => (rope_of(&cfg.rope_local, hd), Some(cfg.sliding_window)),
+            };
+            // Attention block.
+            be.rms_norm(
+                &w.h,
+                Some(&layer.attn_norm),
+                eps,
+                n,
+                d,
+                &mut w.x,
+                NormOut::Write,
+            )?;
+            be.matmul(&w.x, n, &layer.q, &mut w.q)?;
+            be.matmul(&w.x, n, &layer.k, &mut w.k)?;
+            be.matmul(&w.x, n, &layer.v, &mut w.v)?;
+            let positions = &w.positions;
+            be.head_norm_rope(
+                &mut w.q,
+                cfg.n_heads,
+                hd,
+                Some((&layer.q_norm, eps)),
+                &rope,
+                positions,
+            )?;
+            be.head_norm_rope(
+                &mut w.k,
+                cfg.n_kv_heads,
+                hd,
+                Some((&layer.k_norm, eps)),
+                &rope,
+                positions,
+            )?;
+            w.slots.clear();
+            w.slots.extend(positions.iter().map(|&p| p % *ring as u32));
+            be.write_kv(&w.k, &w.v, cfg.n_kv_heads * hd, &w.slots, kc, vc)?;
+            let spec = AttnSpec {
+                n_heads: cfg.n_heads,
+                n_kv_heads: cfg.n_kv_heads,
+                head_dim: hd,
+                scale: cfg.attn_scale(),
+                window,
+                softcap: cfg.attn_logit_softcap.map(|c| c as f32),
+                ring: *ring,
+            };
+            be.attention(&w.q, kc, vc, &spec, positions, &mut w.attn)?;
+            be.matmul(&w.attn, n, &layer.o, &mut w.proj)?;
+            be.rms_norm(
+                &w.proj,
+                Some(&layer.post_attn_norm),
+                eps,
+                n,
+                d,
+                &mut w.h,
+                NormOut::AddTo,
+            )?;
+            // MLP block.
+            be.rms_norm(
+                &w.h,
+                Some(&layer.ffn_norm),
+                eps,
+                n,
+                d,
+                &mut w.x,
+                NormOut::Write,
+            )?;
+            be.matmul(&w.x, n, &layer.gate, &mut w.gate)?;
+            be.matmul(&w.x, n, &layer.up, &mut w.up)?;
+            be.gelu_tanh_mul(&mut w.gate, &w.up, n * ff)?;
+            be.matmul(&w.gate, n, &layer.down, &mut w.proj)?;
+            be.rms_norm(
+                &w.proj,
+                Some(&layer.post_ffn_norm),
+                eps,
+                n,
+                d,
+                &mut w.h,
+                NormOut::AddTo,
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// Tensor names in GGUF or HF spelling (HF names without the model prefix).
+struct Names {
+    hf: bool,
+}
+
+impl Names {
+    /// Embedding, separate LM head, final norm.
+    fn globals(&self) -> (&'static str, &'static str, &'static str) {
+        if self.hf {
+            ("embed_tokens.weight", "lm_head.weight", "norm.weight")
+        } else {
+            ("token_embd.weight", "output.weight", "output_norm.weight")
+        }
+    }
+
+    /// Layer `i`'s tensors: attn_norm, q, k, v, o, q_norm, k_norm, post_attn_norm, ffn_norm,
+    /// gate, up, down, post_ffn_norm.
+    fn layer(&self, i: usize) -> [String; 13] {
+        let names: [&str; 13] = if self.hf {
+            [
+                "input_layernorm",
+                "self_attn.q_proj",
+                "self_attn.k_proj",
+                "self_attn.v_proj",
+                "self_attn.o_proj",
+                "self_attn.q_norm",
+                "self_attn.k_norm",
+                "post_attention_layernorm",
+                "pre_feedforward_layernorm",
+                "mlp.gate_proj",
+                "mlp.up_proj",
+                "mlp.down_proj",
+                "post_feedforward_layernorm",
+            ]
+        } else {
+            [
+                "attn_norm",
+                "attn_q",
+                "attn_k",
+                "attn_v",
+                "attn_output",
+                "attn_q_norm",
+                "attn_k_norm",
+                "post_attention_norm",
+                "ffn_norm",
+                "ffn_gate",
+                "ffn_up",
+                "ffn_down",
+                "post_ffw_norm",
+            ]
+        };
+        let block = if self.hf { "layers" } else { "blk" };
+        names.map(|n| format!("{block}.{i}.{n}.weight"))
+    }
+}

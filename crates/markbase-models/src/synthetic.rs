@@ -1,0 +1,435 @@
+//! `--synthetic VARIANT[:FORMAT[:SEED]]`: random weights at a released Gemma 4 variant's exact
+//! shapes, for benchmarks and GPU tests where real weights are not at hand.
+//!
+//! Variants: `e2b`, `e4b`, `12b`, `26b-a4b`, `31b` (hyper-parameters of gemma4.md §1.1).
+//! Formats: `bf16` (default), `q8_0`, `q4_k` for the matrices; norms and scalars are f32. A
+//! matrix whose rows do not split into whole blocks of the format (the 26B-A4B experts'
+//! 704-wide down projection in Q4_K) falls back to Q8_0, then BF16; the per-layer embedding
+//! table stays at ≥ 8 bits (Q8_0 under `q4_k`). Nothing is generated until a tensor is asked
+//! for: the shapes and byte counts (`inspect`) come from the configuration alone, and each
+//! tensor's bytes are a pure function of (seed, tensor name), so a run is reproducible.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use markbase_core::backend::{HostBytes, HostMatrix};
+use markbase_core::quant::GgmlType;
+use markbase_core::{Error, Result};
+use serde_json::json;
+
+use crate::gemma4::hf_tensor_shapes;
+use crate::gemma4_config::Gemma4Config;
+
+/// A released Gemma 4 variant.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Variant {
+    /// E2B: 35 layers, D 1536, PLE, 20 KV-shared layers, double-wide MLP.
+    E2b,
+    /// E4B: 42 layers, D 2560, PLE, 18 KV-shared layers.
+    E4b,
+    /// 12B unified: 48 layers, D 3840, k_eq_v with one global KV head.
+    B12,
+    /// 26B-A4B: 30 layers, D 2816, 128 experts (top 8) beside a dense MLP.
+    B26A4,
+    /// 31B: 60 layers, D 5376, k_eq_v with four global KV heads.
+    B31,
+}
+
+impl Variant {
+    /// The spelling used on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Variant::E2b => "e2b",
+            Variant::E4b => "e4b",
+            Variant::B12 => "12b",
+            Variant::B26A4 => "26b-a4b",
+            Variant::B31 => "31b",
+        }
+    }
+
+    /// Every variant.
+    pub const ALL: [Variant; 5] = [
+        Variant::E2b,
+        Variant::E4b,
+        Variant::B12,
+        Variant::B26A4,
+        Variant::B31,
+    ];
+
+    /// The text config of the released model, in HF `gemma4_text` form.
+    fn hf_config(self) -> serde_json::Value {
+        // (layers, D, ff, heads, kv sliding, kv full, k_eq_v, window, period, ple, shared,
+        //  double-wide, context)
+        let (l, d, ff, h, kv, kv_full, k_eq_v, window, period, ple, shared, wide, ctx) = match self
+        {
+            Variant::E2b => (
+                35, 1536, 6144, 8, 1, 1, false, 512, 5, 256, 20, true, 131_072,
+            ),
+            Variant::E4b => (
+                42, 2560, 10240, 8, 2, 2, false, 512, 6, 256, 18, false, 131_072,
+            ),
+            Variant::B12 => (
+                48, 3840, 15360, 16, 8, 1, true, 1024, 6, 0, 0, false, 262_144,
+            ),
+            Variant::B26A4 => (
+                30, 2816, 2112, 16, 8, 2, true, 1024, 6, 0, 0, false, 262_144,
+            ),
+            Variant::B31 => (
+                60, 5376, 21504, 32, 16, 4, true, 1024, 6, 0, 0, false, 262_144,
+            ),
+        };
+        let layer_types: Vec<&str> = (0..l)
+            .map(|i| {
+                if (i + 1) % period == 0 {
+                    "full_attention"
+                } else {
+                    "sliding_attention"
+                }
+            })
+            .collect();
+        let moe = self == Variant::B26A4;
+        json!({
+            "model_type": "gemma4_text",
+            "vocab_size": 262_144,
+            "hidden_size": d,
+            "intermediate_size": ff,
+            "num_hidden_layers": l,
+            "num_attention_heads": h,
+            "num_key_value_heads": kv,
+            "num_global_key_value_heads": if k_eq_v { Some(kv_full) } else { None },
+            "head_dim": 256,
+            "global_head_dim": 512,
+            "attention_k_eq_v": k_eq_v,
+            "sliding_window": window,
+            "layer_types": layer_types,
+            "max_position_embeddings": ctx,
+            "rms_norm_eps": 1e-6,
+            "final_logit_softcapping": 30.0,
+            "hidden_size_per_layer_input": ple,
+            "vocab_size_per_layer_input": 262_144,
+            "num_kv_shared_layers": shared,
+            "use_double_wide_mlp": wide,
+            "enable_moe_block": moe,
+            "num_experts": if moe { Some(128) } else { None },
+            "top_k_experts": if moe { Some(8) } else { None },
+            "moe_intermediate_size": if moe { Some(704) } else { None },
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                   "rope_theta": 1_000_000.0}
+            }
+        })
+    }
+}
+
+/// A parsed `--synthetic` spec.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SyntheticSpec {
+    /// Which released model's shapes.
+    pub variant: Variant,
+    /// Storage format of the matrices (BF16, Q8_0 or Q4_K).
+    pub format: GgmlType,
+    /// Seed of the random weights.
+    pub seed: u64,
+}
+
+impl SyntheticSpec {
+    /// Parses `VARIANT[:FORMAT[:SEED]]`, e.g. `e2b`, `31b:q4_k`, `26b-a4b:q8_0:7` (format
+    /// defaults to bf16, seed to 0).
+    pub fn parse(spec: &str) -> Result<Self> {
+        let mut parts = spec.split(':');
+        let v = parts.next().unwrap_or("").to_ascii_lowercase();
+        let variant = Variant::ALL
+            .into_iter()
+            .find(|x| x.name() == v)
+            .ok_or_else(|| {
+                Error::Invalid(format!(
+                    "synthetic variant '{v}' (expected one of e2b, e4b, 12b, 26b-a4b, 31b)"
+                ))
+            })?;
+        let format = match parts.next().map(str::to_ascii_lowercase).as_deref() {
+            None | Some("bf16") => GgmlType::BF16,
+            Some("q8_0") => GgmlType::Q8_0,
+            Some("q4_k") => GgmlType::Q4_K,
+            Some(other) => {
+                return Err(Error::Invalid(format!(
+                    "synthetic format '{other}' (expected bf16, q8_0 or q4_k)"
+                )))
+            }
+        };
+        let seed = match parts.next() {
+            None => 0,
+            Some(s) => s
+                .parse()
+                .map_err(|_| Error::Invalid(format!("synthetic seed '{s}' is not an integer")))?,
+        };
+        if let Some(extra) = parts.next() {
+            return Err(Error::Invalid(format!(
+                "synthetic spec '{spec}': unexpected ':{extra}' (VARIANT[:FORMAT[:SEED]])"
+            )));
+        }
+        Ok(SyntheticSpec {
+            variant,
+            format,
+            seed,
+        })
+    }
+
+    /// The spec in its canonical spelling.
+    pub fn describe(&self) -> String {
+        let f = match self.format {
+            GgmlType::Q8_0 => "q8_0",
+            GgmlType::Q4_K => "q4_k",
+            _ => "bf16",
+        };
+        format!("{}:{f}:{}", self.variant.name(), self.seed)
+    }
+}
+
+/// How a synthetic tensor is stored and filled.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Fill {
+    /// A matrix in a block/float format, values within about ±`amp`.
+    Matrix { ty: GgmlType, amp: f32 },
+    /// An f32 vector of values `center ± spread`.
+    Vector { center: f32, spread: f32 },
+}
+
+/// One synthetic tensor.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SyntheticTensor {
+    /// Shape, PyTorch order.
+    pub shape: Vec<usize>,
+    /// Storage format.
+    pub ty: GgmlType,
+    /// Bytes it takes.
+    pub n_bytes: u64,
+    fill: Fill,
+}
+
+/// The weights of a synthetic model: every tensor's name, shape, format and size, with bytes
+/// generated only on request.
+pub struct SyntheticWeights {
+    spec: SyntheticSpec,
+    cfg: Gemma4Config,
+    tensors: BTreeMap<String, SyntheticTensor>,
+}
+
+impl SyntheticWeights {
+    /// The tensor list of `spec` (HF names without the `model.` prefix); generates nothing.
+    pub fn new(spec: SyntheticSpec) -> Result<Self> {
+        let cfg = Gemma4Config::from_hf_json(&spec.variant.hf_config())?;
+        let ple_table = "embed_tokens_per_layer.weight";
+        let mut tensors = BTreeMap::new();
+        for (name, shape) in hf_tensor_shapes(&cfg) {
+            let fill = if shape.len() == 1 {
+                if name.ends_with("layer_scalar") {
+                    Fill::Vector {
+                        center: 1.0,
+                        spread: 0.0,
+                    }
+                } else if name.ends_with("router.scale") || name.ends_with("per_expert_scale") {
+                    Fill::Vector {
+                        center: 1.0,
+                        spread: 0.2,
+                    }
+                } else {
+                    Fill::Vector {
+                        center: 1.0,
+                        spread: 0.1,
+                    }
+                }
+            } else {
+                let cols = shape[shape.len() - 1];
+                let want = if name == ple_table && spec.format == GgmlType::Q4_K {
+                    GgmlType::Q8_0
+                } else {
+                    spec.format
+                };
+                let ty = [want, GgmlType::Q8_0, GgmlType::BF16]
+                    .into_iter()
+                    .find(|t| cols % t.block_size() == 0)
+                    .unwrap_or(GgmlType::F32);
+                // Embedding rows ~0.03 (× sqrt(D) at the input); other matrices keep a unit
+                // input at about unit output scale.
+                let amp = if name.starts_with("embed_tokens") {
+                    0.03
+                } else {
+                    (3.0 / cols as f32).sqrt()
+                };
+                Fill::Matrix { ty, amp }
+            };
+            let n: usize = shape.iter().product();
+            let ty = match fill {
+                Fill::Matrix { ty, .. } => ty,
+                Fill::Vector { .. } => GgmlType::F32,
+            };
+            let n_bytes = ty.bytes_for(n)? as u64;
+            tensors.insert(
+                name,
+                SyntheticTensor {
+                    shape,
+                    ty,
+                    n_bytes,
+                    fill,
+                },
+            );
+        }
+        Ok(SyntheticWeights { spec, cfg, tensors })
+    }
+
+    /// The spec.
+    pub fn spec(&self) -> &SyntheticSpec {
+        &self.spec
+    }
+
+    /// The model's hyper-parameters.
+    pub fn config(&self) -> &Gemma4Config {
+        &self.cfg
+    }
+
+    /// Every tensor by name.
+    pub fn tensors(&self) -> &BTreeMap<String, SyntheticTensor> {
+        &self.tensors
+    }
+
+    /// Total bytes of all tensors.
+    pub fn weight_bytes(&self) -> u64 {
+        self.tensors.values().map(|t| t.n_bytes).sum()
+    }
+
+    /// Bytes of one tensor (0 if absent).
+    pub fn n_bytes(&self, name: &str) -> u64 {
+        self.tensors.get(name).map_or(0, |t| t.n_bytes)
+    }
+
+    /// Whether the tensor exists.
+    pub fn has(&self, name: &str) -> bool {
+        self.tensors.contains_key(name)
+    }
+
+    fn get(&self, name: &str) -> Result<&SyntheticTensor> {
+        self.tensors.get(name).ok_or_else(|| {
+            Error::MissingTensor(format!("{name} (synthetic {})", self.spec.describe()))
+        })
+    }
+
+    /// Generates a matrix viewed as `[rows, cols]` (a stacked `[E, r, c]` tensor is accepted as
+    /// `[E·r, c]`).
+    pub fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<HostMatrix> {
+        let t = self.get(name)?;
+        let n: usize = t.shape.iter().product();
+        if t.shape.last() != Some(&cols) || n != rows * cols {
+            return Err(Error::BadTensor {
+                name: name.to_string(),
+                problem: format!("shape {:?}, expected [{rows}, {cols}]", t.shape),
+            });
+        }
+        let Fill::Matrix { ty, amp } = t.fill else {
+            return Err(Error::BadTensor {
+                name: name.to_string(),
+                problem: "is a vector, not a matrix".into(),
+            });
+        };
+        let mut rng = Rng::new(self.spec.seed, name);
+        let bytes = fill_bytes(&mut rng, ty, n, amp)?;
+        let m = HostMatrix {
+            name: name.to_string(),
+            ty,
+            rows,
+            cols,
+            bytes: HostBytes::Owned(Arc::from(bytes)),
+        };
+        m.check()?;
+        Ok(m)
+    }
+
+    /// Generates an f32 vector of `len` values.
+    pub fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>> {
+        let t = self.get(name)?;
+        let Fill::Vector { center, spread } = t.fill else {
+            return Err(Error::BadTensor {
+                name: name.to_string(),
+                problem: "is a matrix, not a vector".into(),
+            });
+        };
+        if t.shape != [len] {
+            return Err(Error::BadTensor {
+                name: name.to_string(),
+                problem: format!("shape {:?}, expected [{len}]", t.shape),
+            });
+        }
+        let mut rng = Rng::new(self.spec.seed, name);
+        Ok((0..len).map(|_| center + spread * rng.uniform()).collect())
+    }
+}
+
+/// Stored bytes of `n` weights of format `ty` with values within about ±`amp`.
+fn fill_bytes(rng: &mut Rng, ty: GgmlType, n: usize, amp: f32) -> Result<Vec<u8>> {
+    let mut out = Vec::with_capacity(ty.bytes_for(n)?);
+    match ty {
+        GgmlType::F32 => (0..n).for_each(|_| out.extend((amp * rng.uniform()).to_le_bytes())),
+        GgmlType::BF16 => (0..n).for_each(|_| {
+            out.extend((((amp * rng.uniform()).to_bits() >> 16) as u16).to_le_bytes())
+        }),
+        GgmlType::Q8_0 => {
+            let d = f16_bits(amp / 127.0);
+            for _ in 0..n / 32 {
+                out.extend(d.to_le_bytes());
+                out.extend((0..32).map(|_| ((rng.next() % 255) as i32 - 127) as i8 as u8));
+            }
+        }
+        GgmlType::Q4_K => {
+            // w = d·sc·q − dmin·m with 6-bit sc, m and 4-bit q: sc = m = 32 gives
+            // d·32·(q − dmin/d) ≈ ±amp for q in 0..15 with dmin = 7.5·d.
+            let d = amp / (32.0 * 7.5);
+            let (dh, mh) = (f16_bits(d), f16_bits(7.5 * d));
+            for _ in 0..n / 256 {
+                out.extend(dh.to_le_bytes());
+                out.extend(mh.to_le_bytes());
+                // Every sub-block scale and min = 32: bytes 0..4 / 4..8 hold those of
+                // sub-blocks 0..4 in their low 6 bits and bit 5 of those of sub-blocks 4..8 in
+                // bit 7; bytes 8..12 hold the low nibbles of sub-blocks 4..8 (zero).
+                out.extend([0xA0u8; 8]);
+                out.extend([0u8; 4]);
+                out.extend((0..128).map(|_| rng.next() as u8));
+            }
+        }
+        other => return Err(Error::Unsupported(format!("synthetic weights in {other}"))),
+    }
+    Ok(out)
+}
+
+/// f16 bits of a positive normal-range value (truncating the mantissa).
+fn f16_bits(x: f32) -> u16 {
+    let b = x.to_bits();
+    let exp = ((b >> 23) & 0xff) as i32 - 127 + 15;
+    let exp = exp.clamp(1, 30) as u32;
+    ((exp << 10) | ((b >> 13) & 0x3ff)) as u16
+}
+
+/// SplitMix64 seeded by (seed, tensor name).
+struct Rng(u64);
+
+impl Rng {
+    fn new(seed: u64, name: &str) -> Self {
+        // FNV-1a of the name, mixed with the seed.
+        let h = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+            (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
+        });
+        Rng(h ^ seed.wrapping_mul(0x9e37_79b9_7f4a_7c15))
+    }
+
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in [-1, 1).
+    fn uniform(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+}

@@ -1,0 +1,141 @@
+//! `--synthetic VARIANT[:FORMAT[:SEED]]`: released shapes (gemma4.md §1.3), lazy generation,
+//! determinism and the stored formats.
+
+use markbase_core::quant::{dequantize_row, GgmlType};
+use markbase_models::synthetic::{SyntheticSpec, SyntheticWeights, Variant};
+
+fn weights(spec: &str) -> SyntheticWeights {
+    SyntheticWeights::new(SyntheticSpec::parse(spec).unwrap()).unwrap()
+}
+
+fn shape(w: &SyntheticWeights, name: &str) -> Vec<usize> {
+    w.tensors()
+        .get(name)
+        .unwrap_or_else(|| panic!("{name} missing"))
+        .shape
+        .clone()
+}
+
+#[test]
+fn parses_specs_and_rejects_bad_ones() {
+    let s = SyntheticSpec::parse("26B-A4B:q4_k:7").unwrap();
+    assert_eq!(
+        (s.variant, s.format, s.seed),
+        (Variant::B26A4, GgmlType::Q4_K, 7)
+    );
+    let s = SyntheticSpec::parse("e2b").unwrap();
+    assert_eq!(
+        (s.variant, s.format, s.seed),
+        (Variant::E2b, GgmlType::BF16, 0)
+    );
+    assert_eq!(s.describe(), "e2b:bf16:0");
+    for bad in ["", "e3b", "e2b:q5_k", "e2b:bf16:x", "e2b:bf16:1:2"] {
+        let e = SyntheticSpec::parse(bad).unwrap_err().to_string();
+        assert!(e.contains("synthetic"), "{bad}: {e}");
+    }
+}
+
+/// Projection shapes quoted in gemma4.md §1.3 and §1.1, per variant.
+#[test]
+fn tensors_have_the_released_shapes() {
+    let w = weights("31b");
+    assert_eq!(w.config().layers.len(), 60);
+    assert_eq!(shape(&w, "layers.5.self_attn.q_proj.weight"), [16384, 5376]);
+    assert_eq!(shape(&w, "layers.5.self_attn.k_proj.weight"), [2048, 5376]);
+    assert!(!w.has("layers.5.self_attn.v_proj.weight"));
+    assert_eq!(shape(&w, "layers.5.self_attn.o_proj.weight"), [5376, 16384]);
+    assert_eq!(shape(&w, "layers.0.self_attn.q_proj.weight"), [8192, 5376]);
+    assert_eq!(shape(&w, "layers.0.self_attn.v_proj.weight"), [4096, 5376]);
+
+    let w = weights("e2b");
+    assert_eq!(shape(&w, "layers.0.self_attn.q_proj.weight"), [2048, 1536]);
+    assert_eq!(shape(&w, "layers.0.self_attn.k_proj.weight"), [256, 1536]);
+    assert_eq!(shape(&w, "layers.4.self_attn.q_proj.weight"), [4096, 1536]);
+    assert_eq!(shape(&w, "layers.4.self_attn.v_proj.weight"), [512, 1536]);
+    assert_eq!(shape(&w, "layers.14.mlp.gate_proj.weight"), [6144, 1536]);
+    assert_eq!(shape(&w, "layers.15.mlp.gate_proj.weight"), [12288, 1536]);
+    assert!(!w.has("layers.15.self_attn.k_proj.weight"));
+    assert_eq!(shape(&w, "embed_tokens_per_layer.weight"), [262144, 8960]);
+    let shared: Vec<_> = w.config().layers.iter().map(|l| l.kv_source).collect();
+    assert_eq!(shared[15], Some(13));
+    assert_eq!(shared[19], Some(14));
+    assert_eq!(shared[14], None);
+
+    let w = weights("e4b");
+    assert_eq!(shape(&w, "embed_tokens_per_layer.weight"), [262144, 10752]);
+    assert_eq!(w.config().layers[24].kv_source, Some(22));
+    assert_eq!(w.config().layers[41].kv_source, Some(23));
+
+    let w = weights("26b-a4b");
+    assert_eq!(shape(&w, "layers.5.self_attn.q_proj.weight"), [8192, 2816]);
+    assert_eq!(shape(&w, "layers.5.self_attn.k_proj.weight"), [1024, 2816]);
+    assert_eq!(
+        shape(&w, "layers.0.experts.gate_up_proj"),
+        [128, 1408, 2816]
+    );
+    assert_eq!(shape(&w, "layers.0.experts.down_proj"), [128, 2816, 704]);
+    assert_eq!(shape(&w, "layers.0.mlp.gate_proj.weight"), [2112, 2816]);
+
+    let w = weights("12b");
+    assert_eq!(shape(&w, "layers.5.self_attn.q_proj.weight"), [8192, 3840]);
+    assert_eq!(shape(&w, "layers.5.self_attn.k_proj.weight"), [512, 3840]);
+    assert!(!w.has("embed_tokens_per_layer.weight"));
+}
+
+/// Byte counts follow the format; Q4_K rows that do not split into 256-blocks fall back to
+/// Q8_0, and the per-layer embedding table stays at 8 bits.
+#[test]
+fn formats_and_byte_counts() {
+    let bf16 = weights("26b-a4b:bf16");
+    let q4 = weights("26b-a4b:q4_k");
+    let t = &q4.tensors()["layers.0.experts.gate_up_proj"];
+    assert_eq!(t.ty, GgmlType::Q4_K);
+    assert_eq!(t.n_bytes, 128 * 1408 * 2816 / 256 * 144);
+    assert_eq!(
+        q4.tensors()["layers.0.experts.down_proj"].ty,
+        GgmlType::Q8_0
+    );
+    assert_eq!(q4.tensors()["norm.weight"].ty, GgmlType::F32);
+    assert!(q4.weight_bytes() * 2 < bf16.weight_bytes());
+    let e = weights("e2b:q4_k");
+    assert_eq!(
+        e.tensors()["embed_tokens_per_layer.weight"].ty,
+        GgmlType::Q8_0
+    );
+    assert_eq!(
+        bf16.tensors()["embed_tokens.weight"].n_bytes,
+        262144 * 2816 * 2
+    );
+}
+
+/// Generated tensors are a pure function of (seed, name), of sane magnitude in every format.
+#[test]
+fn generation_is_deterministic_and_sane() {
+    for spec in ["e2b:bf16", "e2b:q8_0", "e2b:q4_k"] {
+        let w = weights(spec);
+        let name = "layers.3.self_attn.q_proj.weight";
+        let a = w.matrix(name, 2048, 1536).unwrap();
+        let b = w.matrix(name, 2048, 1536).unwrap();
+        assert_eq!(a.bytes.as_slice(), b.bytes.as_slice(), "{spec}");
+        let other = weights(&format!("{spec}:1"))
+            .matrix(name, 2048, 1536)
+            .unwrap();
+        assert_ne!(a.bytes.as_slice(), other.bytes.as_slice(), "{spec}");
+        let mut row = vec![0f32; 1536];
+        let rb = a.row_bytes();
+        dequantize_row(a.ty, &a.bytes.as_slice()[..rb], &mut row).unwrap();
+        let amp = (3.0f32 / 1536.0).sqrt();
+        let max = row.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let mean_sq = row.iter().map(|v| v * v).sum::<f32>() / row.len() as f32;
+        assert!(max <= amp * 1.05, "{spec}: max {max} vs {amp}");
+        // Uniform on ±amp has mean square amp²/3.
+        assert!(
+            (mean_sq / (amp * amp / 3.0) - 1.0).abs() < 0.3,
+            "{spec}: mean square {mean_sq}"
+        );
+        let v = w.vector("layers.3.input_layernorm.weight", 1536).unwrap();
+        assert!(v.iter().all(|x| (0.89..=1.11).contains(x)));
+        assert!(w.matrix(name, 1536, 2048).is_err());
+        assert!(w.vector("layers.3.self_attn.q_proj.weight", 1536).is_err());
+    }
+}
