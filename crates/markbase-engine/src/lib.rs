@@ -13,7 +13,7 @@ pub use bench::{bench, BenchOptions, BenchResult};
 pub use generate::{
     default_stop_tokens, generate, FinishReason, GenerateOptions, Generation, Session, Timings,
 };
-pub use load::{load, load_tokenizer, LoadedModel};
+pub use load::{load, load_tokenizer, stop_tokens, LoadedModel};
 pub use perplexity::{perplexity, Perplexity};
 pub use sampling::{Sampler, SamplingParams};
 pub use stop::StopFilter;

@@ -27,8 +27,8 @@ pub struct Args {
 
 /// Runs `bench`.
 pub fn run(global: &Global, args: Args) -> Result<()> {
-    let loaded = crate::model::load_model(global)?;
-    let info = loaded.model.info();
+    let model = crate::model::load_weights(global)?;
+    let info = model.info();
     let threads = if global.threads == 0 {
         std::thread::available_parallelism().map_or(1, |n| n.get())
     } else {
@@ -46,7 +46,7 @@ pub fn run(global: &Global, args: Args) -> Result<()> {
         writeln!(out, "| --- | ---: | ---: | ---: | ---: |")?;
     }
     let mut write_err = None;
-    let results = bench(&loaded.model, &opts, |r| {
+    let results = bench(&model, &opts, |r| {
         if args.json || write_err.is_some() {
             return;
         }

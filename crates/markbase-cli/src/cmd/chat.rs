@@ -4,7 +4,7 @@ use std::io::{BufRead, IsTerminal, Write};
 
 use anyhow::{Context, Result};
 use markbase_core::tokenizer::ChatMessage;
-use markbase_engine::{default_stop_tokens, GenerateOptions, LoadedModel, Session};
+use markbase_engine::{GenerateOptions, LoadedModel, Session};
 
 use crate::cmd::sampling::SamplingArgs;
 use crate::Global;
@@ -41,10 +41,8 @@ pub fn run(global: &Global, args: Args) -> Result<()> {
     let loaded = crate::model::load_model(global)?;
     let limit = loaded.model.info().context_length;
     let ctx = args.sampling.ctx.unwrap_or(DEFAULT_CHAT_CTX.min(limit));
-    if ctx > limit {
-        anyhow::bail!("--ctx {ctx} is larger than the model's context of {limit} tokens");
-    }
     let mut session = Session::new(&loaded.model, ctx)?;
+    let stop_tokens = loaded.stop_tokens()?;
     let interactive = std::io::stdin().is_terminal();
     let mut messages: Vec<ChatMessage> = args
         .system
@@ -82,7 +80,7 @@ pub fn run(global: &Global, args: Args) -> Result<()> {
         let prompt = encode_conversation(&loaded, &messages)?;
         let opts = GenerateOptions {
             max_tokens: args.sampling.max_tokens,
-            stop_tokens: default_stop_tokens(&loaded.tokenizer),
+            stop_tokens: stop_tokens.clone(),
             stop_strings: args.sampling.stop.clone(),
             sampling: params.clone(),
         };

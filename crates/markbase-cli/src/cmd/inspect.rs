@@ -5,6 +5,7 @@ use std::io::Write;
 
 use anyhow::Result;
 use markbase_core::gguf::{GgufFile, MetaValue};
+use markbase_models::synthetic::{SyntheticSpec, SyntheticWeights};
 use markbase_models::ModelSource;
 
 use crate::Global;
@@ -97,11 +98,58 @@ fn gguf_report(out: &mut impl Write, g: &GgufFile) -> Result<()> {
     Ok(())
 }
 
+/// The report of a `--synthetic` model, from its shapes alone (nothing is generated).
+fn synthetic_report(out: &mut impl Write, spec: SyntheticSpec) -> Result<()> {
+    let w = SyntheticWeights::new(spec)?;
+    writeln!(
+        out,
+        "synthetic Gemma 4 {} (random weights, seed {})",
+        spec.variant.name(),
+        spec.seed
+    )?;
+    writeln!(out, "\nhyper-parameters:")?;
+    for (k, v) in w.config().describe() {
+        writeln!(out, "  {k}: {v}")?;
+    }
+    writeln!(out, "\ntensors:")?;
+    writeln!(
+        out,
+        "  {:<44} {:>6} {:>22} {:>14}",
+        "name", "type", "shape", "bytes"
+    )?;
+    for (name, t) in w.tensors() {
+        let shape = t
+            .shape
+            .iter()
+            .map(usize::to_string)
+            .collect::<Vec<_>>()
+            .join(" × ");
+        writeln!(
+            out,
+            "  {name:<44} {:>6} {shape:>22} {:>14}",
+            t.ty.name(),
+            t.n_bytes
+        )?;
+    }
+    let total = w.weight_bytes();
+    writeln!(
+        out,
+        "  {} tensors, {total} bytes ({:.2} GiB)",
+        w.tensors().len(),
+        total as f64 / (1u64 << 30) as f64
+    )?;
+    writeln!(out, "weight_bytes: {total}")?;
+    Ok(())
+}
+
 /// Runs `inspect`.
 pub fn run(global: &Global) -> Result<()> {
+    let mut out = std::io::stdout().lock();
+    if let Some(spec) = crate::model::synthetic_spec(global)? {
+        return synthetic_report(&mut out, spec);
+    }
     let path = crate::model::model_path(global)?;
     let source = ModelSource::open(&path)?;
-    let mut out = std::io::stdout().lock();
     match &source {
         ModelSource::Gguf(g) => gguf_report(&mut out, g)?,
         ModelSource::HfDir(dir) => {
@@ -110,12 +158,23 @@ pub fn run(global: &Global) -> Result<()> {
             writeln!(out, "\nconfig.json:\n{cfg}")?;
         }
     }
-    let loaded = crate::model::load_model(global)?;
+    let model = crate::model::load_weights(global)?;
     writeln!(out, "\nhyper-parameters:")?;
-    for line in loaded.model.info().describe().lines() {
+    for line in model.info().describe().lines() {
         writeln!(out, "  {line}")?;
     }
-    let template = if loaded.template.is_builtin() {
+    let (tok, template) = match crate::model::load_tokenizer(global) {
+        Ok(t) => t,
+        Err(e) => {
+            writeln!(
+                out,
+                "\ntokenizer: none ({})",
+                crate::one_line(&format!("{e:#}"))
+            )?;
+            return Ok(());
+        }
+    };
+    let template = if template.is_builtin() {
         "built-in Gemma turn template (the model has none)"
     } else {
         match &source {
@@ -126,14 +185,13 @@ pub fn run(global: &Global) -> Result<()> {
         }
     };
     writeln!(out, "\nchat template: {template}")?;
-    let tok = &loaded.tokenizer;
     writeln!(
         out,
         "tokenizer: {} tokens, bos {:?}, eos {:?}, stop tokens {:?}",
         tok.vocab_size(),
         tok.bos_id(),
         tok.eos_id(),
-        markbase_engine::default_stop_tokens(tok)
+        markbase_engine::stop_tokens(&source, &tok)?
     )?;
     Ok(())
 }

@@ -10,6 +10,8 @@ use crate::Global;
 
 /// Default window when the model allows it.
 const DEFAULT_CTX: usize = 2048;
+/// `<bos>` in every Gemma vocabulary.
+const GEMMA_BOS: u32 = 2;
 
 /// Arguments of `perplexity`.
 #[derive(clap::Args, Debug)]
@@ -42,21 +44,30 @@ pub fn parse_token_ids(text: &str) -> Result<Vec<u32>> {
 
 /// Runs `perplexity`.
 pub fn run(global: &Global, args: Args) -> Result<()> {
-    let loaded = crate::model::load_model(global)?;
-    let tokens = match (&args.file, &args.tokens_file) {
+    let (model, tokens, bos) = match (&args.file, &args.tokens_file) {
         (Some(f), _) => {
             let text = std::fs::read_to_string(f)
                 .with_context(|| format!("cannot read {}", f.display()))?;
-            loaded.tokenizer.encode(&text, true)?
+            let loaded = crate::model::load_model(global)?;
+            let tokens = loaded.tokenizer.encode(&text, true)?;
+            (loaded.model, tokens, loaded.tokenizer.bos_id())
         }
         (None, Some(f)) => {
             let text = std::fs::read_to_string(f)
                 .with_context(|| format!("cannot read {}", f.display()))?;
-            parse_token_ids(&text).with_context(|| f.display().to_string())?
+            let tokens = parse_token_ids(&text).with_context(|| f.display().to_string())?;
+            // Token ids need no tokenizer; BOS (put in front of later windows) comes from it
+            // when the model has one, else it is Gemma's <bos>.
+            let bos = match global.synthetic {
+                Some(_) => Some(GEMMA_BOS),
+                None => crate::model::load_tokenizer(global)
+                    .map_or(Some(GEMMA_BOS), |(t, _)| t.bos_id()),
+            };
+            (crate::model::load_weights(global)?, tokens, bos)
         }
         (None, None) => bail!("give -f FILE or --tokens-file FILE"),
     };
-    let limit = loaded.model.info().context_length;
+    let limit = model.info().context_length;
     let ctx = args.ctx.unwrap_or(DEFAULT_CTX.min(limit));
     if ctx > limit {
         bail!("--ctx {ctx} is larger than the model's context of {limit} tokens");
@@ -66,16 +77,10 @@ pub fn run(global: &Global, args: Args) -> Result<()> {
         .saturating_sub(1)
         .div_ceil(ctx.saturating_sub(1).max(1));
     let bar = crate::progress::items("windows", windows as u64);
-    let result = markbase_engine::perplexity(
-        &loaded.model,
-        &tokens,
-        ctx,
-        loaded.tokenizer.bos_id(),
-        |done, total| {
-            bar.set_length(total as u64);
-            bar.set_position(done as u64);
-        },
-    );
+    let result = markbase_engine::perplexity(&model, &tokens, ctx, bos, |done, total| {
+        bar.set_length(total as u64);
+        bar.set_position(done as u64);
+    });
     bar.finish_and_clear();
     let r = result?;
     let mut out = std::io::stdout().lock();

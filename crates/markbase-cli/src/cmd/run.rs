@@ -4,7 +4,7 @@ use std::io::{IsTerminal, Write};
 
 use anyhow::Result;
 use markbase_core::tokenizer::ChatMessage;
-use markbase_engine::{default_stop_tokens, generate, GenerateOptions};
+use markbase_engine::{generate, GenerateOptions};
 use serde_json::json;
 
 use crate::cmd::sampling::SamplingArgs;
@@ -45,7 +45,7 @@ pub fn run(global: &Global, args: Args) -> Result<()> {
     let params = args.sampling.params();
     let opts = GenerateOptions {
         max_tokens: args.sampling.max_tokens,
-        stop_tokens: default_stop_tokens(tok),
+        stop_tokens: loaded.stop_tokens()?,
         stop_strings: args.sampling.stop.clone(),
         sampling: params.clone(),
     };
