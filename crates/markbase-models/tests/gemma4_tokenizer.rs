@@ -56,17 +56,21 @@ fn encodes_and_decodes_like_the_reference() {
     }
 }
 
-/// Chat cases without template arguments (thinking on needs `enable_thinking`, which the
-/// template API does not pass).
+/// Every chat case, thinking on (`enable_thinking`) included, renders and encodes as
+/// transformers does.
 #[test]
 fn chat_template_renders_like_transformers() {
     let tok = Tokenizer::from_hf_file(&dir().join("tokenizer.json")).unwrap();
     let template = ChatTemplate::for_hf_dir(&dir()).unwrap().unwrap();
     let mut checked = 0;
     for case in reference()["chat"].as_array().unwrap() {
-        if !case["kwargs"].as_object().unwrap().is_empty() {
-            continue;
-        }
+        let kwargs = case["kwargs"].as_object().unwrap();
+        let thinking = kwargs.get("enable_thinking").map(|v| v.as_bool().unwrap());
+        assert!(
+            kwargs.keys().all(|k| k == "enable_thinking"),
+            "unexpected template arguments in {}",
+            case["name"]
+        );
         let messages: Vec<ChatMessage> = case["messages"]
             .as_array()
             .unwrap()
@@ -74,10 +78,12 @@ fn chat_template_renders_like_transformers() {
             .map(|m| ChatMessage::new(m["role"].as_str().unwrap(), m["content"].as_str().unwrap()))
             .collect();
         let add = case["add_generation_prompt"].as_bool().unwrap();
-        let text = template.render(&messages, add, "<bos>", "<eos>").unwrap();
+        let text = template
+            .render_with_thinking(&messages, add, "<bos>", "<eos>", thinking)
+            .unwrap();
         assert_eq!(text, case["rendered"].as_str().unwrap(), "{}", case["name"]);
         assert_eq!(tok.encode(&text, false).unwrap(), ids(&case["ids"]));
         checked += 1;
     }
-    assert!(checked >= 2, "only {checked} chat cases checked");
+    assert!(checked >= 5, "only {checked} chat cases checked");
 }

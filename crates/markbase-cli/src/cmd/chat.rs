@@ -18,12 +18,20 @@ pub struct Args {
     /// A system message for the whole conversation.
     #[arg(long)]
     pub system: Option<String>,
+    /// Turn on the model's thinking mode (passes `enable_thinking` to the chat template).
+    #[arg(long)]
+    pub think: bool,
     #[command(flatten)]
     pub sampling: SamplingArgs,
 }
 
-/// Renders `messages` with the model's chat template (generation prompt added) and encodes it.
-pub fn encode_conversation(loaded: &LoadedModel, messages: &[ChatMessage]) -> Result<Vec<u32>> {
+/// Renders `messages` with the model's chat template (generation prompt added; thinking mode
+/// on when `think`) and encodes it.
+pub fn encode_conversation(
+    loaded: &LoadedModel,
+    messages: &[ChatMessage],
+    think: bool,
+) -> Result<Vec<u32>> {
     let tok = &loaded.tokenizer;
     let text_of = |id: Option<u32>, fallback: &str| {
         id.and_then(|i| tok.token_text(i))
@@ -32,7 +40,10 @@ pub fn encode_conversation(loaded: &LoadedModel, messages: &[ChatMessage]) -> Re
     };
     let bos = text_of(tok.bos_id(), "<bos>");
     let eos = text_of(tok.eos_id(), "<eos>");
-    let text = loaded.template.render(messages, true, &bos, &eos)?;
+    let text =
+        loaded
+            .template
+            .render_with_thinking(messages, true, &bos, &eos, think.then_some(true))?;
     Ok(tok.encode(&text, false)?)
 }
 
@@ -77,7 +88,7 @@ pub fn run(global: &Global, args: Args) -> Result<()> {
             _ => {}
         }
         messages.push(ChatMessage::new("user", line));
-        let prompt = encode_conversation(&loaded, &messages)?;
+        let prompt = encode_conversation(&loaded, &messages, args.think)?;
         let opts = GenerateOptions {
             max_tokens: args.sampling.max_tokens,
             stop_tokens: stop_tokens.clone(),

@@ -21,6 +21,9 @@ pub struct Args {
     /// A system message placed before the prompt (chat template only).
     #[arg(long, conflicts_with = "raw")]
     pub system: Option<String>,
+    /// Turn on the model's thinking mode (passes `enable_thinking` to the chat template).
+    #[arg(long, conflicts_with = "raw")]
+    pub think: bool,
     /// Print one JSON object (prompt_token_ids, output_token_ids, text, timings) at the end.
     #[arg(long)]
     pub json: bool,
@@ -40,7 +43,7 @@ pub fn run(global: &Global, args: Args) -> Result<()> {
             messages.push(ChatMessage::new("system", system.as_str()));
         }
         messages.push(ChatMessage::new("user", args.prompt.as_str()));
-        crate::cmd::chat::encode_conversation(&loaded, &messages)?
+        crate::cmd::chat::encode_conversation(&loaded, &messages, args.think)?
     };
     let params = args.sampling.params();
     let opts = GenerateOptions {

@@ -160,17 +160,35 @@ impl ChatTemplate {
         bos_token: &str,
         eos_token: &str,
     ) -> Result<String> {
+        self.render_with_thinking(messages, add_generation_prompt, bos_token, eos_token, None)
+    }
+
+    /// Like [`ChatTemplate::render`], also passing `enable_thinking` to the template when
+    /// given (Gemma 4's thinking mode; `None` leaves the template's own default, and templates
+    /// that do not read the variable ignore it).
+    pub fn render_with_thinking(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+        bos_token: &str,
+        eos_token: &str,
+        enable_thinking: Option<bool>,
+    ) -> Result<String> {
         let tmpl = self
             .env
             .get_template(NAME)
             .map_err(|e| Error::Template(describe(&e)))?;
-        tmpl.render(minijinja::context! {
+        let base = minijinja::context! {
             messages => messages,
             add_generation_prompt => add_generation_prompt,
             bos_token => bos_token,
             eos_token => eos_token,
-        })
-        .map_err(|e| Error::Template(describe(&e)))
+        };
+        let ctx = match enable_thinking {
+            Some(on) => minijinja::context! { enable_thinking => on, ..base },
+            None => base,
+        };
+        tmpl.render(ctx).map_err(|e| Error::Template(describe(&e)))
     }
 
     fn compile(src: &str, builtin: bool) -> Result<Self> {
