@@ -9,23 +9,6 @@ use std::path::PathBuf;
 use markbase_core::quant::{dequantize_row, GgmlType};
 use markbase_core::Error;
 
-const ALL: [GgmlType; 14] = [
-    GgmlType::F32,
-    GgmlType::F16,
-    GgmlType::BF16,
-    GgmlType::Q4_0,
-    GgmlType::Q4_1,
-    GgmlType::Q5_0,
-    GgmlType::Q5_1,
-    GgmlType::Q8_0,
-    GgmlType::Q2_K,
-    GgmlType::Q3_K,
-    GgmlType::Q4_K,
-    GgmlType::Q5_K,
-    GgmlType::Q6_K,
-    GgmlType::Q8_K,
-];
-
 fn fixture(name: &str) -> Vec<u8> {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("../../tests/fixtures/quant")
@@ -44,7 +27,7 @@ fn load(ty: GgmlType) -> (Vec<u8>, Vec<f32>) {
 
 #[test]
 fn every_format_matches_gguf_py_bit_for_bit() {
-    for ty in ALL {
+    for ty in GgmlType::ALL {
         let (raw, expected) = load(ty);
         assert_eq!(
             raw.len(),
@@ -66,7 +49,7 @@ fn every_format_matches_gguf_py_bit_for_bit() {
 
 #[test]
 fn rows_may_start_at_any_block() {
-    for ty in ALL {
+    for ty in GgmlType::ALL {
         let (raw, expected) = load(ty);
         let (bs, ts) = (ty.block_size(), ty.type_size());
         let blocks = expected.len() / bs;

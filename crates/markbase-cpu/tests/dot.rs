@@ -8,23 +8,6 @@ use markbase_cpu::kernels::Isa;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-const ALL: [GgmlType; 14] = [
-    GgmlType::F32,
-    GgmlType::F16,
-    GgmlType::BF16,
-    GgmlType::Q4_0,
-    GgmlType::Q4_1,
-    GgmlType::Q5_0,
-    GgmlType::Q5_1,
-    GgmlType::Q8_0,
-    GgmlType::Q2_K,
-    GgmlType::Q3_K,
-    GgmlType::Q4_K,
-    GgmlType::Q5_K,
-    GgmlType::Q6_K,
-    GgmlType::Q8_K,
-];
-
 /// Relative tolerance against the sum of |w·x| terms: far above f32 summation error over a
 /// few thousand terms (≈1e-6 worst case here), far below the effect of one wrong weight.
 const REL_TOL: f64 = 1e-5;
@@ -139,7 +122,7 @@ fn check(what: &str, seed: u64, got: f32, (want, mag): (f64, f64)) {
 fn dot_row_matches_reference_for_every_format() {
     let (seed, mut rng) = seeded();
     for isa in kernel_sets() {
-        for ty in ALL {
+        for ty in GgmlType::ALL {
             for k in lengths(ty) {
                 let row = random_row(ty, k, &mut rng);
                 let x = random_x(k, &mut rng);
@@ -159,7 +142,7 @@ fn dot_row_matches_reference_for_every_format() {
 fn dot_rows_matches_reference_for_every_format() {
     let (seed, mut rng) = seeded();
     for isa in kernel_sets() {
-        for ty in ALL {
+        for ty in GgmlType::ALL {
             for k in lengths(ty) {
                 for n in [1, 3, 8] {
                     let row = random_row(ty, k, &mut rng);
@@ -182,7 +165,7 @@ fn dot_rows_matches_reference_for_every_format() {
 fn one_hot_activations_recover_every_weight_exactly() {
     let (seed, mut rng) = seeded();
     for isa in kernel_sets() {
-        for ty in ALL {
+        for ty in GgmlType::ALL {
             let k = 256;
             let row = random_row(ty, k, &mut rng);
             let mut w = vec![0f32; k];

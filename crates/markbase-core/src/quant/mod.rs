@@ -63,6 +63,24 @@ impl GgmlType {
         GgmlType::Q6_K,
     ];
 
+    /// Every type with a block layout here: the weight types plus Q8_K (activations).
+    pub const ALL: [GgmlType; 14] = [
+        GgmlType::F32,
+        GgmlType::F16,
+        GgmlType::BF16,
+        GgmlType::Q4_0,
+        GgmlType::Q4_1,
+        GgmlType::Q5_0,
+        GgmlType::Q5_1,
+        GgmlType::Q8_0,
+        GgmlType::Q2_K,
+        GgmlType::Q3_K,
+        GgmlType::Q4_K,
+        GgmlType::Q5_K,
+        GgmlType::Q6_K,
+        GgmlType::Q8_K,
+    ];
+
     /// The type with GGUF id `id`, or an error naming the id (and ggml's name for it, if known).
     pub fn from_id(id: u32) -> Result<Self> {
         Ok(match id {
