@@ -3,9 +3,7 @@
 
 use std::sync::Arc;
 
-use markbase_core::backend::{
-    AttnSpec, Backend, HostBytes, HostMatrix, KvLayout, NormOut, Rope,
-};
+use markbase_core::backend::{AttnSpec, Backend, HostBytes, HostMatrix, KvLayout, NormOut, Rope};
 use markbase_core::quant::GgmlType;
 use markbase_cpu::{reference, CpuBackend, CpuBuffer};
 use rand::rngs::StdRng;

@@ -70,7 +70,10 @@ impl<B: Backend> PagedKv<B> {
         if block_size == 0 {
             return Err(Error::Invalid("KV block size 0".into()));
         }
-        if n_blocks.iter().any(|&n| n.saturating_mul(block_size) > u32::MAX as usize) {
+        if n_blocks
+            .iter()
+            .any(|&n| n.saturating_mul(block_size) > u32::MAX as usize)
+        {
             return Err(Error::Invalid(format!(
                 "{n_blocks:?} KV blocks of {block_size} slots are more than 2^32 slots"
             )));
@@ -205,7 +208,9 @@ fn chunks(seqs: &[SeqStep], max_rows: usize) -> Vec<Vec<Piece>> {
                 room = max_rows;
             }
             let to = s.tokens.len().min(from + room);
-            out.last_mut().expect("a chunk").push(Piece { seq, from, to });
+            out.last_mut()
+                .expect("a chunk")
+                .push(Piece { seq, from, to });
             room -= to - from;
             from = to;
         }
