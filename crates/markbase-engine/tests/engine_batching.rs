@@ -161,6 +161,7 @@ fn preemption_on_a_tiny_pool_changes_nothing() {
         max_context: 64,
         kv_blocks: Some(4),
         max_step_tokens: 24,
+        max_seqs: 8,
         ..EngineConfig::default()
     };
     let stats = check_against_alone(&model, cfg, &cases(&model, 10, 64));
@@ -180,6 +181,7 @@ fn gemma4_kv_sharing_and_ple_batched_and_preempted() {
     let roomy = EngineConfig {
         max_context: 64,
         max_step_tokens: 20,
+        max_seqs: 8,
         ..EngineConfig::default()
     };
     let cases = cases(&model, 6, 64);
@@ -189,6 +191,7 @@ fn gemma4_kv_sharing_and_ple_batched_and_preempted() {
         max_context: 64,
         kv_blocks: Some(5),
         max_step_tokens: 20,
+        max_seqs: 8,
         ..EngineConfig::default()
     };
     assert!(check_against_alone(&model, tight, &cases).preemptions > 0);
