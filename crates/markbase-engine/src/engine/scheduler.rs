@@ -146,3 +146,101 @@ impl Scheduler {
         seq
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::api::Request;
+    use crate::sampling::{Sampler, SamplingParams};
+
+    type Events = tokio::sync::mpsc::UnboundedReceiver<crate::engine::Event>;
+
+    /// A sequence of a prompt of `prompt_len` tokens (distinct for each `salt`).
+    fn seq(prompt_len: usize, salt: u32) -> (Sequence, Events) {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let req = Request {
+            prompt: (0..prompt_len as u32).map(|i| salt * 1000 + i).collect(),
+            max_tokens: 100,
+            sampling: SamplingParams::greedy(),
+            stop_tokens: Vec::new(),
+            top_logprobs: None,
+        };
+        let sampler = Sampler::new(req.sampling.clone()).unwrap();
+        (Sequence::new(req, sampler, tx, 1000), rx)
+    }
+
+    /// Pretends the planned tokens ran and each sequence that reached its end sampled a token.
+    fn run(s: &mut Scheduler, plan: &[(usize, usize)]) {
+        for &(i, n) in plan {
+            let seq = &mut s.running[i];
+            let sampled = n == seq.pending();
+            s.kv.advance(&mut seq.kv, &seq.tokens, n);
+            if sampled {
+                seq.tokens.push(7);
+            }
+        }
+    }
+
+    #[test]
+    fn decodes_first_then_prefill_chunks_within_the_budget() {
+        let mut s = Scheduler::new(KvManager::new(100, 100, [true, true], 32), 8, 10);
+        let mut queue = VecDeque::new();
+        let mut rxs = Vec::new();
+        for (salt, len) in [3, 4, 30].into_iter().enumerate() {
+            let (q, rx) = seq(len, salt as u32);
+            queue.push_back(q);
+            rxs.push(rx);
+        }
+        // Step 1: 3 + 4 tokens, then 3 of the 30-token prompt.
+        let plan = s.schedule(&mut queue);
+        assert_eq!(plan, [(0, 3), (1, 4), (2, 3)]);
+        run(&mut s, &plan);
+        // Step 2: the two decodes first, then 8 more prompt tokens.
+        let plan = s.schedule(&mut queue);
+        assert_eq!(plan, [(0, 1), (1, 1), (2, 8)]);
+        run(&mut s, &plan);
+        // A new request waits until the budget has room.
+        let (q, _rx) = seq(5, 9);
+        queue.push_back(q);
+        let plan = s.schedule(&mut queue);
+        assert_eq!(plan, [(0, 1), (1, 1), (2, 8)]);
+        assert_eq!(queue.len(), 1);
+    }
+
+    #[test]
+    fn the_latest_sequence_gives_way_and_comes_back_first() {
+        // 4 full blocks: two sequences of 30 tokens fit, a third does not.
+        let mut s = Scheduler::new(KvManager::new(4, 4, [true, false], 8), 8, 100);
+        let mut queue = VecDeque::new();
+        let mut rxs = Vec::new();
+        for salt in 0..3 {
+            let (q, rx) = seq(30, salt);
+            queue.push_back(q);
+            rxs.push(rx);
+        }
+        let plan = s.schedule(&mut queue);
+        assert_eq!(plan, [(0, 30), (1, 30)]);
+        assert_eq!(queue.len(), 1);
+        run(&mut s, &plan);
+        // Both decode; at 33 tokens each needs a third block: the second one is preempted.
+        for _ in 0..2 {
+            let plan = s.schedule(&mut queue);
+            assert_eq!(plan, [(0, 1), (1, 1)]);
+            run(&mut s, &plan);
+        }
+        let plan = s.schedule(&mut queue);
+        assert_eq!(plan, [(0, 1)]);
+        assert_eq!(s.preemptions, 1);
+        assert_eq!(s.preempted.len(), 1);
+        assert_eq!(s.preempted[0].tokens.len(), 33);
+        assert_eq!(s.preempted[0].kv.computed, 0);
+        // When the first one leaves, the preempted one is readmitted before the queue and
+        // recomputes its 33 tokens (its first block was evicted); the queued one does not fit.
+        s.remove(0);
+        let plan = s.schedule(&mut queue);
+        assert_eq!(plan, [(0, 33)]);
+        assert_eq!(s.running[0].tokens[0], 1000);
+        assert_eq!(queue.len(), 1);
+        assert_eq!(s.kv.used(), 3);
+    }
+}
