@@ -370,7 +370,7 @@ impl<B: Backend> Gemma4<B> {
     }
 
     /// Checks that every token has a row in the embedding and per-layer tables.
-    fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
+    pub(crate) fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
         if let Some(&t) = tokens.iter().find(|&&t| t as usize >= self.cfg.n_vocab) {
             return Err(Error::Invalid(format!(
                 "token id {t} is outside the vocabulary of {}",

@@ -383,6 +383,21 @@ impl Model {
         }
     }
 
+    /// Checks that the model can run every token id (an [`Error::Invalid`] naming the first
+    /// that it cannot).
+    pub fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
+        match &self.inner {
+            Arch::Gemma4(m) => m.check_tokens(tokens),
+            Arch::Gemma3(_) => match tokens.iter().find(|&&t| t as usize >= self.info.n_vocab) {
+                Some(t) => Err(Error::Invalid(format!(
+                    "token id {t} is outside the vocabulary of {}",
+                    self.info.n_vocab
+                ))),
+                None => Ok(()),
+            },
+        }
+    }
+
     /// A cache for up to `max_tokens` tokens (ContextOverflow beyond the context length).
     pub fn new_cache(&self, max_tokens: usize) -> Result<KvCache> {
         let limit = self.info.context_length;

@@ -53,7 +53,8 @@ pub struct Engine {
     next_id: AtomicU64,
     max_queue: usize,
     max_context: usize,
-    n_vocab: usize,
+    /// The model, to check prompts.
+    model: Arc<Model>,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -73,8 +74,7 @@ impl Engine {
                 cfg.max_seqs, cfg.max_step_tokens
             )));
         }
-        let n_vocab = info.n_vocab;
-        let worker = worker::Worker::new(model, &cfg)?;
+        let worker = worker::Worker::new(model.clone(), &cfg)?;
         let shared = Arc::new(Shared {
             state: Mutex::new(State {
                 queue: VecDeque::new(),
@@ -93,7 +93,7 @@ impl Engine {
             next_id: AtomicU64::new(1),
             max_queue: cfg.max_queue,
             max_context: cfg.max_context,
-            n_vocab,
+            model,
             thread: Mutex::new(Some(thread)),
         })
     }
@@ -127,11 +127,8 @@ impl Engine {
         if req.max_tokens == 0 {
             return invalid("max_tokens must be at least 1".into());
         }
-        if let Some(&t) = req.prompt.iter().find(|&&t| t as usize >= self.n_vocab) {
-            return invalid(format!(
-                "prompt token id {t} is outside the vocabulary of {}",
-                self.n_vocab
-            ));
+        if let Err(e) = self.model.check_tokens(&req.prompt) {
+            return invalid(format!("prompt: {e}"));
         }
         if let Some(n) = req.top_logprobs.filter(|&n| n > MAX_TOP_LOGPROBS) {
             return invalid(format!("top_logprobs {n} is more than {MAX_TOP_LOGPROBS}"));
