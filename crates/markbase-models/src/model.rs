@@ -12,6 +12,7 @@ use markbase_cpu::CpuBackend;
 use crate::gemma3::Gemma3;
 use crate::gemma4::Gemma4;
 use crate::gemma4_config::Gemma4Config;
+use crate::lm_head::LmHeadMode;
 use crate::paged::{self, kind_index, PagedKv, SeqStep};
 use crate::synthetic::{SyntheticSpec, SyntheticWeights};
 use crate::weights::WeightStore;
@@ -54,6 +55,8 @@ pub struct LoadOptions<'a> {
     pub threads: usize,
     /// Called with (bytes done, bytes total) as weights are prepared.
     pub progress: Option<&'a (dyn Fn(u64, u64) + Sync)>,
+    /// How the LM head is evaluated.
+    pub lm_head: LmHeadMode,
 }
 
 /// Facts about a loaded model.
@@ -79,6 +82,8 @@ pub struct ModelInfo {
     pub sliding_window: usize,
     /// Bytes of weights used.
     pub weight_bytes: u64,
+    /// How the LM head is evaluated ("exact" or "screened (...)").
+    pub lm_head: String,
     /// Every hyper-parameter as (name, value).
     pub hyper_params: Vec<(String, String)>,
 }
@@ -87,8 +92,8 @@ impl ModelInfo {
     /// One `name: value` line per hyper-parameter.
     pub fn describe(&self) -> String {
         let mut s = format!(
-            "architecture: {}\nweight_bytes: {}\n",
-            self.architecture, self.weight_bytes
+            "architecture: {}\nweight_bytes: {}\nlm_head: {}\n",
+            self.architecture, self.weight_bytes, self.lm_head
         );
         for (k, v) in &self.hyper_params {
             s.push_str(&format!("{k}: {v}\n"));
@@ -262,7 +267,7 @@ impl Model {
             ModelSource::Gguf(file) => Gemma3Config::from_gguf(file)?,
             ModelSource::HfDir(dir) => Gemma3Config::from_hf_file(&dir.join("config.json"))?,
         };
-        let inner = Gemma3::load(cfg.clone(), &store, backend, &progress)?;
+        let inner = Gemma3::load(cfg.clone(), &store, backend, opts.lm_head, &progress)?;
         let info = ModelInfo {
             architecture: "gemma3".into(),
             n_vocab: cfg.n_vocab,
@@ -274,6 +279,7 @@ impl Model {
             head_dim: cfg.head_dim,
             sliding_window: cfg.sliding_window,
             weight_bytes: last.get(),
+            lm_head: inner.head().describe(),
             hyper_params: cfg.describe(),
         };
         Ok(Model {
@@ -292,7 +298,7 @@ impl Model {
                 p(done, total);
             }
         };
-        let inner = Gemma4::load(cfg.clone(), store, backend, &progress)?;
+        let inner = Gemma4::load(cfg.clone(), store, backend, opts.lm_head, &progress)?;
         let first_full = cfg.layers.iter().find(|l| l.kind == LayerKind::Full);
         let sliding = cfg.layers.iter().find(|l| l.kind == LayerKind::Sliding);
         let main = sliding.or(first_full).copied();
@@ -307,6 +313,7 @@ impl Model {
             head_dim: main.map_or(0, |l| l.head_dim),
             sliding_window: cfg.sliding_window,
             weight_bytes: last.get(),
+            lm_head: inner.head().describe(),
             hyper_params: cfg.describe(),
         };
         Ok(Model {
