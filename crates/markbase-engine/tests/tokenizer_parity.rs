@@ -15,9 +15,6 @@ use markbase_core::gguf::GgufFile;
 use markbase_core::tokenizer::{ChatMessage, ChatTemplate, Tokenizer};
 use serde_json::Value;
 
-/// Timing limits are checked in release builds only (`cargo test --release`); debug builds
-/// on a busy machine print the timings.
-
 fn model_path() -> PathBuf {
     match std::env::var_os("MARKBASE_TEST_MODEL").filter(|v| !v.is_empty()) {
         Some(p) => PathBuf::from(p),
