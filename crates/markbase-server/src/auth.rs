@@ -8,6 +8,7 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 
 use crate::error::ApiError;
+use crate::state::AppState;
 
 /// Whether `given` equals `want`, in time that does not depend on where they differ.
 fn same_key(given: &[u8], want: &[u8]) -> bool {
@@ -34,6 +35,15 @@ pub fn check(key: Option<&str>, header: Option<&[u8]>) -> Result<(), ApiError> {
         Ok(())
     } else {
         Err(ApiError::unauthorized("incorrect API key"))
+    }
+}
+
+/// Middleware: answers 401 unless the request carries the key.
+pub async fn require_key(State(state): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    let header = req.headers().get(AUTHORIZATION).map(|v| v.as_bytes());
+    match check(state.api_key.as_deref(), header) {
+        Ok(()) => next.run(req).await,
+        Err(e) => e.into_response(),
     }
 }
 

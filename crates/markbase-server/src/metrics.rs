@@ -62,23 +62,46 @@ pub fn handle() -> Result<PrometheusHandle, String> {
 fn describe() {
     use metrics::{describe_counter, describe_gauge, describe_histogram};
     describe_counter!(HTTP_REQUESTS, "HTTP requests answered, by route and status");
-    describe_counter!(REQUESTS, "Generation requests finished, by endpoint and finish reason");
-    describe_counter!(PROMPT_TOKENS, Unit::Count, "Prompt tokens of submitted requests");
+    describe_counter!(
+        REQUESTS,
+        "Generation requests finished, by endpoint and finish reason"
+    );
+    describe_counter!(
+        PROMPT_TOKENS,
+        Unit::Count,
+        "Prompt tokens of submitted requests"
+    );
     describe_counter!(GENERATED_TOKENS, Unit::Count, "Generated tokens");
-    describe_histogram!(TTFT, Unit::Seconds, "Time from a request's arrival to its first token");
-    describe_histogram!(ITL, Unit::Seconds, "Time between consecutive tokens of a request");
-    describe_histogram!(E2E, Unit::Seconds, "Time from a request's arrival to its end");
+    describe_histogram!(
+        TTFT,
+        Unit::Seconds,
+        "Time from a request's arrival to its first token"
+    );
+    describe_histogram!(
+        ITL,
+        Unit::Seconds,
+        "Time between consecutive tokens of a request"
+    );
+    describe_histogram!(
+        E2E,
+        Unit::Seconds,
+        "Time from a request's arrival to its end"
+    );
     describe_gauge!(QUEUE_DEPTH, "Requests waiting for the engine");
     describe_gauge!(RUNNING, "Sequences the engine is running");
     describe_gauge!(KV_USED, "KV-cache blocks in use");
     describe_gauge!(KV_TOTAL, "KV-cache blocks in the pool");
     describe_counter!(PREEMPTIONS, "Sequences preempted since start");
-    describe_counter!(PREFIX_HITS, "Prompt tokens served from the prefix cache since start");
+    describe_counter!(
+        PREFIX_HITS,
+        "Prompt tokens served from the prefix cache since start"
+    );
 }
 
 /// Records an answered HTTP request.
 pub fn http_request(route: &str, status: u16) {
-    counter!(HTTP_REQUESTS, "route" => route.to_string(), "status" => status.to_string()).increment(1);
+    counter!(HTTP_REQUESTS, "route" => route.to_string(), "status" => status.to_string())
+        .increment(1);
 }
 
 /// Records a submitted request's prompt.
