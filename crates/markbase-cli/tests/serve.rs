@@ -157,6 +157,7 @@ fn check(server: &Server, scenario: &str) {
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/serve_client.py");
     let mut cmd = Command::new(venv_python());
     cmd.arg(&script).args([scenario, &server.url, KEY]);
+    let t0 = Instant::now();
     let out = run_with_timeout(cmd, Duration::from_secs(300), scenario);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
@@ -165,7 +166,7 @@ fn check(server: &Server, scenario: &str) {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(stdout.contains(&format!("ok {scenario}")), "{stdout}");
-    eprint!("{stdout}");
+    eprintln!("{stdout}({scenario}: {:.1} s)", t0.elapsed().as_secs_f64());
 }
 
 #[test]

@@ -249,7 +249,7 @@ impl<'t> OutputParser<'t> {
             }
         }
         // An odd number of pieces means every quote was matched; otherwise one is open.
-        if pieces.len() % 2 == 0 {
+        if pieces.len().is_multiple_of(2) {
             raw.truncate(raw.len() - tool_syntax::QUOTE.len());
         }
         if closed {

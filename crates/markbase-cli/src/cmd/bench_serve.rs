@@ -91,7 +91,7 @@ impl Level {
 
 /// Runs `bench-serve`.
 pub fn run(args: Args) -> Result<()> {
-    if args.concurrency.iter().any(|&c| c == 0) {
+    if args.concurrency.contains(&0) {
         bail!("--concurrency levels must be at least 1");
     }
     let base = args.url.trim_end_matches('/');
