@@ -1,7 +1,7 @@
 //! [`CpuBackend`]: f32 activations in host memory, weights used in place from the mapped file,
 //! work spread over a private rayon pool.
 
-use markbase_core::backend::{AttnSpec, Backend, HostMatrix, NormOut, Rope};
+use markbase_core::backend::{AttnSpec, Backend, HostMatrix, KvLayout, NormOut, Rope};
 use markbase_core::quant::dequantize_row;
 use markbase_core::{Error, Result};
 
@@ -212,28 +212,25 @@ impl Backend for CpuBackend {
         k_cache: &CpuBuffer,
         v_cache: &CpuBuffer,
         spec: &AttnSpec,
-        positions: &[u32],
+        layout: &KvLayout<'_>,
         out: &mut CpuBuffer,
     ) -> Result<()> {
         if spec.head_dim > MAX_HEAD_DIM
+            || spec.head_dim == 0
             || spec.n_kv_heads == 0
             || !spec.n_heads.is_multiple_of(spec.n_kv_heads)
-            || spec.ring == 0
             || spec.window == Some(0)
         {
             return Err(Error::Invalid(format!("cpu attention: bad spec {spec:?}")));
         }
-        let len = positions.len() * spec.n_heads * spec.head_dim;
+        let len = layout.positions.len() * spec.n_heads * spec.head_dim;
         need("attention query", q.0.len(), len)?;
         need("attention output", out.0.len(), len)?;
-        let slots = spec.ring * spec.n_kv_heads * spec.head_dim;
-        need(
-            "attention cache",
-            k_cache.0.len().min(v_cache.0.len()),
-            slots,
-        )?;
+        let block = layout.block_size * spec.n_kv_heads * spec.head_dim;
+        let n_blocks = k_cache.0.len().min(v_cache.0.len()) / block.max(1);
+        layout.check(spec.window, n_blocks)?;
         self.pool.install(|| {
-            attention::attention(&q.0, &k_cache.0, &v_cache.0, spec, positions, &mut out.0)
+            attention::attention(&q.0, &k_cache.0, &v_cache.0, spec, layout, &mut out.0)
         });
         Ok(())
     }

@@ -4,7 +4,9 @@ pub mod gemma3;
 pub mod gemma4;
 pub mod gemma4_config;
 mod model;
+pub mod paged;
 pub mod synthetic;
 mod weights;
 
-pub use model::{KvCache, LoadOptions, Logits, Model, ModelInfo, ModelSource};
+pub use model::{KvCache, KvPool, LoadOptions, Logits, Model, ModelInfo, ModelSource};
+pub use paged::{SeqStep, NO_BLOCK};

@@ -5,6 +5,9 @@
 //! carries the request's [`Event`]s. Dropping the handle cancels the request.
 
 mod api;
+mod blocks;
+mod kv;
+mod scheduler;
 mod sequence;
 mod worker;
 
@@ -75,7 +78,7 @@ impl Engine {
             state: Mutex::new(State {
                 queue: VecDeque::new(),
                 shutdown: false,
-                stats: worker.stats(),
+                stats: worker.stats(0),
             }),
             wake: Condvar::new(),
         });

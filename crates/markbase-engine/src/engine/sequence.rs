@@ -4,6 +4,7 @@
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::api::{Event, Request};
+use super::kv::SeqKv;
 use crate::generate::FinishReason;
 use crate::sampling::Sampler;
 
@@ -21,6 +22,8 @@ pub(crate) struct Sequence {
     pub tx: UnboundedSender<Event>,
     /// Prompt tokens found in the prefix cache at the last admission.
     pub cached_prompt_tokens: usize,
+    /// The KV blocks it holds.
+    pub kv: SeqKv,
 }
 
 /// What became of a sequence after a token was sampled.
@@ -53,12 +56,18 @@ impl Sequence {
             sampler,
             tx,
             cached_prompt_tokens: 0,
+            kv: SeqKv::default(),
         }
     }
 
     /// Tokens generated so far.
     pub fn generated(&self) -> usize {
         self.tokens.len() - self.prompt_len
+    }
+
+    /// Tokens still to run before the next token can be sampled (at least 1 while running).
+    pub fn pending(&self) -> usize {
+        self.tokens.len() - self.kv.computed
     }
 
     /// Whether the owner dropped its handle.
