@@ -342,4 +342,42 @@ mod tests {
             assert_eq!(e.param.as_deref(), Some(param), "{json}");
         }
     }
+
+    #[test]
+    fn gemma4_template_renders_tools_and_thinking_as_special_tokens() {
+        let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures/gemma4/e4b_like");
+        let tokenizer = Tokenizer::from_hf_file(&dir.join("tokenizer.json")).unwrap();
+        let template = ChatTemplate::for_hf_dir(&dir).unwrap().unwrap();
+        let model = PromptModel {
+            tokenizer: &tokenizer,
+            template: &template,
+            has_tools: true,
+        };
+        let r = req(serde_json::json!({
+            "messages": [
+                {"role": "system", "content": "S"},
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": null, "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "w", "arguments": "{\"n\":1}"}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+            ],
+            "tools": [{"type": "function", "function": {"name": "w"}}],
+            "chat_template_kwargs": {"enable_thinking": true}
+        }));
+        let ids = chat_prompt(&model, &r).unwrap();
+        // <bos>, <|think|>, the tool tokens and the string delimiter are single special ids.
+        assert_eq!(ids[0], 2);
+        for special in [98, 46, 47, 48, 49, 50, 51, 52, 105, 106] {
+            assert!(ids.contains(&special), "id {special} missing from {ids:?}");
+        }
+        let want = concat!(
+            "<|turn>system\n<|think|>\nS<|tool>declaration:w{description:<|\"|><|\"|>}<tool|><turn|>\n",
+            "<|turn>user\nhi<turn|>\n",
+            "<|turn>model\n<|tool_call>call:w{n:1}<tool_call|>",
+            "<|tool_response>response:w{value:<|\"|>ok<|\"|>}<tool_response|><turn|>\n",
+            "<|turn>model\n"
+        );
+        assert_eq!(ids, tokenizer.encode(&format!("<bos>{want}"), false).unwrap());
+    }
 }

@@ -40,7 +40,7 @@ pub fn parse<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
     let value: T = serde_path_to_error::deserialize(&mut de).map_err(|e| {
         let path = e.path().to_string();
         let msg = format!("invalid JSON body: {}", e.inner());
-        if path.is_empty() || path == "." {
+        if path.is_empty() || path == "." || path == "?" {
             ApiError::invalid(msg)
         } else {
             ApiError::invalid_param(&path, msg)
