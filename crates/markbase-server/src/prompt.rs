@@ -378,6 +378,9 @@ mod tests {
             "<|tool_response>response:w{value:<|\"|>ok<|\"|>}<tool_response|><turn|>\n",
             "<|turn>model\n"
         );
-        assert_eq!(ids, tokenizer.encode(&format!("<bos>{want}"), false).unwrap());
+        assert_eq!(
+            ids,
+            tokenizer.encode(&format!("<bos>{want}"), false).unwrap()
+        );
     }
 }

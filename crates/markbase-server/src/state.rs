@@ -94,3 +94,34 @@ impl AppState {
         }))
     }
 }
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    /// A server state on the tiny Gemma 4 fixture model (random weights, real tokenizer).
+    pub fn fixture_state() -> Arc<AppState> {
+        let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures/gemma4/e4b_like");
+        let loaded = markbase_engine::load(&dir, &markbase_models::LoadOptions::default()).unwrap();
+        let opts = ServerOptions {
+            model_name: "fixture".into(),
+            api_key: None,
+            max_tokens: 64,
+            max_body_bytes: 1 << 16,
+            engine: EngineConfig {
+                max_seqs: 4,
+                max_context: 256,
+                ..EngineConfig::default()
+            },
+        };
+        AppState::new(loaded, opts).unwrap()
+    }
+
+    #[test]
+    fn fixture_state_has_gemma4_markers() {
+        let s = fixture_state();
+        assert!(s.markers.has_tools() && s.markers.channel.is_some());
+        assert_eq!(s.stop_tokens, [1, 106, 50]);
+    }
+}

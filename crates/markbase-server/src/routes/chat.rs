@@ -79,6 +79,7 @@ pub async fn handler(
         created: unix_now(),
         logprobs: top_logprobs.is_some(),
         calls: 0,
+        role_sent: false,
     };
     if stream {
         Ok(reply.stream(rx, include_usage))
@@ -95,6 +96,8 @@ struct Reply {
     logprobs: bool,
     /// Tool calls so far.
     calls: usize,
+    /// Whether a chunk with the role went out.
+    role_sent: bool,
 }
 
 impl Reply {
@@ -131,54 +134,55 @@ impl Reply {
 
     /// The reply as server-sent events.
     fn stream(mut self, rx: mpsc::Receiver<Update>, include_usage: bool) -> Response {
-        let mut first = true;
+        crate::sse::stream(rx, move |update| self.events(update, include_usage))
+    }
+
+    /// The JSON texts of the events one update becomes.
+    fn events(&mut self, update: Update, include_usage: bool) -> Vec<String> {
         let json = |c: &ChatChunk| serde_json::to_string(c).unwrap_or_default();
-        crate::sse::stream(rx, move |update| {
-            let role = |first: &mut bool| std::mem::replace(first, false).then_some("assistant");
-            match update {
-                Update::Delta { delta, tokens } => {
-                    let logprobs = self
-                        .logprobs
-                        .then(|| crate::logprobs::chat(&self.state.tokenizer, &tokens));
-                    let d = Delta {
-                        role: role(&mut first),
-                        content: Some(delta.content).filter(|c| !c.is_empty()),
-                        reasoning_content: Some(delta.reasoning).filter(|c| !c.is_empty()),
-                        tool_calls: self.tool_calls(delta.tool_calls, true),
-                    };
-                    let choice = ChunkChoice {
-                        index: 0,
-                        delta: d,
-                        logprobs,
-                        finish_reason: None,
-                    };
-                    vec![json(&self.chunk(vec![choice], include_usage))]
-                }
-                Update::Done {
-                    finish_reason,
-                    usage,
-                } => {
-                    let mut out = Vec::new();
-                    let choice = ChunkChoice {
-                        index: 0,
-                        delta: Delta {
-                            role: role(&mut first),
-                            ..Delta::default()
-                        },
-                        logprobs: None,
-                        finish_reason: Some(finish_reason),
-                    };
-                    out.push(json(&self.chunk(vec![choice], include_usage)));
-                    if include_usage {
-                        let mut last = self.chunk(Vec::new(), true);
-                        last.usage = Some(Some(usage));
-                        out.push(json(&last));
-                    }
-                    out
-                }
-                Update::Failed(e) => vec![serde_json::to_string(&e.body()).unwrap_or_default()],
+        let role = (!std::mem::replace(&mut self.role_sent, true)).then_some("assistant");
+        match update {
+            Update::Delta { delta, tokens } => {
+                let logprobs = self
+                    .logprobs
+                    .then(|| crate::logprobs::chat(&self.state.tokenizer, &tokens));
+                let d = Delta {
+                    role,
+                    content: Some(delta.content).filter(|c| !c.is_empty()),
+                    reasoning_content: Some(delta.reasoning).filter(|c| !c.is_empty()),
+                    tool_calls: self.tool_calls(delta.tool_calls, true),
+                };
+                let choice = ChunkChoice {
+                    index: 0,
+                    delta: d,
+                    logprobs,
+                    finish_reason: None,
+                };
+                vec![json(&self.chunk(vec![choice], include_usage))]
             }
-        })
+            Update::Done {
+                finish_reason,
+                usage,
+            } => {
+                let choice = ChunkChoice {
+                    index: 0,
+                    delta: Delta {
+                        role,
+                        ..Delta::default()
+                    },
+                    logprobs: None,
+                    finish_reason: Some(finish_reason),
+                };
+                let mut out = vec![json(&self.chunk(vec![choice], include_usage))];
+                if include_usage {
+                    let mut last = self.chunk(Vec::new(), true);
+                    last.usage = Some(Some(usage));
+                    out.push(json(&last));
+                }
+                out
+            }
+            Update::Failed(e) => vec![serde_json::to_string(&e.body()).unwrap_or_default()],
+        }
     }
 
     /// The reply as one JSON object.
@@ -227,5 +231,115 @@ impl Reply {
             }
         }
         Err(ApiError::internal("the reply ended early"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::openai::Usage;
+    use crate::output::Delta as Parts;
+    use serde_json::{json, Value};
+
+    fn reply() -> Reply {
+        Reply {
+            state: crate::state::tests::fixture_state(),
+            id: "chatcmpl-t".into(),
+            created: 1,
+            logprobs: false,
+            calls: 0,
+            role_sent: false,
+        }
+    }
+
+    /// Reasoning, text with a call, a second call, the end.
+    fn updates() -> Vec<Update> {
+        let call = |name: &str, arguments: &str| ParsedCall {
+            name: name.into(),
+            arguments: arguments.into(),
+        };
+        let parts = |content: &str, reasoning: &str, calls| Update::Delta {
+            delta: Parts {
+                content: content.into(),
+                reasoning: reasoning.into(),
+                tool_calls: calls,
+            },
+            tokens: Vec::new(),
+        };
+        vec![
+            parts("", "Think.", vec![]),
+            parts("Checking.", "", vec![call("w", r#"{"city":"Oslo"}"#)]),
+            parts("", "", vec![call("t", "{}")]),
+            Update::Done {
+                finish_reason: "tool_calls",
+                usage: Usage {
+                    prompt_tokens: 5,
+                    completion_tokens: 9,
+                    total_tokens: 14,
+                },
+            },
+        ]
+    }
+
+    #[test]
+    fn streamed_chunks_carry_reasoning_and_numbered_tool_calls() {
+        let mut r = reply();
+        let chunks: Vec<Value> = updates()
+            .into_iter()
+            .flat_map(|u| r.events(u, true))
+            .map(|s| serde_json::from_str(&s).unwrap())
+            .collect();
+        assert_eq!(chunks.len(), 5);
+        let delta = |i: usize| chunks[i]["choices"][0]["delta"].clone();
+        assert_eq!(
+            delta(0),
+            json!({"role": "assistant", "reasoning_content": "Think."})
+        );
+        assert_eq!(
+            delta(1),
+            json!({"content": "Checking.", "tool_calls": [{"index": 0, "id": "call_chatcmpl-t_0",
+                "type": "function", "function": {"name": "w", "arguments": "{\"city\":\"Oslo\"}"}}]})
+        );
+        assert_eq!(delta(2)["tool_calls"][0]["index"], 1);
+        assert_eq!(delta(2)["tool_calls"][0]["function"]["name"], "t");
+        assert_eq!(chunks[3]["choices"][0]["finish_reason"], "tool_calls");
+        assert_eq!(delta(3), json!({}));
+        assert!(chunks[..4].iter().all(|c| c["usage"].is_null()));
+        assert_eq!(chunks[4]["choices"], json!([]));
+        assert_eq!(chunks[4]["usage"]["total_tokens"], 14);
+        assert!(chunks
+            .iter()
+            .all(|c| c["object"] == "chat.completion.chunk" && c["id"] == "chatcmpl-t"));
+    }
+
+    #[test]
+    fn whole_reply_matches_the_stream() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let body: Value = rt.block_on(async {
+            let (tx, rx) = mpsc::channel(8);
+            for u in updates() {
+                tx.send(u).await.unwrap();
+            }
+            drop(tx);
+            let resp = reply().whole(rx).await.unwrap();
+            let bytes = axum::body::to_bytes(resp.into_body(), 1 << 20)
+                .await
+                .unwrap();
+            serde_json::from_slice(&bytes).unwrap()
+        });
+        let choice = &body["choices"][0];
+        assert_eq!(choice["finish_reason"], "tool_calls");
+        assert_eq!(
+            choice["message"],
+            json!({"role": "assistant", "content": "Checking.", "reasoning_content": "Think.",
+                "tool_calls": [
+                    {"id": "call_chatcmpl-t_0", "type": "function",
+                     "function": {"name": "w", "arguments": "{\"city\":\"Oslo\"}"}},
+                    {"id": "call_chatcmpl-t_1", "type": "function",
+                     "function": {"name": "t", "arguments": "{}"}}]})
+        );
+        assert_eq!(body["usage"]["completion_tokens"], 9);
     }
 }
