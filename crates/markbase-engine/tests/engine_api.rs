@@ -274,6 +274,9 @@ fn bad_requests_are_refused_with_a_reason() {
     let mut bad = config();
     bad.max_context = 65;
     assert!(Engine::start(tiny(), bad).is_err());
+    let mut bad = config();
+    bad.max_step_tokens = bad.max_seqs - 1;
+    assert!(Engine::start(tiny(), bad).is_err());
 }
 
 #[test]

@@ -67,10 +67,11 @@ impl Engine {
                 cfg.max_context, info.context_length
             )));
         }
-        if cfg.max_seqs == 0 || cfg.max_step_tokens == 0 {
-            return Err(Error::Invalid(
-                "engine max_seqs and max_step_tokens must be at least 1".into(),
-            ));
+        if cfg.max_seqs == 0 || cfg.max_step_tokens < cfg.max_seqs {
+            return Err(Error::Invalid(format!(
+                "engine max_seqs ({}) must be at least 1 and max_step_tokens ({}) at least max_seqs, so that every running sequence decodes in every step",
+                cfg.max_seqs, cfg.max_step_tokens
+            )));
         }
         let n_vocab = info.n_vocab;
         let worker = worker::Worker::new(model, &cfg)?;
