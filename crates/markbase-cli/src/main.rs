@@ -55,6 +55,10 @@ enum Command {
     Inspect,
     /// Measure prompt processing (pp) and generation (tg) speed.
     Bench(cmd::bench::Args),
+    /// Serve the OpenAI API over HTTP (chat and text completions, streaming, metrics).
+    Serve(cmd::serve::Args),
+    /// Load-test a running server: throughput, TTFT and inter-token latency per concurrency.
+    BenchServe(cmd::bench_serve::Args),
 }
 
 /// Options shared by every subcommand.
@@ -108,6 +112,8 @@ fn main() -> ExitCode {
         Command::Tokenize(a) => cmd::tokenize::run(&global, a),
         Command::Inspect => cmd::inspect::run(&global),
         Command::Bench(a) => cmd::bench::run(&global, a),
+        Command::Serve(a) => cmd::serve::run(&global, a),
+        Command::BenchServe(a) => cmd::bench_serve::run(a),
     });
     match result {
         Ok(Ok(())) => ExitCode::SUCCESS,
