@@ -8,3 +8,4 @@ pub mod synthetic;
 mod weights;
 
 pub use model::{KvCache, LoadOptions, Logits, Model, ModelInfo, ModelSource};
+pub use weights::WeightStore;
