@@ -66,12 +66,12 @@ extern "C" __global__ void rms_norm(const float* x, const float* weight, float e
 }
 
 // In place on head blockIdx.x (of n_heads per token): optional RMSNorm with weight, then
-// half-split RoPE of the first `pairs` pairs (i, i + head_dim/2) at positions[token].
+// half-split RoPE of the first `pairs` pairs (i, i + head_dim/2) at positions[token], pair i
+// turning by positions[token] · freqs[i] (frequencies computed on the host).
 // Block: 32 threads; dynamic shared memory: head_dim floats.
 extern "C" __global__ void head_norm_rope(float* x, int n_heads, int head_dim,
-                                          const float* norm_w, float eps, float theta,
-                                          float linear_factor, int pairs,
-                                          const u32* positions) {
+                                          const float* norm_w, float eps, const float* freqs,
+                                          int pairs, const u32* positions) {
     extern __shared__ float hv[];
     int head = blockIdx.x, t = head / n_heads, lane = threadIdx.x;
     float* p = x + (u64)head * head_dim;
@@ -92,8 +92,7 @@ extern "C" __global__ void head_norm_rope(float* x, int n_heads, int head_dim,
     for (int i = lane; i < half; i += WARP) {
         float a = hv[i], b = hv[i + half];
         if (i < pairs) {
-            float inv = 1.f / powf(theta, (float)(2 * i) / (float)head_dim);
-            float ang = pos * (inv / linear_factor);
+            float ang = pos * freqs[i];
             double s, c;
             sincos((double)ang, &s, &c);
             float cf = (float)c, sf = (float)s;

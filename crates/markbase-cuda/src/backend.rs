@@ -3,6 +3,7 @@
 //! step costs one host wait. Host-side index arrays (tokens, positions, slots) are copied to a
 //! device scratch array in stream order before the kernel that reads them.
 
+use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard};
 
 use cudarc::driver::PinnedHostSlice;
@@ -51,6 +52,8 @@ pub struct CudaBackend {
     /// Error word raised by kernels (see common.cuh), checked at each `read`.
     err: CudaBuffer,
     err_host: Mutex<PinnedHostSlice<u32>>,
+    /// RoPE frequency tables by (θ bits, linear factor bits, head_dim, rotated pairs).
+    rope_tables: Mutex<HashMap<(u32, u32, usize, usize), CudaBuffer>>,
 }
 
 fn need(what: &str, have: usize, want: usize) -> Result<()> {
@@ -138,6 +141,7 @@ impl CudaBackend {
             }),
             err,
             err_host: Mutex::new(err_host),
+            rope_tables: Mutex::new(HashMap::new()),
         })
     }
 
@@ -287,6 +291,35 @@ impl CudaBackend {
             .map_err(|e| driver_err("error word read", e))?[0];
         drop(host);
         self.take_kernel_error(flag)
+    }
+
+    /// The device address of the RoPE frequencies `θ^(−2i/head_dim) / linear_factor` of the
+    /// rotated pairs, computed on the host in f32 exactly as the CPU backend does (so both
+    /// backends turn by bit-identical angles), uploaded once per parameter set.
+    fn rope_table(&self, rope: &Rope, head_dim: usize) -> Result<u64> {
+        let key = (
+            rope.theta.to_bits(),
+            rope.linear_factor.to_bits(),
+            head_dim,
+            rope.rotated_pairs,
+        );
+        let mut tables = self
+            .rope_tables
+            .lock()
+            .map_err(|_| Error::Invalid("CUDA RoPE tables poisoned".into()))?;
+        if let Some(t) = tables.get(&key) {
+            return Ok(t.ptr);
+        }
+        let freqs: Vec<f32> = (0..rope.rotated_pairs)
+            .map(|i| {
+                let inv = 1.0 / rope.theta.powf((2 * i) as f32 / head_dim as f32);
+                inv / rope.linear_factor
+            })
+            .collect();
+        let t = self.load_vector(&freqs)?;
+        let p = t.ptr;
+        tables.insert(key, t);
+        Ok(p)
     }
 
     fn elementwise(&self, name: &'static str, args: &[Arg], len: usize) -> Result<()> {
@@ -442,6 +475,7 @@ impl Backend for CudaBackend {
         if heads == 0 {
             return Ok(());
         }
+        let freqs = self.rope_table(rope, head_dim)?;
         let mut s = self.scratch()?;
         let pos = self.upload_idx(&mut s, positions)?;
         let mut grid = Grid::new((int("heads", heads)? as u32, 1), 32);
@@ -456,8 +490,7 @@ impl Backend for CudaBackend {
                 Arg::I32(head_dim as i32),
                 Arg::U64(norm.map_or(0, |(w, _)| w.ptr)),
                 Arg::F32(norm.map_or(0.0, |(_, e)| e)),
-                Arg::F32(rope.theta),
-                Arg::F32(rope.linear_factor),
+                Arg::U64(freqs),
                 Arg::I32(rope.rotated_pairs as i32),
                 Arg::U64(pos),
             ],

@@ -52,14 +52,18 @@ impl CudaBackend {
     /// NaN never wins).
     pub fn argmax(&self, logits: &CudaBuffer, rows: usize, n: usize) -> Result<Vec<u32>> {
         self.check_rows(logits, rows, n)?;
-        let picks = self.scratch()?.picks.get(&self.dev.stream, rows)?;
+        // The scratch stays locked until the picks are back (another thread may sample too).
+        let mut s = self.scratch()?;
+        let picks = s.picks.get(&self.dev.stream, rows)?;
         self.run(
             Module::Sample,
             "argmax_rows",
             Grid::new((rows as u32, 1), 1024),
             &[Arg::U64(logits.ptr), Arg::I32(n as i32), Arg::U64(picks)],
         )?;
-        self.finish_picks(picks, rows)
+        let out = self.finish_picks(picks, rows);
+        drop(s);
+        out
     }
 
     /// Top-k then top-p sampling of each row at `params.temperature`, with one uniform draw
@@ -85,19 +89,17 @@ impl CudaBackend {
                 draws.len()
             )));
         }
-        let (picks, u) = {
-            let mut s = self.scratch()?;
-            let picks = s.picks.get(&self.dev.stream, rows)?;
-            let u = s.draws.get(&self.dev.stream, rows)?;
-            if let Some(dst) = s.draws.slice_mut() {
-                let mut view = dst.slice_mut(0..rows);
-                self.dev
-                    .stream
-                    .memcpy_htod(draws, &mut view)
-                    .map_err(|e| driver_err("uploading draws", e))?;
-            }
-            (picks, u)
-        };
+        // The scratch stays locked until the picks are back (another thread may sample too).
+        let mut s = self.scratch()?;
+        let picks = s.picks.get(&self.dev.stream, rows)?;
+        let u = s.draws.get(&self.dev.stream, rows)?;
+        if let Some(dst) = s.draws.slice_mut() {
+            let mut view = dst.slice_mut(0..rows);
+            self.dev
+                .stream
+                .memcpy_htod(draws, &mut view)
+                .map_err(|e| driver_err("uploading draws", e))?;
+        }
         self.run(
             Module::Sample,
             "sample_top_k_p",
@@ -112,6 +114,8 @@ impl CudaBackend {
                 Arg::U64(picks),
             ],
         )?;
-        self.finish_picks(picks, rows)
+        let out = self.finish_picks(picks, rows);
+        drop(s);
+        out
     }
 }
