@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard};
 
-use cudarc::driver::PinnedHostSlice;
+use cudarc::driver::{CudaFunction, PinnedHostSlice};
 use markbase_core::backend::{AttnSpec, Backend, HostMatrix, NormOut, Rope};
 use markbase_core::quant::GgmlType;
 use markbase_core::{Error, Result};
@@ -16,6 +16,7 @@ use crate::buffer::{CudaBuffer, CudaMatrix, Growable};
 use crate::device::{driver_err, Device};
 use crate::kernels::{launch, Arg, AttnArgs, Grid, Kernels};
 use crate::sources::Module;
+use crate::upload::IndexCache;
 
 /// Token rows one GEMV launch reads each weight row for (the largest kernel variant).
 const GEMV_MAX_ROWS: usize = 8;
@@ -34,7 +35,7 @@ const MAX_EXPERTS: usize = 256;
 /// reuse safe).
 pub(crate) struct Scratch {
     /// Uploaded token ids / positions / slots.
-    pub(crate) idx: Growable<u32>,
+    pub(crate) idx: IndexCache,
     /// Float scratch: dequantized weight tiles, attention partials, MoE intermediates.
     pub(crate) floats: Growable<f32>,
     /// Chosen tokens of the samplers.
@@ -75,7 +76,7 @@ fn int(what: &str, v: usize) -> Result<i32> {
 }
 
 /// The kernel-name suffix of a weight format.
-fn format_suffix(ty: GgmlType) -> Result<&'static str> {
+pub(crate) fn format_suffix(ty: GgmlType) -> Result<&'static str> {
     Ok(match ty {
         GgmlType::F32 => "f32",
         GgmlType::F16 => "f16",
@@ -98,24 +99,6 @@ fn format_suffix(ty: GgmlType) -> Result<&'static str> {
     })
 }
 
-/// Interned kernel names (`kernels::func` keys are `'static`).
-fn kernel_name(prefix: &str, ty: GgmlType, extra: &str) -> Result<&'static str> {
-    use std::collections::HashMap;
-    use std::sync::OnceLock;
-    static NAMES: OnceLock<Mutex<HashMap<String, &'static str>>> = OnceLock::new();
-    let key = format!("{prefix}_{}{extra}", format_suffix(ty)?);
-    let mut map = NAMES
-        .get_or_init(|| Mutex::new(HashMap::new()))
-        .lock()
-        .map_err(|_| Error::Invalid("kernel name table poisoned".into()))?;
-    if let Some(n) = map.get(&key) {
-        return Ok(n);
-    }
-    let leaked: &'static str = Box::leak(key.clone().into_boxed_str());
-    map.insert(key, leaked);
-    Ok(leaked)
-}
-
 impl CudaBackend {
     /// Opens GPU `ordinal` and prepares its kernels (compiled with NVRTC for the device's
     /// architecture on first use, then taken from the disk cache). Errors clearly when there
@@ -134,7 +117,7 @@ impl CudaBackend {
             kernels,
             blas,
             scratch: Mutex::new(Scratch {
-                idx: Growable::new(),
+                idx: IndexCache::new(),
                 floats: Growable::new(),
                 picks: Growable::new(),
                 draws: Growable::new(),
@@ -161,6 +144,11 @@ impl CudaBackend {
             .map_err(|_| Error::Invalid("CUDA scratch poisoned by an earlier panic".into()))
     }
 
+    /// Queues kernel `f`.
+    fn launch_fn(&self, f: &CudaFunction, grid: Grid, args: &[Arg]) -> Result<()> {
+        launch(&self.dev.stream, f, grid, args)
+    }
+
     /// Queues kernel `name` of module `m`.
     pub(crate) fn run(
         &self,
@@ -175,15 +163,7 @@ impl CudaBackend {
 
     /// Copies `v` into the index scratch; returns its device address.
     pub(crate) fn upload_idx(&self, s: &mut Scratch, v: &[u32]) -> Result<u64> {
-        let p = s.idx.get(&self.dev.stream, v.len())?;
-        if let Some(dst) = s.idx.slice_mut() {
-            let mut view = dst.slice_mut(0..v.len());
-            self.dev
-                .stream
-                .memcpy_htod(v, &mut view)
-                .map_err(|e| driver_err("index upload", e))?;
-        }
-        Ok(p)
+        s.idx.upload(&self.dev.stream, v)
     }
 
     /// Queues GEMV launches for `n` token rows (≤ GEMV_MAX_ROWS per launch).
@@ -193,10 +173,9 @@ impl CudaBackend {
         while t0 < n {
             let nt = (n - t0).min(GEMV_MAX_ROWS);
             let variant = [1, 2, 4, 4, 8, 8, 8, 8][nt - 1];
-            let name = kernel_name("gemv", w.ty, &format!("_{variant}"))?;
-            self.run(
-                Module::Gemv,
-                name,
+            let f = self.kernels.func_for(Module::Gemv, "gemv", w.ty, variant)?;
+            self.launch_fn(
+                &f,
                 Grid::new((blocks(w.rows, 8), 1), 256),
                 &[
                     Arg::U64(w.ptr),
@@ -224,14 +203,13 @@ impl CudaBackend {
         let tile = (DEQUANT_TILE / k.max(1)).clamp(1, 65_535).min(w.rows);
         let mut s = self.scratch()?;
         let deq = s.floats.get(&self.dev.stream, tile * k)?;
-        let name = kernel_name("dequant", w.ty, "")?;
+        let f = self.kernels.func_for(Module::Ops, "dequant", w.ty, 0)?;
         let chunks = k.div_ceil(32);
         let mut r0 = 0;
         while r0 < w.rows {
             let rt = tile.min(w.rows - r0);
-            self.run(
-                Module::Ops,
-                name,
+            self.launch_fn(
+                &f,
                 Grid::new((blocks(chunks, 128), rt as u32), 128),
                 &[
                     Arg::U64(w.ptr),
@@ -388,9 +366,8 @@ impl Backend for CudaBackend {
         let ids = self.upload_idx(&mut s, tokens)?;
         let chunks = table.cols.div_ceil(32);
         let threads = (chunks.div_ceil(32) * 32).clamp(32, 256) as u32;
-        self.run(
-            Module::Ops,
-            kernel_name("embed", table.ty, "")?,
+        self.launch_fn(
+            &self.kernels.func_for(Module::Ops, "embed", table.ty, 0)?,
             Grid::new((tokens.len() as u32, 1), threads),
             &[
                 Arg::U64(table.ptr),
@@ -709,9 +686,8 @@ impl Backend for CudaBackend {
         let gu = s.floats.get(&self.dev.stream, pairs * 3 * f)?;
         let h = gu + 4 * (pairs * 2 * f) as u64;
         let err = self.err.ptr;
-        self.run(
-            Module::Moe,
-            kernel_name("moe_gate_up", gate_up.ty, "")?,
+        self.launch_fn(
+            &self.kernels.func_for(Module::Moe, "moe_gate_up", gate_up.ty, 0)?,
             Grid::new((blocks(2 * f, 8), int("pairs", pairs)? as u32), 256),
             &[
                 Arg::U64(gate_up.ptr),
@@ -732,9 +708,8 @@ impl Backend for CudaBackend {
             Grid::new((blocks(f, 256), pairs as u32), 256),
             &[Arg::U64(gu), Arg::I32(f as i32), Arg::U64(h)],
         )?;
-        self.run(
-            Module::Moe,
-            kernel_name("moe_down", down.ty, "")?,
+        self.launch_fn(
+            &self.kernels.func_for(Module::Moe, "moe_down", down.ty, 0)?,
             Grid::new((blocks(d, 8), int("tokens", n)? as u32), 256),
             &[
                 Arg::U64(down.ptr),

@@ -7,7 +7,10 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream, DeviceRepr};
 use cudarc::nvrtc::Ptx;
+use markbase_core::quant::GgmlType;
 use markbase_core::{Error, Result};
+
+use crate::backend::format_suffix;
 
 use crate::device::driver_err;
 use crate::nvrtc::{self, Target};
@@ -17,6 +20,8 @@ use crate::sources::Module;
 pub(crate) struct Kernels {
     modules: HashMap<Module, Arc<CudaModule>>,
     funcs: Mutex<HashMap<&'static str, CudaFunction>>,
+    /// Per-format kernels by (name prefix, format, variant).
+    format_funcs: Mutex<HashMap<(&'static str, GgmlType, u32), CudaFunction>>,
 }
 
 impl Kernels {
@@ -49,6 +54,7 @@ impl Kernels {
         Ok(Kernels {
             modules,
             funcs: Mutex::new(HashMap::new()),
+            format_funcs: Mutex::new(HashMap::new()),
         })
     }
 
@@ -65,6 +71,38 @@ impl Kernels {
             .load_function(name)
             .map_err(|e| driver_err(&format!("kernel {name}"), e))?;
         funcs.insert(name, f.clone());
+        Ok(f)
+    }
+}
+
+impl Kernels {
+    /// The kernel `{prefix}_{format}` (or `{prefix}_{format}_{variant}` for a variant > 0) of
+    /// module `m`, e.g. `gemv_q4_k_8`.
+    pub(crate) fn func_for(
+        &self,
+        m: Module,
+        prefix: &'static str,
+        ty: GgmlType,
+        variant: u32,
+    ) -> Result<CudaFunction> {
+        let key = (prefix, ty, variant);
+        let mut funcs = self
+            .format_funcs
+            .lock()
+            .map_err(|_| Error::Invalid("CUDA kernel table poisoned".into()))?;
+        if let Some(f) = funcs.get(&key) {
+            return Ok(f.clone());
+        }
+        let suffix = format_suffix(ty)?;
+        let name = if variant > 0 {
+            format!("{prefix}_{suffix}_{variant}")
+        } else {
+            format!("{prefix}_{suffix}")
+        };
+        let f = self.modules[&m]
+            .load_function(&name)
+            .map_err(|e| driver_err(&format!("kernel {name}"), e))?;
+        funcs.insert(key, f.clone());
         Ok(f)
     }
 }

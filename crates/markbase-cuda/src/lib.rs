@@ -19,6 +19,7 @@ mod kernels;
 pub mod nvrtc;
 mod sample;
 pub mod sources;
+mod upload;
 
 pub use backend::CudaBackend;
 pub use buffer::{CudaBuffer, CudaMatrix};

@@ -41,7 +41,11 @@ pub(crate) fn ensure_library(soname: &str, deps: &[&str], env_var: Option<&str>)
         return true;
     }
     let mut dirs: Vec<PathBuf> = Vec::new();
-    if let Some(path) = env_var.and_then(std::env::var_os).map(PathBuf::from) {
+    if let Some(path) = env_var
+        .and_then(std::env::var_os)
+        .filter(|p| !p.is_empty())
+        .map(PathBuf::from)
+    {
         if let Some(dir) = path.parent() {
             for d in deps {
                 preload(&dir.join(d));

@@ -14,7 +14,7 @@ const WHEEL: &str = "nvidia-cuda-nvrtc==13.0.88";
 
 /// The NVRTC library to use: `MARKBASE_NVRTC`, or the wheel's, installed on first use.
 fn nvrtc_library() -> PathBuf {
-    if let Some(p) = std::env::var_os("MARKBASE_NVRTC") {
+    if let Some(p) = std::env::var_os("MARKBASE_NVRTC").filter(|p| !p.is_empty()) {
         return PathBuf::from(p);
     }
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("nvrtc-13.0.88");
