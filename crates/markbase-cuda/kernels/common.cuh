@@ -21,8 +21,9 @@ __device__ __forceinline__ float f16_to_f32(u16 h) {
     return f;
 }
 
-// Loads through the read-only path; every stored block offset used here is even.
-__device__ __forceinline__ u16 ld16(const u8* p) { return __ldg((const unsigned short*)p); }
+// A 16-bit load from global or shared memory (generic address); every stored block offset
+// used here is even.
+__device__ __forceinline__ u16 ld16(const u8* p) { return *(const unsigned short*)p; }
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll

@@ -88,13 +88,13 @@ __device__ void moe_gate_up_impl(const u8* w, u64 row_bytes, int d, int f2, cons
                                  int top_k, int n_experts, const float* ids, float* gu, u32* err) {
     int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     u64 pair = blockIdx.y;
-    if (r >= f2) return;
-    int e = expert_of(ids, pair, n_experts, err);
+    bool active = r < f2;
+    int e = expert_of(ids, pair, n_experts, err);  // the same for the whole block
     float acc[1] = {0.f};
     if (e >= 0)
-        warp_row_dot<FMT, 1>(w + ((u64)e * f2 + r) * row_bytes, x + (pair / top_k) * d, d, 1,
-                             acc);
-    if ((threadIdx.x & 31) == 0) gu[pair * f2 + r] = acc[0];
+        warp_row_dot<FMT, 1>(active, w + ((u64)e * f2 + (active ? r : 0)) * row_bytes,
+                             x + (pair / top_k) * d, d, 1, acc);
+    if (active && (threadIdx.x & 31) == 0) gu[pair * f2 + r] = acc[0];
 }
 
 // out[t, r] = Σ_j weights[t, j] · down[e_j·D + r, :] · h[t·top_k + j, :]: one warp per output.
@@ -105,17 +105,18 @@ __device__ void moe_down_impl(const u8* w, u64 row_bytes, int d, int f, const fl
                               float* out, u32* err) {
     int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     u64 t = blockIdx.y;
-    if (r >= d) return;
+    bool active = r < d;
     float total = 0.f;
     for (int j = 0; j < top_k; j++) {
         u64 pair = t * top_k + j;
-        int e = expert_of(ids, pair, n_experts, err);
+        int e = expert_of(ids, pair, n_experts, err);  // the same for the whole block
         if (e < 0) continue;
         float acc[1];
-        warp_row_dot<FMT, 1>(w + ((u64)e * d + r) * row_bytes, h + pair * f, f, 1, acc);
+        warp_row_dot<FMT, 1>(active, w + ((u64)e * d + (active ? r : 0)) * row_bytes,
+                             h + pair * f, f, 1, acc);
         total += weights[pair] * acc[0];
     }
-    if ((threadIdx.x & 31) == 0) out[t * d + r] = total;
+    if (active && (threadIdx.x & 31) == 0) out[t * d + r] = total;
 }
 
 #define MOE_KERNELS(S, F)                                                                       \

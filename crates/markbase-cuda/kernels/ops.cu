@@ -48,13 +48,38 @@ __device__ void dequant_impl(const u8* w, u64 row_bytes, int r0, int k, float* d
 FOR_EACH_FORMAT(OPS_FORMAT_KERNELS)
 
 // RMSNorm of row blockIdx.x (dim values): x · 1/sqrt(mean(x²) + eps) · weight (weight may be
-// null), written to out (add = 0) or added into it (add = 1).
+// null), written to out (add = 0) or added into it (add = 1). Rows of a multiple of 4 values
+// move as float4 (a decode step normalises single rows, so the block is wide and each thread
+// touches few values: the kernel is latency-bound).
 extern "C" __global__ void rms_norm(const float* x, const float* weight, float eps, int dim,
                                     float* out, int add) {
     __shared__ float red[32];
     const float* xr = x + (u64)blockIdx.x * dim;
     float* o = out + (u64)blockIdx.x * dim;
     float ss = 0.f;
+    if ((dim & 3) == 0) {
+        int d4 = dim >> 2;
+        for (int i = threadIdx.x; i < d4; i += blockDim.x) {
+            float4 v = ((const float4*)xr)[i];
+            ss = fmaf(v.x, v.x, fmaf(v.y, v.y, fmaf(v.z, v.z, fmaf(v.w, v.w, ss))));
+        }
+        ss = block_sum(ss, red);
+        float inv = 1.f / sqrtf(ss / (float)dim + eps);
+        for (int i = threadIdx.x; i < d4; i += blockDim.x) {
+            float4 v = ((const float4*)xr)[i];
+            v.x *= inv; v.y *= inv; v.z *= inv; v.w *= inv;
+            if (weight) {
+                float4 w = ((const float4*)weight)[i];
+                v.x *= w.x; v.y *= w.y; v.z *= w.z; v.w *= w.w;
+            }
+            if (add) {
+                float4 p = ((float4*)o)[i];
+                v.x += p.x; v.y += p.y; v.z += p.z; v.w += p.w;
+            }
+            ((float4*)o)[i] = v;
+        }
+        return;
+    }
     for (int i = threadIdx.x; i < dim; i += blockDim.x) ss = fmaf(xr[i], xr[i], ss);
     ss = block_sum(ss, red);
     float inv = 1.f / sqrtf(ss / (float)dim + eps);

@@ -398,7 +398,9 @@ impl Backend for CudaBackend {
         if n == 0 || dim == 0 {
             return Ok(());
         }
-        let threads = (dim.div_ceil(32) * 32).clamp(32, 256) as u32;
+        // One value (or float4) per thread where the row allows, up to 1024 threads.
+        let per_thread = if dim.is_multiple_of(4) { 4 } else { 1 };
+        let threads = (dim.div_ceil(per_thread).div_ceil(32) * 32).clamp(32, 1024) as u32;
         self.run(
             Module::Ops,
             "rms_norm",

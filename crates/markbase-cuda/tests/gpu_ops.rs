@@ -156,7 +156,7 @@ fn random_matrix(r: &mut StdRng, ty: GgmlType, rows: usize, cols: usize) -> Host
 /// Row widths to try for a format: odd widths for the plain formats.
 fn widths(ty: GgmlType) -> Vec<usize> {
     match ty.block_size() {
-        1 => vec![8, 40, 264],
+        1 => vec![8, 12, 40, 264],
         32 => vec![96, 512],
         _ => vec![256, 768],
     }
