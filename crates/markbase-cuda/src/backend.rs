@@ -689,7 +689,9 @@ impl Backend for CudaBackend {
         let h = gu + 4 * (pairs * 2 * f) as u64;
         let err = self.err.ptr;
         self.launch_fn(
-            &self.kernels.func_for(Module::Moe, "moe_gate_up", gate_up.ty, 0)?,
+            &self
+                .kernels
+                .func_for(Module::Moe, "moe_gate_up", gate_up.ty, 0)?,
             Grid::new((blocks(2 * f, 8), int("pairs", pairs)? as u32), 256),
             &[
                 Arg::U64(gate_up.ptr),

@@ -77,10 +77,12 @@ impl CudaBackend {
         draws: &[f32],
     ) -> Result<Vec<u32>> {
         self.check_rows(logits, rows, n)?;
-        if !(params.temperature > 0.0)
+        if params.temperature.is_nan()
+            || params.temperature <= 0.0
             || params.top_k == 0
             || params.top_k > MAX_TOP_K
-            || !(params.top_p > 0.0 && params.top_p <= 1.0)
+            || !(0.0..=1.0).contains(&params.top_p)
+            || params.top_p == 0.0
             || draws.len() != rows
             || draws.iter().any(|u| !(0.0..1.0).contains(u))
         {

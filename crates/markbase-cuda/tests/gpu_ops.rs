@@ -282,20 +282,23 @@ fn head_norm_rope_matches_reference() {
     }
 }
 
+/// (head_dim, heads, kv heads, window, softcap, ring, positions).
+type AttnCase = (
+    usize,
+    usize,
+    usize,
+    Option<usize>,
+    Option<f32>,
+    usize,
+    Vec<u32>,
+);
+
 #[test]
 fn write_kv_then_attention_match_reference() {
     let g = gpu_or_skip!();
     let mut r = rng("attention");
     // (head_dim, heads, kv heads, window, softcap, ring, positions)
-    let cases: Vec<(
-        usize,
-        usize,
-        usize,
-        Option<usize>,
-        Option<f32>,
-        usize,
-        Vec<u32>,
-    )> = vec![
+    let cases: Vec<AttnCase> = vec![
         // Long decode over a full cache: several key splits.
         (256, 8, 2, None, None, 3000, vec![2999]),
         // Sliding-window decode on a wrapped ring, one KV head (Gemma 3 270M-like).
