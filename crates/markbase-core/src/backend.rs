@@ -8,9 +8,9 @@
 //! [`Backend::read`], which copies the logits back. On the CPU every call simply runs.
 //!
 //! Batches are "flat": an activation buffer holds `n` token rows of a fixed width, and
-//! per-token positions / KV slots are passed explicitly, so one step can later carry tokens of
-//! several sequences (decode tokens and prefill chunks together) with each token's cache slots
-//! coming from that sequence's block table. For now one step carries one sequence.
+//! per-token positions / KV slots are passed explicitly, so one step carries tokens of several
+//! sequences (decode tokens and prefill chunks together), each token's cache slots coming from
+//! its sequence's block table ([`KvLayout`]).
 //!
 //! Shapes follow PyTorch: a weight matrix is `[n_out, k]`, row-major (ggml `{k, n_out}`).
 
@@ -106,10 +106,8 @@ pub struct Rope {
 
 /// Shape and masking of one attention call.
 ///
-/// Query token `t` sits at position `positions[t]`; it sees keys at positions
-/// `max(0, p − window + 1) ..= p` (all of `0..=p` without a window). The key/value of position
-/// `j` is read from cache slot `j % ring` — a full-attention layer's cache has `ring` ≥ every
-/// position, a sliding layer's cache is a ring that only keeps the recent keys.
+/// A query row at position `p` sees keys at positions `max(0, p − window + 1) ..= p` of its own
+/// sequence (all of `0..=p` without a window); where those keys live is a [`KvLayout`].
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AttnSpec {
     /// Query heads.
@@ -124,8 +122,89 @@ pub struct AttnSpec {
     pub window: Option<usize>,
     /// `cap · tanh(s / cap)` on scores, if set.
     pub softcap: Option<f32>,
-    /// Slots in the cache buffers of this layer.
-    pub ring: usize,
+}
+
+/// Where the query rows of one step and their keys live in a paged KV cache.
+///
+/// A layer's cache is a run of blocks of `block_size` slots (`n_kv_heads · head_dim` values per
+/// slot); slot `b · block_size + i` is slot `i` of block `b`. The step's query rows are grouped
+/// by sequence: rows `seq_start[s] .. seq_start[s + 1]` belong to sequence `s` (so
+/// `seq_start.len()` is the number of sequences + 1 and its last entry the number of rows).
+/// Row `t` sits at position `positions[t]`. Sequence `s` keeps key position `j` in block
+/// `block_tables[s · table_width + j / block_size]`, slot `j % block_size` of it. Only the
+/// entries of blocks a query can see are read (a sliding layer's table may hold anything,
+/// e.g. `u32::MAX`, for blocks that left the window).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvLayout<'a> {
+    /// Slots per block.
+    pub block_size: usize,
+    /// Position of each query row.
+    pub positions: &'a [u32],
+    /// First row of each sequence, then the row count.
+    pub seq_start: &'a [u32],
+    /// Row-major `[sequences, table_width]` block tables.
+    pub block_tables: &'a [u32],
+    /// Entries per sequence in `block_tables`.
+    pub table_width: usize,
+}
+
+impl KvLayout<'_> {
+    /// Sequences in the step.
+    pub fn n_seqs(&self) -> usize {
+        self.seq_start.len().saturating_sub(1)
+    }
+
+    /// Checks the layout's own consistency and that every block a query of a layer with
+    /// `window` can see lies in a cache of `n_blocks` blocks.
+    pub fn check(&self, window: Option<usize>, n_blocks: usize) -> Result<()> {
+        let bad = |what: String| Err(Error::Invalid(format!("kv layout: {what}")));
+        if self.block_size == 0 {
+            return bad("block size 0".into());
+        }
+        let n = self.positions.len();
+        if self.seq_start.first() != Some(&0)
+            || self.seq_start.last().map(|&l| l as usize) != Some(n)
+            || self.seq_start.windows(2).any(|w| w[0] > w[1])
+        {
+            return bad(format!(
+                "sequence starts {:?} do not split {n} rows",
+                self.seq_start
+            ));
+        }
+        if self.block_tables.len() < self.n_seqs() * self.table_width {
+            return bad(format!(
+                "{} table entries for {} sequences of {}",
+                self.block_tables.len(),
+                self.n_seqs(),
+                self.table_width
+            ));
+        }
+        for s in 0..self.n_seqs() {
+            let table = &self.block_tables[s * self.table_width..][..self.table_width];
+            let rows = self.seq_start[s] as usize..self.seq_start[s + 1] as usize;
+            for &p in &self.positions[rows] {
+                let p = p as usize;
+                let lo = window.map_or(0, |w| (p + 1).saturating_sub(w));
+                for b in lo / self.block_size..=p / self.block_size {
+                    match table.get(b) {
+                        Some(&id) if (id as usize) < n_blocks => {}
+                        Some(&id) => {
+                            return bad(format!(
+                                "sequence {s} maps block {b} to {id}, outside the {n_blocks} blocks"
+                            ))
+                        }
+                        None => {
+                            return bad(format!(
+                                "position {p} of sequence {s} is beyond its table of {} blocks",
+                                self.table_width
+                            ))
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
 }
 
 /// What [`Backend::rms_norm`] does with its result.
@@ -189,6 +268,28 @@ pub trait Backend: Send + Sync {
         w: &Self::Matrix,
         out: &mut Self::Buffer,
     ) -> Result<()>;
+    /// Whether [`Backend::matmul_screened`] reads the coarse copy (models then make one).
+    fn screens_lm_head(&self) -> bool {
+        false
+    }
+    /// An LM head with a coarse twin: `out[n, exact.rows] = x · exactᵀ` where only the
+    /// `top_k` largest logits of each row (as `coarse` ranks them) are guaranteed to be computed
+    /// from `exact`; the others may come from `coarse`, a low-bit copy of the same matrix.
+    /// Reading the small copy for every row and the exact rows only for the leaders is what
+    /// makes a huge-vocabulary head fast where memory bandwidth is scarce. The default computes
+    /// every logit from `exact`.
+    fn matmul_screened(
+        &self,
+        x: &Self::Buffer,
+        n: usize,
+        coarse: &Self::Matrix,
+        exact: &Self::Matrix,
+        top_k: usize,
+        out: &mut Self::Buffer,
+    ) -> Result<()> {
+        let _ = (coarse, top_k);
+        self.matmul(x, n, exact, out)
+    }
     /// In place on `n` tokens × `n_heads` heads of `head_dim`: optional per-head RMSNorm with
     /// `norm = (weight, eps)`, then RoPE at `positions[t]`.
     #[allow(clippy::too_many_arguments)]
@@ -201,7 +302,8 @@ pub trait Backend: Send + Sync {
         rope: &Rope,
         positions: &[u32],
     ) -> Result<()>;
-    /// Copies `n = slots.len()` rows of `k` and `v` (width `row`) into cache rows `slots[t]`.
+    /// Copies `n = slots.len()` rows of `k` and `v` (width `row`) into cache rows `slots[t]`
+    /// (with a paged cache: `block · block_size + offset`, see [`KvLayout`]).
     #[allow(clippy::too_many_arguments)]
     fn write_kv(
         &self,
@@ -212,15 +314,16 @@ pub trait Backend: Send + Sync {
         k_cache: &mut Self::Buffer,
         v_cache: &mut Self::Buffer,
     ) -> Result<()>;
-    /// Softmax attention of `positions.len()` query rows `q` (`n_heads · head_dim` wide) over
-    /// the cache (`n_kv_heads · head_dim` per slot), per [`AttnSpec`]; `out` like `q`.
+    /// Softmax attention of the `layout.positions.len()` query rows `q` (`n_heads · head_dim`
+    /// wide) over the paged cache (`n_kv_heads · head_dim` per slot), per [`AttnSpec`], each
+    /// row over its own sequence's keys; `out` like `q`.
     fn attention(
         &self,
         q: &Self::Buffer,
         k_cache: &Self::Buffer,
         v_cache: &Self::Buffer,
         spec: &AttnSpec,
-        positions: &[u32],
+        layout: &KvLayout<'_>,
         out: &mut Self::Buffer,
     ) -> Result<()>;
     /// Mixture-of-experts routing of `n` tokens, each a row of `n_experts` router logits:

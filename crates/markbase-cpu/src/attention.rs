@@ -1,10 +1,10 @@
-//! Causal / sliding-window attention with GQA over a slot-addressed KV cache.
+//! Causal / sliding-window attention with GQA over a paged KV cache.
 //!
-//! Each (token, head) pair runs on its own: keys are visited in tiles with an online softmax,
-//! so the only scratch is on the stack and only the visible keys (the window, for sliding
-//! layers) are touched.
+//! Each (query row, head) pair runs on its own: keys are visited in tiles with an online
+//! softmax, so the only scratch is on the stack and only the visible keys (the window, for
+//! sliding layers) are touched. A row finds its sequence's block table through the layout.
 
-use markbase_core::backend::AttnSpec;
+use markbase_core::backend::{AttnSpec, KvLayout};
 use rayon::prelude::*;
 
 /// Keys scored at a time.
@@ -12,23 +12,29 @@ const KEY_TILE: usize = 64;
 /// Largest supported head dimension.
 pub const MAX_HEAD_DIM: usize = 512;
 
-/// Attention per [`AttnSpec`]; sizes are checked by the caller.
+/// Attention per [`AttnSpec`] and [`KvLayout`]; sizes and block ids are checked by the caller.
 pub fn attention(
     q: &[f32],
     k_cache: &[f32],
     v_cache: &[f32],
     spec: &AttnSpec,
-    positions: &[u32],
+    layout: &KvLayout<'_>,
     out: &mut [f32],
 ) {
     let hd = spec.head_dim;
     let kv_w = spec.n_kv_heads * hd;
     let group = spec.n_heads / spec.n_kv_heads;
+    let bs = layout.block_size;
+    let positions = layout.positions;
     out[..positions.len() * spec.n_heads * hd]
         .par_chunks_mut(hd)
         .enumerate()
         .for_each(|(i, o)| {
             let (t, h) = (i / spec.n_heads, i % spec.n_heads);
+            // The sequence of row t: the last s with seq_start[s] <= t.
+            let s = layout.seq_start.partition_point(|&st| st as usize <= t) - 1;
+            let table = &layout.block_tables[s * layout.table_width..][..layout.table_width];
+            let slot = |j: usize| table[j / bs] as usize * bs + j % bs;
             let p = positions[t] as usize;
             let lo = spec.window.map_or(0, |w| (p + 1).saturating_sub(w));
             let qrow = &q[i * hd..(i + 1) * hd];
@@ -41,8 +47,7 @@ pub fn attention(
                 let nk = KEY_TILE.min(p + 1 - j0);
                 let mut tile_max = f32::NEG_INFINITY;
                 for (jj, s) in scores[..nk].iter_mut().enumerate() {
-                    let slot = (j0 + jj) % spec.ring;
-                    let krow = &k_cache[slot * kv_w + koff..][..hd];
+                    let krow = &k_cache[slot(j0 + jj) * kv_w + koff..][..hd];
                     let mut v = dot(qrow, krow) * spec.scale;
                     if let Some(cap) = spec.softcap {
                         v = cap * (v / cap).tanh();
@@ -59,8 +64,7 @@ pub fn attention(
                 for (jj, s) in scores[..nk].iter().enumerate() {
                     let e = (s - max).exp();
                     sum += e;
-                    let slot = (j0 + jj) % spec.ring;
-                    let vrow = &v_cache[slot * kv_w + koff..][..hd];
+                    let vrow = &v_cache[slot(j0 + jj) * kv_w + koff..][..hd];
                     acc.iter_mut().zip(vrow).for_each(|(a, v)| *a += e * v);
                 }
             }

@@ -1,16 +1,18 @@
 //! [`CpuBackend`]: f32 activations in host memory, weights used in place from the mapped file,
 //! work spread over a private rayon pool.
 
-use markbase_core::backend::{AttnSpec, Backend, HostMatrix, NormOut, Rope};
+use markbase_core::backend::{AttnSpec, Backend, HostMatrix, KvLayout, NormOut, Rope};
 use markbase_core::quant::dequantize_row;
 use markbase_core::{Error, Result};
+use std::sync::Mutex;
 
 use crate::attention::{self, MAX_HEAD_DIM};
-use crate::{matmul, moe, ops};
+use crate::{lm_head, matmul, moe, ops};
 
 /// The CPU backend.
 pub struct CpuBackend {
     pool: rayon::ThreadPool,
+    screen: Mutex<lm_head::Scratch>,
 }
 
 /// An activation buffer: f32 values in host memory.
@@ -34,7 +36,10 @@ impl CpuBackend {
             .thread_name(|i| format!("markbase-cpu-{i}"))
             .build()
             .map_err(|e| Error::Invalid(format!("cannot start {threads} CPU threads: {e}")))?;
-        Ok(CpuBackend { pool })
+        Ok(CpuBackend {
+            pool,
+            screen: Mutex::default(),
+        })
     }
 
     /// Threads in the pool.
@@ -143,6 +148,38 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn screens_lm_head(&self) -> bool {
+        true
+    }
+
+    fn matmul_screened(
+        &self,
+        x: &CpuBuffer,
+        n: usize,
+        coarse: &CpuMatrix,
+        exact: &CpuMatrix,
+        top_k: usize,
+        out: &mut CpuBuffer,
+    ) -> Result<()> {
+        let (c, e) = (&coarse.0, &exact.0);
+        if (c.rows, c.cols) != (e.rows, e.cols) {
+            return Err(Error::Invalid(format!(
+                "cpu screened matmul: coarse [{}, {}] and exact [{}, {}] differ",
+                c.rows, c.cols, e.rows, e.cols
+            )));
+        }
+        need("matmul input", x.0.len(), n * e.cols)?;
+        need("matmul output", out.0.len(), n * e.rows)?;
+        let mut scratch = self
+            .screen
+            .lock()
+            .map_err(|_| Error::Invalid("cpu screened matmul: scratch poisoned".into()))?;
+        let scratch: &mut lm_head::Scratch = &mut scratch;
+        self.pool
+            .install(|| lm_head::screened(&x.0, n, c, e, top_k, scratch, &mut out.0));
+        Ok(())
+    }
+
     fn head_norm_rope(
         &self,
         x: &mut CpuBuffer,
@@ -212,28 +249,25 @@ impl Backend for CpuBackend {
         k_cache: &CpuBuffer,
         v_cache: &CpuBuffer,
         spec: &AttnSpec,
-        positions: &[u32],
+        layout: &KvLayout<'_>,
         out: &mut CpuBuffer,
     ) -> Result<()> {
         if spec.head_dim > MAX_HEAD_DIM
+            || spec.head_dim == 0
             || spec.n_kv_heads == 0
             || !spec.n_heads.is_multiple_of(spec.n_kv_heads)
-            || spec.ring == 0
             || spec.window == Some(0)
         {
             return Err(Error::Invalid(format!("cpu attention: bad spec {spec:?}")));
         }
-        let len = positions.len() * spec.n_heads * spec.head_dim;
+        let len = layout.positions.len() * spec.n_heads * spec.head_dim;
         need("attention query", q.0.len(), len)?;
         need("attention output", out.0.len(), len)?;
-        let slots = spec.ring * spec.n_kv_heads * spec.head_dim;
-        need(
-            "attention cache",
-            k_cache.0.len().min(v_cache.0.len()),
-            slots,
-        )?;
+        let block = layout.block_size * spec.n_kv_heads * spec.head_dim;
+        let n_blocks = k_cache.0.len().min(v_cache.0.len()) / block.max(1);
+        layout.check(spec.window, n_blocks)?;
         self.pool.install(|| {
-            attention::attention(&q.0, &k_cache.0, &v_cache.0, spec, positions, &mut out.0)
+            attention::attention(&q.0, &k_cache.0, &v_cache.0, spec, layout, &mut out.0)
         });
         Ok(())
     }

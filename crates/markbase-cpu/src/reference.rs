@@ -1,7 +1,7 @@
 //! Plain reference versions of every CPU operation: single-threaded, obviously right, slow.
 //! The fast kernels in this crate are tested against these on fresh random inputs.
 
-use markbase_core::backend::{AttnSpec, HostMatrix, Rope};
+use markbase_core::backend::{AttnSpec, HostMatrix, KvLayout, Rope};
 use markbase_core::quant::dequantize_row;
 use markbase_core::Result;
 
@@ -91,20 +91,26 @@ pub fn head_norm_rope(
     out
 }
 
-/// Attention with an explicit mask over every cached position, softmax in f64.
+/// Attention with an explicit mask over every position of the row's sequence, softmax in f64.
 pub fn attention(
     q: &[f32],
     k_cache: &[f32],
     v_cache: &[f32],
     spec: &AttnSpec,
-    positions: &[u32],
+    layout: &KvLayout<'_>,
 ) -> Vec<f32> {
+    let positions = layout.positions;
+    let bs = layout.block_size;
     let hd = spec.head_dim;
     let kv_w = spec.n_kv_heads * hd;
     let group = spec.n_heads / spec.n_kv_heads;
     let mut out = vec![0f32; positions.len() * spec.n_heads * hd];
     for (t, &p) in positions.iter().enumerate() {
         let p = p as usize;
+        let seq = (0..layout.n_seqs())
+            .find(|&s| (layout.seq_start[s]..layout.seq_start[s + 1]).contains(&(t as u32)))
+            .expect("every row belongs to a sequence");
+        let table = &layout.block_tables[seq * layout.table_width..][..layout.table_width];
         for h in 0..spec.n_heads {
             let kvh = h / group;
             let qrow = &q[(t * spec.n_heads + h) * hd..][..hd];
@@ -114,7 +120,7 @@ pub fn attention(
                 if !visible {
                     continue;
                 }
-                let slot = j % spec.ring;
+                let slot = table[j / bs] as usize * bs + j % bs;
                 let krow = &k_cache[slot * kv_w + kvh * hd..][..hd];
                 let mut s: f64 = qrow
                     .iter()

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use markbase_core::backend::{AttnSpec, Backend, HostBytes, HostMatrix, NormOut, Rope};
+use markbase_core::backend::{AttnSpec, Backend, HostBytes, HostMatrix, KvLayout, NormOut, Rope};
 use markbase_core::quant::GgmlType;
 use markbase_cpu::{reference, CpuBackend, CpuBuffer};
 use rand::rngs::StdRng;
@@ -194,16 +194,23 @@ fn attention_matches_reference() {
         } else {
             None
         };
-        let ring = 150;
-        let n = rng.random_range(1..12);
-        let p0 = rng.random_range(0..(ring - n) as u32 + 60);
-        let positions: Vec<u32> = (p0..p0 + n as u32).collect();
-        if window.is_none() && p0 as usize + n > ring {
-            continue;
-        }
-        if let Some(w) = window {
-            // A ring must hold the window behind the first query plus the chunk.
-            assert!(w + n - 1 <= ring);
+        // Several sequences, each a run of query rows at the end of its keys, with blocks
+        // scattered over the cache in a random order.
+        let (bs, n_blocks, width) = (4, 48, 10);
+        let mut free: Vec<u32> = (0..n_blocks as u32).collect();
+        let (mut positions, mut seq_start, mut tables) = (Vec::new(), vec![0u32], Vec::new());
+        for _ in 0..rng.random_range(1..4) {
+            let len = rng.random_range(1..=width * bs);
+            let rows = rng.random_range(1..=len.min(6));
+            positions.extend((len - rows) as u32..len as u32);
+            seq_start.push(positions.len() as u32);
+            for b in 0..width {
+                tables.push(if b * bs < len {
+                    free.swap_remove(rng.random_range(0..free.len()))
+                } else {
+                    u32::MAX
+                });
+            }
         }
         let spec = AttnSpec {
             n_heads: heads,
@@ -212,23 +219,35 @@ fn attention_matches_reference() {
             scale: rng.random_range(0.05..0.3),
             window,
             softcap: if case % 3 == 0 { Some(20.0) } else { None },
-            ring,
         };
+        let layout = KvLayout {
+            block_size: bs,
+            positions: &positions,
+            seq_start: &seq_start,
+            block_tables: &tables,
+            table_width: width,
+        };
+        let n = positions.len();
         let q = randn(&mut rng, n * heads * hd, 1.0);
-        let kc = randn(&mut rng, ring * kv * hd, 1.0);
-        let vc = randn(&mut rng, ring * kv * hd, 1.0);
+        let kc = randn(&mut rng, n_blocks * bs * kv * hd, 1.0);
+        let vc = randn(&mut rng, n_blocks * bs * kv * hd, 1.0);
         let mut out = be.alloc(n * heads * hd).unwrap();
-        be.attention(
-            &buf(&be, &q, 0),
-            &buf(&be, &kc, 0),
-            &buf(&be, &vc, 0),
-            &spec,
-            &positions,
-            &mut out,
-        )
-        .unwrap();
-        let want = reference::attention(&q, &kc, &vc, &spec, &positions);
+        let (kb, vb) = (buf(&be, &kc, 0), buf(&be, &vc, 0));
+        be.attention(&buf(&be, &q, 0), &kb, &vb, &spec, &layout, &mut out)
+            .unwrap();
+        let want = reference::attention(&q, &kc, &vc, &spec, &layout);
         assert_close(&format!("attention {spec:?}"), out.as_slice(), &want, 1e-5);
+        // A visible table entry outside the cache is an error, not a panic.
+        let mut bad = tables.clone();
+        bad[positions[0] as usize / bs] = n_blocks as u32;
+        let bad_layout = KvLayout {
+            block_tables: &bad,
+            ..layout
+        };
+        let q0 = buf(&be, &q, 0);
+        assert!(be
+            .attention(&q0, &kb, &vb, &spec, &bad_layout, &mut out)
+            .is_err());
     }
 }
 

@@ -1,7 +1,9 @@
 //! MarkBase engine: loading a model with its tokenizer, sampling, the generation loop,
-//! perplexity, speed tests, and pulling the default model.
+//! perplexity, speed tests, pulling the default model, and the serving [`Engine`] (continuous
+//! batching).
 
 pub mod bench;
+pub mod engine;
 pub mod generate;
 pub mod load;
 pub mod perplexity;
@@ -10,6 +12,7 @@ pub mod sampling;
 pub mod stop;
 
 pub use bench::{bench, BenchOptions, BenchResult};
+pub use engine::{Engine, EngineConfig, EngineStats, Event, Request, RequestHandle, SubmitError};
 pub use generate::{
     default_stop_tokens, generate, FinishReason, GenerateOptions, Generation, Session, Timings,
 };

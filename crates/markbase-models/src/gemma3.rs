@@ -10,12 +10,15 @@ use markbase_core::backend::{AttnSpec, Backend, NormOut, Rope};
 use markbase_core::config::{Gemma3Config, LayerKind, RopeConfig};
 use markbase_core::{Error, Result};
 
+use crate::lm_head::{LmHead, LmHeadMode};
+use crate::paged::{ChunkLayout, PagedKv, StepModel};
 use crate::weights::WeightStore;
 
-/// Tokens run through the layers together; longer inputs are processed in chunks of this size.
+/// Token rows run through the layers together; larger steps are processed in chunks of this
+/// size.
 pub const MAX_BATCH: usize = 128;
-/// Token rows put through the LM head at a time when every position's logits are wanted.
-const LOGIT_ROWS: usize = 8;
+/// Token rows put through the LM head together (each weight row is read once for all of them).
+const LOGIT_ROWS: usize = 64;
 
 /// Weights of one decoder layer.
 struct Layer<B: Backend> {
@@ -49,55 +52,6 @@ struct Workspace<B: Backend> {
     head_in: B::Buffer,
     head_norm: B::Buffer,
     logits: B::Buffer,
-    positions: Vec<u32>,
-    slots: Vec<u32>,
-}
-
-/// The KV cache of one sequence: per layer a K and a V buffer of `ring` slots.
-pub struct Gemma3Cache<B: Backend> {
-    layers: Vec<(B::Buffer, B::Buffer, usize)>,
-    len: usize,
-    capacity: usize,
-}
-
-impl<B: Backend> Gemma3Cache<B> {
-    /// Tokens held.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Whether no token is held.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// Most tokens the cache can hold.
-    pub fn capacity(&self) -> usize {
-        self.capacity
-    }
-
-    /// Forgets every token.
-    pub fn clear(&mut self) {
-        self.len = 0;
-    }
-
-    /// Keeps the first `n` tokens. Sliding layers keep only their recent keys, so going back
-    /// further than their ring's slack (`ring − window` tokens) is an error.
-    pub fn truncate(&mut self, n: usize, window: usize) -> Result<()> {
-        if n >= self.len {
-            return Ok(());
-        }
-        for &(_, _, ring) in &self.layers {
-            if ring < self.capacity && self.len - n > ring + 1 - window.min(ring) {
-                return Err(Error::Invalid(format!(
-                    "cannot truncate the KV cache from {} to {n} tokens: sliding layers keep only the last {ring}",
-                    self.len
-                )));
-            }
-        }
-        self.len = n;
-        Ok(())
-    }
 }
 
 /// A loaded Gemma 3 text model on backend `B`.
@@ -105,7 +59,7 @@ pub struct Gemma3<B: Backend> {
     cfg: Gemma3Config,
     backend: B,
     embed: B::Matrix,
-    lm_head: Option<B::Matrix>,
+    head: LmHead<B>,
     final_norm: B::Vector,
     layers: Vec<Layer<B>>,
     work: Mutex<Workspace<B>>,
@@ -121,12 +75,13 @@ fn rope_of(r: &RopeConfig, head_dim: usize) -> Rope {
 }
 
 impl<B: Backend> Gemma3<B> {
-    /// Loads weights from `store` onto `backend`. `progress(done, total)` is called as weight
-    /// bytes are prepared.
+    /// Loads weights from `store` onto `backend`, the LM head per `lm_head`.
+    /// `progress(done, total)` is called as weight bytes are prepared.
     pub fn load(
         cfg: Gemma3Config,
         store: &WeightStore,
         backend: B,
+        lm_head: LmHeadMode,
         progress: &dyn Fn(u64, u64),
     ) -> Result<Self> {
         let hf = matches!(store, WeightStore::Hf { .. });
@@ -156,14 +111,16 @@ impl<B: Backend> Gemma3<B> {
         let norm = |name: &str, len: usize| -> Result<B::Vector> {
             backend.load_vector(&store.norm(name, len, hf)?)
         };
-        let embed = backend.load_matrix(&store.matrix(embed_name, cfg.n_vocab, d)?)?;
+        let embed_m = store.matrix(embed_name, cfg.n_vocab, d)?;
+        let embed = backend.load_matrix(&embed_m)?;
         tick(embed_name);
-        let lm_head = if lm_head_present {
-            let m = backend.load_matrix(&store.matrix(out_name, cfg.n_vocab, d)?)?;
+        let head = if lm_head_present {
+            let head_m = store.matrix(out_name, cfg.n_vocab, d)?;
+            let own = backend.load_matrix(&head_m)?;
             tick(out_name);
-            Some(m)
+            LmHead::load(&backend, &head_m, Some(own), lm_head)?
         } else {
-            None
+            LmHead::load(&backend, &embed_m, None, lm_head)?
         };
         let final_norm = norm(final_name, d)?;
         tick(final_name);
@@ -216,18 +173,21 @@ impl<B: Backend> Gemma3<B> {
             head_in: backend.alloc(LOGIT_ROWS * d)?,
             head_norm: backend.alloc(LOGIT_ROWS * d)?,
             logits: backend.alloc(LOGIT_ROWS * cfg.n_vocab)?,
-            positions: Vec::with_capacity(MAX_BATCH),
-            slots: Vec::with_capacity(MAX_BATCH),
         });
         Ok(Gemma3 {
             cfg,
             backend,
             embed,
-            lm_head,
+            head,
             final_norm,
             layers,
             work,
         })
+    }
+
+    /// The LM head.
+    pub fn head(&self) -> &LmHead<B> {
+        &self.head
     }
 
     /// The hyper-parameters.
@@ -235,132 +195,61 @@ impl<B: Backend> Gemma3<B> {
         &self.cfg
     }
 
-    /// A cache for up to `max_tokens` tokens: full layers keep every position, sliding layers a
-    /// ring of `window + MAX_BATCH − 1` slots (a chunk's earliest query still sees its window).
-    pub fn new_cache(&self, max_tokens: usize) -> Result<Gemma3Cache<B>> {
-        if max_tokens > self.cfg.context_length {
-            return Err(Error::ContextOverflow {
-                tokens: max_tokens,
-                context: self.cfg.context_length,
-            });
-        }
+    /// The backend.
+    pub(crate) fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    /// Kind and K/V row width of each layer's cache (every layer owns one).
+    pub(crate) fn caches(&self) -> Vec<(LayerKind, usize)> {
         let row = self.cfg.n_kv_heads * self.cfg.head_dim;
-        let layers = self
-            .layers
-            .iter()
-            .map(|l| {
-                let ring = match l.kind {
-                    LayerKind::Full => max_tokens,
-                    LayerKind::Sliding => max_tokens.min(self.cfg.sliding_window + MAX_BATCH - 1),
-                }
-                .max(1);
-                Ok((
-                    self.backend.alloc(ring * row)?,
-                    self.backend.alloc(ring * row)?,
-                    ring,
-                ))
-            })
-            .collect::<Result<Vec<_>>>()?;
-        Ok(Gemma3Cache {
-            layers,
-            len: 0,
-            capacity: max_tokens,
-        })
+        self.layers.iter().map(|l| (l.kind, row)).collect()
     }
 
-    /// Runs `tokens` at positions `cache.len()..`, appends them to the cache and returns the
-    /// logits of the last token (`all = false`) or of every token (row-major).
-    pub fn forward(
-        &self,
-        cache: &mut Gemma3Cache<B>,
-        tokens: &[u32],
-        all: bool,
-    ) -> Result<Vec<f32>> {
-        if tokens.is_empty() {
-            return Err(Error::Invalid("forward called with no tokens".into()));
-        }
-        let end = cache.len + tokens.len();
-        if end > cache.capacity {
-            return Err(Error::ContextOverflow {
-                tokens: end,
-                context: cache.capacity,
-            });
-        }
-        if cache.layers.len() != self.layers.len() {
-            return Err(Error::Invalid("KV cache belongs to another model".into()));
-        }
-        let n_vocab = self.cfg.n_vocab;
-        let mut out = vec![0f32; if all { tokens.len() * n_vocab } else { n_vocab }];
-        let mut work = self
-            .work
-            .lock()
-            .map_err(|_| Error::Invalid("model workspace poisoned by an earlier panic".into()))?;
-        let start = cache.len;
-        for (c, chunk) in tokens.chunks(MAX_BATCH).enumerate() {
-            let p0 = start + c * MAX_BATCH;
-            self.layers_forward(&mut work, cache, chunk, p0)?;
-            let n = chunk.len();
-            if all {
-                let base = c * MAX_BATCH;
-                self.lm_head(
-                    &mut work,
-                    0,
-                    n,
-                    &mut out[base * n_vocab..(base + n) * n_vocab],
-                )?;
-            } else if p0 + n == end {
-                self.lm_head(&mut work, n - 1, 1, &mut out)?;
-            }
-        }
-        cache.len = end;
-        Ok(out)
-    }
-
-    /// Final norm + LM head (+ softcap) for rows `first..first + n` of the hidden state.
-    fn lm_head(&self, w: &mut Workspace<B>, first: usize, n: usize, out: &mut [f32]) -> Result<()> {
+    /// Final norm + LM head (+ softcap) for hidden-state rows `rows`, row-major into `out`.
+    fn lm_head(&self, w: &mut Workspace<B>, rows: &[usize], out: &mut [f32]) -> Result<()> {
         let (be, d, nv) = (&self.backend, self.cfg.d_model, self.cfg.n_vocab);
         let eps = self.cfg.rms_eps as f32;
-        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        for r0 in (0..n).step_by(LOGIT_ROWS) {
-            let rows = LOGIT_ROWS.min(n - r0);
-            be.copy(&w.h, (first + r0) * d, &mut w.head_in, 0, rows * d)?;
+        for (g, group) in rows.chunks(LOGIT_ROWS).enumerate() {
+            let n = group.len();
+            for (i, &r) in group.iter().enumerate() {
+                be.copy(&w.h, r * d, &mut w.head_in, i * d, d)?;
+            }
             let final_norm = Some(&self.final_norm);
             be.rms_norm(
                 &w.head_in,
                 final_norm,
                 eps,
-                rows,
+                n,
                 d,
                 &mut w.head_norm,
                 NormOut::Write,
             )?;
-            be.matmul(&w.head_norm, rows, head, &mut w.logits)?;
+            self.head
+                .matmul(be, &self.embed, &w.head_norm, n, &mut w.logits)?;
             if let Some(cap) = self.cfg.final_logit_softcap {
-                be.softcap(&mut w.logits, cap as f32, rows * nv)?;
+                be.softcap(&mut w.logits, cap as f32, n * nv)?;
             }
-            be.read(&w.logits, &mut out[r0 * nv..(r0 + rows) * nv])?;
+            let r0 = g * LOGIT_ROWS;
+            be.read(&w.logits, &mut out[r0 * nv..(r0 + n) * nv])?;
         }
         Ok(())
     }
 
-    /// Every decoder layer for one chunk of tokens starting at position `p0`; leaves the
-    /// hidden state in `w.h`.
+    /// Every decoder layer for one chunk of tokens; leaves the hidden state in `w.h`.
     fn layers_forward(
         &self,
         w: &mut Workspace<B>,
-        cache: &mut Gemma3Cache<B>,
-        tokens: &[u32],
-        p0: usize,
+        kv: &mut PagedKv<B>,
+        l: &ChunkLayout,
     ) -> Result<()> {
         let cfg = &self.cfg;
         let be = &self.backend;
-        let n = tokens.len();
+        let n = l.n();
         let (d, hd, ff) = (cfg.d_model, cfg.head_dim, cfg.n_ff);
         let eps = cfg.rms_eps as f32;
-        w.positions.clear();
-        w.positions.extend((p0..p0 + n).map(|p| p as u32));
-        be.embed(&self.embed, tokens, (d as f32).sqrt(), &mut w.h)?;
-        for (layer, (kc, vc, ring)) in self.layers.iter().zip(cache.layers.iter_mut()) {
+        be.embed(&self.embed, &l.tokens, (d as f32).sqrt(), &mut w.h)?;
+        for (layer, (kc, vc, _)) in self.layers.iter().zip(kv.layers.iter_mut()) {
             let (rope, window) = match layer.kind {
                 LayerKind::Full => (rope_of(&cfg.rope_global, hd), None),
                 LayerKind::Sliding => (rope_of(&cfg.rope_local, hd), Some(cfg.sliding_window)),
@@ -378,7 +267,7 @@ impl<B: Backend> Gemma3<B> {
             be.matmul(&w.x, n, &layer.q, &mut w.q)?;
             be.matmul(&w.x, n, &layer.k, &mut w.k)?;
             be.matmul(&w.x, n, &layer.v, &mut w.v)?;
-            let positions = &w.positions;
+            let positions = &l.positions;
             be.head_norm_rope(
                 &mut w.q,
                 cfg.n_heads,
@@ -395,9 +284,8 @@ impl<B: Backend> Gemma3<B> {
                 &rope,
                 positions,
             )?;
-            w.slots.clear();
-            w.slots.extend(positions.iter().map(|&p| p % *ring as u32));
-            be.write_kv(&w.k, &w.v, cfg.n_kv_heads * hd, &w.slots, kc, vc)?;
+            let slots = l.slots(layer.kind);
+            be.write_kv(&w.k, &w.v, cfg.n_kv_heads * hd, slots, kc, vc)?;
             let spec = AttnSpec {
                 n_heads: cfg.n_heads,
                 n_kv_heads: cfg.n_kv_heads,
@@ -405,9 +293,8 @@ impl<B: Backend> Gemma3<B> {
                 scale: cfg.attn_scale(),
                 window,
                 softcap: cfg.attn_logit_softcap.map(|c| c as f32),
-                ring: *ring,
             };
-            be.attention(&w.q, kc, vc, &spec, positions, &mut w.attn)?;
+            be.attention(&w.q, kc, vc, &spec, &l.kv(layer.kind), &mut w.attn)?;
             be.matmul(&w.attn, n, &layer.o, &mut w.proj)?;
             be.rms_norm(
                 &w.proj,
@@ -443,6 +330,28 @@ impl<B: Backend> Gemma3<B> {
             )?;
         }
         Ok(())
+    }
+}
+
+impl<B: Backend> StepModel<B> for Gemma3<B> {
+    fn max_rows(&self) -> usize {
+        MAX_BATCH
+    }
+
+    fn n_vocab(&self) -> usize {
+        self.cfg.n_vocab
+    }
+
+    fn run_chunk(&self, kv: &mut PagedKv<B>, l: &ChunkLayout, out: &mut [f32]) -> Result<()> {
+        if kv.geometry != self.caches() {
+            return Err(Error::Invalid("KV cache belongs to another model".into()));
+        }
+        let mut work = self
+            .work
+            .lock()
+            .map_err(|_| Error::Invalid("model workspace poisoned by an earlier panic".into()))?;
+        self.layers_forward(&mut work, kv, l)?;
+        self.lm_head(&mut work, &l.logit_rows, out)
     }
 }
 

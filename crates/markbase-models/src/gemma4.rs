@@ -31,12 +31,15 @@ use markbase_core::quant::GgmlType;
 use markbase_core::{Error, Result};
 
 use crate::gemma4_config::{Gemma4Config, Gemma4Layer, Gemma4Rope};
+use crate::lm_head::{LmHead, LmHeadMode};
+use crate::paged::{ChunkLayout, PagedKv, StepModel};
 use crate::weights::WeightStore;
 
-/// Tokens run through the layers together; longer inputs are processed in chunks of this size.
+/// Token rows run through the layers together; larger steps are processed in chunks of this
+/// size.
 pub const MAX_BATCH: usize = 64;
-/// Token rows put through the LM head at a time when every position's logits are wanted.
-const LOGIT_ROWS: usize = 8;
+/// Token rows put through the LM head together (each weight row is read once for all of them).
+const LOGIT_ROWS: usize = 64;
 
 /// K/V projections of a layer that owns a cache.
 struct KvWeights<B: Backend> {
@@ -130,61 +133,6 @@ struct Workspace<B: Backend> {
     head_in: B::Buffer,
     head_norm: B::Buffer,
     logits: B::Buffer,
-    positions: Vec<u32>,
-    slots: Vec<u32>,
-}
-
-/// The KV cache of one sequence: a K and a V buffer of `ring` slots per KV-producing layer
-/// (KV-shared layers own none).
-pub struct Gemma4Cache<B: Backend> {
-    layers: Vec<(B::Buffer, B::Buffer, usize)>,
-    len: usize,
-    capacity: usize,
-}
-
-impl<B: Backend> Gemma4Cache<B> {
-    /// Tokens held.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Whether no token is held.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// Most tokens the cache can hold.
-    pub fn capacity(&self) -> usize {
-        self.capacity
-    }
-
-    /// Caches allocated (one per KV-producing layer).
-    pub fn n_layer_caches(&self) -> usize {
-        self.layers.len()
-    }
-
-    /// Forgets every token.
-    pub fn clear(&mut self) {
-        self.len = 0;
-    }
-
-    /// Keeps the first `n` tokens. Sliding layers keep only their recent keys, so going back
-    /// further than their ring's slack (`ring − window` tokens) is an error.
-    pub fn truncate(&mut self, n: usize, window: usize) -> Result<()> {
-        if n >= self.len {
-            return Ok(());
-        }
-        for &(_, _, ring) in &self.layers {
-            if ring < self.capacity && self.len - n > ring + 1 - window.min(ring) {
-                return Err(Error::Invalid(format!(
-                    "cannot truncate the KV cache from {} to {n} tokens: sliding layers keep only the last {ring}",
-                    self.len
-                )));
-            }
-        }
-        self.len = n;
-        Ok(())
-    }
 }
 
 /// A loaded Gemma 4 text model on backend `B`.
@@ -192,6 +140,7 @@ pub struct Gemma4<B: Backend> {
     cfg: Gemma4Config,
     backend: B,
     embed: B::Matrix,
+    head: LmHead<B>,
     embed_scale: f32,
     final_norm: B::Vector,
     ple: Option<PleGlobals<B>>,
@@ -223,12 +172,13 @@ fn round_to_dtype(x: f32, ty: GgmlType) -> f32 {
 }
 
 impl<B: Backend> Gemma4<B> {
-    /// Loads weights from `store` onto `backend`. `progress(done, total)` is called as weight
-    /// bytes are prepared.
+    /// Loads weights from `store` onto `backend`, the LM head per `lm_head`.
+    /// `progress(done, total)` is called as weight bytes are prepared.
     pub fn load(
         cfg: Gemma4Config,
         store: &WeightStore,
         backend: B,
+        lm_head: LmHeadMode,
         progress: &dyn Fn(u64, u64),
     ) -> Result<Self> {
         let names = Names {
@@ -265,6 +215,7 @@ impl<B: Backend> Gemma4<B> {
         let embed_scale = round_to_dtype((d as f32).sqrt(), embed_m.ty);
         let embed = backend.load_matrix(&embed_m)?;
         tick(g.embed);
+        let head = LmHead::load(&backend, &embed_m, None, lm_head)?;
         let final_norm = norm(g.final_norm, d)?;
         let ple = match cfg.ple {
             Some(p) => {
@@ -393,13 +344,12 @@ impl<B: Backend> Gemma4<B> {
             head_in: backend.alloc(LOGIT_ROWS * d)?,
             head_norm: backend.alloc(LOGIT_ROWS * d)?,
             logits: backend.alloc(LOGIT_ROWS * cfg.n_vocab)?,
-            positions: Vec::with_capacity(b),
-            slots: Vec::with_capacity(b),
         });
         Ok(Gemma4 {
             cfg,
             backend,
             embed,
+            head,
             embed_scale,
             final_norm,
             ple,
@@ -409,65 +359,28 @@ impl<B: Backend> Gemma4<B> {
         })
     }
 
+    /// The LM head.
+    pub fn head(&self) -> &LmHead<B> {
+        &self.head
+    }
+
     /// The hyper-parameters.
     pub fn config(&self) -> &Gemma4Config {
         &self.cfg
     }
 
-    /// A cache for up to `max_tokens` tokens: one per KV-producing layer; full layers keep every
-    /// position, sliding layers a ring of `window + MAX_BATCH − 1` slots (the window plus the
-    /// slack a prefill chunk's earliest query needs).
-    pub fn new_cache(&self, max_tokens: usize) -> Result<Gemma4Cache<B>> {
-        if max_tokens > self.cfg.context_length {
-            return Err(Error::ContextOverflow {
-                tokens: max_tokens,
-                context: self.cfg.context_length,
-            });
-        }
-        let max_tokens = max_tokens.max(1);
-        let layers = self
-            .caches
-            .iter()
-            .map(|&(kind, row)| {
-                let ring = match kind {
-                    LayerKind::Full => max_tokens,
-                    LayerKind::Sliding => max_tokens.min(self.cfg.sliding_window + MAX_BATCH - 1),
-                };
-                Ok((
-                    self.backend.alloc(ring * row)?,
-                    self.backend.alloc(ring * row)?,
-                    ring,
-                ))
-            })
-            .collect::<Result<Vec<_>>>()?;
-        Ok(Gemma4Cache {
-            layers,
-            len: 0,
-            capacity: max_tokens,
-        })
+    /// The backend.
+    pub(crate) fn backend(&self) -> &B {
+        &self.backend
     }
 
-    /// Runs `tokens` at positions `cache.len()..`, appends them to the cache and returns the
-    /// logits of the last token (`all = false`) or of every token (row-major).
-    pub fn forward(
-        &self,
-        cache: &mut Gemma4Cache<B>,
-        tokens: &[u32],
-        all: bool,
-    ) -> Result<Vec<f32>> {
-        if tokens.is_empty() {
-            return Err(Error::Invalid("forward called with no tokens".into()));
-        }
-        let end = cache.len + tokens.len();
-        if end > cache.capacity {
-            return Err(Error::ContextOverflow {
-                tokens: end,
-                context: cache.capacity,
-            });
-        }
-        if cache.layers.len() != self.caches.len() {
-            return Err(Error::Invalid("KV cache belongs to another model".into()));
-        }
+    /// Kind and K/V row width of each cache (one per KV-producing layer).
+    pub(crate) fn caches(&self) -> &[(LayerKind, usize)] {
+        &self.caches
+    }
+
+    /// Checks that every token has a row in the embedding and per-layer tables.
+    fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
         if let Some(&t) = tokens.iter().find(|&&t| t as usize >= self.cfg.n_vocab) {
             return Err(Error::Invalid(format!(
                 "token id {t} is outside the vocabulary of {}",
@@ -482,54 +395,34 @@ impl<B: Backend> Gemma4<B> {
                 )));
             }
         }
-        let n_vocab = self.cfg.n_vocab;
-        let mut out = vec![0f32; if all { tokens.len() * n_vocab } else { n_vocab }];
-        let mut work = self
-            .work
-            .lock()
-            .map_err(|_| Error::Invalid("model workspace poisoned by an earlier panic".into()))?;
-        let start = cache.len;
-        for (c, chunk) in tokens.chunks(MAX_BATCH).enumerate() {
-            let p0 = start + c * MAX_BATCH;
-            self.layers_forward(&mut work, cache, chunk, p0)?;
-            let n = chunk.len();
-            if all {
-                let base = c * MAX_BATCH;
-                self.lm_head(
-                    &mut work,
-                    0,
-                    n,
-                    &mut out[base * n_vocab..(base + n) * n_vocab],
-                )?;
-            } else if p0 + n == end {
-                self.lm_head(&mut work, n - 1, 1, &mut out)?;
-            }
-        }
-        cache.len = end;
-        Ok(out)
+        Ok(())
     }
 
-    /// Final norm + tied LM head + softcap for rows `first..first + n` of the hidden state.
-    fn lm_head(&self, w: &mut Workspace<B>, first: usize, n: usize, out: &mut [f32]) -> Result<()> {
+    /// Final norm + tied LM head + softcap for hidden-state rows `rows`, row-major into `out`.
+    fn lm_head(&self, w: &mut Workspace<B>, rows: &[usize], out: &mut [f32]) -> Result<()> {
         let (be, d, nv) = (&self.backend, self.cfg.d_model, self.cfg.n_vocab);
         let eps = self.cfg.rms_eps as f32;
-        for r0 in (0..n).step_by(LOGIT_ROWS) {
-            let rows = LOGIT_ROWS.min(n - r0);
-            be.copy(&w.h, (first + r0) * d, &mut w.head_in, 0, rows * d)?;
+        for (g, group) in rows.chunks(LOGIT_ROWS).enumerate() {
+            let n = group.len();
+            for (i, &r) in group.iter().enumerate() {
+                be.copy(&w.h, r * d, &mut w.head_in, i * d, d)?;
+            }
             be.rms_norm(
                 &w.head_in,
                 Some(&self.final_norm),
                 eps,
-                rows,
+                n,
                 d,
                 &mut w.head_norm,
                 NormOut::Write,
             )?;
-            be.matmul(&w.head_norm, rows, &self.embed, &mut w.logits)?;
+            self.head
+                .matmul(be, &self.embed, &w.head_norm, n, &mut w.logits)?;
             if let Some(cap) = self.cfg.final_logit_softcap {
-                be.softcap(&mut w.logits, cap as f32, rows * nv)?;
+                be.softcap(&mut w.logits, cap as f32, n * nv)?;
             }
-            be.read(&w.logits, &mut out[r0 * nv..(r0 + rows) * nv])?;
+            let r0 = g * LOGIT_ROWS;
+            be.read(&w.logits, &mut out[r0 * nv..(r0 + n) * nv])?;
         }
         Ok(())
     }
@@ -559,26 +452,22 @@ impl<B: Backend> Gemma4<B> {
         be.scale(&mut w.ple_all, std::f32::consts::FRAC_1_SQRT_2, n * l * p)
     }
 
-    /// Every decoder layer for one chunk of tokens starting at position `p0`; leaves the
-    /// hidden state in `w.h`.
+    /// Every decoder layer for one chunk of tokens; leaves the hidden state in `w.h`.
     fn layers_forward(
         &self,
         w: &mut Workspace<B>,
-        cache: &mut Gemma4Cache<B>,
-        tokens: &[u32],
-        p0: usize,
+        kv: &mut PagedKv<B>,
+        l: &ChunkLayout,
     ) -> Result<()> {
         let cfg = &self.cfg;
         let be = &self.backend;
-        let n = tokens.len();
+        let n = l.n();
         let d = cfg.d_model;
         let eps = cfg.rms_eps as f32;
-        w.positions.clear();
-        w.positions.extend((p0..p0 + n).map(|p| p as u32));
-        be.embed(&self.embed, tokens, self.embed_scale, &mut w.h)?;
-        self.per_layer_inputs(w, tokens)?;
+        be.embed(&self.embed, &l.tokens, self.embed_scale, &mut w.h)?;
+        self.per_layer_inputs(w, &l.tokens)?;
         for (li, layer) in self.layers.iter().enumerate() {
-            self.attention_block(w, cache, layer, n)?;
+            self.attention_block(w, kv, l, layer)?;
             self.ffn_block(w, layer, n)?;
             if let Some(ple) = &layer.ple {
                 let p = ple_width(cfg);
@@ -608,10 +497,11 @@ impl<B: Backend> Gemma4<B> {
     fn attention_block(
         &self,
         w: &mut Workspace<B>,
-        cache: &mut Gemma4Cache<B>,
+        paged: &mut PagedKv<B>,
+        l: &ChunkLayout,
         layer: &Layer<B>,
-        n: usize,
     ) -> Result<()> {
+        let n = l.n();
         let cfg = &self.cfg;
         let be = &self.backend;
         let (d, hd, kvh) = (cfg.d_model, layer.geo.head_dim, layer.geo.n_kv_heads);
@@ -636,9 +526,9 @@ impl<B: Backend> Gemma4<B> {
             hd,
             Some((&layer.q_norm, eps)),
             &rope,
-            &w.positions,
+            &l.positions,
         )?;
-        let (kc, vc, ring) = &mut cache.layers[layer.cache];
+        let (kc, vc, _) = &mut paged.layers[layer.cache];
         if let Some(kv) = &layer.kv {
             be.matmul(&w.x, n, &kv.k, &mut w.k)?;
             // v_norm: weightless RMSNorm of V — the raw K projection under k_eq_v.
@@ -655,12 +545,10 @@ impl<B: Backend> Gemma4<B> {
                 hd,
                 Some((&kv.k_norm, eps)),
                 &rope,
-                &w.positions,
+                &l.positions,
             )?;
-            w.slots.clear();
-            w.slots
-                .extend(w.positions.iter().map(|&p| p % *ring as u32));
-            be.write_kv(&w.k, &w.v, kvh * hd, &w.slots, kc, vc)?;
+            let slots = l.slots(layer.geo.kind);
+            be.write_kv(&w.k, &w.v, kvh * hd, slots, kc, vc)?;
         }
         let spec = AttnSpec {
             n_heads: cfg.n_heads,
@@ -669,9 +557,8 @@ impl<B: Backend> Gemma4<B> {
             scale: 1.0,
             window,
             softcap: None,
-            ring: *ring,
         };
-        be.attention(&w.q, kc, vc, &spec, &w.positions, &mut w.attn)?;
+        be.attention(&w.q, kc, vc, &spec, &l.kv(layer.geo.kind), &mut w.attn)?;
         be.matmul(&w.attn, n, &layer.o, &mut w.proj)?;
         be.rms_norm(
             &w.proj,
@@ -781,6 +668,29 @@ impl<B: Backend> Gemma4<B> {
             &mut w.h,
             NormOut::AddTo,
         )
+    }
+}
+
+impl<B: Backend> StepModel<B> for Gemma4<B> {
+    fn max_rows(&self) -> usize {
+        MAX_BATCH
+    }
+
+    fn n_vocab(&self) -> usize {
+        self.cfg.n_vocab
+    }
+
+    fn run_chunk(&self, kv: &mut PagedKv<B>, l: &ChunkLayout, out: &mut [f32]) -> Result<()> {
+        if kv.geometry != self.caches {
+            return Err(Error::Invalid("KV cache belongs to another model".into()));
+        }
+        self.check_tokens(&l.tokens)?;
+        let mut work = self
+            .work
+            .lock()
+            .map_err(|_| Error::Invalid("model workspace poisoned by an earlier panic".into()))?;
+        self.layers_forward(&mut work, kv, l)?;
+        self.lm_head(&mut work, &l.logit_rows, out)
     }
 }
 

@@ -9,9 +9,11 @@ use markbase_core::safetensors::SafetensorsDir;
 use markbase_core::{Error, Result};
 use markbase_cpu::CpuBackend;
 
-use crate::gemma3::{Gemma3, Gemma3Cache};
-use crate::gemma4::{Gemma4, Gemma4Cache};
+use crate::gemma3::Gemma3;
+use crate::gemma4::Gemma4;
 use crate::gemma4_config::Gemma4Config;
+use crate::lm_head::LmHeadMode;
+use crate::paged::{self, kind_index, PagedKv, SeqStep};
 use crate::synthetic::{SyntheticSpec, SyntheticWeights};
 use crate::weights::WeightStore;
 
@@ -53,6 +55,8 @@ pub struct LoadOptions<'a> {
     pub threads: usize,
     /// Called with (bytes done, bytes total) as weights are prepared.
     pub progress: Option<&'a (dyn Fn(u64, u64) + Sync)>,
+    /// How the LM head is evaluated.
+    pub lm_head: LmHeadMode,
 }
 
 /// Facts about a loaded model.
@@ -78,6 +82,8 @@ pub struct ModelInfo {
     pub sliding_window: usize,
     /// Bytes of weights used.
     pub weight_bytes: u64,
+    /// How the LM head is evaluated ("exact" or "screened (...)").
+    pub lm_head: String,
     /// Every hyper-parameter as (name, value).
     pub hyper_params: Vec<(String, String)>,
 }
@@ -86,8 +92,8 @@ impl ModelInfo {
     /// One `name: value` line per hyper-parameter.
     pub fn describe(&self) -> String {
         let mut s = format!(
-            "architecture: {}\nweight_bytes: {}\n",
-            self.architecture, self.weight_bytes
+            "architecture: {}\nweight_bytes: {}\nlm_head: {}\n",
+            self.architecture, self.weight_bytes, self.lm_head
         );
         for (k, v) in &self.hyper_params {
             s.push_str(&format!("{k}: {v}\n"));
@@ -117,64 +123,87 @@ enum Arch {
     Gemma4(Box<Gemma4<CpuBackend>>),
 }
 
-/// The key/value cache of one sequence.
-pub struct KvCache {
-    inner: ArchCache,
-    window: usize,
-    n_layers: usize,
+/// Paged key/value storage shared by many sequences (see [`crate::paged`]): per layer that
+/// owns a cache, `blocks(kind) · block_size` slots. Which sequence owns which block is the
+/// caller's business ([`Model::step`] takes each sequence's block tables).
+pub struct KvPool {
+    kv: PagedKv<CpuBackend>,
 }
 
-/// The architecture-specific cache.
-enum ArchCache {
-    Gemma3(Gemma3Cache<CpuBackend>),
-    Gemma4(Gemma4Cache<CpuBackend>),
+impl KvPool {
+    /// Slots per block.
+    pub fn block_size(&self) -> usize {
+        self.kv.block_size
+    }
+
+    /// Blocks for layers of `kind`.
+    pub fn blocks(&self, kind: LayerKind) -> usize {
+        self.kv.n_blocks[kind_index(kind)]
+    }
+}
+
+/// Slots per block of a [`KvCache`].
+const CACHE_BLOCK: usize = 16;
+
+/// The key/value cache of one sequence: a private [`KvPool`] whose full-attention layers get a
+/// block per 16 positions and whose sliding layers reuse a ring of blocks.
+pub struct KvCache {
+    pool: KvPool,
+    /// Block table of full-attention layers: block `i` for positions `16·i ..`.
+    full: Vec<u32>,
+    /// Block table of sliding layers: logical block `i` in ring block `i % ring`.
+    sliding: Vec<u32>,
+    /// Blocks in the sliding ring.
+    ring: usize,
+    len: usize,
+    capacity: usize,
+    window: usize,
 }
 
 impl KvCache {
     /// Tokens held.
     pub fn len(&self) -> usize {
-        match &self.inner {
-            ArchCache::Gemma3(c) => c.len(),
-            ArchCache::Gemma4(c) => c.len(),
-        }
+        self.len
     }
 
     /// Whether no token is held.
     pub fn is_empty(&self) -> bool {
-        self.len() == 0
+        self.len == 0
     }
 
     /// Most tokens it can hold.
     pub fn capacity(&self) -> usize {
-        match &self.inner {
-            ArchCache::Gemma3(c) => c.capacity(),
-            ArchCache::Gemma4(c) => c.capacity(),
-        }
+        self.capacity
     }
 
     /// Keeps the first `n` tokens. Fails when sliding-window layers no longer hold the keys
-    /// position `n` would need (going back more than about `MAX_BATCH` tokens).
+    /// position `n` would need (going back more than about a chunk of tokens).
     pub fn truncate(&mut self, n: usize) -> Result<()> {
-        match &mut self.inner {
-            ArchCache::Gemma3(c) => c.truncate(n, self.window),
-            ArchCache::Gemma4(c) => c.truncate(n, self.window),
+        if n >= self.len {
+            return Ok(());
         }
+        let has_sliding = self.pool.kv.has_kind(kind_index(LayerKind::Sliding));
+        let lo = (n + 1).saturating_sub(self.window);
+        // Ring block of position q was last overwritten by the latest position in it.
+        let oldest_kept = ((self.len - 1) / CACHE_BLOCK + 1).saturating_sub(self.ring);
+        if has_sliding && n > 0 && lo / CACHE_BLOCK < oldest_kept {
+            return Err(Error::Invalid(format!(
+                "cannot truncate the KV cache from {} to {n} tokens: sliding layers keep only the last {} blocks",
+                self.len, self.ring
+            )));
+        }
+        self.len = n;
+        Ok(())
     }
 
     /// Forgets every token.
     pub fn clear(&mut self) {
-        match &mut self.inner {
-            ArchCache::Gemma3(c) => c.clear(),
-            ArchCache::Gemma4(c) => c.clear(),
-        }
+        self.len = 0;
     }
 
     /// Layers that own K/V buffers (Gemma 4's KV-shared layers own none).
     pub fn n_layer_caches(&self) -> usize {
-        match &self.inner {
-            ArchCache::Gemma3(_) => self.n_layers,
-            ArchCache::Gemma4(c) => c.n_layer_caches(),
-        }
+        self.pool.kv.layers.len()
     }
 }
 
@@ -238,7 +267,7 @@ impl Model {
             ModelSource::Gguf(file) => Gemma3Config::from_gguf(file)?,
             ModelSource::HfDir(dir) => Gemma3Config::from_hf_file(&dir.join("config.json"))?,
         };
-        let inner = Gemma3::load(cfg.clone(), &store, backend, &progress)?;
+        let inner = Gemma3::load(cfg.clone(), &store, backend, opts.lm_head, &progress)?;
         let info = ModelInfo {
             architecture: "gemma3".into(),
             n_vocab: cfg.n_vocab,
@@ -250,6 +279,7 @@ impl Model {
             head_dim: cfg.head_dim,
             sliding_window: cfg.sliding_window,
             weight_bytes: last.get(),
+            lm_head: inner.head().describe(),
             hyper_params: cfg.describe(),
         };
         Ok(Model {
@@ -268,7 +298,7 @@ impl Model {
                 p(done, total);
             }
         };
-        let inner = Gemma4::load(cfg.clone(), store, backend, &progress)?;
+        let inner = Gemma4::load(cfg.clone(), store, backend, opts.lm_head, &progress)?;
         let first_full = cfg.layers.iter().find(|l| l.kind == LayerKind::Full);
         let sliding = cfg.layers.iter().find(|l| l.kind == LayerKind::Sliding);
         let main = sliding.or(first_full).copied();
@@ -283,6 +313,7 @@ impl Model {
             head_dim: main.map_or(0, |l| l.head_dim),
             sliding_window: cfg.sliding_window,
             weight_bytes: last.get(),
+            lm_head: inner.head().describe(),
             hyper_params: cfg.describe(),
         };
         Ok(Model {
@@ -304,27 +335,107 @@ impl Model {
         &self.info
     }
 
+    /// Kind and K/V row width (f32 values per position) of each layer that owns a cache.
+    fn kv_geometry(&self) -> Vec<(LayerKind, usize)> {
+        match &self.inner {
+            Arch::Gemma3(m) => m.caches(),
+            Arch::Gemma4(m) => m.caches().to_vec(),
+        }
+    }
+
+    /// Bytes of K and V that one position takes over all layers of `kind` that own a cache
+    /// (0 when the model has no such layer).
+    pub fn kv_bytes_per_token(&self, kind: LayerKind) -> usize {
+        self.kv_geometry()
+            .iter()
+            .filter(|g| g.0 == kind)
+            .map(|g| 2 * g.1 * std::mem::size_of::<f32>())
+            .sum()
+    }
+
+    /// Token rows the model runs through its layers at once; a [`Model::step`] with more
+    /// tokens is run in chunks of this many.
+    pub fn max_step_rows(&self) -> usize {
+        match &self.inner {
+            Arch::Gemma3(_) => crate::gemma3::MAX_BATCH,
+            Arch::Gemma4(_) => crate::gemma4::MAX_BATCH,
+        }
+    }
+
+    /// A pool of `full_blocks` blocks for full-attention layers and `sliding_blocks` for
+    /// sliding-window layers, `block_size` slots each.
+    pub fn new_kv_pool(
+        &self,
+        block_size: usize,
+        full_blocks: usize,
+        sliding_blocks: usize,
+    ) -> Result<KvPool> {
+        let geometry = self.kv_geometry();
+        let blocks = [full_blocks, sliding_blocks];
+        let kv = match &self.inner {
+            Arch::Gemma3(m) => PagedKv::new(m.backend(), &geometry, block_size, blocks)?,
+            Arch::Gemma4(m) => PagedKv::new(m.backend(), &geometry, block_size, blocks)?,
+        };
+        Ok(KvPool { kv })
+    }
+
+    /// One step over several sequences: each runs its tokens at positions `start ..`, writing
+    /// their keys and values into the pool blocks its tables name, and attending over its own
+    /// earlier tokens. Returns the logits each sequence asked for, sequence by sequence
+    /// (row-major, `n_vocab` per row).
+    pub fn step(&self, pool: &mut KvPool, seqs: &[SeqStep]) -> Result<Vec<f32>> {
+        match &self.inner {
+            Arch::Gemma3(m) => paged::step(m.as_ref(), &mut pool.kv, seqs),
+            Arch::Gemma4(m) => paged::step(m.as_ref(), &mut pool.kv, seqs),
+        }
+    }
+
     /// A cache for up to `max_tokens` tokens (ContextOverflow beyond the context length).
     pub fn new_cache(&self, max_tokens: usize) -> Result<KvCache> {
-        let inner = match &self.inner {
-            Arch::Gemma3(m) => ArchCache::Gemma3(m.new_cache(max_tokens)?),
-            Arch::Gemma4(m) => ArchCache::Gemma4(m.new_cache(max_tokens)?),
-        };
+        let limit = self.info.context_length;
+        if max_tokens > limit {
+            return Err(Error::ContextOverflow {
+                tokens: max_tokens,
+                context: limit,
+            });
+        }
+        let blocks = max_tokens.max(1).div_ceil(CACHE_BLOCK);
+        let window = self.info.sliding_window.max(1);
+        // Writing a chunk must not overwrite keys its first token still sees.
+        let ring = ((window - 1 + self.max_step_rows()).div_ceil(CACHE_BLOCK) + 1).min(blocks);
         Ok(KvCache {
-            inner,
-            window: self.info.sliding_window,
-            n_layers: self.info.n_layers,
+            pool: self.new_kv_pool(CACHE_BLOCK, blocks, ring)?,
+            full: (0..blocks as u32).collect(),
+            sliding: (0..blocks).map(|i| (i % ring) as u32).collect(),
+            ring,
+            len: 0,
+            capacity: max_tokens,
+            window,
         })
     }
 
     /// Runs `tokens` at positions `cache.len()..`, appends them to the cache, and returns the
     /// logits of the last token or of every token (row-major tokens × n_vocab).
     pub fn forward(&self, cache: &mut KvCache, tokens: &[u32], logits: Logits) -> Result<Vec<f32>> {
-        let all = logits == Logits::All;
-        match (&self.inner, &mut cache.inner) {
-            (Arch::Gemma3(m), ArchCache::Gemma3(c)) => m.forward(c, tokens, all),
-            (Arch::Gemma4(m), ArchCache::Gemma4(c)) => m.forward(c, tokens, all),
-            _ => Err(Error::Invalid("KV cache belongs to another model".into())),
+        if tokens.is_empty() {
+            return Err(Error::Invalid("forward called with no tokens".into()));
         }
+        let end = cache.len + tokens.len();
+        if end > cache.capacity {
+            return Err(Error::ContextOverflow {
+                tokens: end,
+                context: cache.capacity,
+            });
+        }
+        let seq = SeqStep {
+            tokens,
+            start: cache.len,
+            full_blocks: &cache.full,
+            sliding_blocks: &cache.sliding,
+            logits: Some(logits),
+        };
+        let out = self.step(&mut cache.pool, &[seq])?;
+        cache.len = end;
+        Ok(out)
     }
 }

@@ -1,0 +1,201 @@
+//! The step loop: takes new requests, lets the scheduler plan a step, runs it as one batched
+//! [`Model::step`] over every scheduled sequence, hands each sequence that reached its last
+//! token its logits, and drops finished and cancelled sequences (freeing their blocks at once).
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
+
+use markbase_core::config::LayerKind;
+use markbase_core::{Error, Result};
+use markbase_models::{KvPool, Logits, Model, SeqStep};
+
+use super::api::{EngineConfig, EngineStats, Event};
+use super::kv::{KvManager, BLOCK_SIZE};
+use super::scheduler::Scheduler;
+use super::sequence::{Outcome, Sequence};
+use super::Shared;
+
+/// Block counts of the two pools for `cfg`: (full-attention, sliding-window); 0 for a kind the
+/// model does not have.
+///
+/// Full: `kv_blocks`, or enough for `max_seqs` sequences of `max_context` tokens; at least one
+/// such sequence must fit. Sliding: what the sequences the full pool can hold need at most —
+/// `ceil((window − 1) / B) + 3` each plus a step's chunk — capped at the full pool (a
+/// sequence never holds more sliding than full blocks).
+pub(super) fn pool_sizes(model: &Model, cfg: &EngineConfig) -> Result<(usize, usize)> {
+    let per_seq = cfg.max_context.div_ceil(BLOCK_SIZE);
+    let full = cfg.kv_blocks.unwrap_or(cfg.max_seqs * per_seq);
+    if full < per_seq {
+        return Err(Error::Invalid(format!(
+            "{full} KV blocks of {BLOCK_SIZE} tokens cannot hold one sequence of max_context {} tokens (needs {per_seq})",
+            cfg.max_context
+        )));
+    }
+    let window = model.info().sliding_window.max(1);
+    let seqs = cfg.max_seqs.min(full);
+    let sliding = (seqs * ((window - 1).div_ceil(BLOCK_SIZE) + 3)
+        + cfg.max_step_tokens.div_ceil(BLOCK_SIZE))
+    .min(full);
+    let has = |k| model.kv_bytes_per_token(k) > 0;
+    Ok((
+        if has(LayerKind::Full) { full } else { 0 },
+        if has(LayerKind::Sliding) { sliding } else { 0 },
+    ))
+}
+
+/// The state owned by the step-loop thread.
+pub(super) struct Worker {
+    model: Arc<Model>,
+    pool: KvPool,
+    sched: Scheduler,
+    steps: u64,
+    /// Pool sizes and layer kinds, to rebuild the block manager after a failed step.
+    sizes: (usize, usize),
+    has: [bool; 2],
+    max_seqs: usize,
+    max_step_tokens: usize,
+}
+
+impl Worker {
+    /// A worker for `model` under `cfg`, with its KV pool allocated.
+    pub fn new(model: Arc<Model>, cfg: &EngineConfig) -> Result<Self> {
+        let sizes = pool_sizes(&model, cfg)?;
+        let has = [LayerKind::Full, LayerKind::Sliding].map(|k| model.kv_bytes_per_token(k) > 0);
+        let pool = model.new_kv_pool(BLOCK_SIZE, sizes.0, sizes.1)?;
+        let kv = KvManager::new(sizes.0, sizes.1, has, model.info().sliding_window);
+        Ok(Worker {
+            sched: Scheduler::new(kv, cfg.max_seqs, cfg.max_step_tokens),
+            model,
+            pool,
+            steps: 0,
+            sizes,
+            has,
+            max_seqs: cfg.max_seqs,
+            max_step_tokens: cfg.max_step_tokens,
+        })
+    }
+
+    /// A fresh block manager and scheduler (every block free), keeping the counters.
+    fn reset_blocks(&mut self) {
+        let (full, sliding) = self.sizes;
+        let window = self.model.info().sliding_window;
+        let kv = KvManager::new(full, sliding, self.has, window);
+        let (p, h) = (self.sched.preemptions, self.sched.hit_tokens);
+        self.sched = Scheduler::new(kv, self.max_seqs, self.max_step_tokens);
+        self.sched.preemptions = p;
+        self.sched.hit_tokens = h;
+    }
+
+    /// The current statistics, with `waiting` requests in the shared queue.
+    pub fn stats(&self, waiting: usize) -> EngineStats {
+        EngineStats {
+            waiting: waiting + self.sched.preempted.len(),
+            running: self.sched.running.len(),
+            kv_blocks_total: self.sched.kv.total(),
+            kv_blocks_used: self.sched.kv.used(),
+            steps: self.steps,
+            preemptions: self.sched.preemptions,
+            prefix_cache_hit_tokens: self.sched.hit_tokens,
+        }
+    }
+
+    /// Runs steps until shutdown.
+    pub fn run(mut self, shared: &Shared) {
+        loop {
+            let plan = {
+                let mut st = shared.lock();
+                loop {
+                    if st.shutdown {
+                        let msg = "the engine shut down";
+                        let s = &mut self.sched;
+                        let all = st.queue.drain(..).chain(s.preempted.drain(..));
+                        for seq in all.chain(s.running.drain(..)) {
+                            let _ = seq.tx.send(Event::Error(msg.into()));
+                        }
+                        return;
+                    }
+                    st.queue.retain(|s| !s.cancelled());
+                    self.sched.drop_cancelled();
+                    let plan = self.sched.schedule(&mut st.queue);
+                    if plan.is_empty() && self.sched.running.is_empty() {
+                        // Nothing runs: a request that cannot be admitted into an empty pool
+                        // would wait forever (pool sizing rules this out; never hang anyway).
+                        let stuck = match self.sched.preempted.pop_front() {
+                            Some(s) => Some(s),
+                            None => st.queue.pop_front(),
+                        };
+                        if let Some(s) = stuck {
+                            let _ = s.tx.send(Event::Error(
+                                "the request does not fit in the KV cache pool".into(),
+                            ));
+                            continue;
+                        }
+                    }
+                    st.stats = self.stats(st.queue.len());
+                    if !plan.is_empty() {
+                        break plan;
+                    }
+                    st = shared.wake.wait(st).unwrap_or_else(|e| e.into_inner());
+                }
+            };
+            let stepped = catch_unwind(AssertUnwindSafe(|| self.step(&plan)));
+            match stepped {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => self.fail_running(&e.to_string()),
+                Err(_) => self.fail_running("the engine step panicked"),
+            }
+            self.steps += 1;
+            let mut st = shared.lock();
+            st.stats = self.stats(st.queue.len());
+        }
+    }
+
+    /// After a failed step: every running and preempted sequence gets `msg`, and the block
+    /// manager starts over.
+    fn fail_running(&mut self, msg: &str) {
+        let s = &mut self.sched;
+        for seq in s.running.drain(..).chain(s.preempted.drain(..)) {
+            let _ = seq.tx.send(Event::Error(msg.into()));
+        }
+        self.reset_blocks();
+    }
+
+    /// Runs the planned tokens in one batched model step and hands out the logits.
+    fn step(&mut self, plan: &[(usize, usize)]) -> Result<()> {
+        let running = &self.sched.running;
+        let seqs: Vec<SeqStep> = plan
+            .iter()
+            .map(|&(i, n)| {
+                let s = &running[i];
+                let start = s.kv.computed;
+                SeqStep {
+                    tokens: &s.tokens[start..start + n],
+                    start,
+                    full_blocks: &s.kv.full,
+                    sliding_blocks: &s.kv.sliding,
+                    logits: (n == s.pending()).then_some(Logits::Last),
+                }
+            })
+            .collect();
+        let mut logits = self.model.step(&mut self.pool, &seqs)?;
+        drop(seqs);
+        let nv = self.model.info().n_vocab;
+        let mut rows = logits.chunks_mut(nv);
+        let mut done = Vec::new();
+        for &(i, n) in plan {
+            let sampled = n == self.sched.running[i].pending();
+            let seq: &mut Sequence = &mut self.sched.running[i];
+            self.sched.kv.advance(&mut seq.kv, &seq.tokens, n);
+            if sampled {
+                let row = rows.next().expect("one logits row per sampled sequence");
+                if seq.accept(row) != Outcome::Continue {
+                    done.push(i);
+                }
+            }
+        }
+        for &i in done.iter().rev() {
+            self.sched.remove(i);
+        }
+        Ok(())
+    }
+}
