@@ -18,7 +18,45 @@ use markbase_cuda::CudaBackend;
 use markbase_models::gemma3::Gemma3;
 use markbase_models::gemma4::Gemma4;
 use markbase_models::synthetic::{SyntheticSpec, SyntheticWeights};
-use markbase_models::WeightStore;
+use markbase_models::{LmHeadMode, Logits, SeqStep, WeightStore};
+
+/// Slots per KV block.
+const BLOCK: usize = 16;
+
+/// One sequence in a paged pool of its own (block `i` holds positions `16·i ..`).
+struct OneSeq {
+    table: Vec<u32>,
+    len: usize,
+}
+
+impl OneSeq {
+    /// Room for `n` positions.
+    fn new(n: usize) -> OneSeq {
+        OneSeq {
+            table: (0..n.div_ceil(BLOCK) as u32).collect(),
+            len: 0,
+        }
+    }
+
+    /// Blocks the pool needs.
+    fn blocks(&self) -> usize {
+        self.table.len()
+    }
+
+    /// Runs `ids` after the sequence's tokens through `step`; the last token's logits.
+    fn run(&mut self, ids: &[u32], step: impl FnOnce(&[SeqStep]) -> Vec<f32>) -> Vec<f32> {
+        let seq = SeqStep {
+            tokens: ids,
+            start: self.len,
+            full_blocks: &self.table,
+            sliding_blocks: &self.table,
+            logits: Some(Logits::Last),
+        };
+        let out = step(&[seq]);
+        self.len += ids.len();
+        out
+    }
+}
 
 fn arg(args: &[String], name: &str) -> Option<String> {
     args.iter()
@@ -149,34 +187,44 @@ fn main() {
     let t = Instant::now();
     // (forward of one token → logits, bytes a decode step reads)
     type Step = Box<dyn FnMut(&[u32]) -> Vec<f32>>;
-    let (mut step, step_bytes, label): (Step, u64, String) =
-        if let Some(spec) = arg(&args, "--synthetic") {
-            let spec = SyntheticSpec::parse(&spec).unwrap();
-            let w = Arc::new(SyntheticWeights::new(spec).unwrap());
-            let cfg = w.config().clone();
-            // Decode reads every matrix except the PLE table, of which only one row per layer.
-            let bytes = w.weight_bytes() - w.n_bytes("embed_tokens_per_layer.weight");
-            let m = Gemma4::load(cfg, &WeightStore::Synthetic(w), be, &nothing).unwrap();
-            let mut cache = m.new_cache(prompt + steps + 1).unwrap();
-            (
-                Box::new(move |ids| m.forward(&mut cache, ids, false).unwrap()),
-                bytes,
-                format!("synthetic {}", spec.describe()),
-            )
-        } else if let Some(path) = arg(&args, "--gguf") {
-            let f = Arc::new(GgufFile::open(&path).unwrap());
-            let cfg = Gemma3Config::from_gguf(&f).unwrap();
-            let bytes: u64 = f.tensors().iter().map(|t| t.n_bytes).sum();
-            let m = Gemma3::load(cfg, &WeightStore::Gguf(f), be, &nothing).unwrap();
-            let mut cache = m.new_cache(prompt + steps + 1).unwrap();
-            (
-                Box::new(move |ids| m.forward(&mut cache, ids, false).unwrap()),
-                bytes,
-                path,
-            )
-        } else {
-            return;
-        };
+    let (mut step, step_bytes, label): (Step, u64, String) = if let Some(spec) =
+        arg(&args, "--synthetic")
+    {
+        let spec = SyntheticSpec::parse(&spec).unwrap();
+        let w = Arc::new(SyntheticWeights::new(spec).unwrap());
+        let cfg = w.config().clone();
+        // Decode reads every matrix except the PLE table, of which only one row per layer.
+        let bytes = w.weight_bytes() - w.n_bytes("embed_tokens_per_layer.weight");
+        let m = Gemma4::load(
+            cfg,
+            &WeightStore::Synthetic(w),
+            be,
+            LmHeadMode::Exact,
+            &nothing,
+        )
+        .unwrap();
+        let mut one = OneSeq::new(prompt + steps + 1);
+        let mut pool = m.new_kv_pool(BLOCK, [one.blocks(), one.blocks()]).unwrap();
+        (
+            Box::new(move |ids| one.run(ids, |s| m.step(&mut pool, s).unwrap())),
+            bytes,
+            format!("synthetic {}", spec.describe()),
+        )
+    } else if let Some(path) = arg(&args, "--gguf") {
+        let f = Arc::new(GgufFile::open(&path).unwrap());
+        let cfg = Gemma3Config::from_gguf(&f).unwrap();
+        let bytes: u64 = f.tensors().iter().map(|t| t.n_bytes).sum();
+        let m = Gemma3::load(cfg, &WeightStore::Gguf(f), be, LmHeadMode::Exact, &nothing).unwrap();
+        let mut one = OneSeq::new(prompt + steps + 1);
+        let mut pool = m.new_kv_pool(BLOCK, [one.blocks(), one.blocks()]).unwrap();
+        (
+            Box::new(move |ids| one.run(ids, |s| m.step(&mut pool, s).unwrap())),
+            bytes,
+            path,
+        )
+    } else {
+        return;
+    };
     println!(
         "model {label}: loaded in {:.1} s",
         t.elapsed().as_secs_f64()

@@ -1,6 +1,8 @@
 // Softmax attention over a slot-addressed KV cache (split-K "flash decoding"), GQA, optional
-// sliding window and score soft-cap. Query token t at position p sees keys j in
-// [max(0, p − window + 1), p], read from cache slot j % ring.
+// sliding window and score soft-cap, over a paged cache. Query rows are grouped by sequence
+// (rows seq_start[s] .. seq_start[s + 1] belong to sequence s); row t at position p sees keys
+// j in [max(0, p − window + 1), p] of its sequence, key j living in cache slot
+// block_tables[s · table_width + j / block_size] · block_size + j % block_size.
 //
 // attn_partial_V: one warp per (token, query head, key split); lane l holds head dims
 // [l·V, l·V + V) (V = head_dim / 32). Keys are visited four at a time with an online softmax.
@@ -12,14 +14,21 @@ struct AttnArgs {
     const float* k_cache;
     const float* v_cache;
     const u32* positions;
+    const u32* seq_start;     // n_seqs + 1 entries
+    const u32* block_tables;  // [n_seqs, table_width]
     float* out;
     float* part;
     int n_tokens, n_heads, n_kv_heads, head_dim;
     float scale;
     int window;     // 0 = none
     float softcap;  // 0 = none
-    int ring, chunk, splits;
+    int n_seqs, table_width, block_size, chunk, splits;
 };
+
+// Cache slot of key position j for a sequence whose block table is `table`.
+__device__ __forceinline__ u64 kv_slot(const AttnArgs& a, const u32* table, int j) {
+    return (u64)table[j / a.block_size] * (u64)a.block_size + (u64)(j % a.block_size);
+}
 
 template <int V>
 __device__ __forceinline__ void load_v(const float* p, float* r) {
@@ -36,13 +45,16 @@ __device__ __forceinline__ void load_v(const float* p, float* r) {
 }
 
 template <int V, int KB>
-__device__ __forceinline__ void attn_keys(const AttnArgs& a, int j, int kvh, int lane,
-                                          const float* qv, float& m, float& l, float* acc) {
+__device__ __forceinline__ void attn_keys(const AttnArgs& a, const u32* table, int j, int kvh,
+                                          int lane, const float* qv, float& m, float& l,
+                                          float* acc) {
     u64 kv_w = (u64)a.n_kv_heads * a.head_dim;
     float s[KB];
+    u64 slots[KB];
 #pragma unroll
     for (int b = 0; b < KB; b++) {
-        u64 slot = (u64)((j + b) % a.ring);
+        u64 slot = kv_slot(a, table, j + b);
+        slots[b] = slot;
         float kr[V];
         load_v<V>(a.k_cache + slot * kv_w + (u64)kvh * a.head_dim + lane * V, kr);
         float d = 0.f;
@@ -70,9 +82,8 @@ __device__ __forceinline__ void attn_keys(const AttnArgs& a, int j, int kvh, int
     for (int b = 0; b < KB; b++) {
         float e = expf(s[b] - mn);
         l += e;
-        u64 slot = (u64)((j + b) % a.ring);
         float vr[V];
-        load_v<V>(a.v_cache + slot * kv_w + (u64)kvh * a.head_dim + lane * V, vr);
+        load_v<V>(a.v_cache + slots[b] * kv_w + (u64)kvh * a.head_dim + lane * V, vr);
 #pragma unroll
         for (int i = 0; i < V; i++) acc[i] = fmaf(e, vr[i], acc[i]);
     }
@@ -86,6 +97,13 @@ __device__ void attn_partial_impl(const AttnArgs& a) {
     if (row >= a.n_tokens * a.n_heads) return;
     int t = row / a.n_heads, h = row % a.n_heads;
     int kvh = h / (a.n_heads / a.n_kv_heads);
+    // The row's sequence: the last s with seq_start[s] <= t (empty sequences are skipped).
+    int lo_s = 0, hi_s = a.n_seqs - 1;
+    while (lo_s < hi_s) {
+        int mid = (lo_s + hi_s + 1) >> 1;
+        if ((int)a.seq_start[mid] <= t) lo_s = mid; else hi_s = mid - 1;
+    }
+    const u32* table = a.block_tables + (u64)lo_s * a.table_width;
     int p = (int)a.positions[t];
     int lo = a.window > 0 ? max(0, p - a.window + 1) : 0;
     int j0 = lo + blockIdx.y * a.chunk;
@@ -96,8 +114,8 @@ __device__ void attn_partial_impl(const AttnArgs& a) {
     for (int i = 0; i < V; i++) acc[i] = 0.f;
     float m = NEG_INF, l = 0.f;
     int j = j0;
-    for (; j + 3 <= j1; j += 4) attn_keys<V, 4>(a, j, kvh, lane, qv, m, l, acc);
-    for (; j <= j1; j++) attn_keys<V, 1>(a, j, kvh, lane, qv, m, l, acc);
+    for (; j + 3 <= j1; j += 4) attn_keys<V, 4>(a, table, j, kvh, lane, qv, m, l, acc);
+    for (; j <= j1; j++) attn_keys<V, 1>(a, table, j, kvh, lane, qv, m, l, acc);
     if (a.splits == 1) {
         float inv = 1.f / l;
         float* o = a.out + (u64)row * a.head_dim + lane * V;

@@ -1,13 +1,14 @@
 //! [`CudaBackend`]: the [`Backend`] operations as kernels queued on one stream. Nothing waits
 //! for the device except [`Backend::read`] (and the token choosers in `sample`), so a model
-//! step costs one host wait. Host-side index arrays (tokens, positions, slots) are copied to a
-//! device scratch array in stream order before the kernel that reads them.
+//! step costs one host wait. Host-side index arrays (tokens, positions, slots, sequence starts,
+//! block tables) are copied to a device scratch array in stream order before the kernel that
+//! reads them.
 
 use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard};
 
 use cudarc::driver::{CudaFunction, PinnedHostSlice};
-use markbase_core::backend::{AttnSpec, Backend, HostMatrix, NormOut, Rope};
+use markbase_core::backend::{AttnSpec, Backend, HostMatrix, KvLayout, NormOut, Rope};
 use markbase_core::quant::GgmlType;
 use markbase_core::{Error, Result};
 
@@ -519,16 +520,16 @@ impl Backend for CudaBackend {
         k_cache: &CudaBuffer,
         v_cache: &CudaBuffer,
         spec: &AttnSpec,
-        positions: &[u32],
+        layout: &KvLayout<'_>,
         out: &mut CudaBuffer,
     ) -> Result<()> {
+        let positions = layout.positions;
         let hd = spec.head_dim;
         let per_lane = hd / 32;
         if !hd.is_multiple_of(32)
             || ![1, 2, 4, 8, 16].contains(&per_lane)
             || spec.n_kv_heads == 0
             || !spec.n_heads.is_multiple_of(spec.n_kv_heads)
-            || spec.ring == 0
             || spec.window == Some(0)
         {
             return Err(Error::Invalid(format!(
@@ -538,11 +539,9 @@ impl Backend for CudaBackend {
         let len = positions.len() * spec.n_heads * hd;
         need("attention query", q.len(), len)?;
         need("attention output", out.len(), len)?;
-        need(
-            "attention cache",
-            k_cache.len().min(v_cache.len()),
-            spec.ring * spec.n_kv_heads * hd,
-        )?;
+        let block = layout.block_size * spec.n_kv_heads * hd;
+        let n_blocks = k_cache.len().min(v_cache.len()) / block.max(1);
+        layout.check(spec.window, n_blocks)?;
         if positions.is_empty() {
             return Ok(());
         }
@@ -566,6 +565,8 @@ impl Backend for CudaBackend {
         let splits = max_vis.div_ceil(chunk);
         let mut s = self.scratch()?;
         let pos = self.upload_idx(&mut s, positions)?;
+        let seq_start = self.upload_idx(&mut s, layout.seq_start)?;
+        let tables = self.upload_idx(&mut s, layout.block_tables)?;
         let part = if splits > 1 {
             s.floats.get(&self.dev.stream, rows * splits * (hd + 2))?
         } else {
@@ -576,6 +577,8 @@ impl Backend for CudaBackend {
             k_cache: k_cache.ptr,
             v_cache: v_cache.ptr,
             positions: pos,
+            seq_start,
+            block_tables: tables,
             out: out.ptr,
             part,
             n_tokens: int("tokens", positions.len())?,
@@ -585,7 +588,9 @@ impl Backend for CudaBackend {
             scale: spec.scale,
             window: int("window", window)?,
             softcap: spec.softcap.unwrap_or(0.0),
-            ring: int("ring", spec.ring)?,
+            n_seqs: int("sequences", layout.n_seqs())?,
+            table_width: int("table width", layout.table_width)?,
+            block_size: int("block size", layout.block_size)?,
             chunk: chunk as i32,
             splits: splits as i32,
         };

@@ -1,5 +1,5 @@
-//! Whole models on the GPU: Gemma3<CudaBackend> and Gemma4<CudaBackend> against transformers'
-//! logits on the tiny fixtures (tests/fixtures/gemma3_tiny, tests/fixtures/gemma4/*) and
+//! Whole models on the GPU, through the paged step (`Gemma3::step` / `Gemma4::step` over
+//! block tables): Gemma3<CudaBackend> and Gemma4<CudaBackend> against transformers' logits on the tiny fixtures (tests/fixtures/gemma3_tiny, tests/fixtures/gemma4/*) and
 //! against the same model on the CPU backend; and the real Gemma 3 270M weights (or the
 //! cut-down copy scripts/make_gemma3_270m_cut.py writes, named by `MARKBASE_GEMMA3_CUT`)
 //! decoding greedily like the CPU.
@@ -17,10 +17,10 @@ use markbase_core::gguf::GgufFile;
 use markbase_core::safetensors::SafetensorsDir;
 use markbase_cpu::CpuBackend;
 use markbase_cuda::CudaBackend;
-use markbase_models::gemma3::{Gemma3, Gemma3Cache};
-use markbase_models::gemma4::{Gemma4, Gemma4Cache};
+use markbase_models::gemma3::Gemma3;
+use markbase_models::gemma4::Gemma4;
 use markbase_models::gemma4_config::Gemma4Config;
-use markbase_models::WeightStore;
+use markbase_models::{KvPool, LmHeadMode, Logits, SeqStep, WeightStore};
 use serde_json::Value;
 
 const REL_TOL: f32 = 1e-4;
@@ -78,30 +78,107 @@ fn argmax(v: &[f32]) -> usize {
     (0..v.len()).fold(0, |b, i| if v[i] > v[b] { i } else { b })
 }
 
-/// The forward of either architecture on either backend.
+/// Slots per KV block in these tests: small, so the fixtures' short sequences span many blocks.
+const BLOCK: usize = 4;
+
+/// One sequence's paged cache: a pool whose blocks are handed out in reverse order, so every
+/// key read goes through a non-trivial block table.
+struct Seq<B: Backend> {
+    pool: KvPool<B>,
+    table: Vec<u32>,
+    len: usize,
+}
+
+/// A paged step of either architecture on either backend.
 trait Lm {
-    type Cache;
-    fn cache(&self, n: usize) -> Self::Cache;
-    fn fwd(&self, c: &mut Self::Cache, ids: &[u32], all: bool) -> Vec<f32>;
+    type B: Backend;
+    fn pool(&self, blocks: usize) -> KvPool<Self::B>;
+    fn run_step(&self, pool: &mut KvPool<Self::B>, seqs: &[SeqStep]) -> Vec<f32>;
+
+    /// A one-sequence cache for `n` tokens.
+    fn cache(&self, n: usize) -> Seq<Self::B> {
+        let blocks = n.div_ceil(BLOCK);
+        Seq {
+            pool: self.pool(blocks),
+            table: (0..blocks as u32).rev().collect(),
+            len: 0,
+        }
+    }
+
+    /// Runs `ids` after the cache's tokens; the last token's logits or every token's.
+    fn fwd(&self, c: &mut Seq<Self::B>, ids: &[u32], all: bool) -> Vec<f32> {
+        let seq = SeqStep {
+            tokens: ids,
+            start: c.len,
+            full_blocks: &c.table,
+            sliding_blocks: &c.table,
+            logits: Some(if all { Logits::All } else { Logits::Last }),
+        };
+        let out = self.run_step(&mut c.pool, &[seq]);
+        c.len += ids.len();
+        out
+    }
 }
 
 impl<B: Backend> Lm for Gemma3<B> {
-    type Cache = Gemma3Cache<B>;
-    fn cache(&self, n: usize) -> Self::Cache {
-        self.new_cache(n).unwrap()
+    type B = B;
+    fn pool(&self, blocks: usize) -> KvPool<B> {
+        self.new_kv_pool(BLOCK, [blocks, blocks]).unwrap()
     }
-    fn fwd(&self, c: &mut Self::Cache, ids: &[u32], all: bool) -> Vec<f32> {
-        self.forward(c, ids, all).unwrap()
+    fn run_step(&self, pool: &mut KvPool<B>, seqs: &[SeqStep]) -> Vec<f32> {
+        self.step(pool, seqs).unwrap()
     }
 }
 
 impl<B: Backend> Lm for Gemma4<B> {
-    type Cache = Gemma4Cache<B>;
-    fn cache(&self, n: usize) -> Self::Cache {
-        self.new_cache(n).unwrap()
+    type B = B;
+    fn pool(&self, blocks: usize) -> KvPool<B> {
+        self.new_kv_pool(BLOCK, [blocks, blocks]).unwrap()
     }
-    fn fwd(&self, c: &mut Self::Cache, ids: &[u32], all: bool) -> Vec<f32> {
-        self.forward(c, ids, all).unwrap()
+    fn run_step(&self, pool: &mut KvPool<B>, seqs: &[SeqStep]) -> Vec<f32> {
+        self.step(pool, seqs).unwrap()
+    }
+}
+
+/// Three sequences in shared pools, run as batched steps (a mixed prefill, then two decode
+/// steps of all three): the GPU's logits equal the CPU's.
+fn batched_matches_cpu<G: Lm, C: Lm>(name: &str, gpu: &G, cpu: &C, ids: &[u32], vocab: usize) {
+    let lens = [ids.len(), ids.len() / 2, 3];
+    let per: Vec<usize> = lens.iter().map(|l| (l + 2).div_ceil(BLOCK)).collect();
+    let total: usize = per.iter().sum();
+    // Sequence s gets every third block from s on (interleaved ownership).
+    let mut tables: Vec<Vec<u32>> = vec![Vec::new(); 3];
+    let mut next = 0u32;
+    while tables.iter().zip(&per).any(|(t, &p)| t.len() < p) {
+        for (t, &p) in tables.iter_mut().zip(&per) {
+            if t.len() < p {
+                t.push(next);
+                next += 1;
+            }
+        }
+    }
+    let (mut gp, mut cp) = (gpu.pool(total), cpu.pool(total));
+    let mut starts = [0usize; 3];
+    let mut toks: Vec<Vec<u32>> = lens.iter().map(|&l| ids[..l].to_vec()).collect();
+    for step in 0..3 {
+        let seqs: Vec<SeqStep> = (0..3)
+            .map(|s| SeqStep {
+                tokens: &toks[s],
+                start: starts[s],
+                full_blocks: &tables[s],
+                sliding_blocks: &tables[s],
+                logits: Some(if step == 0 { Logits::All } else { Logits::Last }),
+            })
+            .collect();
+        let got = gpu.run_step(&mut gp, &seqs);
+        let want = cpu.run_step(&mut cp, &seqs);
+        let rel = worst_rel(&got, &want, vocab);
+        eprintln!("{name} batched step {step}: vs CPU {rel:e}");
+        assert!(rel <= REL_TOL, "{name} batched step {step}: vs CPU {rel:e}");
+        for s in 0..3 {
+            starts[s] += toks[s].len();
+            toks[s] = vec![ids[(starts[s] + s) % ids.len()]];
+        }
     }
 }
 
@@ -145,12 +222,13 @@ fn load_g3<B: Backend>(dir: &Path, gguf: bool, backend: B) -> Gemma3<B> {
             Gemma3Config::from_gguf(&f).unwrap(),
             &store,
             backend,
+            LmHeadMode::Exact,
             &nothing,
         )
         .unwrap()
     } else {
         let cfg = Gemma3Config::from_hf_file(&dir.join("config.json")).unwrap();
-        Gemma3::load(cfg, &hf_store(dir), backend, &nothing).unwrap()
+        Gemma3::load(cfg, &hf_store(dir), backend, LmHeadMode::Exact, &nothing).unwrap()
     }
 }
 
@@ -187,6 +265,7 @@ fn gemma3_tiny_matches_transformers_and_cpu() {
             &want,
             300,
         );
+        batched_matches_cpu(&format!("gemma3_tiny gguf={gguf}"), &g, &c, &ids, 300);
     }
 }
 
@@ -198,12 +277,13 @@ fn load_g4<B: Backend>(path: &Path, backend: B) -> Gemma4<B> {
             Gemma4Config::from_gguf(&f).unwrap(),
             &store,
             backend,
+            LmHeadMode::Exact,
             &nothing,
         )
         .unwrap()
     } else {
         let cfg = Gemma4Config::from_hf_file(&path.join("config.json")).unwrap();
-        Gemma4::load(cfg, &hf_store(path), backend, &nothing).unwrap()
+        Gemma4::load(cfg, &hf_store(path), backend, LmHeadMode::Exact, &nothing).unwrap()
     }
 }
 
@@ -258,6 +338,7 @@ fn gemma4_fixtures_match_transformers_and_cpu() {
             let c = load_g4(&p, CpuBackend::new(2).unwrap());
             let label = format!("{name} {}", p.file_name().unwrap().to_string_lossy());
             compare(&label, &g, &c, &ids, &want, vocab);
+            batched_matches_cpu(&label, &g, &c, &ids, vocab);
         }
     }
 }
@@ -281,8 +362,8 @@ fn gemma4_bf16_argmax_matches_transformers_bf16() {
     }
 }
 
-/// The real 270M weights (or their cut-down copy): a 700-token prompt (the sliding layers'
-/// ring wraps) then 24 greedy steps; at every step the GPU's argmax must equal the CPU's
+/// The real 270M weights (or their cut-down copy): a 700-token prompt (longer than the
+/// sliding window) then 24 greedy steps; at every step the GPU's argmax must equal the CPU's
 /// wherever the CPU's top-2 margin exceeds 1e-3, and logits agree to 1e-3 relative.
 #[test]
 fn gemma3_270m_greedy_matches_cpu() {
@@ -302,8 +383,15 @@ fn gemma3_270m_greedy_matches_cpu() {
     let cfg = Gemma3Config::from_gguf(&f).unwrap();
     let nothing = |_: u64, _: u64| {};
     let vocab = cfg.n_vocab;
-    let g = Gemma3::load(cfg.clone(), &store, b, &nothing).unwrap();
-    let c = Gemma3::load(cfg, &store, CpuBackend::new(0).unwrap(), &nothing).unwrap();
+    let g = Gemma3::load(cfg.clone(), &store, b, LmHeadMode::Exact, &nothing).unwrap();
+    let c = Gemma3::load(
+        cfg,
+        &store,
+        CpuBackend::new(0).unwrap(),
+        LmHeadMode::Exact,
+        &nothing,
+    )
+    .unwrap();
     let mut x = 12345u64;
     let prompt: Vec<u32> = (0..700)
         .map(|_| {
@@ -313,9 +401,9 @@ fn gemma3_270m_greedy_matches_cpu() {
             ((x >> 33) % vocab.min(8192) as u64) as u32
         })
         .collect();
-    let (mut gc, mut cc) = (g.new_cache(800).unwrap(), c.new_cache(800).unwrap());
-    let mut gl = g.forward(&mut gc, &prompt, false).unwrap();
-    let mut cl = c.forward(&mut cc, &prompt, false).unwrap();
+    let (mut gc, mut cc) = (g.cache(800), c.cache(800));
+    let mut gl = g.fwd(&mut gc, &prompt, false);
+    let mut cl = c.fwd(&mut cc, &prompt, false);
     let mut agree = 0;
     for step in 0..24 {
         let rel = worst_rel(&gl, &cl, vocab);
@@ -329,8 +417,8 @@ fn gemma3_270m_greedy_matches_cpu() {
             assert_eq!(argmax(&gl), want, "step {step}: greedy token differs");
             agree += 1;
         }
-        gl = g.forward(&mut gc, &[want as u32], false).unwrap();
-        cl = c.forward(&mut cc, &[want as u32], false).unwrap();
+        gl = g.fwd(&mut gc, &[want as u32], false);
+        cl = c.fwd(&mut cc, &[want as u32], false);
     }
     eprintln!("{} greedy steps compared, {agree} with a clear margin", 24);
 }

@@ -8,7 +8,7 @@
 use std::sync::{Arc, OnceLock};
 
 use half::{bf16, f16};
-use markbase_core::backend::{AttnSpec, Backend, HostBytes, HostMatrix, NormOut, Rope};
+use markbase_core::backend::{AttnSpec, Backend, HostBytes, HostMatrix, KvLayout, NormOut, Rope};
 use markbase_core::quant::GgmlType;
 use markbase_cpu::reference;
 use markbase_cuda::{CudaBackend, CudaBuffer, SampleParams};
@@ -282,7 +282,7 @@ fn head_norm_rope_matches_reference() {
     }
 }
 
-/// (head_dim, heads, kv heads, window, softcap, ring, positions).
+/// (head_dim, heads, kv heads, window, softcap, block size, positions of each sequence).
 type AttnCase = (
     usize,
     usize,
@@ -290,31 +290,94 @@ type AttnCase = (
     Option<usize>,
     Option<f32>,
     usize,
-    Vec<u32>,
+    Vec<Vec<u32>>,
 );
+
+/// Block tables for sequences reaching `last[s]`, blocks drawn in random order from a cache of
+/// the returned block count (two spare); blocks wholly before every query's window are
+/// `u32::MAX`, as a sliding pool leaves them.
+fn random_tables(
+    r: &mut StdRng,
+    seqs: &[Vec<u32>],
+    bs: usize,
+    window: Option<usize>,
+) -> (Vec<u32>, usize, usize) {
+    let width = seqs
+        .iter()
+        .map(|p| p.iter().max().map_or(0, |&m| m as usize / bs + 1))
+        .max()
+        .unwrap_or(0)
+        .max(1);
+    let n_blocks = seqs.len() * width + 2;
+    let mut ids: Vec<u32> = (0..n_blocks as u32).collect();
+    for i in (1..ids.len()).rev() {
+        ids.swap(i, r.random_range(0..=i));
+    }
+    let mut tables = vec![u32::MAX; seqs.len() * width];
+    for (s, pos) in seqs.iter().enumerate() {
+        let lo = pos
+            .iter()
+            .map(|&p| window.map_or(0, |w| (p as usize + 1).saturating_sub(w)))
+            .min()
+            .unwrap_or(0);
+        for b in lo / bs..width {
+            tables[s * width + b] = ids[s * width + b];
+        }
+    }
+    (tables, width, n_blocks)
+}
 
 #[test]
 fn write_kv_then_attention_match_reference() {
     let g = gpu_or_skip!();
     let mut r = rng("attention");
-    // (head_dim, heads, kv heads, window, softcap, ring, positions)
     let cases: Vec<AttnCase> = vec![
         // Long decode over a full cache: several key splits.
-        (256, 8, 2, None, None, 3000, vec![2999]),
-        // Sliding-window decode on a wrapped ring, one KV head (Gemma 3 270M-like).
-        (512, 8, 1, Some(512), None, 575, vec![2000]),
-        // A prefill chunk on a sliding ring with a score soft-cap.
-        (32, 4, 2, Some(8), Some(50.0), 71, (100..120).collect()),
+        (256, 8, 2, None, None, 16, vec![vec![2999]]),
+        // Sliding-window decode, one KV head (Gemma 3 270M-like); old blocks unmapped.
+        (512, 8, 1, Some(512), None, 16, vec![vec![2000]]),
+        // A prefill chunk with a score soft-cap beside an empty sequence and a second chunk.
+        (
+            32,
+            4,
+            2,
+            Some(8),
+            Some(50.0),
+            4,
+            vec![(100..120).collect(), vec![], vec![5, 6, 7]],
+        ),
         // A causal prefill from position 0.
-        (64, 4, 4, None, None, 64, (0..40).collect()),
-        // Head dim 128, two decode rows.
-        (128, 4, 2, None, Some(30.0), 200, vec![150, 151]),
+        (64, 4, 4, None, None, 32, vec![(0..40).collect()]),
+        // Head dim 128: a decode batch of four sequences of different lengths.
+        (
+            128,
+            4,
+            2,
+            None,
+            Some(30.0),
+            16,
+            vec![vec![150], vec![151], vec![7], vec![300]],
+        ),
     ];
-    for (hd, nh, nkv, window, softcap, ring, positions) in cases {
+    for (hd, nh, nkv, window, softcap, bs, seqs) in cases {
         let row = nkv * hd;
+        let (tables, width, n_blocks) = random_tables(&mut r, &seqs, bs, window);
+        let slots_total = n_blocks * bs;
+        let positions: Vec<u32> = seqs.iter().flatten().copied().collect();
+        let mut seq_start = vec![0u32];
+        for p in &seqs {
+            seq_start.push(seq_start.last().unwrap() + p.len() as u32);
+        }
+        let layout = KvLayout {
+            block_size: bs,
+            positions: &positions,
+            seq_start: &seq_start,
+            block_tables: &tables,
+            table_width: width,
+        };
         let n = positions.len();
-        let kc = uniform(&mut r, ring * row, 1.0);
-        let vc = uniform(&mut r, ring * row, 1.0);
+        let kc = uniform(&mut r, slots_total * row, 1.0);
+        let vc = uniform(&mut r, slots_total * row, 1.0);
         let q = uniform(&mut r, n * nh * hd, 1.0);
         let spec = AttnSpec {
             n_heads: nh,
@@ -323,10 +386,9 @@ fn write_kv_then_attention_match_reference() {
             scale: 1.0 / (hd as f32).sqrt(),
             window,
             softcap,
-            ring,
         };
         // Every other slot starts poisoned and is filled through write_kv.
-        let slots: Vec<u32> = (0..ring as u32).step_by(2).collect();
+        let slots: Vec<u32> = (0..slots_total as u32).step_by(2).collect();
         let (mut k0, mut v0) = (kc.clone(), vc.clone());
         for &s in &slots {
             k0[s as usize * row..][..row].fill(f32::NAN);
@@ -343,85 +405,53 @@ fn write_kv_then_attention_match_reference() {
             .collect();
         g.write_kv(&up(g, &ks), &up(g, &vs), row, &slots, &mut kb, &mut vb)
             .unwrap();
-        assert_eq!(down(g, &kb, ring * row), kc, "write_kv K");
-        assert_eq!(down(g, &vb, ring * row), vc, "write_kv V");
-        let want = reference::attention(&q, &kc, &vc, &spec, &positions);
+        assert_eq!(down(g, &kb, slots_total * row), kc, "write_kv K");
+        assert_eq!(down(g, &vb, slots_total * row), vc, "write_kv V");
+        let want = reference::attention(&q, &kc, &vc, &spec, &layout);
         let mut out = poisoned(g, n * nh * hd);
-        g.attention(&up(g, &q), &kb, &vb, &spec, &positions, &mut out)
+        g.attention(&up(g, &q), &kb, &vb, &spec, &layout, &mut out)
             .unwrap();
         let got = down(g, &out, n * nh * hd);
-        assert_close(&format!("attention {spec:?}"), &got, &want, 1e-5);
+        assert_close(&format!("attention {spec:?} bs={bs}"), &got, &want, 1e-5);
     }
+}
+
+#[test]
+fn attention_rejects_bad_specs_and_layouts() {
+    let g = gpu_or_skip!();
+    let b = g.alloc(1024).unwrap();
+    let mut o = g.alloc(1024).unwrap();
+    let layout = |positions: &'static [u32], tables: &'static [u32]| KvLayout {
+        block_size: 4,
+        positions,
+        seq_start: &[0, 1],
+        block_tables: tables,
+        table_width: tables.len(),
+    };
     // Unsupported head dims are an error, not a wrong answer.
-    let spec = AttnSpec {
+    let mut spec = AttnSpec {
         n_heads: 2,
         n_kv_heads: 1,
         head_dim: 48,
         scale: 1.0,
         window: None,
         softcap: None,
-        ring: 4,
     };
-    let b = g.alloc(1024).unwrap();
-    let mut o = g.alloc(1024).unwrap();
-    assert!(g.attention(&b, &b, &b, &spec, &[0], &mut o).is_err());
-}
-
-#[test]
-fn moe_route_and_ffn_match_reference() {
-    let g = gpu_or_skip!();
-    let mut r = rng("moe");
-    // (experts, top_k, D, F, format)
-    for (e, k, d, f, ty) in [
-        (8, 2, 64, 32, GgmlType::F32),
-        (128, 8, 256, 256, GgmlType::Q8_0),
-        (128, 8, 256, 256, GgmlType::Q4_K),
-    ] {
-        let n = 5;
-        let logits = uniform(&mut r, n * e, 4.0);
-        let scale: Vec<f32> = (0..e).map(|_| r.random_range(0.5f32..1.5)).collect();
-        let route = reference::moe_route(&logits, e, k, &scale);
-        let mut wb = poisoned(g, n * k);
-        let mut ib = poisoned(g, n * k);
-        g.moe_route(
-            &up(g, &logits),
-            n,
-            e,
-            k,
-            &g.load_vector(&scale).unwrap(),
-            &mut wb,
-            &mut ib,
-        )
+    assert!(g
+        .attention(&b, &b, &b, &spec, &layout(&[0], &[0]), &mut o)
+        .is_err());
+    // A 1024-float cache of 32-wide slots holds 8 blocks of 4.
+    spec.head_dim = 32;
+    g.attention(&b, &b, &b, &spec, &layout(&[5], &[0, 7]), &mut o)
         .unwrap();
-        let (w, ids) = (down(g, &wb, n * k), down(g, &ib, n * k));
-        let want_ids: Vec<f32> = route.iter().map(|p| p.1 as f32).collect();
-        let want_w: Vec<f32> = route.iter().map(|p| p.0).collect();
-        assert_eq!(ids, want_ids, "moe_route ids ({e} experts, top {k})");
-        assert_close("moe_route weights", &w, &want_w, 1e-5);
-
-        let gu = random_matrix(&mut r, ty, e * 2 * f, d);
-        let dn = random_matrix(&mut r, ty, e * d, f);
-        let x = uniform(&mut r, n * d, 1.0);
-        let want = reference::moe_ffn(&x, n, &gu, &dn, k, &route).unwrap();
-        let (gub, dnb) = (g.load_matrix(&gu).unwrap(), g.load_matrix(&dn).unwrap());
-        let mut out = poisoned(g, n * d);
-        g.moe_ffn(&up(g, &x), n, &gub, &dnb, e, k, &wb, &ib, &mut out)
-            .unwrap();
-        let got = down(g, &out, n * d);
-        assert_close(&format!("moe_ffn {ty}"), &got, &want, 2e-5);
-
-        // A bad expert id is reported at the next read, and the error is then cleared.
-        let mut bad = want_ids.clone();
-        bad[3] = e as f32;
-        g.moe_ffn(&up(g, &x), n, &gub, &dnb, e, k, &wb, &up(g, &bad), &mut out)
-            .unwrap();
-        let mut v = vec![0f32; 1];
-        assert!(
-            g.read(&out, &mut v).is_err(),
-            "bad expert id must be reported"
-        );
-        assert!(g.read(&out, &mut v).is_ok(), "the error word is cleared");
+    // A block outside the cache, a position beyond its table, bad sequence starts.
+    for bad in [layout(&[5], &[0, 8]), layout(&[9], &[0, 1])] {
+        assert!(g.attention(&b, &b, &b, &spec, &bad, &mut o).is_err());
     }
+    let mut split = layout(&[1], &[0]);
+    split.seq_start = &[0, 2];
+    assert!(g.attention(&b, &b, &b, &spec, &split, &mut o).is_err());
+    g.read(&o, &mut [0f32; 1]).unwrap();
 }
 
 #[test]
