@@ -32,7 +32,8 @@ use markbase_core::{Error, Result};
 
 use crate::gemma4_config::{Gemma4Config, Gemma4Layer, Gemma4Rope};
 use crate::lm_head::{LmHead, LmHeadMode};
-use crate::paged::{ChunkLayout, PagedKv, StepModel};
+use crate::model::KvPool;
+use crate::paged::{ChunkLayout, PagedKv, SeqStep, StepModel};
 use crate::weights::WeightStore;
 
 /// Token rows run through the layers together; larger steps are processed in chunks of this
@@ -367,6 +368,20 @@ impl<B: Backend> Gemma4<B> {
     /// The hyper-parameters.
     pub fn config(&self) -> &Gemma4Config {
         &self.cfg
+    }
+
+    /// A paged KV pool on this model's backend: `blocks[0]` full-attention and `blocks[1]`
+    /// sliding-window blocks of `block_size` slots (what [`crate::Model::new_kv_pool`] makes
+    /// on the CPU).
+    pub fn new_kv_pool(&self, block_size: usize, blocks: [usize; 2]) -> Result<KvPool<B>> {
+        Ok(KvPool {
+            kv: PagedKv::new(&self.backend, self.caches(), block_size, blocks)?,
+        })
+    }
+
+    /// One step over several sequences on this model's backend (as [`crate::Model::step`]).
+    pub fn step(&self, pool: &mut KvPool<B>, seqs: &[SeqStep]) -> Result<Vec<f32>> {
+        crate::paged::step(self, &mut pool.kv, seqs)
     }
 
     /// The backend.

@@ -12,3 +12,4 @@ mod weights;
 pub use lm_head::LmHeadMode;
 pub use model::{KvCache, KvPool, LoadOptions, Logits, Model, ModelInfo, ModelSource};
 pub use paged::{SeqStep, NO_BLOCK};
+pub use weights::WeightStore;

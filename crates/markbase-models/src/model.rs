@@ -3,6 +3,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use markbase_core::backend::Backend;
 use markbase_core::config::{Gemma3Config, LayerKind};
 use markbase_core::gguf::GgufFile;
 use markbase_core::safetensors::SafetensorsDir;
@@ -126,11 +127,11 @@ enum Arch {
 /// Paged key/value storage shared by many sequences (see [`crate::paged`]): per layer that
 /// owns a cache, `blocks(kind) · block_size` slots. Which sequence owns which block is the
 /// caller's business ([`Model::step`] takes each sequence's block tables).
-pub struct KvPool {
-    kv: PagedKv<CpuBackend>,
+pub struct KvPool<B: Backend = CpuBackend> {
+    pub(crate) kv: PagedKv<B>,
 }
 
-impl KvPool {
+impl<B: Backend> KvPool<B> {
     /// Slots per block.
     pub fn block_size(&self) -> usize {
         self.kv.block_size
