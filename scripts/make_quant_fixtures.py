@@ -8,6 +8,10 @@ magnitude (so that the expected weights are finite); the legacy 32-weight format
 blocks made by gguf-py's own quantizer from random floats. gguf-py has no Q8_K dequantizer,
 so Q8_K's expected weights are computed here in float32 numpy, exactly as ggml does (d * q).
 
+For the quantizers, `quantize_input.f32` holds random floats (blocks of assorted scales, one
+all-zero block, one block of equal values) and `quantize_<FMT>.bin` what gguf-py's quantizer
+makes of them for each legacy format.
+
 Run from the repository root:  python3 scripts/make_quant_fixtures.py
 Needs numpy and gguf (gguf-py). Output is deterministic (fixed seed).
 """
@@ -107,7 +111,21 @@ def main() -> None:
         (OUT / f"{name}.f32").write_bytes(expected.tobytes())
         total += len(raw) + expected.nbytes
         print(f"{name:5} {len(raw):6} bytes -> {expected.size:5} weights")
+    floats = quantizer_input(np.random.default_rng(SEED + 1))
+    (OUT / "quantize_input.f32").write_bytes(floats.tobytes())
+    for name in QUANTIZED_BLOCKS:
+        quantized = gguf.quants.quantize(floats, T[name]).reshape(-1).tobytes()
+        (OUT / f"quantize_{name}.bin").write_bytes(quantized)
+        total += len(quantized)
+        print(f"quantize {name:5} {floats.size} weights -> {len(quantized)} bytes")
     print(f"total {total} bytes in {OUT}")
+
+
+def quantizer_input(rng: np.random.Generator) -> np.ndarray:
+    """64 blocks of 32 floats at assorted scales, then an all-zero block and a constant block."""
+    blocks = rng.standard_normal((64, 32)) * np.exp2(rng.uniform(-12.0, 4.0, (64, 1)))
+    blocks = np.concatenate([blocks, np.zeros((1, 32)), np.full((1, 32), -0.75)])
+    return np.ascontiguousarray(blocks.reshape(-1), dtype="<f4")
 
 
 if __name__ == "__main__":

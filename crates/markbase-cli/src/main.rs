@@ -7,6 +7,7 @@ mod progress;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+use markbase_models::LmHeadMode;
 
 /// MarkBase: an inference engine for Gemma models.
 #[derive(Parser, Debug)]
@@ -29,6 +30,11 @@ struct Cli {
         value_name = "N"
     )]
     threads: usize,
+    /// LM head: `auto` screens a huge ≥ 8-bit head on the CPU (a Q4_0 copy ranks the
+    /// vocabulary, the top 4096 logits are computed exactly); `exact` computes every logit
+    /// from the stored weights.
+    #[arg(long, global = true, default_value = "auto", value_name = "MODE", value_parser = parse_lm_head)]
+    lm_head: LmHeadMode,
     #[command(subcommand)]
     command: Command,
 }
@@ -49,6 +55,10 @@ enum Command {
     Inspect,
     /// Measure prompt processing (pp) and generation (tg) speed.
     Bench(cmd::bench::Args),
+    /// Serve the OpenAI API over HTTP (chat and text completions, streaming, metrics).
+    Serve(cmd::serve::Args),
+    /// Load-test a running server: throughput, TTFT and inter-token latency per concurrency.
+    BenchServe(cmd::bench_serve::Args),
 }
 
 /// Options shared by every subcommand.
@@ -59,6 +69,17 @@ pub struct Global {
     pub synthetic: Option<String>,
     /// `-t`.
     pub threads: usize,
+    /// `--lm-head`.
+    pub lm_head: LmHeadMode,
+}
+
+/// Parses `--lm-head`.
+fn parse_lm_head(s: &str) -> Result<LmHeadMode, String> {
+    match s {
+        "auto" => Ok(LmHeadMode::Auto),
+        "exact" => Ok(LmHeadMode::Exact),
+        _ => Err(format!("'{s}' is not an LM head mode (auto, exact)")),
+    }
 }
 
 fn main() -> ExitCode {
@@ -81,6 +102,7 @@ fn main() -> ExitCode {
         model: cli.model,
         synthetic: cli.synthetic,
         threads: cli.threads,
+        lm_head: cli.lm_head,
     };
     let result = std::panic::catch_unwind(|| match cli.command {
         Command::Pull => cmd::pull::run(),
@@ -90,6 +112,8 @@ fn main() -> ExitCode {
         Command::Tokenize(a) => cmd::tokenize::run(&global, a),
         Command::Inspect => cmd::inspect::run(&global),
         Command::Bench(a) => cmd::bench::run(&global, a),
+        Command::Serve(a) => cmd::serve::run(&global, a),
+        Command::BenchServe(a) => cmd::bench_serve::run(a),
     });
     match result {
         Ok(Ok(())) => ExitCode::SUCCESS,

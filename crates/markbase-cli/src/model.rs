@@ -67,6 +67,7 @@ pub fn load_weights(global: &Global) -> Result<Model> {
     let opts = LoadOptions {
         threads: global.threads,
         progress: Some(&report),
+        lm_head: global.lm_head,
     };
     let model = match synthetic_spec(global)? {
         Some(spec) => Model::load_synthetic(&spec, &opts),
@@ -93,6 +94,7 @@ pub fn load_model(global: &Global) -> Result<LoadedModel> {
     let opts = LoadOptions {
         threads: global.threads,
         progress: Some(&report),
+        lm_head: global.lm_head,
     };
     let loaded = load(&path, &opts);
     bar.finish_and_clear();

@@ -268,6 +268,28 @@ pub trait Backend: Send + Sync {
         w: &Self::Matrix,
         out: &mut Self::Buffer,
     ) -> Result<()>;
+    /// Whether [`Backend::matmul_screened`] reads the coarse copy (models then make one).
+    fn screens_lm_head(&self) -> bool {
+        false
+    }
+    /// An LM head with a coarse twin: `out[n, exact.rows] = x · exactᵀ` where only the
+    /// `top_k` largest logits of each row (as `coarse` ranks them) are guaranteed to be computed
+    /// from `exact`; the others may come from `coarse`, a low-bit copy of the same matrix.
+    /// Reading the small copy for every row and the exact rows only for the leaders is what
+    /// makes a huge-vocabulary head fast where memory bandwidth is scarce. The default computes
+    /// every logit from `exact`.
+    fn matmul_screened(
+        &self,
+        x: &Self::Buffer,
+        n: usize,
+        coarse: &Self::Matrix,
+        exact: &Self::Matrix,
+        top_k: usize,
+        out: &mut Self::Buffer,
+    ) -> Result<()> {
+        let _ = (coarse, top_k);
+        self.matmul(x, n, exact, out)
+    }
     /// In place on `n` tokens × `n_heads` heads of `head_dim`: optional per-head RMSNorm with
     /// `norm = (weight, eps)`, then RoPE at `positions[t]`.
     #[allow(clippy::too_many_arguments)]

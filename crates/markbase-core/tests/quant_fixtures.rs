@@ -77,3 +77,43 @@ fn size_mismatches_are_format_errors_naming_the_sizes() {
     assert!(matches!(err, Error::Format(_)));
     assert!(err.to_string().contains("100"), "{err}");
 }
+
+fn floats(raw: &[u8]) -> Vec<f32> {
+    raw.chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect()
+}
+
+#[test]
+fn quantizers_match_gguf_py_byte_for_byte() {
+    use markbase_core::quant::{quantize_row, QUANTIZABLE};
+    let input = floats(&fixture("quantize_input.f32"));
+    for ty in QUANTIZABLE {
+        let expected = fixture(&format!("quantize_{ty}.bin"));
+        let mut got = vec![0u8; ty.bytes_for(input.len()).unwrap()];
+        quantize_row(ty, &input, &mut got).unwrap();
+        for (b, (g, e)) in got
+            .chunks_exact(ty.type_size())
+            .zip(expected.chunks_exact(ty.type_size()))
+            .enumerate()
+        {
+            assert_eq!(g, e, "{ty}: block {b} differs from gguf-py's");
+        }
+    }
+}
+
+#[test]
+fn quantizer_rejects_bad_sizes_and_formats() {
+    use markbase_core::quant::quantize_row;
+    let x = [0.5f32; 64];
+    let mut short = vec![0u8; 10];
+    assert!(matches!(
+        quantize_row(GgmlType::Q4_0, &x, &mut short),
+        Err(Error::Format(_))
+    ));
+    let mut out = vec![0u8; 1024];
+    assert!(matches!(
+        quantize_row(GgmlType::Q4_K, &x[..32], &mut out),
+        Err(Error::Unsupported(_)) | Err(Error::Format(_))
+    ));
+}

@@ -4,13 +4,15 @@
 use markbase_core::backend::{AttnSpec, Backend, HostMatrix, KvLayout, NormOut, Rope};
 use markbase_core::quant::dequantize_row;
 use markbase_core::{Error, Result};
+use std::sync::Mutex;
 
 use crate::attention::{self, MAX_HEAD_DIM};
-use crate::{matmul, moe, ops};
+use crate::{lm_head, matmul, moe, ops};
 
 /// The CPU backend.
 pub struct CpuBackend {
     pool: rayon::ThreadPool,
+    screen: Mutex<lm_head::Scratch>,
 }
 
 /// An activation buffer: f32 values in host memory.
@@ -34,7 +36,10 @@ impl CpuBackend {
             .thread_name(|i| format!("markbase-cpu-{i}"))
             .build()
             .map_err(|e| Error::Invalid(format!("cannot start {threads} CPU threads: {e}")))?;
-        Ok(CpuBackend { pool })
+        Ok(CpuBackend {
+            pool,
+            screen: Mutex::default(),
+        })
     }
 
     /// Threads in the pool.
@@ -140,6 +145,38 @@ impl Backend for CpuBackend {
         need("matmul input", x.0.len(), n * m.cols)?;
         need("matmul output", out.0.len(), n * m.rows)?;
         self.pool.install(|| matmul::matmul(&x.0, n, m, &mut out.0));
+        Ok(())
+    }
+
+    fn screens_lm_head(&self) -> bool {
+        true
+    }
+
+    fn matmul_screened(
+        &self,
+        x: &CpuBuffer,
+        n: usize,
+        coarse: &CpuMatrix,
+        exact: &CpuMatrix,
+        top_k: usize,
+        out: &mut CpuBuffer,
+    ) -> Result<()> {
+        let (c, e) = (&coarse.0, &exact.0);
+        if (c.rows, c.cols) != (e.rows, e.cols) {
+            return Err(Error::Invalid(format!(
+                "cpu screened matmul: coarse [{}, {}] and exact [{}, {}] differ",
+                c.rows, c.cols, e.rows, e.cols
+            )));
+        }
+        need("matmul input", x.0.len(), n * e.cols)?;
+        need("matmul output", out.0.len(), n * e.rows)?;
+        let mut scratch = self
+            .screen
+            .lock()
+            .map_err(|_| Error::Invalid("cpu screened matmul: scratch poisoned".into()))?;
+        let scratch: &mut lm_head::Scratch = &mut scratch;
+        self.pool
+            .install(|| lm_head::screened(&x.0, n, c, e, top_k, scratch, &mut out.0));
         Ok(())
     }
 

@@ -4,6 +4,7 @@
 mod attention;
 pub mod backend;
 pub mod kernels;
+mod lm_head;
 mod matmul;
 mod moe;
 mod ops;

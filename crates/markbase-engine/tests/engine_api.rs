@@ -19,6 +19,7 @@ fn tiny() -> Arc<Model> {
     let opts = LoadOptions {
         threads: 2,
         progress: None,
+        ..LoadOptions::default()
     };
     Arc::new(Model::load(&src, &opts).unwrap())
 }

@@ -20,6 +20,7 @@ fn load(rel: &str) -> Arc<Model> {
     let opts = LoadOptions {
         threads: 2,
         progress: None,
+        ..LoadOptions::default()
     };
     Arc::new(Model::load(&src, &opts).unwrap())
 }

@@ -10,7 +10,9 @@ use markbase_core::backend::{AttnSpec, Backend, NormOut, Rope};
 use markbase_core::config::{Gemma3Config, LayerKind, RopeConfig};
 use markbase_core::{Error, Result};
 
-use crate::paged::{ChunkLayout, PagedKv, StepModel};
+use crate::lm_head::{LmHead, LmHeadMode};
+use crate::model::KvPool;
+use crate::paged::{ChunkLayout, PagedKv, SeqStep, StepModel};
 use crate::weights::WeightStore;
 
 /// Token rows run through the layers together; larger steps are processed in chunks of this
@@ -58,7 +60,7 @@ pub struct Gemma3<B: Backend> {
     cfg: Gemma3Config,
     backend: B,
     embed: B::Matrix,
-    lm_head: Option<B::Matrix>,
+    head: LmHead<B>,
     final_norm: B::Vector,
     layers: Vec<Layer<B>>,
     work: Mutex<Workspace<B>>,
@@ -74,12 +76,13 @@ fn rope_of(r: &RopeConfig, head_dim: usize) -> Rope {
 }
 
 impl<B: Backend> Gemma3<B> {
-    /// Loads weights from `store` onto `backend`. `progress(done, total)` is called as weight
-    /// bytes are prepared.
+    /// Loads weights from `store` onto `backend`, the LM head per `lm_head`.
+    /// `progress(done, total)` is called as weight bytes are prepared.
     pub fn load(
         cfg: Gemma3Config,
         store: &WeightStore,
         backend: B,
+        lm_head: LmHeadMode,
         progress: &dyn Fn(u64, u64),
     ) -> Result<Self> {
         let hf = matches!(store, WeightStore::Hf { .. });
@@ -109,14 +112,16 @@ impl<B: Backend> Gemma3<B> {
         let norm = |name: &str, len: usize| -> Result<B::Vector> {
             backend.load_vector(&store.norm(name, len, hf)?)
         };
-        let embed = backend.load_matrix(&store.matrix(embed_name, cfg.n_vocab, d)?)?;
+        let embed_m = store.matrix(embed_name, cfg.n_vocab, d)?;
+        let embed = backend.load_matrix(&embed_m)?;
         tick(embed_name);
-        let lm_head = if lm_head_present {
-            let m = backend.load_matrix(&store.matrix(out_name, cfg.n_vocab, d)?)?;
+        let head = if lm_head_present {
+            let head_m = store.matrix(out_name, cfg.n_vocab, d)?;
+            let own = backend.load_matrix(&head_m)?;
             tick(out_name);
-            Some(m)
+            LmHead::load(&backend, &head_m, Some(own), lm_head)?
         } else {
-            None
+            LmHead::load(&backend, &embed_m, None, lm_head)?
         };
         let final_norm = norm(final_name, d)?;
         tick(final_name);
@@ -174,16 +179,35 @@ impl<B: Backend> Gemma3<B> {
             cfg,
             backend,
             embed,
-            lm_head,
+            head,
             final_norm,
             layers,
             work,
         })
     }
 
+    /// The LM head.
+    pub fn head(&self) -> &LmHead<B> {
+        &self.head
+    }
+
     /// The hyper-parameters.
     pub fn config(&self) -> &Gemma3Config {
         &self.cfg
+    }
+
+    /// A paged KV pool on this model's backend: `blocks[0]` full-attention and `blocks[1]`
+    /// sliding-window blocks of `block_size` slots (what [`crate::Model::new_kv_pool`] makes
+    /// on the CPU).
+    pub fn new_kv_pool(&self, block_size: usize, blocks: [usize; 2]) -> Result<KvPool<B>> {
+        Ok(KvPool {
+            kv: PagedKv::new(&self.backend, &self.caches(), block_size, blocks)?,
+        })
+    }
+
+    /// One step over several sequences on this model's backend (as [`crate::Model::step`]).
+    pub fn step(&self, pool: &mut KvPool<B>, seqs: &[SeqStep]) -> Result<Vec<f32>> {
+        crate::paged::step(self, &mut pool.kv, seqs)
     }
 
     /// The backend.
@@ -201,7 +225,6 @@ impl<B: Backend> Gemma3<B> {
     fn lm_head(&self, w: &mut Workspace<B>, rows: &[usize], out: &mut [f32]) -> Result<()> {
         let (be, d, nv) = (&self.backend, self.cfg.d_model, self.cfg.n_vocab);
         let eps = self.cfg.rms_eps as f32;
-        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
         for (g, group) in rows.chunks(LOGIT_ROWS).enumerate() {
             let n = group.len();
             for (i, &r) in group.iter().enumerate() {
@@ -217,7 +240,8 @@ impl<B: Backend> Gemma3<B> {
                 &mut w.head_norm,
                 NormOut::Write,
             )?;
-            be.matmul(&w.head_norm, n, head, &mut w.logits)?;
+            self.head
+                .matmul(be, &self.embed, &w.head_norm, n, &mut w.logits)?;
             if let Some(cap) = self.cfg.final_logit_softcap {
                 be.softcap(&mut w.logits, cap as f32, n * nv)?;
             }

@@ -31,7 +31,9 @@ use markbase_core::quant::GgmlType;
 use markbase_core::{Error, Result};
 
 use crate::gemma4_config::{Gemma4Config, Gemma4Layer, Gemma4Rope};
-use crate::paged::{ChunkLayout, PagedKv, StepModel};
+use crate::lm_head::{LmHead, LmHeadMode};
+use crate::model::KvPool;
+use crate::paged::{ChunkLayout, PagedKv, SeqStep, StepModel};
 use crate::weights::WeightStore;
 
 /// Token rows run through the layers together; larger steps are processed in chunks of this
@@ -139,6 +141,7 @@ pub struct Gemma4<B: Backend> {
     cfg: Gemma4Config,
     backend: B,
     embed: B::Matrix,
+    head: LmHead<B>,
     embed_scale: f32,
     final_norm: B::Vector,
     ple: Option<PleGlobals<B>>,
@@ -170,12 +173,13 @@ fn round_to_dtype(x: f32, ty: GgmlType) -> f32 {
 }
 
 impl<B: Backend> Gemma4<B> {
-    /// Loads weights from `store` onto `backend`. `progress(done, total)` is called as weight
-    /// bytes are prepared.
+    /// Loads weights from `store` onto `backend`, the LM head per `lm_head`.
+    /// `progress(done, total)` is called as weight bytes are prepared.
     pub fn load(
         cfg: Gemma4Config,
         store: &WeightStore,
         backend: B,
+        lm_head: LmHeadMode,
         progress: &dyn Fn(u64, u64),
     ) -> Result<Self> {
         let names = Names {
@@ -212,6 +216,7 @@ impl<B: Backend> Gemma4<B> {
         let embed_scale = round_to_dtype((d as f32).sqrt(), embed_m.ty);
         let embed = backend.load_matrix(&embed_m)?;
         tick(g.embed);
+        let head = LmHead::load(&backend, &embed_m, None, lm_head)?;
         let final_norm = norm(g.final_norm, d)?;
         let ple = match cfg.ple {
             Some(p) => {
@@ -345,6 +350,7 @@ impl<B: Backend> Gemma4<B> {
             cfg,
             backend,
             embed,
+            head,
             embed_scale,
             final_norm,
             ple,
@@ -354,9 +360,28 @@ impl<B: Backend> Gemma4<B> {
         })
     }
 
+    /// The LM head.
+    pub fn head(&self) -> &LmHead<B> {
+        &self.head
+    }
+
     /// The hyper-parameters.
     pub fn config(&self) -> &Gemma4Config {
         &self.cfg
+    }
+
+    /// A paged KV pool on this model's backend: `blocks[0]` full-attention and `blocks[1]`
+    /// sliding-window blocks of `block_size` slots (what [`crate::Model::new_kv_pool`] makes
+    /// on the CPU).
+    pub fn new_kv_pool(&self, block_size: usize, blocks: [usize; 2]) -> Result<KvPool<B>> {
+        Ok(KvPool {
+            kv: PagedKv::new(&self.backend, self.caches(), block_size, blocks)?,
+        })
+    }
+
+    /// One step over several sequences on this model's backend (as [`crate::Model::step`]).
+    pub fn step(&self, pool: &mut KvPool<B>, seqs: &[SeqStep]) -> Result<Vec<f32>> {
+        crate::paged::step(self, &mut pool.kv, seqs)
     }
 
     /// The backend.
@@ -406,7 +431,8 @@ impl<B: Backend> Gemma4<B> {
                 &mut w.head_norm,
                 NormOut::Write,
             )?;
-            be.matmul(&w.head_norm, n, &self.embed, &mut w.logits)?;
+            self.head
+                .matmul(be, &self.embed, &w.head_norm, n, &mut w.logits)?;
             if let Some(cap) = self.cfg.final_logit_softcap {
                 be.softcap(&mut w.logits, cap as f32, n * nv)?;
             }

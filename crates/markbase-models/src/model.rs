@@ -3,6 +3,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use markbase_core::backend::Backend;
 use markbase_core::config::{Gemma3Config, LayerKind};
 use markbase_core::gguf::GgufFile;
 use markbase_core::safetensors::SafetensorsDir;
@@ -12,6 +13,7 @@ use markbase_cpu::CpuBackend;
 use crate::gemma3::Gemma3;
 use crate::gemma4::Gemma4;
 use crate::gemma4_config::Gemma4Config;
+use crate::lm_head::LmHeadMode;
 use crate::paged::{self, kind_index, PagedKv, SeqStep};
 use crate::synthetic::{SyntheticSpec, SyntheticWeights};
 use crate::weights::WeightStore;
@@ -54,6 +56,8 @@ pub struct LoadOptions<'a> {
     pub threads: usize,
     /// Called with (bytes done, bytes total) as weights are prepared.
     pub progress: Option<&'a (dyn Fn(u64, u64) + Sync)>,
+    /// How the LM head is evaluated.
+    pub lm_head: LmHeadMode,
 }
 
 /// Facts about a loaded model.
@@ -79,6 +83,8 @@ pub struct ModelInfo {
     pub sliding_window: usize,
     /// Bytes of weights used.
     pub weight_bytes: u64,
+    /// How the LM head is evaluated ("exact" or "screened (...)").
+    pub lm_head: String,
     /// Every hyper-parameter as (name, value).
     pub hyper_params: Vec<(String, String)>,
 }
@@ -87,8 +93,8 @@ impl ModelInfo {
     /// One `name: value` line per hyper-parameter.
     pub fn describe(&self) -> String {
         let mut s = format!(
-            "architecture: {}\nweight_bytes: {}\n",
-            self.architecture, self.weight_bytes
+            "architecture: {}\nweight_bytes: {}\nlm_head: {}\n",
+            self.architecture, self.weight_bytes, self.lm_head
         );
         for (k, v) in &self.hyper_params {
             s.push_str(&format!("{k}: {v}\n"));
@@ -121,11 +127,11 @@ enum Arch {
 /// Paged key/value storage shared by many sequences (see [`crate::paged`]): per layer that
 /// owns a cache, `blocks(kind) · block_size` slots. Which sequence owns which block is the
 /// caller's business ([`Model::step`] takes each sequence's block tables).
-pub struct KvPool {
-    kv: PagedKv<CpuBackend>,
+pub struct KvPool<B: Backend = CpuBackend> {
+    pub(crate) kv: PagedKv<B>,
 }
 
-impl KvPool {
+impl<B: Backend> KvPool<B> {
     /// Slots per block.
     pub fn block_size(&self) -> usize {
         self.kv.block_size
@@ -262,7 +268,7 @@ impl Model {
             ModelSource::Gguf(file) => Gemma3Config::from_gguf(file)?,
             ModelSource::HfDir(dir) => Gemma3Config::from_hf_file(&dir.join("config.json"))?,
         };
-        let inner = Gemma3::load(cfg.clone(), &store, backend, &progress)?;
+        let inner = Gemma3::load(cfg.clone(), &store, backend, opts.lm_head, &progress)?;
         let info = ModelInfo {
             architecture: "gemma3".into(),
             n_vocab: cfg.n_vocab,
@@ -274,6 +280,7 @@ impl Model {
             head_dim: cfg.head_dim,
             sliding_window: cfg.sliding_window,
             weight_bytes: last.get(),
+            lm_head: inner.head().describe(),
             hyper_params: cfg.describe(),
         };
         Ok(Model {
@@ -292,7 +299,7 @@ impl Model {
                 p(done, total);
             }
         };
-        let inner = Gemma4::load(cfg.clone(), store, backend, &progress)?;
+        let inner = Gemma4::load(cfg.clone(), store, backend, opts.lm_head, &progress)?;
         let first_full = cfg.layers.iter().find(|l| l.kind == LayerKind::Full);
         let sliding = cfg.layers.iter().find(|l| l.kind == LayerKind::Sliding);
         let main = sliding.or(first_full).copied();
@@ -307,6 +314,7 @@ impl Model {
             head_dim: main.map_or(0, |l| l.head_dim),
             sliding_window: cfg.sliding_window,
             weight_bytes: last.get(),
+            lm_head: inner.head().describe(),
             hyper_params: cfg.describe(),
         };
         Ok(Model {

@@ -31,6 +31,7 @@ fn load() -> (Model, Vec<u32>, Vec<f32>) {
         &LoadOptions {
             threads: 2,
             progress: None,
+            ..LoadOptions::default()
         },
     )
     .unwrap();
@@ -187,6 +188,7 @@ fn gguf_q8_0_f16_fixture_matches_transformers() {
     let opts = LoadOptions {
         threads: 2,
         progress: Some(&progress),
+        ..LoadOptions::default()
     };
     let model = Model::load(&src, &opts).unwrap();
     assert!(calls.load(std::sync::atomic::Ordering::Relaxed) > 7);

@@ -66,6 +66,7 @@ fn load(path: PathBuf) -> Model {
         &LoadOptions {
             threads: 2,
             progress: None,
+            ..LoadOptions::default()
         },
     )
     .unwrap()

@@ -21,6 +21,7 @@ fn load(rel: &str) -> Model {
     let opts = LoadOptions {
         threads: 2,
         progress: None,
+        ..LoadOptions::default()
     };
     Model::load(&src, &opts).unwrap()
 }

@@ -8,8 +8,10 @@ use crate::{Error, Result};
 mod float;
 mod kquants;
 mod legacy;
+mod quantize;
 
 pub use kquants::{k_scale_min, q3_k_scales};
+pub use quantize::{quantize_row, QUANTIZABLE};
 
 /// A ggml tensor type, numbered as in the GGUF file format.
 #[allow(non_camel_case_types)]

@@ -1,0 +1,120 @@
+//! `markbase serve`: the OpenAI-compatible HTTP server.
+
+use anyhow::{Context, Result};
+use markbase_engine::EngineConfig;
+use markbase_server::{AppState, ServerOptions};
+
+use crate::Global;
+
+/// Arguments of `serve`.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port to listen on (0 = any free port; the address is printed).
+    #[arg(long, default_value_t = 8080)]
+    pub port: u16,
+    /// Require `Authorization: Bearer KEY` on /v1 routes.
+    #[arg(long = "api-key", env = "MARKBASE_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+    /// Model name in replies and /v1/models (default: the model file's name).
+    #[arg(long = "model-name")]
+    pub model_name: Option<String>,
+    /// Sequences the engine runs at once.
+    #[arg(long = "max-seqs", default_value_t = 16)]
+    pub max_seqs: usize,
+    /// Requests that may wait for the engine; more are answered 429.
+    #[arg(long = "max-queue", default_value_t = 256)]
+    pub max_queue: usize,
+    /// Token budget of one engine step (decode tokens + prompt chunks).
+    #[arg(long = "max-step-tokens", default_value_t = 512)]
+    pub max_step_tokens: usize,
+    /// KV-cache blocks (default: enough for max-seqs sequences of ctx tokens).
+    #[arg(long = "kv-blocks")]
+    pub kv_blocks: Option<usize>,
+    /// Per-request limit on prompt + output tokens (default: 4096, at most the model's context).
+    #[arg(long)]
+    pub ctx: Option<usize>,
+    /// Largest max_tokens a request may ask for.
+    #[arg(long = "max-tokens", default_value_t = 2048)]
+    pub max_tokens: usize,
+    /// Largest request body in bytes.
+    #[arg(long = "max-body-bytes", default_value_t = 4 << 20)]
+    pub max_body_bytes: usize,
+}
+
+/// Default per-request context.
+const DEFAULT_CTX: usize = 4096;
+
+/// Runs `serve`.
+pub fn run(global: &Global, args: Args) -> Result<()> {
+    let path = crate::model::model_path(global)?;
+    let loaded = crate::model::load_model(global)?;
+    let limit = loaded.model.info().context_length;
+    let model_name = args.model_name.clone().unwrap_or_else(|| {
+        path.file_stem()
+            .or(path.file_name())
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "markbase".into())
+    });
+    let opts = ServerOptions {
+        model_name: model_name.clone(),
+        api_key: args.api_key.clone().filter(|k| !k.is_empty()),
+        max_tokens: args.max_tokens,
+        max_body_bytes: args.max_body_bytes,
+        engine: EngineConfig {
+            max_seqs: args.max_seqs,
+            max_step_tokens: args.max_step_tokens,
+            kv_blocks: args.kv_blocks,
+            max_queue: args.max_queue,
+            max_context: args.ctx.unwrap_or(DEFAULT_CTX.min(limit)),
+        },
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    runtime.block_on(async move {
+        let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
+            .await
+            .with_context(|| format!("cannot listen on {}:{}", args.host, args.port))?;
+        let state = AppState::new(loaded, opts).map_err(anyhow::Error::msg)?;
+        let addr = listener.local_addr()?;
+        eprintln!(
+            "markbase: serving {model_name} on http://{addr} (OpenAI API under /v1{})",
+            if state.api_key.is_some() {
+                ", API key required"
+            } else {
+                ""
+            }
+        );
+        markbase_server::serve(listener, state, shutdown_signal())
+            .await
+            .context("the server failed")
+    })
+}
+
+/// Ctrl-C or SIGTERM.
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {}
+        _ = term => {}
+    }
+    eprintln!("markbase: shutting down");
+}

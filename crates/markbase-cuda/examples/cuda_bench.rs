@@ -1,0 +1,263 @@
+//! Timing harness for the CUDA backend: the device's copy bandwidth (the roofline's ceiling),
+//! single-token GEMV bandwidth per weight format, and whole-model decode steps (one host wait
+//! each) of a synthetic Gemma 4 (random weights at a released variant's shapes) or a GGUF.
+//!
+//! ```sh
+//! cargo run --release -p markbase-cuda --example cuda_bench -- --synthetic e4b:q4_k --steps 32
+//! cargo run --release -p markbase-cuda --example cuda_bench -- --gguf model.gguf
+//! ```
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use markbase_core::backend::{Backend, HostBytes, HostMatrix};
+use markbase_core::config::Gemma3Config;
+use markbase_core::gguf::GgufFile;
+use markbase_core::quant::GgmlType;
+use markbase_cuda::CudaBackend;
+use markbase_models::gemma3::Gemma3;
+use markbase_models::gemma4::Gemma4;
+use markbase_models::synthetic::{SyntheticSpec, SyntheticWeights};
+use markbase_models::{LmHeadMode, Logits, SeqStep, WeightStore};
+
+/// Slots per KV block.
+const BLOCK: usize = 16;
+
+/// One sequence in a paged pool of its own (block `i` holds positions `16·i ..`).
+struct OneSeq {
+    table: Vec<u32>,
+    len: usize,
+}
+
+impl OneSeq {
+    /// Room for `n` positions.
+    fn new(n: usize) -> OneSeq {
+        OneSeq {
+            table: (0..n.div_ceil(BLOCK) as u32).collect(),
+            len: 0,
+        }
+    }
+
+    /// Blocks the pool needs.
+    fn blocks(&self) -> usize {
+        self.table.len()
+    }
+
+    /// Runs `ids` after the sequence's tokens through `step`; the last token's logits.
+    fn run(&mut self, ids: &[u32], step: impl FnOnce(&[SeqStep]) -> Vec<f32>) -> Vec<f32> {
+        let seq = SeqStep {
+            tokens: ids,
+            start: self.len,
+            full_blocks: &self.table,
+            sliding_blocks: &self.table,
+            logits: Some(Logits::Last),
+        };
+        let out = step(&[seq]);
+        self.len += ids.len();
+        out
+    }
+}
+
+fn arg(args: &[String], name: &str) -> Option<String> {
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1).cloned())
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+/// Device-to-device copy bandwidth, bytes read + written per second.
+fn copy_bandwidth(be: &CudaBackend) -> f64 {
+    let n = 256 << 20; // 1 GiB of f32
+    let src = be.alloc(n).unwrap();
+    let mut dst = be.alloc(n).unwrap();
+    be.copy(&src, 0, &mut dst, 0, n).unwrap();
+    be.device().synchronize().unwrap();
+    let reps = 10;
+    let t = Instant::now();
+    for _ in 0..reps {
+        be.copy(&src, 0, &mut dst, 0, n).unwrap();
+    }
+    be.device().synchronize().unwrap();
+    (2 * 4 * n * reps) as f64 / t.elapsed().as_secs_f64()
+}
+
+/// A `[rows, cols]` matrix of random blocks with small scales.
+fn random_matrix(ty: GgmlType, rows: usize, cols: usize, seed: &mut u64) -> HostMatrix {
+    let len = rows * ty.bytes_for(cols).unwrap();
+    let mut bytes = vec![0u8; len];
+    for b in bytes.iter_mut() {
+        *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1);
+        *b = (*seed >> 56) as u8;
+    }
+    if matches!(ty, GgmlType::BF16 | GgmlType::F16) {
+        for c in bytes.chunks_exact_mut(2) {
+            c[1] &= 0x3f; // small magnitudes, no NaN/inf
+        }
+    } else {
+        let offs: &[usize] = match ty {
+            GgmlType::Q4_K | GgmlType::Q5_K => &[0, 2],
+            GgmlType::Q6_K => &[208],
+            _ => &[0],
+        };
+        for block in bytes.chunks_exact_mut(ty.type_size()) {
+            for &o in offs {
+                block[o..o + 2].copy_from_slice(&0x2000u16.to_le_bytes());
+            }
+        }
+    }
+    HostMatrix {
+        name: format!("bench {ty}"),
+        ty,
+        rows,
+        cols,
+        bytes: HostBytes::Owned(Arc::from(bytes)),
+    }
+}
+
+/// One-token GEMV over a 16384 × 4096 matrix of each format: GB/s of weight bytes.
+fn gemv_bandwidth(be: &CudaBackend) {
+    let (rows, cols) = (16384, 4096);
+    let mut seed = 7u64;
+    let x = be.alloc(8 * cols).unwrap();
+    let mut out = be.alloc(8 * rows).unwrap();
+    println!("| format | tokens | µs | weight GB/s |");
+    println!("| --- | ---: | ---: | ---: |");
+    for ty in [
+        GgmlType::BF16,
+        GgmlType::Q8_0,
+        GgmlType::Q6_K,
+        GgmlType::Q5_0,
+        GgmlType::Q4_K,
+        GgmlType::Q4_0,
+    ] {
+        // Several copies so repeated launches do not run from L2.
+        let ms: Vec<_> = (0..4)
+            .map(|_| {
+                be.load_matrix(&random_matrix(ty, rows, cols, &mut seed))
+                    .unwrap()
+            })
+            .collect();
+        let bytes = ty.bytes_for(cols).unwrap() * rows;
+        for n in [1, 8] {
+            for m in &ms {
+                be.matmul(&x, n, m, &mut out).unwrap();
+            }
+            be.device().synchronize().unwrap();
+            let reps = 50;
+            let t = Instant::now();
+            for i in 0..reps {
+                be.matmul(&x, n, &ms[i % ms.len()], &mut out).unwrap();
+            }
+            be.device().synchronize().unwrap();
+            let s = t.elapsed().as_secs_f64() / reps as f64;
+            println!(
+                "| {ty} | {n} | {:.1} | {:.0} |",
+                s * 1e6,
+                bytes as f64 / s / 1e9
+            );
+        }
+    }
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let steps: usize = arg(&args, "--steps").map_or(32, |s| s.parse().unwrap());
+    let prompt: usize = arg(&args, "--prompt").map_or(128, |s| s.parse().unwrap());
+    let t = Instant::now();
+    let be = CudaBackend::new(0).unwrap_or_else(|e| {
+        eprintln!("error: {e}");
+        std::process::exit(1)
+    });
+    println!(
+        "device: {} ({} SMs); kernels ready in {:.1} s",
+        be.device().name(),
+        be.device().multiprocessors(),
+        t.elapsed().as_secs_f64()
+    );
+    let bw = copy_bandwidth(&be);
+    println!("device copy bandwidth: {:.0} GB/s (read + write)", bw / 1e9);
+    if args.iter().any(|a| a == "--gemv") {
+        gemv_bandwidth(&be);
+    }
+    let nothing = |_: u64, _: u64| {};
+    let t = Instant::now();
+    // (forward of one token → logits, bytes a decode step reads)
+    type Step = Box<dyn FnMut(&[u32]) -> Vec<f32>>;
+    let (mut step, step_bytes, label): (Step, u64, String) = if let Some(spec) =
+        arg(&args, "--synthetic")
+    {
+        let spec = SyntheticSpec::parse(&spec).unwrap();
+        let w = Arc::new(SyntheticWeights::new(spec).unwrap());
+        let cfg = w.config().clone();
+        // Decode reads every matrix except the PLE table, of which only one row per layer.
+        let bytes = w.weight_bytes() - w.n_bytes("embed_tokens_per_layer.weight");
+        let m = Gemma4::load(
+            cfg,
+            &WeightStore::Synthetic(w),
+            be,
+            LmHeadMode::Exact,
+            &nothing,
+        )
+        .unwrap();
+        let mut one = OneSeq::new(prompt + steps + 1);
+        let mut pool = m.new_kv_pool(BLOCK, [one.blocks(), one.blocks()]).unwrap();
+        (
+            Box::new(move |ids| one.run(ids, |s| m.step(&mut pool, s).unwrap())),
+            bytes,
+            format!("synthetic {}", spec.describe()),
+        )
+    } else if let Some(path) = arg(&args, "--gguf") {
+        let f = Arc::new(GgufFile::open(&path).unwrap());
+        let cfg = Gemma3Config::from_gguf(&f).unwrap();
+        let bytes: u64 = f.tensors().iter().map(|t| t.n_bytes).sum();
+        let m = Gemma3::load(cfg, &WeightStore::Gguf(f), be, LmHeadMode::Exact, &nothing).unwrap();
+        let mut one = OneSeq::new(prompt + steps + 1);
+        let mut pool = m.new_kv_pool(BLOCK, [one.blocks(), one.blocks()]).unwrap();
+        (
+            Box::new(move |ids| one.run(ids, |s| m.step(&mut pool, s).unwrap())),
+            bytes,
+            path,
+        )
+    } else {
+        return;
+    };
+    println!(
+        "model {label}: loaded in {:.1} s",
+        t.elapsed().as_secs_f64()
+    );
+    let ids: Vec<u32> = (0..prompt as u32).map(|i| (i * 7919) % 4096 + 10).collect();
+    let t = Instant::now();
+    let mut logits = step(&ids);
+    let pre = t.elapsed().as_secs_f64();
+    println!(
+        "prefill {prompt} tokens: {:.1} ms ({:.0} tokens/s)",
+        pre * 1e3,
+        prompt as f64 / pre
+    );
+    let mut times = Vec::with_capacity(steps);
+    for _ in 0..steps {
+        let next = (0..logits.len()).fold(0, |b, i| if logits[i] > logits[b] { i } else { b });
+        let t = Instant::now();
+        logits = step(&[next as u32]);
+        times.push(t.elapsed().as_secs_f64());
+    }
+    let min = times.iter().copied().fold(f64::INFINITY, f64::min);
+    let med = median(&mut times);
+    // The memory system moves `bw` bytes per second (reads + writes); a step reads its weights.
+    let floor = step_bytes as f64 / bw;
+    println!(
+        "decode: median {:.3} ms/step ({:.0} tokens/s), min {:.3} ms; {:.2} GB read per step \
+         = {:.0} GB/s; bandwidth floor {:.3} ms, so {:.0}% of the roofline",
+        med * 1e3,
+        1.0 / med,
+        min * 1e3,
+        step_bytes as f64 / 1e9,
+        step_bytes as f64 / med / 1e9,
+        floor * 1e3,
+        100.0 * floor / med
+    );
+}

@@ -1,0 +1,167 @@
+// Softmax attention over a slot-addressed KV cache (split-K "flash decoding"), GQA, optional
+// sliding window and score soft-cap, over a paged cache. Query rows are grouped by sequence
+// (rows seq_start[s] .. seq_start[s + 1] belong to sequence s); row t at position p sees keys
+// j in [max(0, p − window + 1), p] of its sequence, key j living in cache slot
+// block_tables[s · table_width + j / block_size] · block_size + j % block_size.
+//
+// attn_partial_V: one warp per (token, query head, key split); lane l holds head dims
+// [l·V, l·V + V) (V = head_dim / 32). Keys are visited four at a time with an online softmax.
+// With one split the result is written straight to `out`; otherwise (m, l, acc[head_dim]) go
+// to `part` and attn_combine merges them. Needs common.cuh.
+
+struct AttnArgs {
+    const float* q;
+    const float* k_cache;
+    const float* v_cache;
+    const u32* positions;
+    const u32* seq_start;     // n_seqs + 1 entries
+    const u32* block_tables;  // [n_seqs, table_width]
+    float* out;
+    float* part;
+    int n_tokens, n_heads, n_kv_heads, head_dim;
+    float scale;
+    int window;     // 0 = none
+    float softcap;  // 0 = none
+    int n_seqs, table_width, block_size, chunk, splits;
+};
+
+// Cache slot of key position j for a sequence whose block table is `table`.
+__device__ __forceinline__ u64 kv_slot(const AttnArgs& a, const u32* table, int j) {
+    return (u64)table[j / a.block_size] * (u64)a.block_size + (u64)(j % a.block_size);
+}
+
+template <int V>
+__device__ __forceinline__ void load_v(const float* p, float* r) {
+    if (V % 4 == 0) {
+#pragma unroll
+        for (int i = 0; i < V / 4; i++) {
+            float4 t = __ldg((const float4*)p + i);
+            r[4 * i] = t.x; r[4 * i + 1] = t.y; r[4 * i + 2] = t.z; r[4 * i + 3] = t.w;
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < V; i++) r[i] = __ldg(p + i);
+    }
+}
+
+template <int V, int KB>
+__device__ __forceinline__ void attn_keys(const AttnArgs& a, const u32* table, int j, int kvh,
+                                          int lane, const float* qv, float& m, float& l,
+                                          float* acc) {
+    u64 kv_w = (u64)a.n_kv_heads * a.head_dim;
+    float s[KB];
+    u64 slots[KB];
+#pragma unroll
+    for (int b = 0; b < KB; b++) {
+        u64 slot = kv_slot(a, table, j + b);
+        slots[b] = slot;
+        float kr[V];
+        load_v<V>(a.k_cache + slot * kv_w + (u64)kvh * a.head_dim + lane * V, kr);
+        float d = 0.f;
+#pragma unroll
+        for (int i = 0; i < V; i++) d = fmaf(qv[i], kr[i], d);
+        s[b] = d;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+#pragma unroll
+        for (int b = 0; b < KB; b++) s[b] += __shfl_xor_sync(0xffffffffu, s[b], o);
+    }
+    float mn = m;
+#pragma unroll
+    for (int b = 0; b < KB; b++) {
+        s[b] *= a.scale;
+        if (a.softcap > 0.f) s[b] = a.softcap * tanhf(s[b] / a.softcap);
+        mn = fmaxf(mn, s[b]);
+    }
+    float corr = expf(m - mn);
+    l *= corr;
+#pragma unroll
+    for (int i = 0; i < V; i++) acc[i] *= corr;
+#pragma unroll
+    for (int b = 0; b < KB; b++) {
+        float e = expf(s[b] - mn);
+        l += e;
+        float vr[V];
+        load_v<V>(a.v_cache + slots[b] * kv_w + (u64)kvh * a.head_dim + lane * V, vr);
+#pragma unroll
+        for (int i = 0; i < V; i++) acc[i] = fmaf(e, vr[i], acc[i]);
+    }
+    m = mn;
+}
+
+template <int V>
+__device__ void attn_partial_impl(const AttnArgs& a) {
+    int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    int lane = threadIdx.x & 31;
+    if (row >= a.n_tokens * a.n_heads) return;
+    int t = row / a.n_heads, h = row % a.n_heads;
+    int kvh = h / (a.n_heads / a.n_kv_heads);
+    // The row's sequence: the last s with seq_start[s] <= t (empty sequences are skipped).
+    int lo_s = 0, hi_s = a.n_seqs - 1;
+    while (lo_s < hi_s) {
+        int mid = (lo_s + hi_s + 1) >> 1;
+        if ((int)a.seq_start[mid] <= t) lo_s = mid; else hi_s = mid - 1;
+    }
+    const u32* table = a.block_tables + (u64)lo_s * a.table_width;
+    int p = (int)a.positions[t];
+    int lo = a.window > 0 ? max(0, p - a.window + 1) : 0;
+    int j0 = lo + blockIdx.y * a.chunk;
+    int j1 = min(p, j0 + a.chunk - 1);
+    float qv[V], acc[V];
+    load_v<V>(a.q + (u64)row * a.head_dim + lane * V, qv);
+#pragma unroll
+    for (int i = 0; i < V; i++) acc[i] = 0.f;
+    float m = NEG_INF, l = 0.f;
+    int j = j0;
+    for (; j + 3 <= j1; j += 4) attn_keys<V, 4>(a, table, j, kvh, lane, qv, m, l, acc);
+    for (; j <= j1; j++) attn_keys<V, 1>(a, table, j, kvh, lane, qv, m, l, acc);
+    if (a.splits == 1) {
+        float inv = 1.f / l;
+        float* o = a.out + (u64)row * a.head_dim + lane * V;
+#pragma unroll
+        for (int i = 0; i < V; i++) o[i] = acc[i] * inv;
+    } else {
+        float* pp = a.part + ((u64)row * a.splits + blockIdx.y) * (a.head_dim + 2);
+        if (lane == 0) {
+            pp[0] = m;
+            pp[1] = l;
+        }
+#pragma unroll
+        for (int i = 0; i < V; i++) pp[2 + lane * V + i] = acc[i];
+    }
+}
+
+#define ATTN_KERNEL(V) \
+    extern "C" __global__ void attn_partial_##V(AttnArgs a) { attn_partial_impl<V>(a); }
+ATTN_KERNEL(1)
+ATTN_KERNEL(2)
+ATTN_KERNEL(4)
+ATTN_KERNEL(8)
+ATTN_KERNEL(16)
+
+// Merges the `splits` partial results of each (token, head) row: one warp per row.
+extern "C" __global__ void attn_combine(const float* part, int rows, int splits, int head_dim,
+                                        float* out) {
+    int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    int lane = threadIdx.x & 31;
+    if (row >= rows) return;
+    const float* pr = part + (u64)row * splits * (head_dim + 2);
+    float mx = NEG_INF;
+    for (int s = 0; s < splits; s++)
+        if (pr[s * (head_dim + 2) + 1] > 0.f) mx = fmaxf(mx, pr[s * (head_dim + 2)]);
+    float total = 0.f;
+    for (int s = 0; s < splits; s++) {
+        float l = pr[s * (head_dim + 2) + 1];
+        if (l > 0.f) total += l * expf(pr[s * (head_dim + 2)] - mx);
+    }
+    float inv = 1.f / total;
+    for (int i = lane; i < head_dim; i += WARP) {
+        float acc = 0.f;
+        for (int s = 0; s < splits; s++) {
+            const float* ps = pr + s * (head_dim + 2);
+            if (ps[1] > 0.f) acc += ps[2 + i] * expf(ps[0] - mx);
+        }
+        out[(u64)row * head_dim + i] = acc * inv;
+    }
+}

@@ -1,0 +1,162 @@
+// Row-wise and element-wise operations: embedding gather, RMSNorm (+ fused residual add),
+// per-head norm + RoPE, KV write, activations, and weight dequantization for prefill GEMMs.
+// Needs common.cuh and quant.cuh.
+
+// out[t, :] = dequant(table[tokens[t], :]) · scale. Grid: tokens; block: any.
+template <int FMT>
+__device__ void embed_impl(const u8* table, u64 row_bytes, const u32* tokens, int k, float scale,
+                           float* out) {
+    int t = blockIdx.x;
+    const u8* row = table + (u64)tokens[t] * row_bytes;
+    float* o = out + (u64)t * k;
+    int chunks = (k + 31) >> 5;
+    for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
+        float w[32];
+        int kv = min(32, k - 32 * c);
+        deq32<FMT>(row, c, kv, k, w);
+#pragma unroll
+        for (int i = 0; i < 32; i++)
+            if (i < kv) o[32 * c + i] = w[i] * scale;
+    }
+}
+
+// dst[r - r0, :] = dequant(w[r, :]) for rows r0 .. r0 + n_rows. Grid: (chunk groups, rows).
+template <int FMT>
+__device__ void dequant_impl(const u8* w, u64 row_bytes, int r0, int k, float* dst) {
+    int r = blockIdx.y;
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    int chunks = (k + 31) >> 5;
+    if (c >= chunks) return;
+    float v[32];
+    int kv = min(32, k - 32 * c);
+    deq32<FMT>(w + (u64)(r0 + r) * row_bytes, c, kv, k, v);
+    float* o = dst + (u64)r * k + 32 * c;
+#pragma unroll
+    for (int i = 0; i < 32; i++)
+        if (i < kv) o[i] = v[i];
+}
+
+#define OPS_FORMAT_KERNELS(S, F)                                                              \
+    extern "C" __global__ void embed_##S(const u8* table, u64 row_bytes, const u32* tokens,   \
+                                         int k, float scale, float* out) {                    \
+        embed_impl<F>(table, row_bytes, tokens, k, scale, out);                               \
+    }                                                                                         \
+    extern "C" __global__ void dequant_##S(const u8* w, u64 row_bytes, int r0, int k,         \
+                                           float* dst) {                                      \
+        dequant_impl<F>(w, row_bytes, r0, k, dst);                                            \
+    }
+FOR_EACH_FORMAT(OPS_FORMAT_KERNELS)
+
+// RMSNorm of row blockIdx.x (dim values): x · 1/sqrt(mean(x²) + eps) · weight (weight may be
+// null), written to out (add = 0) or added into it (add = 1). Rows of a multiple of 4 values
+// move as float4 (a decode step normalises single rows, so the block is wide and each thread
+// touches few values: the kernel is latency-bound).
+extern "C" __global__ void rms_norm(const float* x, const float* weight, float eps, int dim,
+                                    float* out, int add) {
+    __shared__ float red[32];
+    const float* xr = x + (u64)blockIdx.x * dim;
+    float* o = out + (u64)blockIdx.x * dim;
+    float ss = 0.f;
+    if ((dim & 3) == 0) {
+        int d4 = dim >> 2;
+        for (int i = threadIdx.x; i < d4; i += blockDim.x) {
+            float4 v = ((const float4*)xr)[i];
+            ss = fmaf(v.x, v.x, fmaf(v.y, v.y, fmaf(v.z, v.z, fmaf(v.w, v.w, ss))));
+        }
+        ss = block_sum(ss, red);
+        float inv = 1.f / sqrtf(ss / (float)dim + eps);
+        for (int i = threadIdx.x; i < d4; i += blockDim.x) {
+            float4 v = ((const float4*)xr)[i];
+            v.x *= inv; v.y *= inv; v.z *= inv; v.w *= inv;
+            if (weight) {
+                float4 w = ((const float4*)weight)[i];
+                v.x *= w.x; v.y *= w.y; v.z *= w.z; v.w *= w.w;
+            }
+            if (add) {
+                float4 p = ((float4*)o)[i];
+                v.x += p.x; v.y += p.y; v.z += p.z; v.w += p.w;
+            }
+            ((float4*)o)[i] = v;
+        }
+        return;
+    }
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) ss = fmaf(xr[i], xr[i], ss);
+    ss = block_sum(ss, red);
+    float inv = 1.f / sqrtf(ss / (float)dim + eps);
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+        float v = xr[i] * inv;
+        if (weight) v *= weight[i];
+        o[i] = add ? o[i] + v : v;
+    }
+}
+
+// In place on head blockIdx.x (of n_heads per token): optional RMSNorm with weight, then
+// half-split RoPE of the first `pairs` pairs (i, i + head_dim/2) at positions[token], pair i
+// turning by positions[token] · freqs[i] (frequencies computed on the host).
+// Block: 32 threads; dynamic shared memory: head_dim floats.
+extern "C" __global__ void head_norm_rope(float* x, int n_heads, int head_dim,
+                                          const float* norm_w, float eps, const float* freqs,
+                                          int pairs, const u32* positions) {
+    extern __shared__ float hv[];
+    int head = blockIdx.x, t = head / n_heads, lane = threadIdx.x;
+    float* p = x + (u64)head * head_dim;
+    float ss = 0.f;
+    for (int i = lane; i < head_dim; i += WARP) {
+        float v = p[i];
+        hv[i] = v;
+        ss = fmaf(v, v, ss);
+    }
+    ss = warp_sum(ss);
+    if (norm_w) {
+        float inv = 1.f / sqrtf(ss / (float)head_dim + eps);
+        for (int i = lane; i < head_dim; i += WARP) hv[i] = hv[i] * inv * norm_w[i];
+    }
+    __syncwarp();
+    int half = head_dim / 2;
+    float pos = (float)positions[t];
+    for (int i = lane; i < half; i += WARP) {
+        float a = hv[i], b = hv[i + half];
+        if (i < pairs) {
+            float ang = pos * freqs[i];
+            double s, c;
+            sincos((double)ang, &s, &c);
+            float cf = (float)c, sf = (float)s;
+            p[i] = a * cf - b * sf;
+            p[i + half] = b * cf + a * sf;
+        } else {
+            p[i] = a;
+            p[i + half] = b;
+        }
+    }
+}
+
+// k_cache[slots[t], :] = k[t, :] and likewise v, for token blockIdx.y.
+extern "C" __global__ void write_kv(const float* k, const float* v, int row, const u32* slots,
+                                    float* k_cache, float* v_cache) {
+    int t = blockIdx.y;
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= row) return;
+    u64 s = slots[t];
+    k_cache[s * row + i] = k[(u64)t * row + i];
+    v_cache[s * row + i] = v[(u64)t * row + i];
+}
+
+extern "C" __global__ void gelu_tanh_mul(float* gate, const float* up, u64 n) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) gate[i] = gelu_tanh(gate[i]) * up[i];
+}
+
+extern "C" __global__ void add(float* x, const float* y, u64 n) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] += y[i];
+}
+
+extern "C" __global__ void scale(float* x, float s, u64 n) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] *= s;
+}
+
+extern "C" __global__ void softcap(float* x, float cap, u64 n) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] = cap * tanhf(x[i] / cap);
+}

@@ -1,0 +1,470 @@
+// Dequantization of one 32-weight chunk of a stored row, for every weight format, and the
+// warp-wide row dot product built on it. Layouts follow ggml (see markbase-core's quant module,
+// whose reference dequantization the tests compare against).
+//
+// Format ids are the GGUF type ids. A "chunk" is 32 consecutive weights of a row: one block of
+// the 32-weight formats, one eighth of a 256-weight K-quant super-block, or 32 plain values.
+
+#define F_F32 0
+#define F_F16 1
+#define F_Q4_0 2
+#define F_Q4_1 3
+#define F_Q5_0 6
+#define F_Q5_1 7
+#define F_Q8_0 8
+#define F_Q2_K 10
+#define F_Q3_K 11
+#define F_Q4_K 12
+#define F_Q5_K 13
+#define F_Q6_K 14
+#define F_BF16 30
+
+// Loads 2·N bytes starting at an even offset into `b` (little-endian u16 loads).
+template <int N>
+__device__ __forceinline__ void ld_bytes(const u8* p, u8* b) {
+#pragma unroll
+    for (int i = 0; i < N; i++) {
+        u16 v = ld16(p + 2 * i);
+        b[2 * i] = (u8)(v & 0xff);
+        b[2 * i + 1] = (u8)(v >> 8);
+    }
+}
+
+// The 6-bit (scale, min) pair of sub-block j of a Q4_K / Q5_K super-block.
+__device__ __forceinline__ void k_scale_min(const u8* sc, int j, int* s, int* m) {
+    if (j < 4) {
+        *s = sc[j] & 63;
+        *m = sc[j + 4] & 63;
+    } else {
+        *s = (sc[j + 4] & 0x0F) | ((sc[j - 4] >> 6) << 4);
+        *m = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
+    }
+}
+
+// Weights 32·c .. 32·c + 31 of `row` (a row of `k` weights) into w; for the float formats only
+// the first `kv` (≤ 32) are read, the rest set to 0.
+template <int FMT>
+__device__ __forceinline__ void deq32(const u8* row, int c, int kv, int k, float* w) {
+    if (FMT == F_F32) {
+        const float* p = (const float*)row + 32 * c;
+        if (kv == 32 && (k & 3) == 0) {
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                float4 v = __ldg((const float4*)p + i);
+                w[4 * i] = v.x; w[4 * i + 1] = v.y; w[4 * i + 2] = v.z; w[4 * i + 3] = v.w;
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < 32; i++) w[i] = i < kv ? __ldg(p + i) : 0.f;
+        }
+    } else if (FMT == F_F16 || FMT == F_BF16) {
+        const u16* p = (const u16*)row + 32 * c;
+        if (kv == 32 && (k & 7) == 0) {
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                uint4 v = __ldg((const uint4*)p + i);
+                u32 a[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    u16 lo = (u16)(a[j] & 0xffff), hi = (u16)(a[j] >> 16);
+                    w[8 * i + 2 * j] = FMT == F_F16 ? f16_to_f32(lo) : bf16_to_f32(lo);
+                    w[8 * i + 2 * j + 1] = FMT == F_F16 ? f16_to_f32(hi) : bf16_to_f32(hi);
+                }
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < 32; i++) {
+                u16 h = i < kv ? __ldg(p + i) : (u16)0;
+                w[i] = FMT == F_F16 ? f16_to_f32(h) : bf16_to_f32(h);
+            }
+        }
+    } else if (FMT == F_Q4_0 || FMT == F_Q4_1) {
+        const int bs = FMT == F_Q4_0 ? 18 : 20;
+        const u8* b = row + (size_t)c * bs;
+        float d = f16_to_f32(ld16(b));
+        float m = FMT == F_Q4_1 ? f16_to_f32(ld16(b + 2)) : 0.f;
+        u8 q[16];
+        ld_bytes<8>(b + (FMT == F_Q4_0 ? 2 : 4), q);
+#pragma unroll
+        for (int j = 0; j < 16; j++) {
+            if (FMT == F_Q4_0) {
+                w[j] = (float)((int)(q[j] & 15) - 8) * d;
+                w[j + 16] = (float)((int)(q[j] >> 4) - 8) * d;
+            } else {
+                w[j] = (float)(q[j] & 15) * d + m;
+                w[j + 16] = (float)(q[j] >> 4) * d + m;
+            }
+        }
+    } else if (FMT == F_Q5_0 || FMT == F_Q5_1) {
+        const int bs = FMT == F_Q5_0 ? 22 : 24;
+        const int hoff = FMT == F_Q5_0 ? 2 : 4;
+        const u8* b = row + (size_t)c * bs;
+        float d = f16_to_f32(ld16(b));
+        float m = FMT == F_Q5_1 ? f16_to_f32(ld16(b + 2)) : 0.f;
+        u32 qh = (u32)ld16(b + hoff) | ((u32)ld16(b + hoff + 2) << 16);
+        u8 q[16];
+        ld_bytes<8>(b + hoff + 4, q);
+#pragma unroll
+        for (int j = 0; j < 16; j++) {
+            int q0 = (q[j] & 15) | (((qh >> j) & 1) << 4);
+            int q1 = (q[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
+            if (FMT == F_Q5_0) {
+                w[j] = (float)(q0 - 16) * d;
+                w[j + 16] = (float)(q1 - 16) * d;
+            } else {
+                w[j] = (float)q0 * d + m;
+                w[j + 16] = (float)q1 * d + m;
+            }
+        }
+    } else if (FMT == F_Q8_0) {
+        const u8* b = row + (size_t)c * 34;
+        float d = f16_to_f32(ld16(b));
+        u8 q[32];
+        ld_bytes<16>(b + 2, q);
+#pragma unroll
+        for (int j = 0; j < 32; j++) w[j] = (float)(signed char)q[j] * d;
+    } else if (FMT == F_Q2_K) {
+        const u8* b = row + (size_t)(c >> 3) * 84;
+        int cc = c & 7, n = cc >> 2, kk = cc & 3;
+        float d = f16_to_f32(ld16(b + 80)), dmin = f16_to_f32(ld16(b + 82));
+        u16 scp = ld16(b + 2 * cc);
+        int s0 = scp & 0xff, s1 = scp >> 8;
+        u8 q[32];
+        ld_bytes<16>(b + 16 + 32 * n, q);
+#pragma unroll
+        for (int l = 0; l < 32; l++) {
+            int sc = l < 16 ? s0 : s1;
+            w[l] = d * (float)(sc & 15) * (float)((q[l] >> (2 * kk)) & 3) - dmin * (float)(sc >> 4);
+        }
+    } else if (FMT == F_Q3_K) {
+        const u8* b = row + (size_t)(c >> 3) * 110;
+        int cc = c & 7, n = cc >> 2, kk = cc & 3;
+        float d = f16_to_f32(ld16(b + 108));
+        u8 sb[12];
+        ld_bytes<6>(b + 96, sb);
+        int sc[2];
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            int j = 2 * cc + h;
+            int low = j < 8 ? (sb[j] & 15) : (sb[j - 8] >> 4);
+            int high = (sb[8 + (j & 3)] >> (2 * (j >> 2))) & 3;
+            sc[h] = (low | (high << 4)) - 32;
+        }
+        u8 q[32], hm[32];
+        ld_bytes<16>(b + 32 + 32 * n, q);
+        ld_bytes<16>(b, hm);
+#pragma unroll
+        for (int l = 0; l < 32; l++) {
+            int v = (q[l] >> (2 * kk)) & 3;
+            if (!(hm[l] & (1 << cc))) v -= 4;
+            w[l] = d * (float)sc[l >> 4] * (float)v;
+        }
+    } else if (FMT == F_Q4_K || FMT == F_Q5_K) {
+        const int bs = FMT == F_Q4_K ? 144 : 176;
+        const int qoff = FMT == F_Q4_K ? 16 : 48;
+        const u8* b = row + (size_t)(c >> 3) * bs;
+        int j = c & 7;
+        float d = f16_to_f32(ld16(b)), dmin = f16_to_f32(ld16(b + 2));
+        u8 sb[12];
+        ld_bytes<6>(b + 4, sb);
+        int s, m;
+        k_scale_min(sb, j, &s, &m);
+        float d1 = d * (float)s, m1 = dmin * (float)m;
+        u8 q[32];
+        ld_bytes<16>(b + qoff + 32 * (j >> 1), q);
+        u8 qh[32];
+        if (FMT == F_Q5_K) ld_bytes<16>(b + 16, qh);
+#pragma unroll
+        for (int l = 0; l < 32; l++) {
+            int v = (q[l] >> (4 * (j & 1))) & 15;
+            if (FMT == F_Q5_K) v |= ((qh[l] >> j) & 1) << 4;
+            w[l] = d1 * (float)v - m1;
+        }
+    } else if (FMT == F_Q6_K) {
+        const u8* b = row + (size_t)(c >> 3) * 210;
+        int cc = c & 7, n = cc >> 2, kk = cc & 3;
+        float d = f16_to_f32(ld16(b + 208));
+        u16 scp = ld16(b + 192 + 2 * cc);
+        float d0 = d * (float)(signed char)(scp & 0xff), d1 = d * (float)(signed char)(scp >> 8);
+        u8 ql[32], qh[32];
+        ld_bytes<16>(b + 64 * n + 32 * (kk & 1), ql);
+        ld_bytes<16>(b + 128 + 32 * n, qh);
+#pragma unroll
+        for (int l = 0; l < 32; l++) {
+            int v = ((ql[l] >> (4 * (kk >> 1))) & 15) | (((qh[l] >> (2 * kk)) & 3) << 4);
+            w[l] = (l < 16 ? d0 : d1) * (float)(v - 32);
+        }
+    }
+}
+
+// Σ_i w[i]·x[i] over one chunk of 32 (x already offset to the chunk; kv valid values).
+__device__ __forceinline__ float dot32(const float* w, const float* x, int kv, int k) {
+    float s = 0.f;
+    if (kv == 32 && (k & 3) == 0) {
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            float4 v = __ldg((const float4*)x + i);
+            s = fmaf(w[4 * i], v.x, s);
+            s = fmaf(w[4 * i + 1], v.y, s);
+            s = fmaf(w[4 * i + 2], v.z, s);
+            s = fmaf(w[4 * i + 3], v.w, s);
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < 32; i++)
+            if (i < kv) s = fmaf(w[i], __ldg(x + i), s);
+    }
+    return s;
+}
+
+// Plain-float rows (F32 / F16 / BF16) whose width is a multiple of 8: lane l takes weights
+// 8·(l + 32·i) .. +8, so each warp load instruction reads one contiguous span (512 bytes of
+// 16-bit weights) and the matching activations two float4 per token.
+template <int FMT, int NT>
+__device__ __forceinline__ void float_row_dot(const u8* row, const float* x, int k, int nt,
+                                              float* acc) {
+    int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int t = 0; t < NT; t++) acc[t] = 0.f;
+    int groups = k >> 3;
+    for (int g = lane; g < groups; g += WARP) {
+        float w[8];
+        if (FMT == F_F32) {
+            float4 a = __ldg((const float4*)row + 2 * g);
+            float4 b = __ldg((const float4*)row + 2 * g + 1);
+            w[0] = a.x; w[1] = a.y; w[2] = a.z; w[3] = a.w;
+            w[4] = b.x; w[5] = b.y; w[6] = b.z; w[7] = b.w;
+        } else {
+            uint4 v = __ldg((const uint4*)row + g);
+            u32 q[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                u16 lo = (u16)(q[j] & 0xffff), hi = (u16)(q[j] >> 16);
+                w[2 * j] = FMT == F_F16 ? f16_to_f32(lo) : bf16_to_f32(lo);
+                w[2 * j + 1] = FMT == F_F16 ? f16_to_f32(hi) : bf16_to_f32(hi);
+            }
+        }
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            if (t < nt) {
+                const float4* xp = (const float4*)(x + (u64)t * k) + 2 * g;
+                float4 a = __ldg(xp), b = __ldg(xp + 1);
+                float s = acc[t];
+                s = fmaf(w[0], a.x, s); s = fmaf(w[1], a.y, s);
+                s = fmaf(w[2], a.z, s); s = fmaf(w[3], a.w, s);
+                s = fmaf(w[4], b.x, s); s = fmaf(w[5], b.y, s);
+                s = fmaf(w[6], b.z, s); s = fmaf(w[7], b.w, s);
+                acc[t] = s;
+            }
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < NT; t++) acc[t] = warp_sum(acc[t]);
+}
+
+// Bytes of one block and 32-weight chunks per block of a quantized format.
+__host__ __device__ constexpr int fmt_block_bytes(int f) {
+    return f == F_Q4_0 ? 18 : f == F_Q4_1 ? 20 : f == F_Q5_0 ? 22 : f == F_Q5_1 ? 24
+         : f == F_Q8_0 ? 34 : f == F_Q2_K ? 84 : f == F_Q3_K ? 110 : f == F_Q4_K ? 144
+         : f == F_Q5_K ? 176 : f == F_Q6_K ? 210 : 0;
+}
+__host__ __device__ constexpr int fmt_chunks_per_block(int f) { return f >= F_Q2_K && f <= F_Q6_K ? 8 : 1; }
+
+// Shared-memory staging for quantized rows. The 8 warps of a block (256 threads, one weight
+// row each) walk the row in tiles of 32 chunks (1024 weights) together: each warp copies its
+// row's quantized bytes of the tile (one contiguous span, ≤ 1088 bytes for Q8_0) with
+// coalesced loads, and the block copies the tile's activations once per token for all 8 rows
+// (32 chunks × 36 floats, padded so float4 reads at a 144-byte lane stride do not conflict).
+// Every warp of the block must call it (inactive ones with active = false): it synchronises
+// the block.
+#define STAGE_W_BYTES 1152
+#define STAGE_X_STRIDE 36
+#define STAGE_WARPS 8
+
+// Copies token t's activations of chunks c0 .. c0 + nch into the block's tile.
+__device__ __forceinline__ void stage_x(const float* x, int k, int t, int c0, int nch,
+                                        float* xs) {
+    const float4* xg = (const float4*)(x + (u64)t * k + 32 * c0);
+    __syncthreads();
+    for (int j = threadIdx.x; j < 256; j += blockDim.x)
+        if ((j >> 3) < nch) *(float4*)(xs + (j >> 3) * STAGE_X_STRIDE + 4 * (j & 7)) = __ldg(xg + j);
+    __syncthreads();
+}
+
+template <int FMT, int NT>
+__device__ __forceinline__ void staged_row_dot(bool active, const u8* row, const float* x, int k,
+                                               int nt, float* acc) {
+    __shared__ __align__(16) u8 wst[STAGE_WARPS][STAGE_W_BYTES];
+    __shared__ __align__(16) float xst[32 * STAGE_X_STRIDE];
+    const int TS = fmt_block_bytes(FMT), CPB = fmt_chunks_per_block(FMT);
+    int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & (STAGE_WARPS - 1);
+    u8* ws = wst[warp];
+#pragma unroll
+    for (int t = 0; t < NT; t++) acc[t] = 0.f;
+    int chunks = k >> 5;
+    for (int c0 = 0; c0 < chunks; c0 += 32) {
+        int nch = min(32, chunks - c0);
+        float w[32];
+        if (active) {
+            const u8* src = row + (u64)(c0 / CPB) * TS;
+            int nbytes = nch / CPB * TS;
+            __syncwarp();
+            if ((((u64)src) & 3) == 0 && (nbytes & 3) == 0) {
+                for (int i = lane; i < (nbytes >> 2); i += WARP)
+                    ((u32*)ws)[i] = __ldg((const u32*)src + i);
+            } else {
+                for (int i = lane; i < (nbytes >> 1); i += WARP)
+                    ((u16*)ws)[i] = __ldg((const u16*)src + i);
+            }
+            __syncwarp();
+            if (lane < nch) deq32<FMT>(ws, lane, 32, k, w);
+        }
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            if (t < nt) {
+                stage_x(x, k, t, c0, nch, xst);
+                if (active && lane < nch) {
+                    const float4* xl = (const float4*)(xst + lane * STAGE_X_STRIDE);
+                    float s = 0.f;
+#pragma unroll
+                    for (int i = 0; i < 8; i++) {
+                        float4 v = xl[i];
+                        s = fmaf(w[4 * i], v.x, s);
+                        s = fmaf(w[4 * i + 1], v.y, s);
+                        s = fmaf(w[4 * i + 2], v.z, s);
+                        s = fmaf(w[4 * i + 3], v.w, s);
+                    }
+                    acc[t] += s;
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < NT; t++) acc[t] = warp_sum(acc[t]);
+}
+
+// Q4_K rows, specialised: per tile of 4 super-blocks (32 chunks), eight lanes share a
+// 144-byte super-block, each loading one 16-byte slice of its quants (the warp reads 576
+// contiguous bytes) and the header words; with w = d·sc·q − dmin·m per 32-weight sub-block a
+// lane needs only Σ q·x and Σ x, taken from the block's activation tile. Synchronises the
+// block like staged_row_dot.
+template <int NT>
+__device__ __forceinline__ void q4k_row_dot(bool active, const u8* row, const float* x, int k,
+                                            int nt, float* acc) {
+    __shared__ __align__(16) float xst[32 * STAGE_X_STRIDE];
+    int lane = threadIdx.x & 31, sub = lane & 7;
+    int n = sub >> 1, l0 = 16 * (sub & 1);
+#pragma unroll
+    for (int t = 0; t < NT; t++) acc[t] = 0.f;
+    int nb = k >> 8;
+    for (int b0 = 0; b0 < nb; b0 += 4) {
+        int b = b0 + (lane >> 3);
+        bool mine = active && b < nb;
+        float d0 = 0.f, c0 = 0.f, d1 = 0.f, c1 = 0.f;
+        u32 qw[4] = {0, 0, 0, 0};
+        if (mine) {
+            const u8* blk = row + (u64)b * 144;
+            uint4 q = __ldg((const uint4*)(blk + 16) + sub);
+            u32 h = __ldg((const u32*)blk);
+            u32 w0 = __ldg((const u32*)(blk + 4)), w1 = __ldg((const u32*)(blk + 8)),
+                w2 = __ldg((const u32*)(blk + 12));
+            u8 sc[12];
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                sc[i] = (u8)(w0 >> (8 * i));
+                sc[4 + i] = (u8)(w1 >> (8 * i));
+                sc[8 + i] = (u8)(w2 >> (8 * i));
+            }
+            float d = f16_to_f32((u16)(h & 0xffff)), dmin = f16_to_f32((u16)(h >> 16));
+            int s0, m0, s1, m1;
+            k_scale_min(sc, 2 * n, &s0, &m0);
+            k_scale_min(sc, 2 * n + 1, &s1, &m1);
+            d0 = d * (float)s0; c0 = dmin * (float)m0;
+            d1 = d * (float)s1; c1 = dmin * (float)m1;
+            qw[0] = q.x; qw[1] = q.y; qw[2] = q.z; qw[3] = q.w;
+        }
+        int nch = min(32, 8 * (nb - b0));
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            if (t < nt) {
+                stage_x(x, k, t, 8 * b0, nch, xst);
+                if (mine) {
+                    // Chunks 8 (b − b0) + 2n (low nibbles) and + 1 (high), offset l0.
+                    const float* xa_p = xst + (8 * (lane >> 3) + 2 * n) * STAGE_X_STRIDE + l0;
+                    const float* xh_p = xa_p + STAGE_X_STRIDE;
+                    float sq0 = 0.f, sx0 = 0.f, sq1 = 0.f, sx1 = 0.f;
+#pragma unroll
+                    for (int i = 0; i < 4; i++) {
+                        float4 xa = ((const float4*)xa_p)[i];
+                        float4 xh = ((const float4*)xh_p)[i];
+                        u32 v = qw[i];
+                        sq0 = fmaf((float)(v & 15), xa.x, sq0);
+                        sq0 = fmaf((float)((v >> 8) & 15), xa.y, sq0);
+                        sq0 = fmaf((float)((v >> 16) & 15), xa.z, sq0);
+                        sq0 = fmaf((float)((v >> 24) & 15), xa.w, sq0);
+                        sq1 = fmaf((float)((v >> 4) & 15), xh.x, sq1);
+                        sq1 = fmaf((float)((v >> 12) & 15), xh.y, sq1);
+                        sq1 = fmaf((float)((v >> 20) & 15), xh.z, sq1);
+                        sq1 = fmaf((float)((v >> 28) & 15), xh.w, sq1);
+                        sx0 += (xa.x + xa.y) + (xa.z + xa.w);
+                        sx1 += (xh.x + xh.y) + (xh.z + xh.w);
+                    }
+                    acc[t] += (d0 * sq0 - c0 * sx0) + (d1 * sq1 - c1 * sx1);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < NT; t++) acc[t] = warp_sum(acc[t]);
+}
+
+// Dot products of one stored row (k weights) with NT activation rows x[t·k ..] (t < nt),
+// computed by one warp of a 256-thread block; every lane returns the sums. Every warp of the
+// block must call it (with active = false where it has no row): the quantized paths
+// synchronise the block. Plain floats of a width that is a multiple of 8 and every quantized
+// format take the coalesced paths above; other plain rows fall back to a chunk per lane.
+template <int FMT, int NT>
+__device__ __forceinline__ void warp_row_dot(bool active, const u8* row, const float* x, int k,
+                                             int nt, float* acc) {
+    if (FMT == F_F32 || FMT == F_F16 || FMT == F_BF16) {
+#pragma unroll
+        for (int t = 0; t < NT; t++) acc[t] = 0.f;
+        if (!active) return;
+        if ((k & 7) == 0) {
+            float_row_dot<FMT, NT>(row, x, k, nt, acc);
+            return;
+        }
+        int lane = threadIdx.x & 31;
+        int chunks = (k + 31) >> 5;
+        for (int c = lane; c < chunks; c += WARP) {
+            float w[32];
+            int kv = min(32, k - 32 * c);
+            deq32<FMT>(row, c, kv, k, w);
+#pragma unroll
+            for (int t = 0; t < NT; t++)
+                if (t < nt) acc[t] += dot32(w, x + (u64)t * k + 32 * c, kv, k);
+        }
+#pragma unroll
+        for (int t = 0; t < NT; t++) acc[t] = warp_sum(acc[t]);
+    } else if (FMT == F_Q4_K) {
+        q4k_row_dot<NT>(active, row, x, k, nt, acc);
+    } else {
+        staged_row_dot<FMT, NT>(active, row, x, k, nt, acc);
+    }
+}
+
+// Instantiates `MACRO(name_suffix, FMT)` for every supported weight format.
+#define FOR_EACH_FORMAT(MACRO) \
+    MACRO(f32, F_F32)          \
+    MACRO(f16, F_F16)          \
+    MACRO(bf16, F_BF16)        \
+    MACRO(q4_0, F_Q4_0)        \
+    MACRO(q4_1, F_Q4_1)        \
+    MACRO(q5_0, F_Q5_0)        \
+    MACRO(q5_1, F_Q5_1)        \
+    MACRO(q8_0, F_Q8_0)        \
+    MACRO(q2_k, F_Q2_K)        \
+    MACRO(q3_k, F_Q3_K)        \
+    MACRO(q4_k, F_Q4_K)        \
+    MACRO(q5_k, F_Q5_K)        \
+    MACRO(q6_k, F_Q6_K)

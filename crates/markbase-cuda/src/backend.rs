@@ -1,0 +1,821 @@
+//! [`CudaBackend`]: the [`Backend`] operations as kernels queued on one stream. Nothing waits
+//! for the device except [`Backend::read`] (and the token choosers in `sample`), so a model
+//! step costs one host wait. Host-side index arrays (tokens, positions, slots, sequence starts,
+//! block tables) are copied to a device scratch array in stream order before the kernel that
+//! reads them.
+
+use std::collections::HashMap;
+use std::sync::{Mutex, MutexGuard};
+
+use cudarc::driver::{CudaFunction, PinnedHostSlice};
+use markbase_core::backend::{AttnSpec, Backend, HostMatrix, KvLayout, NormOut, Rope};
+use markbase_core::quant::GgmlType;
+use markbase_core::{Error, Result};
+
+use crate::blas::Blas;
+use crate::buffer::{CudaBuffer, CudaMatrix, Growable};
+use crate::device::{driver_err, Device};
+use crate::kernels::{launch, Arg, AttnArgs, Grid, Kernels};
+use crate::sources::Module;
+use crate::upload::IndexCache;
+
+/// Token rows one GEMV launch reads each weight row for (the largest kernel variant).
+const GEMV_MAX_ROWS: usize = 8;
+/// Up to this many token rows a matmul uses GEMV launches; above it, dequantize + cuBLAS.
+const GEMV_UP_TO: usize = 16;
+/// Most f32 weights dequantized at once for a cuBLAS product (64 MiB of scratch).
+const DEQUANT_TILE: usize = 16 << 20;
+/// Query rows × key splits the attention kernel aims to keep busy.
+const ATTN_TARGET_WARPS: usize = 1024;
+/// Largest head dimension (lanes hold head_dim / 32 ≤ 16 values).
+const MAX_HEAD_DIM: usize = 512;
+/// Most experts `moe_route` handles (8 per lane).
+const MAX_EXPERTS: usize = 256;
+
+/// Scratch space shared by operations (one operation uses it at a time; stream order makes
+/// reuse safe).
+pub(crate) struct Scratch {
+    /// Uploaded token ids / positions / slots.
+    pub(crate) idx: IndexCache,
+    /// Float scratch: dequantized weight tiles, attention partials, MoE intermediates.
+    pub(crate) floats: Growable<f32>,
+    /// Chosen tokens of the samplers.
+    pub(crate) picks: Growable<u32>,
+    /// Uniform draws of the sampler.
+    pub(crate) draws: Growable<f32>,
+}
+
+/// The CUDA backend: one GPU, one stream.
+pub struct CudaBackend {
+    pub(crate) dev: Device,
+    pub(crate) kernels: Kernels,
+    blas: Option<Blas>,
+    pub(crate) scratch: Mutex<Scratch>,
+    /// Error word raised by kernels (see common.cuh), checked at each `read`.
+    err: CudaBuffer,
+    err_host: Mutex<PinnedHostSlice<u32>>,
+    /// RoPE frequency tables by (θ bits, linear factor bits, head_dim, rotated pairs).
+    rope_tables: Mutex<HashMap<(u32, u32, usize, usize), CudaBuffer>>,
+}
+
+fn need(what: &str, have: usize, want: usize) -> Result<()> {
+    if have < want {
+        return Err(Error::Invalid(format!(
+            "cuda {what}: buffer of {have} values, needs {want}"
+        )));
+    }
+    Ok(())
+}
+
+fn blocks(n: usize, per: usize) -> u32 {
+    n.div_ceil(per) as u32
+}
+
+/// `v` as a C int, or an error naming it.
+fn int(what: &str, v: usize) -> Result<i32> {
+    i32::try_from(v).map_err(|_| Error::Invalid(format!("cuda {what}: {v} is too large")))
+}
+
+/// The kernel-name suffix of a weight format.
+pub(crate) fn format_suffix(ty: GgmlType) -> Result<&'static str> {
+    Ok(match ty {
+        GgmlType::F32 => "f32",
+        GgmlType::F16 => "f16",
+        GgmlType::BF16 => "bf16",
+        GgmlType::Q4_0 => "q4_0",
+        GgmlType::Q4_1 => "q4_1",
+        GgmlType::Q5_0 => "q5_0",
+        GgmlType::Q5_1 => "q5_1",
+        GgmlType::Q8_0 => "q8_0",
+        GgmlType::Q2_K => "q2_k",
+        GgmlType::Q3_K => "q3_k",
+        GgmlType::Q4_K => "q4_k",
+        GgmlType::Q5_K => "q5_k",
+        GgmlType::Q6_K => "q6_k",
+        GgmlType::Q8_K => {
+            return Err(Error::Unsupported(
+                "Q8_K weights on the CUDA backend (an activation format)".into(),
+            ))
+        }
+    })
+}
+
+impl CudaBackend {
+    /// Opens GPU `ordinal` and prepares its kernels (compiled with NVRTC for the device's
+    /// architecture on first use, then taken from the disk cache). Errors clearly when there
+    /// is no driver, no GPU or no NVRTC.
+    pub fn new(ordinal: usize) -> Result<CudaBackend> {
+        let dev = Device::open(ordinal)?;
+        let (major, minor) = dev.capability();
+        let kernels = Kernels::load(&dev.ctx, (major * 10 + minor) as u32)?;
+        let blas = Blas::new(&dev.stream)?;
+        let err = CudaBuffer::zeroed(&dev.stream, 1)?;
+        // SAFETY: plain page-locked host memory, written only by copies from the device.
+        let err_host = unsafe { dev.ctx.alloc_pinned_with_flags::<u32>(1, 0) }
+            .map_err(|e| driver_err("pinned allocation", e))?;
+        Ok(CudaBackend {
+            dev,
+            kernels,
+            blas,
+            scratch: Mutex::new(Scratch {
+                idx: IndexCache::new(),
+                floats: Growable::new(),
+                picks: Growable::new(),
+                draws: Growable::new(),
+            }),
+            err,
+            err_host: Mutex::new(err_host),
+            rope_tables: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// The opened device.
+    pub fn device(&self) -> &Device {
+        &self.dev
+    }
+
+    /// Whether cuBLAS was found (prefill products use it; without it they run as GEMVs).
+    pub fn has_cublas(&self) -> bool {
+        self.blas.is_some()
+    }
+
+    pub(crate) fn scratch(&self) -> Result<MutexGuard<'_, Scratch>> {
+        self.scratch
+            .lock()
+            .map_err(|_| Error::Invalid("CUDA scratch poisoned by an earlier panic".into()))
+    }
+
+    /// Queues kernel `f`.
+    fn launch_fn(&self, f: &CudaFunction, grid: Grid, args: &[Arg]) -> Result<()> {
+        launch(&self.dev.stream, f, grid, args)
+    }
+
+    /// Queues kernel `name` of module `m`.
+    pub(crate) fn run(
+        &self,
+        m: Module,
+        name: &'static str,
+        grid: Grid,
+        args: &[Arg],
+    ) -> Result<()> {
+        let f = self.kernels.func(m, name)?;
+        launch(&self.dev.stream, &f, grid, args)
+    }
+
+    /// Copies `v` into the index scratch; returns its device address.
+    pub(crate) fn upload_idx(&self, s: &mut Scratch, v: &[u32]) -> Result<u64> {
+        s.idx.upload(&self.dev.stream, v)
+    }
+
+    /// Queues GEMV launches for `n` token rows (≤ GEMV_MAX_ROWS per launch).
+    fn gemv(&self, x: u64, n: usize, w: &CudaMatrix, out: u64) -> Result<()> {
+        let (rows, k) = (int("rows", w.rows)?, int("cols", w.cols)?);
+        let mut t0 = 0;
+        while t0 < n {
+            let nt = (n - t0).min(GEMV_MAX_ROWS);
+            let variant = [1, 2, 4, 4, 8, 8, 8, 8][nt - 1];
+            let f = self.kernels.func_for(Module::Gemv, "gemv", w.ty, variant)?;
+            self.launch_fn(
+                &f,
+                Grid::new((blocks(w.rows, 8), 1), 256),
+                &[
+                    Arg::U64(w.ptr),
+                    Arg::U64(w.row_bytes as u64),
+                    Arg::I32(rows),
+                    Arg::I32(k),
+                    Arg::U64(x + 4 * (t0 * w.cols) as u64),
+                    Arg::I32(nt as i32),
+                    Arg::U64(out + 4 * (t0 * w.rows) as u64),
+                ],
+            )?;
+            t0 += nt;
+        }
+        Ok(())
+    }
+
+    /// Prefill-sized product through cuBLAS: f32 weights directly, others dequantized tile by
+    /// tile into scratch.
+    fn gemm(&self, blas: &Blas, x: u64, n: usize, w: &CudaMatrix, out: u64) -> Result<()> {
+        let k = w.cols;
+        if w.ty == GgmlType::F32 {
+            // SAFETY: sizes checked by the caller.
+            return unsafe { blas.gemm_rows(w.ptr, w.rows, k, x, n, out, w.rows) };
+        }
+        let tile = (DEQUANT_TILE / k.max(1)).clamp(1, 65_535).min(w.rows);
+        let mut s = self.scratch()?;
+        let deq = s.floats.get(&self.dev.stream, tile * k)?;
+        let f = self.kernels.func_for(Module::Ops, "dequant", w.ty, 0)?;
+        let chunks = k.div_ceil(32);
+        let mut r0 = 0;
+        while r0 < w.rows {
+            let rt = tile.min(w.rows - r0);
+            self.launch_fn(
+                &f,
+                Grid::new((blocks(chunks, 128), rt as u32), 128),
+                &[
+                    Arg::U64(w.ptr),
+                    Arg::U64(w.row_bytes as u64),
+                    Arg::I32(int("row", r0)?),
+                    Arg::I32(int("cols", k)?),
+                    Arg::U64(deq),
+                ],
+            )?;
+            // SAFETY: `deq` holds rt·k floats; `out` rows·n (checked by the caller).
+            unsafe { blas.gemm_rows(deq, rt, k, x, n, out + 4 * r0 as u64, w.rows)? };
+            r0 += rt;
+        }
+        Ok(())
+    }
+
+    /// Raises any error a kernel flagged since the last check (after a synchronisation).
+    fn take_kernel_error(&self, flag: u32) -> Result<()> {
+        if flag == 0 {
+            return Ok(());
+        }
+        // SAFETY: the error word is a live 4-byte device allocation.
+        unsafe {
+            cudarc::driver::result::memset_d8_async(self.err.ptr, 0, 4, self.dev.stream.cu_stream())
+        }
+        .map_err(|e| driver_err("error word reset", e))?;
+        Err(Error::Invalid(if flag & 1 != 0 {
+            "cuda moe_ffn: an expert id was not a whole number below the expert count".into()
+        } else {
+            format!("cuda kernel error flag {flag:#x}")
+        }))
+    }
+
+    /// Queues a copy of the kernel error word into pinned host memory.
+    pub(crate) fn queue_error_check(&self) -> Result<MutexGuard<'_, PinnedHostSlice<u32>>> {
+        let mut host = self
+            .err_host
+            .lock()
+            .map_err(|_| Error::Invalid("CUDA error word poisoned".into()))?;
+        // SAFETY: the error word is one u32 (stored in an f32 slot); copy its bits.
+        let word = unsafe { self.err.mem.transmute::<u32>(1) }
+            .ok_or_else(|| Error::Invalid("CUDA error word".into()))?;
+        self.dev
+            .stream
+            .memcpy_dtoh(&word, &mut *host)
+            .map_err(|e| driver_err("error word copy", e))?;
+        Ok(host)
+    }
+
+    /// After a synchronisation: the error word copied by `queue_error_check`.
+    pub(crate) fn finish_error_check(
+        &self,
+        host: MutexGuard<'_, PinnedHostSlice<u32>>,
+    ) -> Result<()> {
+        let flag = host
+            .as_slice()
+            .map_err(|e| driver_err("error word read", e))?[0];
+        drop(host);
+        self.take_kernel_error(flag)
+    }
+
+    /// The device address of the RoPE frequencies `θ^(−2i/head_dim) / linear_factor` of the
+    /// rotated pairs, computed on the host in f32 exactly as the CPU backend does (so both
+    /// backends turn by bit-identical angles), uploaded once per parameter set.
+    fn rope_table(&self, rope: &Rope, head_dim: usize) -> Result<u64> {
+        let key = (
+            rope.theta.to_bits(),
+            rope.linear_factor.to_bits(),
+            head_dim,
+            rope.rotated_pairs,
+        );
+        let mut tables = self
+            .rope_tables
+            .lock()
+            .map_err(|_| Error::Invalid("CUDA RoPE tables poisoned".into()))?;
+        if let Some(t) = tables.get(&key) {
+            return Ok(t.ptr);
+        }
+        let freqs: Vec<f32> = (0..rope.rotated_pairs)
+            .map(|i| {
+                let inv = 1.0 / rope.theta.powf((2 * i) as f32 / head_dim as f32);
+                inv / rope.linear_factor
+            })
+            .collect();
+        let t = self.load_vector(&freqs)?;
+        let p = t.ptr;
+        tables.insert(key, t);
+        Ok(p)
+    }
+
+    fn elementwise(&self, name: &'static str, args: &[Arg], len: usize) -> Result<()> {
+        if len == 0 {
+            return Ok(());
+        }
+        self.run(
+            Module::Ops,
+            name,
+            Grid::new((blocks(len, 256), 1), 256),
+            args,
+        )
+    }
+}
+
+impl Backend for CudaBackend {
+    type Buffer = CudaBuffer;
+    type Matrix = CudaMatrix;
+    type Vector = CudaBuffer;
+
+    fn name(&self) -> String {
+        format!("cuda:{}", self.dev.ordinal())
+    }
+
+    fn load_matrix(&self, m: &HostMatrix) -> Result<CudaMatrix> {
+        m.check()?;
+        format_suffix(m.ty)?;
+        CudaMatrix::upload(
+            &self.dev.stream,
+            m.bytes.as_slice(),
+            m.ty,
+            m.rows,
+            m.cols,
+            &m.name,
+        )
+    }
+
+    fn load_vector(&self, v: &[f32]) -> Result<CudaBuffer> {
+        let mut b = CudaBuffer::zeroed(&self.dev.stream, v.len())?;
+        self.write(v, &mut b)?;
+        Ok(b)
+    }
+
+    fn alloc(&self, len: usize) -> Result<CudaBuffer> {
+        CudaBuffer::zeroed(&self.dev.stream, len)
+    }
+
+    fn embed(
+        &self,
+        table: &CudaMatrix,
+        tokens: &[u32],
+        scale: f32,
+        out: &mut CudaBuffer,
+    ) -> Result<()> {
+        need("embed", out.len(), tokens.len() * table.cols)?;
+        if let Some(&id) = tokens.iter().find(|&&t| t as usize >= table.rows) {
+            return Err(Error::Invalid(format!(
+                "token id {id} is outside the {} rows of '{}'",
+                table.rows, table.name
+            )));
+        }
+        if tokens.is_empty() {
+            return Ok(());
+        }
+        let mut s = self.scratch()?;
+        let ids = self.upload_idx(&mut s, tokens)?;
+        let chunks = table.cols.div_ceil(32);
+        let threads = (chunks.div_ceil(32) * 32).clamp(32, 256) as u32;
+        self.launch_fn(
+            &self.kernels.func_for(Module::Ops, "embed", table.ty, 0)?,
+            Grid::new((tokens.len() as u32, 1), threads),
+            &[
+                Arg::U64(table.ptr),
+                Arg::U64(table.row_bytes as u64),
+                Arg::U64(ids),
+                Arg::I32(int("cols", table.cols)?),
+                Arg::F32(scale),
+                Arg::U64(out.ptr),
+            ],
+        )
+    }
+
+    fn rms_norm(
+        &self,
+        x: &CudaBuffer,
+        weight: Option<&CudaBuffer>,
+        eps: f32,
+        n: usize,
+        dim: usize,
+        out: &mut CudaBuffer,
+        mode: NormOut,
+    ) -> Result<()> {
+        need("rms_norm input", x.len(), n * dim)?;
+        need("rms_norm output", out.len(), n * dim)?;
+        if let Some(w) = weight {
+            need("rms_norm weight", w.len(), dim)?;
+        }
+        if n == 0 || dim == 0 {
+            return Ok(());
+        }
+        // One value (or float4) per thread where the row allows, up to 1024 threads.
+        let per_thread = if dim.is_multiple_of(4) { 4 } else { 1 };
+        let threads = (dim.div_ceil(per_thread).div_ceil(32) * 32).clamp(32, 1024) as u32;
+        self.run(
+            Module::Ops,
+            "rms_norm",
+            Grid::new((int("rows", n)? as u32, 1), threads),
+            &[
+                Arg::U64(x.ptr),
+                Arg::U64(weight.map_or(0, |w| w.ptr)),
+                Arg::F32(eps),
+                Arg::I32(int("dim", dim)?),
+                Arg::U64(out.ptr),
+                Arg::I32((mode == NormOut::AddTo) as i32),
+            ],
+        )
+    }
+
+    fn matmul(&self, x: &CudaBuffer, n: usize, w: &CudaMatrix, out: &mut CudaBuffer) -> Result<()> {
+        need("matmul input", x.len(), n * w.cols)?;
+        need("matmul output", out.len(), n * w.rows)?;
+        if n == 0 || w.rows == 0 {
+            return Ok(());
+        }
+        match &self.blas {
+            Some(blas) if n > GEMV_UP_TO => self.gemm(blas, x.ptr, n, w, out.ptr),
+            _ => self.gemv(x.ptr, n, w, out.ptr),
+        }
+    }
+
+    fn head_norm_rope(
+        &self,
+        x: &mut CudaBuffer,
+        n_heads: usize,
+        head_dim: usize,
+        norm: Option<(&CudaBuffer, f32)>,
+        rope: &Rope,
+        positions: &[u32],
+    ) -> Result<()> {
+        if !head_dim.is_multiple_of(2)
+            || head_dim > MAX_HEAD_DIM
+            || rope.rotated_pairs > head_dim / 2
+        {
+            return Err(Error::Invalid(format!(
+                "cuda rope: head_dim {head_dim} with {} rotated pairs",
+                rope.rotated_pairs
+            )));
+        }
+        let heads = positions.len() * n_heads;
+        need("rope", x.len(), heads * head_dim)?;
+        if let Some((w, _)) = norm {
+            need("head norm weight", w.len(), head_dim)?;
+        }
+        if heads == 0 {
+            return Ok(());
+        }
+        let freqs = self.rope_table(rope, head_dim)?;
+        let mut s = self.scratch()?;
+        let pos = self.upload_idx(&mut s, positions)?;
+        let mut grid = Grid::new((int("heads", heads)? as u32, 1), 32);
+        grid.shared = (head_dim * 4) as u32;
+        self.run(
+            Module::Ops,
+            "head_norm_rope",
+            grid,
+            &[
+                Arg::U64(x.ptr),
+                Arg::I32(n_heads as i32),
+                Arg::I32(head_dim as i32),
+                Arg::U64(norm.map_or(0, |(w, _)| w.ptr)),
+                Arg::F32(norm.map_or(0.0, |(_, e)| e)),
+                Arg::U64(freqs),
+                Arg::I32(rope.rotated_pairs as i32),
+                Arg::U64(pos),
+            ],
+        )
+    }
+
+    fn write_kv(
+        &self,
+        k: &CudaBuffer,
+        v: &CudaBuffer,
+        row: usize,
+        slots: &[u32],
+        k_cache: &mut CudaBuffer,
+        v_cache: &mut CudaBuffer,
+    ) -> Result<()> {
+        need("write_kv input", k.len().min(v.len()), slots.len() * row)?;
+        if let Some(&s) = slots.iter().max() {
+            need(
+                "kv cache",
+                k_cache.len().min(v_cache.len()),
+                (s as usize + 1) * row,
+            )?;
+        }
+        if slots.is_empty() || row == 0 {
+            return Ok(());
+        }
+        let mut s = self.scratch()?;
+        let sl = self.upload_idx(&mut s, slots)?;
+        self.run(
+            Module::Ops,
+            "write_kv",
+            Grid::new((blocks(row, 256), int("tokens", slots.len())? as u32), 256),
+            &[
+                Arg::U64(k.ptr),
+                Arg::U64(v.ptr),
+                Arg::I32(int("row", row)?),
+                Arg::U64(sl),
+                Arg::U64(k_cache.ptr),
+                Arg::U64(v_cache.ptr),
+            ],
+        )
+    }
+
+    fn attention(
+        &self,
+        q: &CudaBuffer,
+        k_cache: &CudaBuffer,
+        v_cache: &CudaBuffer,
+        spec: &AttnSpec,
+        layout: &KvLayout<'_>,
+        out: &mut CudaBuffer,
+    ) -> Result<()> {
+        let positions = layout.positions;
+        let hd = spec.head_dim;
+        let per_lane = hd / 32;
+        if !hd.is_multiple_of(32)
+            || ![1, 2, 4, 8, 16].contains(&per_lane)
+            || spec.n_kv_heads == 0
+            || !spec.n_heads.is_multiple_of(spec.n_kv_heads)
+            || spec.window == Some(0)
+        {
+            return Err(Error::Invalid(format!(
+                "cuda attention: unsupported spec {spec:?} (head_dim must be 32, 64, 128, 256 or 512)"
+            )));
+        }
+        let len = positions.len() * spec.n_heads * hd;
+        need("attention query", q.len(), len)?;
+        need("attention output", out.len(), len)?;
+        let block = layout.block_size * spec.n_kv_heads * hd;
+        let n_blocks = k_cache.len().min(v_cache.len()) / block.max(1);
+        layout.check(spec.window, n_blocks)?;
+        if positions.is_empty() {
+            return Ok(());
+        }
+        let window = spec.window.unwrap_or(0);
+        let max_vis = positions
+            .iter()
+            .map(|&p| {
+                let p = p as usize;
+                let lo = if window > 0 {
+                    (p + 1).saturating_sub(window)
+                } else {
+                    0
+                };
+                p - lo + 1
+            })
+            .max()
+            .unwrap_or(1);
+        let rows = positions.len() * spec.n_heads;
+        let want = ATTN_TARGET_WARPS.div_ceil(rows).max(1);
+        let chunk = max_vis.div_ceil(want).max(32);
+        let splits = max_vis.div_ceil(chunk);
+        let mut s = self.scratch()?;
+        let pos = self.upload_idx(&mut s, positions)?;
+        let seq_start = self.upload_idx(&mut s, layout.seq_start)?;
+        let tables = self.upload_idx(&mut s, layout.block_tables)?;
+        let part = if splits > 1 {
+            s.floats.get(&self.dev.stream, rows * splits * (hd + 2))?
+        } else {
+            0
+        };
+        let args = AttnArgs {
+            q: q.ptr,
+            k_cache: k_cache.ptr,
+            v_cache: v_cache.ptr,
+            positions: pos,
+            seq_start,
+            block_tables: tables,
+            out: out.ptr,
+            part,
+            n_tokens: int("tokens", positions.len())?,
+            n_heads: spec.n_heads as i32,
+            n_kv_heads: spec.n_kv_heads as i32,
+            head_dim: hd as i32,
+            scale: spec.scale,
+            window: int("window", window)?,
+            softcap: spec.softcap.unwrap_or(0.0),
+            n_seqs: int("sequences", layout.n_seqs())?,
+            table_width: int("table width", layout.table_width)?,
+            block_size: int("block size", layout.block_size)?,
+            chunk: chunk as i32,
+            splits: splits as i32,
+        };
+        let name = match per_lane {
+            1 => "attn_partial_1",
+            2 => "attn_partial_2",
+            4 => "attn_partial_4",
+            8 => "attn_partial_8",
+            _ => "attn_partial_16",
+        };
+        self.run(
+            Module::Attention,
+            name,
+            Grid::new((blocks(rows, 4), splits as u32), 128),
+            &[Arg::Attn(args)],
+        )?;
+        if splits > 1 {
+            self.run(
+                Module::Attention,
+                "attn_combine",
+                Grid::new((blocks(rows, 4), 1), 128),
+                &[
+                    Arg::U64(part),
+                    Arg::I32(rows as i32),
+                    Arg::I32(splits as i32),
+                    Arg::I32(hd as i32),
+                    Arg::U64(out.ptr),
+                ],
+            )?;
+        }
+        Ok(())
+    }
+
+    fn moe_route(
+        &self,
+        logits: &CudaBuffer,
+        n: usize,
+        n_experts: usize,
+        top_k: usize,
+        expert_scale: &CudaBuffer,
+        weights: &mut CudaBuffer,
+        ids: &mut CudaBuffer,
+    ) -> Result<()> {
+        if top_k == 0 || top_k > n_experts || n_experts > MAX_EXPERTS {
+            return Err(Error::Invalid(format!(
+                "cuda moe_route: top {top_k} of {n_experts} experts (at most {MAX_EXPERTS})"
+            )));
+        }
+        need("moe_route logits", logits.len(), n * n_experts)?;
+        need("moe_route expert scales", expert_scale.len(), n_experts)?;
+        need("moe_route weights", weights.len(), n * top_k)?;
+        need("moe_route ids", ids.len(), n * top_k)?;
+        if n == 0 {
+            return Ok(());
+        }
+        self.run(
+            Module::Moe,
+            "moe_route",
+            Grid::new((blocks(n, 4), 1), 128),
+            &[
+                Arg::U64(logits.ptr),
+                Arg::I32(int("tokens", n)?),
+                Arg::I32(n_experts as i32),
+                Arg::I32(top_k as i32),
+                Arg::U64(expert_scale.ptr),
+                Arg::U64(weights.ptr),
+                Arg::U64(ids.ptr),
+            ],
+        )
+    }
+
+    fn moe_ffn(
+        &self,
+        x: &CudaBuffer,
+        n: usize,
+        gate_up: &CudaMatrix,
+        down: &CudaMatrix,
+        n_experts: usize,
+        top_k: usize,
+        weights: &CudaBuffer,
+        ids: &CudaBuffer,
+        out: &mut CudaBuffer,
+    ) -> Result<()> {
+        let d = gate_up.cols;
+        let f = down.cols;
+        if n_experts == 0 || gate_up.rows != n_experts * 2 * f || down.rows != n_experts * d {
+            return Err(Error::Invalid(format!(
+                "cuda moe_ffn: '{}' [{}, {}] and '{}' [{}, {}] do not stack {n_experts} experts",
+                gate_up.name, gate_up.rows, gate_up.cols, down.name, down.rows, down.cols
+            )));
+        }
+        need("moe_ffn input", x.len(), n * d)?;
+        need("moe_ffn output", out.len(), n * d)?;
+        need("moe_ffn weights", weights.len().min(ids.len()), n * top_k)?;
+        let pairs = n * top_k;
+        if pairs == 0 {
+            return Ok(());
+        }
+        let mut s = self.scratch()?;
+        let gu = s.floats.get(&self.dev.stream, pairs * 3 * f)?;
+        let h = gu + 4 * (pairs * 2 * f) as u64;
+        let err = self.err.ptr;
+        self.launch_fn(
+            &self
+                .kernels
+                .func_for(Module::Moe, "moe_gate_up", gate_up.ty, 0)?,
+            Grid::new((blocks(2 * f, 8), int("pairs", pairs)? as u32), 256),
+            &[
+                Arg::U64(gate_up.ptr),
+                Arg::U64(gate_up.row_bytes as u64),
+                Arg::I32(int("dim", d)?),
+                Arg::I32(int("expert rows", 2 * f)?),
+                Arg::U64(x.ptr),
+                Arg::I32(top_k as i32),
+                Arg::I32(n_experts as i32),
+                Arg::U64(ids.ptr),
+                Arg::U64(gu),
+                Arg::U64(err),
+            ],
+        )?;
+        self.run(
+            Module::Moe,
+            "moe_act",
+            Grid::new((blocks(f, 256), pairs as u32), 256),
+            &[Arg::U64(gu), Arg::I32(f as i32), Arg::U64(h)],
+        )?;
+        self.launch_fn(
+            &self.kernels.func_for(Module::Moe, "moe_down", down.ty, 0)?,
+            Grid::new((blocks(d, 8), int("tokens", n)? as u32), 256),
+            &[
+                Arg::U64(down.ptr),
+                Arg::U64(down.row_bytes as u64),
+                Arg::I32(d as i32),
+                Arg::I32(f as i32),
+                Arg::U64(h),
+                Arg::I32(top_k as i32),
+                Arg::I32(n_experts as i32),
+                Arg::U64(weights.ptr),
+                Arg::U64(ids.ptr),
+                Arg::U64(out.ptr),
+                Arg::U64(err),
+            ],
+        )
+    }
+
+    fn copy(
+        &self,
+        src: &CudaBuffer,
+        src_off: usize,
+        dst: &mut CudaBuffer,
+        dst_off: usize,
+        len: usize,
+    ) -> Result<()> {
+        need("copy source", src.len(), src_off + len)?;
+        need("copy destination", dst.len(), dst_off + len)?;
+        if len == 0 {
+            return Ok(());
+        }
+        let from = src.mem.slice(src_off..src_off + len);
+        let mut to = dst.mem.slice_mut(dst_off..dst_off + len);
+        self.dev
+            .stream
+            .memcpy_dtod(&from, &mut to)
+            .map_err(|e| driver_err("device copy", e))
+    }
+
+    fn gelu_tanh_mul(&self, gate: &mut CudaBuffer, up: &CudaBuffer, len: usize) -> Result<()> {
+        need("gelu_tanh_mul", gate.len().min(up.len()), len)?;
+        self.elementwise(
+            "gelu_tanh_mul",
+            &[Arg::U64(gate.ptr), Arg::U64(up.ptr), Arg::U64(len as u64)],
+            len,
+        )
+    }
+
+    fn add(&self, x: &mut CudaBuffer, y: &CudaBuffer, len: usize) -> Result<()> {
+        need("add", x.len().min(y.len()), len)?;
+        self.elementwise(
+            "add",
+            &[Arg::U64(x.ptr), Arg::U64(y.ptr), Arg::U64(len as u64)],
+            len,
+        )
+    }
+
+    fn scale(&self, x: &mut CudaBuffer, s: f32, len: usize) -> Result<()> {
+        need("scale", x.len(), len)?;
+        self.elementwise(
+            "scale",
+            &[Arg::U64(x.ptr), Arg::F32(s), Arg::U64(len as u64)],
+            len,
+        )
+    }
+
+    fn softcap(&self, x: &mut CudaBuffer, cap: f32, len: usize) -> Result<()> {
+        need("softcap", x.len(), len)?;
+        self.elementwise(
+            "softcap",
+            &[Arg::U64(x.ptr), Arg::F32(cap), Arg::U64(len as u64)],
+            len,
+        )
+    }
+
+    fn write(&self, src: &[f32], dst: &mut CudaBuffer) -> Result<()> {
+        need("write", dst.len(), src.len())?;
+        if src.is_empty() {
+            return Ok(());
+        }
+        let mut to = dst.mem.slice_mut(0..src.len());
+        self.dev
+            .stream
+            .memcpy_htod(src, &mut to)
+            .map_err(|e| driver_err("host-to-device copy", e))
+    }
+
+    fn read(&self, x: &CudaBuffer, dst: &mut [f32]) -> Result<()> {
+        need("read", x.len(), dst.len())?;
+        let check = self.queue_error_check()?;
+        if !dst.is_empty() {
+            let from = x.mem.slice(0..dst.len());
+            self.dev
+                .stream
+                .memcpy_dtoh(&from, dst)
+                .map_err(|e| driver_err("device-to-host copy", e))?;
+        }
+        self.dev.synchronize()?;
+        self.finish_error_check(check)
+    }
+}

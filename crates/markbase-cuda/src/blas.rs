@@ -1,0 +1,89 @@
+//! cuBLAS for prefill-sized products: a handle bound to the backend's stream and a row-major
+//! `out[n, rows] = x[n, k] · w[rows, k]ᵀ` in f32 (no TF32, so it matches the f32 reference).
+
+use std::sync::Arc;
+
+use cudarc::cublas::{result as blas, sys};
+use cudarc::driver::CudaStream;
+use markbase_core::{Error, Result};
+
+use crate::nvrtc::ensure_library;
+
+/// A cuBLAS handle on the backend's stream.
+pub(crate) struct Blas {
+    handle: sys::cublasHandle_t,
+    _stream: Arc<CudaStream>,
+}
+
+// SAFETY: the handle is only used under the backend's operations, which queue on one stream;
+// cuBLAS handles may be used from any thread as long as calls do not overlap, and the backend
+// serialises its calls through `&self` methods that each complete the enqueue before returning.
+unsafe impl Send for Blas {}
+unsafe impl Sync for Blas {}
+
+impl Blas {
+    /// A handle on `stream`, or `None` when cuBLAS 13 is not installed.
+    pub(crate) fn new(stream: &Arc<CudaStream>) -> Result<Option<Blas>> {
+        if !ensure_library("libcublas.so.13", &["libcublasLt.so.13"], None)
+            // SAFETY: only probes for the library by name.
+            || !unsafe { sys::is_culib_present() }
+        {
+            return Ok(None);
+        }
+        let handle = blas::create_handle()
+            .map_err(|e| Error::Unsupported(format!("cuBLAS handle: {e:?}")))?;
+        // SAFETY: a live handle and stream.
+        unsafe { blas::set_stream(handle, stream.cu_stream() as _) }
+            .map_err(|e| Error::Unsupported(format!("cuBLAS stream: {e:?}")))?;
+        Ok(Some(Blas {
+            handle,
+            _stream: stream.clone(),
+        }))
+    }
+
+    /// `out[t·ldo + r] = Σ_i x[t·k + i] · w[r·k + i]` for `t < n`, `r < rows`: column-major
+    /// `C(rows × n) = Wᵀ(rows × k) · X(k × n)` with leading dimension `ldo` for C.
+    ///
+    /// # Safety
+    /// The pointers must be live device allocations of at least the sizes implied.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) unsafe fn gemm_rows(
+        &self,
+        w: u64,
+        rows: usize,
+        k: usize,
+        x: u64,
+        n: usize,
+        out: u64,
+        ldo: usize,
+    ) -> Result<()> {
+        let (alpha, beta) = (1f32, 0f32);
+        let int = |v: usize| {
+            i32::try_from(v).map_err(|_| Error::Invalid(format!("GEMM size {v} too large")))
+        };
+        blas::sgemm(
+            self.handle,
+            sys::cublasOperation_t::CUBLAS_OP_T,
+            sys::cublasOperation_t::CUBLAS_OP_N,
+            int(rows)?,
+            int(n)?,
+            int(k)?,
+            &alpha,
+            w as *const f32,
+            int(k)?,
+            x as *const f32,
+            int(k)?,
+            &beta,
+            out as *mut f32,
+            int(ldo)?,
+        )
+        .map_err(|e| Error::Invalid(format!("cuBLAS sgemm: {e:?}")))
+    }
+}
+
+impl Drop for Blas {
+    fn drop(&mut self) {
+        // SAFETY: the handle was created by `new` and is destroyed once.
+        let _ = unsafe { blas::destroy_handle(self.handle) };
+    }
+}

@@ -1,0 +1,123 @@
+//! Device memory the backend hands out: f32 activation buffers / vectors, stored weight
+//! matrices, and the grow-on-demand scratch space of operations.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+use markbase_core::quant::GgmlType;
+use markbase_core::Result;
+
+use crate::device::driver_err;
+
+/// The raw address of a device allocation.
+fn addr<T>(s: &CudaSlice<T>, stream: &CudaStream) -> u64 {
+    let (p, _sync) = s.device_ptr(stream);
+    p
+}
+
+/// An f32 buffer in device memory (activations, KV cache, norm weights).
+pub struct CudaBuffer {
+    pub(crate) mem: CudaSlice<f32>,
+    pub(crate) ptr: u64,
+    len: usize,
+}
+
+impl CudaBuffer {
+    /// A zeroed buffer of `len` values (at least one element is allocated).
+    pub(crate) fn zeroed(stream: &Arc<CudaStream>, len: usize) -> Result<CudaBuffer> {
+        let mem = stream
+            .alloc_zeros::<f32>(len.max(1))
+            .map_err(|e| driver_err(&format!("allocating {len} floats"), e))?;
+        let ptr = addr(&mem, stream);
+        Ok(CudaBuffer { mem, ptr, len })
+    }
+
+    /// Values held.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the buffer holds no values.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+/// A weight matrix in device memory, blocks as stored.
+pub struct CudaMatrix {
+    pub(crate) _mem: CudaSlice<u8>,
+    pub(crate) ptr: u64,
+    /// Storage format.
+    pub ty: GgmlType,
+    /// Output rows.
+    pub rows: usize,
+    /// Weights per row.
+    pub cols: usize,
+    /// Bytes per row.
+    pub row_bytes: usize,
+    /// Name, for messages.
+    pub name: String,
+}
+
+impl CudaMatrix {
+    /// Copies `bytes` (rows × row_bytes, as stored) to the device.
+    pub(crate) fn upload(
+        stream: &Arc<CudaStream>,
+        bytes: &[u8],
+        ty: GgmlType,
+        rows: usize,
+        cols: usize,
+        name: &str,
+    ) -> Result<CudaMatrix> {
+        let mem = stream
+            .clone_htod(bytes)
+            .map_err(|e| driver_err(&format!("uploading '{name}'"), e))?;
+        let ptr = addr(&mem, stream);
+        Ok(CudaMatrix {
+            _mem: mem,
+            ptr,
+            ty,
+            rows,
+            cols,
+            row_bytes: bytes.len() / rows.max(1),
+            name: name.to_string(),
+        })
+    }
+}
+
+/// A device allocation of `T` that grows (never shrinks) on demand.
+pub(crate) struct Growable<T> {
+    mem: Option<CudaSlice<T>>,
+    ptr: u64,
+    cap: usize,
+}
+
+impl<T: cudarc::driver::DeviceRepr> Growable<T> {
+    pub(crate) fn new() -> Self {
+        Growable {
+            mem: None,
+            ptr: 0,
+            cap: 0,
+        }
+    }
+
+    /// The address of at least `n` elements (contents unspecified).
+    pub(crate) fn get(&mut self, stream: &Arc<CudaStream>, n: usize) -> Result<u64> {
+        if n > self.cap || self.mem.is_none() {
+            let cap = n.max(self.cap * 2).max(256);
+            // SAFETY: the contents are written by the kernels before they are read.
+            let mem = unsafe { stream.alloc::<T>(cap) }
+                .map_err(|e| driver_err(&format!("allocating {cap} scratch elements"), e))?;
+            self.ptr = addr(&mem, stream);
+            // The old allocation is freed in stream order (or after the device is idle).
+            self.mem = Some(mem);
+            self.cap = cap;
+        }
+        Ok(self.ptr)
+    }
+
+    /// The allocation, once `get` has made one.
+    pub(crate) fn slice_mut(&mut self) -> Option<&mut CudaSlice<T>> {
+        self.mem.as_mut()
+    }
+}

@@ -1,0 +1,101 @@
+//! Opening a GPU: the driver library, the device, a context and the one stream every operation
+//! is queued on — with an error that says which of them is missing.
+
+use std::sync::Arc;
+
+use cudarc::driver::{sys, CudaContext, CudaStream, DriverError};
+use markbase_core::{Error, Result};
+
+/// An opened GPU with its stream.
+pub struct Device {
+    pub(crate) ctx: Arc<CudaContext>,
+    pub(crate) stream: Arc<CudaStream>,
+    name: String,
+    ordinal: usize,
+    capability: (i32, i32),
+    multiprocessors: i32,
+}
+
+/// Wraps a driver error with what was being done.
+pub(crate) fn driver_err(what: &str, e: DriverError) -> Error {
+    Error::Invalid(format!("CUDA {what}: {e:?}"))
+}
+
+impl Device {
+    /// Opens GPU `ordinal`. Errors (never panics) when the driver library is absent, the driver
+    /// fails to start, there is no such GPU, or its architecture is older than Volta.
+    pub fn open(ordinal: usize) -> Result<Device> {
+        // SAFETY: only probes for the library by name.
+        if !unsafe { sys::is_culib_present() } {
+            return Err(Error::Unsupported(
+                "no CUDA driver: libcuda.so.1 was not found (is an NVIDIA GPU driver installed?)"
+                    .into(),
+            ));
+        }
+        let count = CudaContext::device_count()
+            .map_err(|e| Error::Unsupported(format!("the CUDA driver did not start: {e:?}")))?;
+        if count <= 0 {
+            return Err(Error::Unsupported(
+                "the CUDA driver sees no GPU on this machine".into(),
+            ));
+        }
+        if ordinal >= count as usize {
+            return Err(Error::Invalid(format!(
+                "no GPU cuda:{ordinal}: this machine has {count}"
+            )));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(|e| driver_err("context", e))?;
+        // One stream orders everything, so cudarc's cross-stream event tracking is not needed.
+        // SAFETY: no allocation has been made on this context yet.
+        unsafe { ctx.disable_event_tracking() };
+        let capability = ctx
+            .compute_capability()
+            .map_err(|e| driver_err("compute capability", e))?;
+        if capability.0 < 7 {
+            return Err(Error::Unsupported(format!(
+                "GPU cuda:{ordinal} has compute capability {}.{}; MarkBase needs 7.0 or newer",
+                capability.0, capability.1
+            )));
+        }
+        let multiprocessors = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(|e| driver_err("attribute", e))?;
+        let name = ctx.name().map_err(|e| driver_err("device name", e))?;
+        let stream = ctx.new_stream().map_err(|e| driver_err("stream", e))?;
+        Ok(Device {
+            ctx,
+            stream,
+            name,
+            ordinal,
+            capability,
+            multiprocessors,
+        })
+    }
+
+    /// The GPU's name (e.g. "NVIDIA H200").
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The device index.
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
+    /// Compute capability as (major, minor).
+    pub fn capability(&self) -> (i32, i32) {
+        self.capability
+    }
+
+    /// Streaming multiprocessors.
+    pub fn multiprocessors(&self) -> i32 {
+        self.multiprocessors
+    }
+
+    /// Waits until every queued operation has finished.
+    pub fn synchronize(&self) -> Result<()> {
+        self.stream
+            .synchronize()
+            .map_err(|e| driver_err("synchronize", e))
+    }
+}

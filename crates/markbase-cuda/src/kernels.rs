@@ -1,0 +1,201 @@
+//! Kernel modules compiled for the device (through the NVRTC disk cache), loaded once, and
+//! kernel launches with plain-value arguments.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream, DeviceRepr};
+use cudarc::nvrtc::Ptx;
+use markbase_core::quant::GgmlType;
+use markbase_core::{Error, Result};
+
+use crate::backend::format_suffix;
+
+use crate::device::driver_err;
+use crate::nvrtc::{self, Target};
+use crate::sources::Module;
+
+/// Every kernel module, loaded into one context.
+pub(crate) struct Kernels {
+    modules: HashMap<Module, Arc<CudaModule>>,
+    funcs: Mutex<HashMap<&'static str, CudaFunction>>,
+    /// Per-format kernels by (name prefix, format, variant).
+    format_funcs: Mutex<HashMap<(&'static str, GgmlType, u32), CudaFunction>>,
+}
+
+impl Kernels {
+    /// Compiles (or takes from the cache) and loads every module for compute capability
+    /// `cc` (e.g. 90); modules compile in parallel.
+    pub(crate) fn load(ctx: &Arc<CudaContext>, cc: u32) -> Result<Kernels> {
+        let images: Vec<(Module, Result<Vec<u8>>)> = std::thread::scope(|s| {
+            let jobs: Vec<_> = Module::ALL
+                .iter()
+                .map(|&m| {
+                    s.spawn(move || {
+                        (
+                            m,
+                            nvrtc::compile_cached(m.name(), &m.source(), Target::Cubin(cc)),
+                        )
+                    })
+                })
+                .collect();
+            jobs.into_iter()
+                .map(|j| j.join().expect("kernel compile thread panicked"))
+                .collect()
+        });
+        let mut modules = HashMap::new();
+        for (m, image) in images {
+            let module = ctx
+                .load_module(Ptx::from_binary(image?))
+                .map_err(|e| driver_err(&format!("loading kernel module {}", m.name()), e))?;
+            modules.insert(m, module);
+        }
+        Ok(Kernels {
+            modules,
+            funcs: Mutex::new(HashMap::new()),
+            format_funcs: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// The kernel `name` of module `m`.
+    pub(crate) fn func(&self, m: Module, name: &'static str) -> Result<CudaFunction> {
+        let mut funcs = self
+            .funcs
+            .lock()
+            .map_err(|_| Error::Invalid("CUDA kernel table poisoned".into()))?;
+        if let Some(f) = funcs.get(name) {
+            return Ok(f.clone());
+        }
+        let f = self.modules[&m]
+            .load_function(name)
+            .map_err(|e| driver_err(&format!("kernel {name}"), e))?;
+        funcs.insert(name, f.clone());
+        Ok(f)
+    }
+}
+
+impl Kernels {
+    /// The kernel `{prefix}_{format}` (or `{prefix}_{format}_{variant}` for a variant > 0) of
+    /// module `m`, e.g. `gemv_q4_k_8`.
+    pub(crate) fn func_for(
+        &self,
+        m: Module,
+        prefix: &'static str,
+        ty: GgmlType,
+        variant: u32,
+    ) -> Result<CudaFunction> {
+        let key = (prefix, ty, variant);
+        let mut funcs = self
+            .format_funcs
+            .lock()
+            .map_err(|_| Error::Invalid("CUDA kernel table poisoned".into()))?;
+        if let Some(f) = funcs.get(&key) {
+            return Ok(f.clone());
+        }
+        let suffix = format_suffix(ty)?;
+        let name = if variant > 0 {
+            format!("{prefix}_{suffix}_{variant}")
+        } else {
+            format!("{prefix}_{suffix}")
+        };
+        let f = self.modules[&m]
+            .load_function(&name)
+            .map_err(|e| driver_err(&format!("kernel {name}"), e))?;
+        funcs.insert(key, f.clone());
+        Ok(f)
+    }
+}
+
+/// Arguments of `attn_partial_*` (layout matches `AttnArgs` in attention.cu).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct AttnArgs {
+    pub q: u64,
+    pub k_cache: u64,
+    pub v_cache: u64,
+    pub positions: u64,
+    pub seq_start: u64,
+    pub block_tables: u64,
+    pub out: u64,
+    pub part: u64,
+    pub n_tokens: i32,
+    pub n_heads: i32,
+    pub n_kv_heads: i32,
+    pub head_dim: i32,
+    pub scale: f32,
+    pub window: i32,
+    pub softcap: f32,
+    pub n_seqs: i32,
+    pub table_width: i32,
+    pub block_size: i32,
+    pub chunk: i32,
+    pub splits: i32,
+}
+
+// SAFETY: plain-old-data with the C layout the kernel expects.
+unsafe impl DeviceRepr for AttnArgs {}
+
+/// One kernel argument, passed by value.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Arg {
+    /// A device pointer (0 = null) or a 64-bit count.
+    U64(u64),
+    /// A C `int`.
+    I32(i32),
+    /// A C `float`.
+    F32(f32),
+    /// The attention argument block.
+    Attn(AttnArgs),
+}
+
+/// Launch geometry.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Grid {
+    pub blocks: (u32, u32, u32),
+    pub threads: u32,
+    pub shared: u32,
+}
+
+impl Grid {
+    /// `blocks` × `threads`, no dynamic shared memory.
+    pub fn new(blocks: (u32, u32), threads: u32) -> Grid {
+        Grid {
+            blocks: (blocks.0.max(1), blocks.1.max(1), 1),
+            threads,
+            shared: 0,
+        }
+    }
+}
+
+/// Queues kernel `f` on `stream`.
+pub(crate) fn launch(
+    stream: &CudaStream,
+    f: &CudaFunction,
+    grid: Grid,
+    args: &[Arg],
+) -> Result<()> {
+    let mut store: Vec<Arg> = args.to_vec();
+    let mut params: Vec<*mut c_void> = store
+        .iter_mut()
+        .map(|a| match a {
+            Arg::U64(v) => v as *mut u64 as *mut c_void,
+            Arg::I32(v) => v as *mut i32 as *mut c_void,
+            Arg::F32(v) => v as *mut f32 as *mut c_void,
+            Arg::Attn(v) => v as *mut AttnArgs as *mut c_void,
+        })
+        .collect();
+    // SAFETY: the parameter pointers point into `store`, alive for the call; the kernel's
+    // signature matches the argument list at every call site (checked by the GPU tests).
+    unsafe {
+        cudarc::driver::result::launch_kernel(
+            f.cu_function(),
+            grid.blocks,
+            (grid.threads, 1, 1),
+            grid.shared,
+            stream.cu_stream(),
+            &mut params,
+        )
+    }
+    .map_err(|e| driver_err("kernel launch", e))
+}

@@ -1,0 +1,26 @@
+//! MarkBase CUDA backend: the [`markbase_core::backend::Backend`] operations as CUDA kernels on
+//! one stream of one GPU.
+//!
+//! Kernels live in `kernels/*.cu` (embedded in the binary), are compiled with NVRTC for the
+//! device's architecture at first use and cached on disk ([`nvrtc::compile_cached`]: key =
+//! source hash, target, NVRTC version, options). The driver, NVRTC and cuBLAS are loaded
+//! dynamically, so the crate builds and its non-GPU tests run on machines without CUDA;
+//! [`CudaBackend::new`] says clearly what is missing on such a machine.
+//!
+//! Weights stay in their stored format on the device (GGUF blocks, BF16, F16, F32); decode
+//! products are warp-per-row GEMVs that read each weight row once for up to 8 token rows;
+//! prefill products dequantize tiles and call cuBLAS. Activations are f32.
+
+mod backend;
+mod blas;
+mod buffer;
+pub mod device;
+mod kernels;
+pub mod nvrtc;
+mod sample;
+pub mod sources;
+mod upload;
+
+pub use backend::CudaBackend;
+pub use buffer::{CudaBuffer, CudaMatrix};
+pub use sample::{SampleParams, MAX_TOP_K};

@@ -1,0 +1,582 @@
+//! Every CUDA kernel against the CPU reference (markbase-cpu's plain f64 twins, or the CPU
+//! backend) on fresh random inputs — a new seed each run, printed so a failure can be
+//! replayed with `MARKBASE_TEST_SEED`. Output buffers are poisoned with NaN first, so an
+//! element a kernel forgot to write fails the comparison.
+//!
+//! Without a usable GPU (no driver, no device, no NVRTC) every test prints why and passes.
+
+use std::sync::{Arc, OnceLock};
+
+use half::{bf16, f16};
+use markbase_core::backend::{AttnSpec, Backend, HostBytes, HostMatrix, KvLayout, NormOut, Rope};
+use markbase_core::quant::GgmlType;
+use markbase_cpu::reference;
+use markbase_cuda::{CudaBackend, CudaBuffer, SampleParams};
+use rand::rngs::StdRng;
+use rand::{Rng, RngCore, SeedableRng};
+
+fn gpu() -> Option<&'static CudaBackend> {
+    static B: OnceLock<Option<CudaBackend>> = OnceLock::new();
+    B.get_or_init(|| match CudaBackend::new(0) {
+        Ok(b) => {
+            eprintln!(
+                "GPU: {} (sm_{}{}, {} SMs), cuBLAS {}",
+                b.device().name(),
+                b.device().capability().0,
+                b.device().capability().1,
+                b.device().multiprocessors(),
+                if b.has_cublas() { "found" } else { "absent" }
+            );
+            Some(b)
+        }
+        Err(e) => {
+            eprintln!("GPU tests skipped: {e}");
+            None
+        }
+    })
+    .as_ref()
+}
+
+macro_rules! gpu_or_skip {
+    () => {
+        match gpu() {
+            Some(g) => g,
+            None => {
+                eprintln!("skipped: no usable GPU");
+                return;
+            }
+        }
+    };
+}
+
+fn rng(test: &str) -> StdRng {
+    let seed = std::env::var("MARKBASE_TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos() as u64
+        });
+    eprintln!("{test}: seed {seed}");
+    StdRng::seed_from_u64(seed)
+}
+
+fn uniform(r: &mut StdRng, n: usize, amp: f32) -> Vec<f32> {
+    (0..n).map(|_| r.random_range(-amp..amp)).collect()
+}
+
+fn up(g: &CudaBackend, v: &[f32]) -> CudaBuffer {
+    let mut b = g.alloc(v.len()).unwrap();
+    g.write(v, &mut b).unwrap();
+    b
+}
+
+fn poisoned(g: &CudaBackend, n: usize) -> CudaBuffer {
+    up(g, &vec![f32::NAN; n])
+}
+
+fn down(g: &CudaBackend, b: &CudaBuffer, n: usize) -> Vec<f32> {
+    let mut v = vec![0f32; n];
+    g.read(b, &mut v).unwrap();
+    v
+}
+
+/// `max |got − want| / max |want|`; NaN anywhere fails.
+fn rel_err(got: &[f32], want: &[f32]) -> f32 {
+    assert_eq!(got.len(), want.len());
+    let scale = want.iter().fold(1e-30f32, |m, v| m.max(v.abs()));
+    let mut worst = 0f32;
+    for (a, b) in got.iter().zip(want) {
+        let d = (a - b).abs();
+        if d.is_nan() {
+            return f32::INFINITY;
+        }
+        worst = worst.max(d);
+    }
+    worst / scale
+}
+
+fn assert_close(what: &str, got: &[f32], want: &[f32], tol: f32) {
+    let e = rel_err(got, want);
+    assert!(e <= tol, "{what}: relative error {e:e} > {tol:e}");
+}
+
+/// Offsets of the f16 scale fields inside one block of `ty` (set to sane values; every other
+/// byte of a quantized block is random).
+fn scale_offsets(ty: GgmlType) -> &'static [usize] {
+    match ty {
+        GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => &[0],
+        GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4_K | GgmlType::Q5_K => &[0, 2],
+        GgmlType::Q2_K => &[80, 82],
+        GgmlType::Q3_K => &[108],
+        GgmlType::Q6_K => &[208],
+        _ => &[],
+    }
+}
+
+/// A random `[rows, cols]` matrix stored as `ty`.
+fn random_matrix(r: &mut StdRng, ty: GgmlType, rows: usize, cols: usize) -> HostMatrix {
+    let n = rows * cols;
+    let bytes: Vec<u8> = match ty {
+        GgmlType::F32 => uniform(r, n, 1.0)
+            .into_iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect(),
+        GgmlType::F16 => uniform(r, n, 1.0)
+            .into_iter()
+            .flat_map(|v| f16::from_f32(v).to_le_bytes())
+            .collect(),
+        GgmlType::BF16 => uniform(r, n, 1.0)
+            .into_iter()
+            .flat_map(|v| bf16::from_f32(v).to_le_bytes())
+            .collect(),
+        _ => {
+            let mut b = vec![0u8; rows * ty.bytes_for(cols).unwrap()];
+            r.fill_bytes(&mut b);
+            for block in b.chunks_exact_mut(ty.type_size()) {
+                for &o in scale_offsets(ty) {
+                    let d = f16::from_f32(r.random_range(-0.05f32..0.05));
+                    block[o..o + 2].copy_from_slice(&d.to_le_bytes());
+                }
+            }
+            b
+        }
+    };
+    HostMatrix {
+        name: format!("random {ty} [{rows}, {cols}]"),
+        ty,
+        rows,
+        cols,
+        bytes: HostBytes::Owned(Arc::from(bytes)),
+    }
+}
+
+/// Row widths to try for a format: odd widths for the plain formats.
+fn widths(ty: GgmlType) -> Vec<usize> {
+    match ty.block_size() {
+        1 => vec![8, 12, 40, 264],
+        32 => vec![96, 512],
+        _ => vec![256, 768],
+    }
+}
+
+#[test]
+fn matmul_matches_reference_for_every_format_and_batch() {
+    let g = gpu_or_skip!();
+    let mut r = rng("matmul");
+    for ty in GgmlType::SUPPORTED {
+        for k in widths(ty) {
+            let rows = 67;
+            let m = random_matrix(&mut r, ty, rows, k);
+            let w = g.load_matrix(&m).unwrap();
+            // 1–8: one GEMV launch; 13: two; 40: dequantize + cuBLAS.
+            for n in [1, 3, 8, 13, 40] {
+                let x = uniform(&mut r, n * k, 1.0);
+                let want = reference::matmul(&x, n, &m).unwrap();
+                let xb = up(g, &x);
+                let mut out = poisoned(g, n * rows);
+                g.matmul(&xb, n, &w, &mut out).unwrap();
+                let got = down(g, &out, n * rows);
+                assert_close(&format!("matmul {ty} k={k} n={n}"), &got, &want, 2e-5);
+            }
+        }
+    }
+}
+
+#[test]
+fn embed_matches_reference_for_every_format() {
+    let g = gpu_or_skip!();
+    let mut r = rng("embed");
+    for ty in GgmlType::SUPPORTED {
+        for k in widths(ty) {
+            let m = random_matrix(&mut r, ty, 50, k);
+            let w = g.load_matrix(&m).unwrap();
+            let tokens: Vec<u32> = (0..7).map(|_| r.random_range(0..50)).collect();
+            let scale = r.random_range(0.5f32..3.0);
+            let want = reference::embed(&m, &tokens, scale).unwrap();
+            let mut out = poisoned(g, tokens.len() * k);
+            g.embed(&w, &tokens, scale, &mut out).unwrap();
+            let got = down(g, &out, tokens.len() * k);
+            assert_close(&format!("embed {ty} k={k}"), &got, &want, 1e-6);
+            let bad = g.embed(&w, &[50], 1.0, &mut out);
+            assert!(bad.is_err(), "token id past the table must be an error");
+        }
+    }
+}
+
+#[test]
+fn rms_norm_matches_reference() {
+    let g = gpu_or_skip!();
+    let mut r = rng("rms_norm");
+    for dim in [8, 640, 1000, 2560] {
+        let n = 5;
+        let x = uniform(&mut r, n * dim, 3.0);
+        let w: Vec<f32> = uniform(&mut r, dim, 1.0).iter().map(|v| v + 1.0).collect();
+        let base = uniform(&mut r, n * dim, 1.0);
+        let (xb, wb) = (up(g, &x), g.load_vector(&w).unwrap());
+        for weighted in [false, true] {
+            let wref = weighted.then_some(&w[..]);
+            let normed = reference::rms_norm(&x, wref, 1e-6, dim);
+            for mode in [NormOut::Write, NormOut::AddTo] {
+                let mut out = match mode {
+                    NormOut::Write => poisoned(g, n * dim),
+                    NormOut::AddTo => up(g, &base),
+                };
+                g.rms_norm(&xb, weighted.then_some(&wb), 1e-6, n, dim, &mut out, mode)
+                    .unwrap();
+                let want: Vec<f32> = match mode {
+                    NormOut::Write => normed.clone(),
+                    NormOut::AddTo => normed.iter().zip(&base).map(|(a, b)| a + b).collect(),
+                };
+                let got = down(g, &out, n * dim);
+                assert_close(
+                    &format!("rms_norm {dim} {weighted} {mode:?}"),
+                    &got,
+                    &want,
+                    1e-5,
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn head_norm_rope_matches_reference() {
+    let g = gpu_or_skip!();
+    let mut r = rng("head_norm_rope");
+    // (head_dim, rotated pairs, θ, linear factor): default, proportional (partial), linear.
+    for (hd, pairs, theta, lf) in [
+        (32, 16, 10_000.0, 1.0),
+        (64, 8, 1_000_000.0, 1.0),
+        (256, 128, 1_000_000.0, 8.0),
+        (512, 64, 1_000_000.0, 1.0),
+    ] {
+        let (heads, n) = (4, 3);
+        let positions: Vec<u32> = (0..n).map(|_| r.random_range(0..8192)).collect();
+        let x = uniform(&mut r, n * heads * hd, 2.0);
+        let w = uniform(&mut r, hd, 1.0);
+        let wb = g.load_vector(&w).unwrap();
+        let rope = Rope {
+            theta,
+            linear_factor: lf,
+            rotated_pairs: pairs,
+        };
+        for normed in [false, true] {
+            let norm = normed.then_some((&w[..], 1e-6f32));
+            let want = reference::head_norm_rope(&x, heads, hd, norm, &rope, &positions);
+            let mut xb = up(g, &x);
+            g.head_norm_rope(
+                &mut xb,
+                heads,
+                hd,
+                normed.then_some((&wb, 1e-6)),
+                &rope,
+                &positions,
+            )
+            .unwrap();
+            let got = down(g, &xb, x.len());
+            assert_close(&format!("rope hd={hd} norm={normed}"), &got, &want, 1e-5);
+        }
+    }
+}
+
+/// (head_dim, heads, kv heads, window, softcap, block size, positions of each sequence).
+type AttnCase = (
+    usize,
+    usize,
+    usize,
+    Option<usize>,
+    Option<f32>,
+    usize,
+    Vec<Vec<u32>>,
+);
+
+/// Block tables for sequences reaching `last[s]`, blocks drawn in random order from a cache of
+/// the returned block count (two spare); blocks wholly before every query's window are
+/// `u32::MAX`, as a sliding pool leaves them.
+fn random_tables(
+    r: &mut StdRng,
+    seqs: &[Vec<u32>],
+    bs: usize,
+    window: Option<usize>,
+) -> (Vec<u32>, usize, usize) {
+    let width = seqs
+        .iter()
+        .map(|p| p.iter().max().map_or(0, |&m| m as usize / bs + 1))
+        .max()
+        .unwrap_or(0)
+        .max(1);
+    let n_blocks = seqs.len() * width + 2;
+    let mut ids: Vec<u32> = (0..n_blocks as u32).collect();
+    for i in (1..ids.len()).rev() {
+        ids.swap(i, r.random_range(0..=i));
+    }
+    let mut tables = vec![u32::MAX; seqs.len() * width];
+    for (s, pos) in seqs.iter().enumerate() {
+        let lo = pos
+            .iter()
+            .map(|&p| window.map_or(0, |w| (p as usize + 1).saturating_sub(w)))
+            .min()
+            .unwrap_or(0);
+        for b in lo / bs..width {
+            tables[s * width + b] = ids[s * width + b];
+        }
+    }
+    (tables, width, n_blocks)
+}
+
+#[test]
+fn write_kv_then_attention_match_reference() {
+    let g = gpu_or_skip!();
+    let mut r = rng("attention");
+    let cases: Vec<AttnCase> = vec![
+        // Long decode over a full cache: several key splits.
+        (256, 8, 2, None, None, 16, vec![vec![2999]]),
+        // Sliding-window decode, one KV head (Gemma 3 270M-like); old blocks unmapped.
+        (512, 8, 1, Some(512), None, 16, vec![vec![2000]]),
+        // A prefill chunk with a score soft-cap beside an empty sequence and a second chunk.
+        (
+            32,
+            4,
+            2,
+            Some(8),
+            Some(50.0),
+            4,
+            vec![(100..120).collect(), vec![], vec![5, 6, 7]],
+        ),
+        // A causal prefill from position 0.
+        (64, 4, 4, None, None, 32, vec![(0..40).collect()]),
+        // Head dim 128: a decode batch of four sequences of different lengths.
+        (
+            128,
+            4,
+            2,
+            None,
+            Some(30.0),
+            16,
+            vec![vec![150], vec![151], vec![7], vec![300]],
+        ),
+    ];
+    for (hd, nh, nkv, window, softcap, bs, seqs) in cases {
+        let row = nkv * hd;
+        let (tables, width, n_blocks) = random_tables(&mut r, &seqs, bs, window);
+        let slots_total = n_blocks * bs;
+        let positions: Vec<u32> = seqs.iter().flatten().copied().collect();
+        let mut seq_start = vec![0u32];
+        for p in &seqs {
+            seq_start.push(seq_start.last().unwrap() + p.len() as u32);
+        }
+        let layout = KvLayout {
+            block_size: bs,
+            positions: &positions,
+            seq_start: &seq_start,
+            block_tables: &tables,
+            table_width: width,
+        };
+        let n = positions.len();
+        let kc = uniform(&mut r, slots_total * row, 1.0);
+        let vc = uniform(&mut r, slots_total * row, 1.0);
+        let q = uniform(&mut r, n * nh * hd, 1.0);
+        let spec = AttnSpec {
+            n_heads: nh,
+            n_kv_heads: nkv,
+            head_dim: hd,
+            scale: 1.0 / (hd as f32).sqrt(),
+            window,
+            softcap,
+        };
+        // Every other slot starts poisoned and is filled through write_kv.
+        let slots: Vec<u32> = (0..slots_total as u32).step_by(2).collect();
+        let (mut k0, mut v0) = (kc.clone(), vc.clone());
+        for &s in &slots {
+            k0[s as usize * row..][..row].fill(f32::NAN);
+            v0[s as usize * row..][..row].fill(f32::NAN);
+        }
+        let (mut kb, mut vb) = (up(g, &k0), up(g, &v0));
+        let ks: Vec<f32> = slots
+            .iter()
+            .flat_map(|&s| kc[s as usize * row..][..row].to_vec())
+            .collect();
+        let vs: Vec<f32> = slots
+            .iter()
+            .flat_map(|&s| vc[s as usize * row..][..row].to_vec())
+            .collect();
+        g.write_kv(&up(g, &ks), &up(g, &vs), row, &slots, &mut kb, &mut vb)
+            .unwrap();
+        assert_eq!(down(g, &kb, slots_total * row), kc, "write_kv K");
+        assert_eq!(down(g, &vb, slots_total * row), vc, "write_kv V");
+        let want = reference::attention(&q, &kc, &vc, &spec, &layout);
+        let mut out = poisoned(g, n * nh * hd);
+        g.attention(&up(g, &q), &kb, &vb, &spec, &layout, &mut out)
+            .unwrap();
+        let got = down(g, &out, n * nh * hd);
+        assert_close(&format!("attention {spec:?} bs={bs}"), &got, &want, 1e-5);
+    }
+}
+
+#[test]
+fn attention_rejects_bad_specs_and_layouts() {
+    let g = gpu_or_skip!();
+    let b = g.alloc(1024).unwrap();
+    let mut o = g.alloc(1024).unwrap();
+    let layout = |positions: &'static [u32], tables: &'static [u32]| KvLayout {
+        block_size: 4,
+        positions,
+        seq_start: &[0, 1],
+        block_tables: tables,
+        table_width: tables.len(),
+    };
+    // Unsupported head dims are an error, not a wrong answer.
+    let mut spec = AttnSpec {
+        n_heads: 2,
+        n_kv_heads: 1,
+        head_dim: 48,
+        scale: 1.0,
+        window: None,
+        softcap: None,
+    };
+    assert!(g
+        .attention(&b, &b, &b, &spec, &layout(&[0], &[0]), &mut o)
+        .is_err());
+    // A 1024-float cache of 32-wide slots holds 8 blocks of 4.
+    spec.head_dim = 32;
+    g.attention(&b, &b, &b, &spec, &layout(&[5], &[0, 7]), &mut o)
+        .unwrap();
+    // A block outside the cache, a position beyond its table, bad sequence starts.
+    for bad in [layout(&[5], &[0, 8]), layout(&[9], &[0, 1])] {
+        assert!(g.attention(&b, &b, &b, &spec, &bad, &mut o).is_err());
+    }
+    let mut split = layout(&[1], &[0]);
+    split.seq_start = &[0, 2];
+    assert!(g.attention(&b, &b, &b, &spec, &split, &mut o).is_err());
+    g.read(&o, &mut [0f32; 1]).unwrap();
+}
+
+#[test]
+fn elementwise_ops_match_reference() {
+    let g = gpu_or_skip!();
+    let mut r = rng("elementwise");
+    let n = 10_007;
+    let a = uniform(&mut r, n, 6.0);
+    let b = uniform(&mut r, n, 2.0);
+    let mut x = up(g, &a);
+    g.gelu_tanh_mul(&mut x, &up(g, &b), n).unwrap();
+    assert_close(
+        "gelu",
+        &down(g, &x, n),
+        &reference::gelu_tanh_mul(&a, &b),
+        1e-6,
+    );
+    let mut x = up(g, &a);
+    g.add(&mut x, &up(g, &b), n).unwrap();
+    let want: Vec<f32> = a.iter().zip(&b).map(|(p, q)| p + q).collect();
+    assert_eq!(down(g, &x, n), want, "add");
+    let mut x = up(g, &a);
+    g.scale(&mut x, 0.37, n).unwrap();
+    let want: Vec<f32> = a.iter().map(|p| p * 0.37).collect();
+    assert_eq!(down(g, &x, n), want, "scale");
+    let mut x = up(g, &a);
+    g.softcap(&mut x, 3.0, n).unwrap();
+    assert_close(
+        "softcap",
+        &down(g, &x, n),
+        &reference::softcap(&a, 3.0),
+        1e-6,
+    );
+    let mut x = up(g, &a);
+    g.copy(&up(g, &b), 100, &mut x, 7, 500).unwrap();
+    let mut want = a.clone();
+    want[7..507].copy_from_slice(&b[100..600]);
+    assert_eq!(down(g, &x, n), want, "copy");
+    assert!(g.copy(&up(g, &b), n - 10, &mut x, 0, 20).is_err());
+}
+
+/// Host twin of the top-k / top-p sampler.
+fn sample_ref(row: &[f32], p: &SampleParams, u: f32) -> u32 {
+    let mut idx: Vec<usize> = (0..row.len()).collect();
+    idx.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
+    let cand = &idx[..p.top_k.min(row.len())];
+    let mx = row[cand[0]];
+    let e: Vec<f32> = cand
+        .iter()
+        .map(|&i| ((row[i] - mx) / p.temperature).exp())
+        .collect();
+    let total: f32 = e.iter().sum();
+    let mut keep = cand.len();
+    let mut mass = 0f32;
+    for (c, v) in e.iter().enumerate() {
+        mass += v / total;
+        if mass >= p.top_p {
+            keep = c + 1;
+            break;
+        }
+    }
+    let kept: f32 = e[..keep].iter().sum();
+    let target = u * kept;
+    let mut run = 0f32;
+    for c in 0..keep {
+        run += e[c];
+        if target < run {
+            return cand[c] as u32;
+        }
+    }
+    cand[keep - 1] as u32
+}
+
+#[test]
+fn argmax_and_sampling_match_host_twins() {
+    let g = gpu_or_skip!();
+    let mut r = rng("sampling");
+    let (rows, n) = (3, 262_144);
+    let mut logits = uniform(&mut r, rows * n, 10.0);
+    // A tie: the lower index must win.
+    logits[n + 500] = 99.0;
+    logits[n + 70_000] = 99.0;
+    logits[2 * n + 9] = f32::NAN;
+    let lb = up(g, &logits);
+    let got = g.argmax(&lb, rows, n).unwrap();
+    let want: Vec<u32> = logits
+        .chunks(n)
+        .map(|row| {
+            let mut best = 0;
+            for (i, &v) in row.iter().enumerate() {
+                if v > row[best] || row[best].is_nan() {
+                    best = i;
+                }
+            }
+            best as u32
+        })
+        .collect();
+    assert_eq!(got, want, "argmax");
+    assert_eq!(got[1], 500);
+    let clean: Vec<f32> = logits
+        .iter()
+        .map(|v| if v.is_nan() { -1e30 } else { *v })
+        .collect();
+    let lb = up(g, &clean);
+    for (top_k, top_p, temperature) in [(40, 0.9, 0.8), (1, 1.0, 1.0), (256, 0.5, 2.0)] {
+        let p = SampleParams {
+            temperature,
+            top_k,
+            top_p,
+        };
+        for _ in 0..5 {
+            let draws: Vec<f32> = (0..rows).map(|_| r.random_range(0.0f32..1.0)).collect();
+            let got = g.sample(&lb, rows, n, &p, &draws).unwrap();
+            let want: Vec<u32> = clean
+                .chunks(n)
+                .zip(&draws)
+                .map(|(row, &u)| sample_ref(row, &p, u))
+                .collect();
+            assert_eq!(got, want, "sample {p:?} draws {draws:?}");
+        }
+    }
+    let bad = SampleParams {
+        temperature: 0.0,
+        top_k: 5,
+        top_p: 1.0,
+    };
+    assert!(g.sample(&lb, rows, n, &bad, &[0.5; 3]).is_err());
+}
