@@ -69,7 +69,8 @@ pub async fn serve(
     axum::serve(listener, router(state))
         .with_graceful_shutdown(async move {
             shutdown.await;
-            engine_state.engine.shutdown();
+            // Waits for the step loop to end: off the async threads.
+            let _ = tokio::task::spawn_blocking(move || engine_state.engine.shutdown()).await;
         })
         .await
 }

@@ -34,6 +34,8 @@ pub struct CommonFields {
     pub presence_penalty: Option<f32>,
     /// Keep generating past end-of-turn tokens until max_tokens (extension, for benchmarks).
     pub ignore_eos: Option<bool>,
+    /// Only `{"type": "text"}` is served (no constrained decoding).
+    pub response_format: Option<Value>,
 }
 
 /// `stop`: one string or a list.

@@ -44,6 +44,14 @@ pub fn settings(c: &CommonFields) -> Result<Settings, ApiError> {
             ));
         }
     }
+    if let Some(f) = &c.response_format {
+        if f.get("type").and_then(|t| t.as_str()) != Some("text") {
+            return Err(ApiError::invalid_param(
+                "response_format",
+                "only response_format {\"type\": \"text\"} is supported",
+            ));
+        }
+    }
     let sampling = SamplingParams {
         temperature: c.temperature.unwrap_or(1.0),
         top_k: c.top_k.unwrap_or(0),

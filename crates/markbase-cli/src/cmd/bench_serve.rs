@@ -114,14 +114,6 @@ pub fn run(args: Args) -> Result<()> {
         .worker_threads(2)
         .enable_all()
         .build()?;
-    let mut out = std::io::stdout().lock();
-    if !args.json {
-        writeln!(
-            out,
-            "| concurrency | requests | tokens | wall s | output t/s | TTFT p50/p90/p99 ms | ITL p50/p90/p99 ms |"
-        )?;
-        writeln!(out, "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")?;
-    }
     let timeout = Duration::from_secs(args.timeout_s);
     let levels = runtime.block_on(async {
         let client = sse_client::client();
@@ -132,6 +124,14 @@ pub fn run(args: Args) -> Result<()> {
         )
         .await
         .context("the warm-up request timed out")??;
+        if !args.json {
+            let mut o = std::io::stdout().lock();
+            writeln!(
+                o,
+                "| concurrency | requests | tokens | wall s | output t/s | TTFT p50/p90/p99 ms | ITL p50/p90/p99 ms |"
+            )?;
+            writeln!(o, "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")?;
+        }
         let mut levels = Vec::new();
         for &c in &args.concurrency {
             let n = args.requests.unwrap_or((4 * c).max(8)).max(c);
@@ -171,6 +171,7 @@ pub fn run(args: Args) -> Result<()> {
         }
         anyhow::Ok(levels)
     })?;
+    let mut out = std::io::stdout().lock();
     if args.json {
         let obj = json!({
             "url": base,
