@@ -5,7 +5,8 @@
 //! layers) are touched.
 
 use markbase_core::backend::AttnSpec;
-use rayon::prelude::*;
+
+use crate::pool::Pool;
 
 /// Keys scored at a time.
 const KEY_TILE: usize = 64;
@@ -14,6 +15,7 @@ pub const MAX_HEAD_DIM: usize = 512;
 
 /// Attention per [`AttnSpec`]; sizes are checked by the caller.
 pub fn attention(
+    pool: &Pool,
     q: &[f32],
     k_cache: &[f32],
     v_cache: &[f32],
@@ -24,10 +26,10 @@ pub fn attention(
     let hd = spec.head_dim;
     let kv_w = spec.n_kv_heads * hd;
     let group = spec.n_heads / spec.n_kv_heads;
-    out[..positions.len() * spec.n_heads * hd]
-        .par_chunks_mut(hd)
-        .enumerate()
-        .for_each(|(i, o)| {
+    pool.par_chunks_mut(
+        &mut out[..positions.len() * spec.n_heads * hd],
+        hd,
+        |i, o| {
             let (t, h) = (i / spec.n_heads, i % spec.n_heads);
             let p = positions[t] as usize;
             let lo = spec.window.map_or(0, |w| (p + 1).saturating_sub(w));
@@ -66,7 +68,8 @@ pub fn attention(
             }
             let inv = 1.0 / sum;
             o.iter_mut().zip(acc.iter()).for_each(|(o, a)| *o = a * inv);
-        });
+        },
+    );
 }
 
 /// Plain f32 dot product (the compiler vectorises it).

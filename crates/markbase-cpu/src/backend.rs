@@ -1,16 +1,22 @@
 //! [`CpuBackend`]: f32 activations in host memory, weights used in place from the mapped file,
-//! work spread over a private rayon pool.
+//! work spread over a persistent thread pool ([`Pool`]).
 
 use markbase_core::backend::{AttnSpec, Backend, HostMatrix, NormOut, Rope};
 use markbase_core::quant::dequantize_row;
 use markbase_core::{Error, Result};
 
+use std::sync::Mutex;
+
 use crate::attention::{self, MAX_HEAD_DIM};
+use crate::kernels::act::QuantAct;
+use crate::pool::Pool;
 use crate::{matmul, moe, ops};
 
 /// The CPU backend.
 pub struct CpuBackend {
-    pool: rayon::ThreadPool,
+    pool: Pool,
+    /// Quantized activations of the current matmul (reused: no allocation per call).
+    act: Mutex<QuantAct>,
 }
 
 /// An activation buffer: f32 values in host memory.
@@ -29,17 +35,15 @@ pub struct CpuMatrix(HostMatrix);
 impl CpuBackend {
     /// A backend running on `threads` threads (0 = one per core).
     pub fn new(threads: usize) -> Result<Self> {
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .thread_name(|i| format!("markbase-cpu-{i}"))
-            .build()
-            .map_err(|e| Error::Invalid(format!("cannot start {threads} CPU threads: {e}")))?;
-        Ok(CpuBackend { pool })
+        Ok(CpuBackend {
+            pool: Pool::new(threads)?,
+            act: Mutex::new(QuantAct::new()),
+        })
     }
 
     /// Threads in the pool.
     pub fn threads(&self) -> usize {
-        self.pool.current_num_threads()
+        self.pool.threads()
     }
 }
 
@@ -122,16 +126,15 @@ impl Backend for CpuBackend {
         if let Some(w) = weight {
             need("rms_norm weight", w.len(), dim)?;
         }
-        self.pool.install(|| {
-            ops::rms_norm(
-                &x.0[..n * dim],
-                weight.map(|w| &w[..dim]),
-                eps,
-                dim,
-                &mut out.0[..n * dim],
-                mode == NormOut::AddTo,
-            )
-        });
+        ops::rms_norm(
+            &self.pool,
+            &x.0[..n * dim],
+            weight.map(|w| &w[..dim]),
+            eps,
+            dim,
+            &mut out.0[..n * dim],
+            mode == NormOut::AddTo,
+        );
         Ok(())
     }
 
@@ -139,7 +142,8 @@ impl Backend for CpuBackend {
         let m = &w.0;
         need("matmul input", x.0.len(), n * m.cols)?;
         need("matmul output", out.0.len(), n * m.rows)?;
-        self.pool.install(|| matmul::matmul(&x.0, n, m, &mut out.0));
+        let mut act = self.act.lock().unwrap_or_else(|e| e.into_inner());
+        matmul::matmul(&self.pool, &mut act, &x.0, n, m, &mut out.0);
         Ok(())
     }
 
@@ -166,16 +170,15 @@ impl Backend for CpuBackend {
         if let Some((w, _)) = norm {
             need("head norm weight", w.len(), head_dim)?;
         }
-        self.pool.install(|| {
-            ops::head_norm_rope(
-                &mut x.0[..len],
-                n_heads,
-                head_dim,
-                norm.map(|(w, e)| (&w[..head_dim], e)),
-                rope,
-                positions,
-            )
-        });
+        ops::head_norm_rope(
+            &self.pool,
+            &mut x.0[..len],
+            n_heads,
+            head_dim,
+            norm.map(|(w, e)| (&w[..head_dim], e)),
+            rope,
+            positions,
+        );
         Ok(())
     }
 
@@ -232,9 +235,9 @@ impl Backend for CpuBackend {
             k_cache.0.len().min(v_cache.0.len()),
             slots,
         )?;
-        self.pool.install(|| {
-            attention::attention(&q.0, &k_cache.0, &v_cache.0, spec, positions, &mut out.0)
-        });
+        attention::attention(
+            &self.pool, &q.0, &k_cache.0, &v_cache.0, spec, positions, &mut out.0,
+        );
         Ok(())
     }
 
@@ -304,18 +307,17 @@ impl Backend for CpuBackend {
                 "cpu moe_ffn: expert id {bad} of {n_experts} experts"
             )));
         }
-        self.pool.install(|| {
-            moe::ffn(
-                &x.0[..n * d],
-                n,
-                gu,
-                dn,
-                top_k,
-                &weights.0[..n * top_k],
-                &ids.0[..n * top_k],
-                &mut out.0,
-            )
-        });
+        moe::ffn(
+            &self.pool,
+            &x.0[..n * d],
+            n,
+            gu,
+            dn,
+            top_k,
+            &weights.0[..n * top_k],
+            &ids.0[..n * top_k],
+            &mut out.0,
+        );
         Ok(())
     }
 
@@ -335,8 +337,7 @@ impl Backend for CpuBackend {
 
     fn gelu_tanh_mul(&self, gate: &mut CpuBuffer, up: &CpuBuffer, len: usize) -> Result<()> {
         need("gelu_tanh_mul", gate.0.len().min(up.0.len()), len)?;
-        self.pool
-            .install(|| ops::gelu_tanh_mul(&mut gate.0[..len], &up.0[..len]));
+        ops::gelu_tanh_mul(&self.pool, &mut gate.0[..len], &up.0[..len]);
         Ok(())
     }
 

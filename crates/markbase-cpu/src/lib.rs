@@ -7,6 +7,8 @@ pub mod kernels;
 mod matmul;
 mod moe;
 mod ops;
+pub mod pool;
 pub mod reference;
 
 pub use backend::{CpuBackend, CpuBuffer, CpuMatrix};
+pub use matmul::{uses_quantized_activations, F32_FROM_TOKENS};
