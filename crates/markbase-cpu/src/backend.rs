@@ -8,15 +8,14 @@ use markbase_core::{Error, Result};
 use std::sync::Mutex;
 
 use crate::attention::{self, MAX_HEAD_DIM};
-use crate::kernels::act::QuantAct;
 use crate::pool::Pool;
 use crate::{matmul, moe, ops};
 
 /// The CPU backend.
 pub struct CpuBackend {
     pool: Pool,
-    /// Quantized activations of the current matmul (reused: no allocation per call).
-    act: Mutex<QuantAct>,
+    /// Scratch of the matmuls (reused: no allocation per call).
+    scratch: Mutex<matmul::Scratch>,
 }
 
 /// An activation buffer: f32 values in host memory.
@@ -37,7 +36,7 @@ impl CpuBackend {
     pub fn new(threads: usize) -> Result<Self> {
         Ok(CpuBackend {
             pool: Pool::new(threads)?,
-            act: Mutex::new(QuantAct::new()),
+            scratch: Mutex::new(matmul::Scratch::default()),
         })
     }
 
@@ -142,8 +141,8 @@ impl Backend for CpuBackend {
         let m = &w.0;
         need("matmul input", x.0.len(), n * m.cols)?;
         need("matmul output", out.0.len(), n * m.rows)?;
-        let mut act = self.act.lock().unwrap_or_else(|e| e.into_inner());
-        matmul::matmul(&self.pool, &mut act, &x.0, n, m, &mut out.0);
+        let mut scratch = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        matmul::matmul(&self.pool, &mut scratch, &x.0, n, m, &mut out.0);
         Ok(())
     }
 

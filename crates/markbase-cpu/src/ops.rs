@@ -2,6 +2,7 @@
 
 use markbase_core::backend::Rope;
 
+use crate::kernels::vmath;
 use crate::pool::Pool;
 
 /// Rows processed per parallel task in row-wise ops.
@@ -84,12 +85,8 @@ pub fn head_norm_rope(
 
 /// `gelu_tanh(gate) · up` in place in `gate`.
 pub fn gelu_tanh_mul(pool: &Pool, gate: &mut [f32], up: &[f32]) {
-    const C: f32 = 0.797_884_6; // sqrt(2/pi)
     const GRAIN: usize = 4096;
     pool.par_chunks_mut(gate, GRAIN, |c, g| {
-        for (g, u) in g.iter_mut().zip(&up[c * GRAIN..]) {
-            let x = *g;
-            *g = 0.5 * x * (1.0 + (C * (x + 0.044715 * x * x * x)).tanh()) * u;
-        }
+        vmath::gelu_tanh_mul(g, &up[c * GRAIN..]);
     });
 }

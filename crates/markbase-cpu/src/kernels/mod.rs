@@ -8,11 +8,13 @@ pub mod act;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 pub mod dot;
+pub mod gemm;
 mod portable;
 pub mod qdot;
 #[cfg(target_arch = "x86_64")]
 mod qdot_avx2;
 mod qdot_portable;
+pub mod vmath;
 
 use qdot_portable::qdot_rows as portable_rows;
 
@@ -85,4 +87,17 @@ fn f16_table() -> &'static [f32] {
             .map(|b| half::f16::from_bits(b).to_f32())
             .collect()
     })
+}
+
+/// Dequantizes the whole blocks of `ty` in `src` into `dst` (matching sizes, checked by the
+/// caller), bit-identical to the reference, with the AVX2 block decoders where this CPU has
+/// them.
+fn dequantize_row_fast(ty: GgmlType, src: &[u8], dst: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if Isa::detect() == Isa::Avx2 {
+        // SAFETY: AVX2, FMA and F16C were detected; the caller matched the sizes.
+        unsafe { avx2::dequantize(ty, src, dst) };
+        return;
+    }
+    dequantize_chunk(ty, src, dst);
 }
