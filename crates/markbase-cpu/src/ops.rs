@@ -56,13 +56,18 @@ pub fn head_norm_rope(
     positions: &[u32],
 ) {
     let half = head_dim / 2;
+    // Per-pair frequencies, once per call.
+    let mut freq = [0f32; 256];
+    for (i, f) in freq[..rope.rotated_pairs].iter_mut().enumerate() {
+        let inv = 1.0 / rope.theta.powf((2 * i) as f32 / head_dim as f32);
+        *f = inv / rope.linear_factor;
+    }
     pool.par_chunks_mut(x, n_heads * head_dim, |t, tok| {
         let p = positions[t];
         let mut cos = [0f32; 256];
         let mut sin = [0f32; 256];
         for i in 0..rope.rotated_pairs {
-            let inv = 1.0 / rope.theta.powf((2 * i) as f32 / head_dim as f32);
-            let angle = (p as f32) * (inv / rope.linear_factor);
+            let angle = (p as f32) * freq[i];
             let (s, c) = (angle as f64).sin_cos();
             cos[i] = c as f32;
             sin[i] = s as f32;

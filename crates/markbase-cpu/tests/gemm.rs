@@ -3,7 +3,10 @@
 //! format, odd token and row counts, both kernel sets. Set MARKBASE_TEST_SEED to replay.
 
 use markbase_core::quant::{dequantize_row, GgmlType};
-use markbase_cpu::kernels::gemm::{pack_tokens, packed_len, rows_matmul_with, unpack_rows};
+use markbase_cpu::kernels::gemm::{
+    pack_tokens, pack_tokens_with, packed_len, rows_matmul_with, unpack_rows, NT,
+};
+use markbase_cpu::kernels::Isa;
 use rand::Rng;
 
 mod common;
@@ -62,4 +65,32 @@ fn rows_matmul_matches_reference_for_every_format() {
             }
         }
     }
+}
+
+/// Packing is a pure copy: every kernel set lays out exactly the same tiles.
+#[test]
+fn packed_tiles_hold_each_activation_once() {
+    let (seed, mut rng) = seeded();
+    for (n, k) in [(1, 8), (16, 640), (37, 35), (48, 2048)] {
+        let x = random_x(n * k, &mut rng);
+        for isa in kernel_sets() {
+            let mut xt = vec![f32::NAN; packed_len(n, k)];
+            pack_tokens_with(isa, &x, n, k, &mut xt);
+            for (tile, dst) in xt.chunks_exact(NT * k).enumerate() {
+                for t in 0..NT {
+                    let tok = tile * NT + t;
+                    for kk in 0..k {
+                        let want = if tok < n { x[tok * k + kk] } else { 0.0 };
+                        assert_eq!(dst[kk * NT + t], want, "{isa:?} n={n} k={k}; seed {seed}");
+                    }
+                }
+            }
+        }
+    }
+    let mut a = vec![0f32; packed_len(5, 64)];
+    let x = random_x(5 * 64, &mut rng);
+    pack_tokens(&x, 5, 64, &mut a);
+    let mut b = vec![0f32; a.len()];
+    pack_tokens_with(Isa::Portable, &x, 5, 64, &mut b);
+    assert_eq!(a, b);
 }

@@ -26,23 +26,33 @@ pub fn packed_len(n: usize, k: usize) -> usize {
 }
 
 /// Packs the `n` row-major activation rows of `x` (`k` each) into token tiles (zero-padded to
-/// a whole tile) at the start of `xt`, which holds at least [`packed_len`] values.
+/// a whole tile) at the start of `xt`, which holds at least [`packed_len`] values, with the
+/// best kernels for this CPU.
 ///
 /// # Panics
 /// If the sizes disagree (caller bugs).
 pub fn pack_tokens(x: &[f32], n: usize, k: usize, xt: &mut [f32]) {
+    pack_tokens_with(Isa::detect(), x, n, k, xt)
+}
+
+/// [`pack_tokens`] with the kernels written for `isa` (portable ones if this CPU lacks it).
+///
+/// # Panics
+/// As [`pack_tokens`].
+pub fn pack_tokens_with(isa: Isa, x: &[f32], n: usize, k: usize, xt: &mut [f32]) {
     assert!(x.len() >= n * k && xt.len() >= packed_len(n, k));
     for (tile, dst) in xt[..packed_len(n, k)].chunks_exact_mut(NT * k).enumerate() {
+        let t0 = tile * NT;
+        let nt = NT.min(n - t0);
+        let mut done = 0;
+        #[cfg(target_arch = "x86_64")]
+        if isa == Isa::Avx2 && Isa::Avx2.available() && nt == NT {
+            // SAFETY: AVX2 is available; the tile's rows and `dst` hold NT · k values.
+            done = unsafe { avx2::pack_tile(&x[t0 * k..(t0 + NT) * k], k, dst) };
+        }
         for t in 0..NT {
-            let tok = tile * NT + t;
-            if tok < n {
-                for (kk, v) in x[tok * k..(tok + 1) * k].iter().enumerate() {
-                    dst[kk * NT + t] = *v;
-                }
-            } else {
-                for kk in 0..k {
-                    dst[kk * NT + t] = 0.0;
-                }
+            for kk in done..k {
+                dst[kk * NT + t] = if t < nt { x[(t0 + t) * k + kk] } else { 0.0 };
             }
         }
     }
@@ -128,6 +138,57 @@ mod avx2 {
     use std::arch::x86_64::*;
 
     use super::{MR, NT};
+
+    /// Packs the first `k / 8 · 8` columns of a full tile of NT rows (row-major, `k` apart)
+    /// with 8 × 8 register transposes; returns the columns done.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn pack_tile(x: &[f32], k: usize, dst: &mut [f32]) -> usize {
+        let (xp, dp) = (x.as_ptr(), dst.as_mut_ptr());
+        let whole = k / 8 * 8;
+        for kk in (0..whole).step_by(8) {
+            for half in 0..2 {
+                let r: [__m256; 8] =
+                    std::array::from_fn(|t| _mm256_loadu_ps(xp.add((8 * half + t) * k + kk)));
+                let c = transpose8(r);
+                for (i, c) in c.iter().enumerate() {
+                    _mm256_storeu_ps(dp.add((kk + i) * NT + 8 * half), *c);
+                }
+            }
+        }
+        whole
+    }
+
+    /// Transpose of an 8 × 8 block held as eight row vectors.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn transpose8(r: [__m256; 8]) -> [__m256; 8] {
+        let t0 = _mm256_unpacklo_ps(r[0], r[1]);
+        let t1 = _mm256_unpackhi_ps(r[0], r[1]);
+        let t2 = _mm256_unpacklo_ps(r[2], r[3]);
+        let t3 = _mm256_unpackhi_ps(r[2], r[3]);
+        let t4 = _mm256_unpacklo_ps(r[4], r[5]);
+        let t5 = _mm256_unpackhi_ps(r[4], r[5]);
+        let t6 = _mm256_unpacklo_ps(r[6], r[7]);
+        let t7 = _mm256_unpackhi_ps(r[6], r[7]);
+        let u0 = _mm256_shuffle_ps::<0x44>(t0, t2);
+        let u1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
+        let u2 = _mm256_shuffle_ps::<0x44>(t1, t3);
+        let u3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
+        let u4 = _mm256_shuffle_ps::<0x44>(t4, t6);
+        let u5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
+        let u6 = _mm256_shuffle_ps::<0x44>(t5, t7);
+        let u7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
+        [
+            _mm256_permute2f128_ps::<0x20>(u0, u4),
+            _mm256_permute2f128_ps::<0x20>(u1, u5),
+            _mm256_permute2f128_ps::<0x20>(u2, u6),
+            _mm256_permute2f128_ps::<0x20>(u3, u7),
+            _mm256_permute2f128_ps::<0x31>(u0, u4),
+            _mm256_permute2f128_ps::<0x31>(u1, u5),
+            _mm256_permute2f128_ps::<0x31>(u2, u6),
+            _mm256_permute2f128_ps::<0x31>(u3, u7),
+        ]
+    }
 
     /// [`super::rows_matmul`]: per token tile, full groups of `MR` rows, then one group of the
     /// rest.
