@@ -89,8 +89,8 @@ fn attention_with(
         let singles = (t0..t1).map(|t| (t, t + 1));
         let mut each = |(a, b): (usize, usize)| {
             let mut qs = Queries::default();
-            for t in a..b {
-                let p = positions[t] as usize;
+            for (t, &p) in positions.iter().enumerate().take(b).skip(a) {
+                let p = p as usize;
                 let lo = spec.window.map_or(0, |w| (p + 1).saturating_sub(w));
                 for h in first..first + heads {
                     let at = (t * spec.n_heads + h) * hd;
