@@ -1,5 +1,5 @@
 //! [`CpuBackend`]: f32 activations in host memory, weights used in place from the mapped file,
-//! work spread over a private rayon pool.
+//! work spread over a persistent thread pool ([`Pool`]).
 
 use markbase_core::backend::{AttnSpec, Backend, HostMatrix, KvLayout, NormOut, Rope};
 use markbase_core::quant::dequantize_row;
@@ -7,11 +7,15 @@ use markbase_core::{Error, Result};
 use std::sync::Mutex;
 
 use crate::attention::{self, MAX_HEAD_DIM};
+use crate::pool::Pool;
 use crate::{lm_head, matmul, moe, ops};
 
 /// The CPU backend.
 pub struct CpuBackend {
-    pool: rayon::ThreadPool,
+    pool: Pool,
+    /// Scratch of the matmuls (reused: no allocation per call).
+    scratch: Mutex<matmul::Scratch>,
+    /// Scratch of the screened LM head's leader selection (locked before `scratch`).
     screen: Mutex<lm_head::Scratch>,
 }
 
@@ -31,20 +35,16 @@ pub struct CpuMatrix(HostMatrix);
 impl CpuBackend {
     /// A backend running on `threads` threads (0 = one per core).
     pub fn new(threads: usize) -> Result<Self> {
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .thread_name(|i| format!("markbase-cpu-{i}"))
-            .build()
-            .map_err(|e| Error::Invalid(format!("cannot start {threads} CPU threads: {e}")))?;
         Ok(CpuBackend {
-            pool,
+            pool: Pool::new(threads)?,
+            scratch: Mutex::new(matmul::Scratch::default()),
             screen: Mutex::default(),
         })
     }
 
     /// Threads in the pool.
     pub fn threads(&self) -> usize {
-        self.pool.current_num_threads()
+        self.pool.threads()
     }
 }
 
@@ -127,16 +127,15 @@ impl Backend for CpuBackend {
         if let Some(w) = weight {
             need("rms_norm weight", w.len(), dim)?;
         }
-        self.pool.install(|| {
-            ops::rms_norm(
-                &x.0[..n * dim],
-                weight.map(|w| &w[..dim]),
-                eps,
-                dim,
-                &mut out.0[..n * dim],
-                mode == NormOut::AddTo,
-            )
-        });
+        ops::rms_norm(
+            &self.pool,
+            &x.0[..n * dim],
+            weight.map(|w| &w[..dim]),
+            eps,
+            dim,
+            &mut out.0[..n * dim],
+            mode == NormOut::AddTo,
+        );
         Ok(())
     }
 
@@ -144,7 +143,8 @@ impl Backend for CpuBackend {
         let m = &w.0;
         need("matmul input", x.0.len(), n * m.cols)?;
         need("matmul output", out.0.len(), n * m.rows)?;
-        self.pool.install(|| matmul::matmul(&x.0, n, m, &mut out.0));
+        let mut scratch = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        matmul::matmul(&self.pool, &mut scratch, &x.0, n, m, &mut out.0);
         Ok(())
     }
 
@@ -170,13 +170,20 @@ impl Backend for CpuBackend {
         }
         need("matmul input", x.0.len(), n * e.cols)?;
         need("matmul output", out.0.len(), n * e.rows)?;
-        let mut scratch = self
-            .screen
-            .lock()
-            .map_err(|_| Error::Invalid("cpu screened matmul: scratch poisoned".into()))?;
-        let scratch: &mut lm_head::Scratch = &mut scratch;
-        self.pool
-            .install(|| lm_head::screened(&x.0, n, c, e, top_k, scratch, &mut out.0));
+        // Scratch only holds reusable buffers, so a poisoned lock is still safe to use.
+        let mut screen = self.screen.lock().unwrap_or_else(|e| e.into_inner());
+        let mut scratch = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        lm_head::screened(
+            &self.pool,
+            &mut scratch,
+            &x.0,
+            n,
+            c,
+            e,
+            top_k,
+            &mut screen,
+            &mut out.0,
+        );
         Ok(())
     }
 
@@ -203,16 +210,15 @@ impl Backend for CpuBackend {
         if let Some((w, _)) = norm {
             need("head norm weight", w.len(), head_dim)?;
         }
-        self.pool.install(|| {
-            ops::head_norm_rope(
-                &mut x.0[..len],
-                n_heads,
-                head_dim,
-                norm.map(|(w, e)| (&w[..head_dim], e)),
-                rope,
-                positions,
-            )
-        });
+        ops::head_norm_rope(
+            &self.pool,
+            &mut x.0[..len],
+            n_heads,
+            head_dim,
+            norm.map(|(w, e)| (&w[..head_dim], e)),
+            rope,
+            positions,
+        );
         Ok(())
     }
 
@@ -266,9 +272,9 @@ impl Backend for CpuBackend {
         let block = layout.block_size * spec.n_kv_heads * spec.head_dim;
         let n_blocks = k_cache.0.len().min(v_cache.0.len()) / block.max(1);
         layout.check(spec.window, n_blocks)?;
-        self.pool.install(|| {
-            attention::attention(&q.0, &k_cache.0, &v_cache.0, spec, layout, &mut out.0)
-        });
+        attention::attention(
+            &self.pool, &q.0, &k_cache.0, &v_cache.0, spec, layout, &mut out.0,
+        );
         Ok(())
     }
 
@@ -338,18 +344,17 @@ impl Backend for CpuBackend {
                 "cpu moe_ffn: expert id {bad} of {n_experts} experts"
             )));
         }
-        self.pool.install(|| {
-            moe::ffn(
-                &x.0[..n * d],
-                n,
-                gu,
-                dn,
-                top_k,
-                &weights.0[..n * top_k],
-                &ids.0[..n * top_k],
-                &mut out.0,
-            )
-        });
+        moe::ffn(
+            &self.pool,
+            &x.0[..n * d],
+            n,
+            gu,
+            dn,
+            top_k,
+            &weights.0[..n * top_k],
+            &ids.0[..n * top_k],
+            &mut out.0,
+        );
         Ok(())
     }
 
@@ -369,8 +374,7 @@ impl Backend for CpuBackend {
 
     fn gelu_tanh_mul(&self, gate: &mut CpuBuffer, up: &CpuBuffer, len: usize) -> Result<()> {
         need("gelu_tanh_mul", gate.0.len().min(up.0.len()), len)?;
-        self.pool
-            .install(|| ops::gelu_tanh_mul(&mut gate.0[..len], &up.0[..len]));
+        ops::gelu_tanh_mul(&self.pool, &mut gate.0[..len], &up.0[..len]);
         Ok(())
     }
 

@@ -8,6 +8,8 @@ mod lm_head;
 mod matmul;
 mod moe;
 mod ops;
+pub mod pool;
 pub mod reference;
 
 pub use backend::{CpuBackend, CpuBuffer, CpuMatrix};
+pub use matmul::{uses_quantized_activations, F32_FROM_TOKENS};

@@ -9,10 +9,10 @@
 //! [`Backend::matmul_screened`]: markbase_core::backend::Backend::matmul_screened
 
 use markbase_core::backend::HostMatrix;
-use rayon::prelude::*;
 
 use crate::kernels::dot::dot_row;
 use crate::matmul;
+use crate::pool::{Pool, SendPtr};
 
 /// Every `STRIDE`-th coarse logit is sampled to place the selection threshold.
 const STRIDE: usize = 16;
@@ -26,17 +26,13 @@ pub struct Scratch {
     leaders: Vec<u32>,
 }
 
-/// A raw output pointer shared by tasks that write disjoint elements.
-#[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-// SAFETY: each task writes the logits of its own distinct leader indices.
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
-
 /// `out[n, exact.rows]`: coarse logits for every row of `x`, then each row's `top_k` leaders
 /// (by coarse logit) recomputed from `exact`. Sizes are checked by the caller; `coarse` and
 /// `exact` have the same shape.
+#[allow(clippy::too_many_arguments)]
 pub fn screened(
+    pool: &Pool,
+    matmul_scratch: &mut matmul::Scratch,
     x: &[f32],
     n: usize,
     coarse: &HostMatrix,
@@ -46,21 +42,22 @@ pub fn screened(
     out: &mut [f32],
 ) {
     let (rows, k) = (exact.rows, exact.cols);
-    matmul::matmul(x, n, coarse, out);
+    matmul::matmul(pool, matmul_scratch, x, n, coarse, out);
     let rb = exact.row_bytes();
     let bytes = exact.bytes.as_slice();
     for t in 0..n {
         let logits = &mut out[t * rows..(t + 1) * rows];
         select_leaders(logits, top_k, scratch);
         let xt = &x[t * k..(t + 1) * k];
-        let ptr = OutPtr(logits.as_mut_ptr());
-        scratch.leaders.par_chunks(REFINE_GRAIN).for_each(|ids| {
-            let p = ptr;
-            for &i in ids {
+        let ptr = SendPtr(logits.as_mut_ptr());
+        let leaders = &scratch.leaders;
+        pool.run(leaders.len().div_ceil(REFINE_GRAIN), &|c| {
+            for &i in &leaders[c * REFINE_GRAIN..((c + 1) * REFINE_GRAIN).min(leaders.len())] {
                 let i = i as usize;
                 let v = dot_row(exact.ty, &bytes[i * rb..(i + 1) * rb], xt);
-                // SAFETY: i < rows = logits.len() and the leader indices are distinct.
-                unsafe { *p.0.add(i) = v };
+                // SAFETY: i < rows = logits.len() and the leader indices are distinct, so
+                // tasks write disjoint logits.
+                unsafe { *ptr.get().add(i) = v };
             }
         });
     }
@@ -146,14 +143,31 @@ mod tests {
                 })
                 .collect()
         };
-        let (want_exact, want_coarse) = (reference(&exact), reference(&coarse));
+        let want_exact = reference(&exact);
+        // The coarse pass sees the activations as the backend's matmul does.
+        let want_coarse: Vec<f64> = if matmul::uses_quantized_activations(coarse.ty, n) {
+            crate::reference::matmul_quantized(&x, n, &coarse)
+                .unwrap()
+                .into_iter()
+                .map(f64::from)
+                .collect()
+        } else {
+            reference(&coarse)
+        };
         let mut out = vec![0f32; n * rows];
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(2)
-            .build()
-            .unwrap();
-        let mut scratch = Scratch::default();
-        pool.install(|| screened(&x, n, &coarse, &exact, top_k, &mut scratch, &mut out));
+        let pool = Pool::new(2).unwrap();
+        let (mut scratch, mut mm) = (Scratch::default(), matmul::Scratch::default());
+        screened(
+            &pool,
+            &mut mm,
+            &x,
+            n,
+            &coarse,
+            &exact,
+            top_k,
+            &mut scratch,
+            &mut out,
+        );
         for t in 0..n {
             let row = |v: &[f64]| v[t * rows..(t + 1) * rows].to_vec();
             let (e, c) = (row(&want_exact), row(&want_coarse));

@@ -1,55 +1,132 @@
-//! Activation × stored-weight products, parallel over output rows, weights read in place.
+//! Activation × stored-weight products on the thread pool, weights read in place.
+//!
+//! Block-quantized weights with few tokens (decode) take the integer path: the activations are
+//! quantized once per call to 16-bit blocks ([`QuantAct`], kept in the backend so steady-state
+//! calls allocate nothing), then the weight rows are split into chunks over the pool and each
+//! chunk is dotted with every token's activations while it is in cache. Float weights with one
+//! token take f32 dot products. Larger token counts (prefill) take the blocked f32 GEMM of
+//! [`crate::kernels::gemm`]: each panel of weight rows is dequantized once per call and used
+//! for every token.
 
 use markbase_core::backend::HostMatrix;
-use rayon::prelude::*;
 
-use crate::kernels::dot::{dot_row, dot_rows};
+use std::cell::RefCell;
 
-/// Tokens handled together per weight row in prefill (bounds a stack buffer).
-const TOKEN_TILE: usize = 64;
+use crate::kernels::act::QuantAct;
+use crate::kernels::dot::dot_row;
+use crate::kernels::gemm::{pack_tokens, packed_len, rows_matmul, unpack_rows, NT};
+use crate::kernels::qdot::{qdot_rows, supports};
+use crate::pool::{Pool, SendPtr};
 
-/// A raw output pointer shared by tasks that write disjoint elements.
-#[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-// SAFETY: tasks write disjoint indices (each owns a set of output columns).
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
+/// Weight rows dequantized together per prefill task (their f32 copy stays in L2).
+const ROW_GROUP: usize = 24;
 
-/// `out[n, w.rows] = x[n, w.cols] · wᵀ` on the current rayon pool. Sizes are checked by the
-/// caller (`out.len() >= n * w.rows`, `x.len() >= n * w.cols`).
-pub fn matmul(x: &[f32], n: usize, w: &HostMatrix, out: &mut [f32]) {
+thread_local! {
+    /// Per-thread dequantized weight rows of the prefill path (grows to the largest `k` seen,
+    /// then is reused: no allocation per call).
+    static ROWS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Per-backend scratch of [`matmul`], reused between calls (it only grows).
+#[derive(Default)]
+pub struct Scratch {
+    /// Quantized activations (integer path).
+    act: QuantAct,
+    /// Activations packed into token tiles (prefill path).
+    xt: Vec<f32>,
+}
+/// Token counts from which block-quantized weights take the f32 path.
+pub const F32_FROM_TOKENS: usize = 16;
+
+/// Whether [`matmul`] uses 16-bit quantized activations for `n` tokens of weights `ty`.
+pub fn uses_quantized_activations(ty: markbase_core::quant::GgmlType, n: usize) -> bool {
+    supports(ty) && n < F32_FROM_TOKENS
+}
+
+/// Weight bytes per task of the decode path: small enough that a thread descheduled in the
+/// middle of one (a busy machine) holds back little work, large enough (≈ 20 µs of streaming)
+/// that claiming tasks costs nothing.
+const TASK_BYTES: usize = 1 << 17;
+
+/// Rows per task: at most [`TASK_BYTES`] of weights and about eight tasks per thread, at
+/// least 16 rows.
+fn rows_per_task(rows: usize, rb: usize, threads: usize) -> usize {
+    rows.div_ceil(threads * 8)
+        .min(TASK_BYTES / rb.max(1))
+        .max(16)
+}
+
+/// `out[n, w.rows] = x[n, w.cols] · wᵀ`. Sizes are checked by the caller
+/// (`out.len() >= n * w.rows`, `x.len() >= n * w.cols`).
+pub fn matmul(
+    pool: &Pool,
+    scratch: &mut Scratch,
+    x: &[f32],
+    n: usize,
+    w: &HostMatrix,
+    out: &mut [f32],
+) {
     let (rows, k) = (w.rows, w.cols);
     let rb = w.row_bytes();
     let bytes = w.bytes.as_slice();
-    let threads = rayon::current_num_threads().max(1);
-    let grain = (rows / (threads * 8)).clamp(1, 256);
-    if n == 1 {
-        out[..rows]
-            .par_chunks_mut(grain)
-            .enumerate()
-            .for_each(|(c, o)| {
-                for (i, v) in o.iter_mut().enumerate() {
-                    let r = c * grain + i;
-                    *v = dot_row(w.ty, &bytes[r * rb..(r + 1) * rb], &x[..k]);
-                }
-            });
+    let chunk = rows_per_task(rows, rb, pool.threads());
+    let ptr = SendPtr(out.as_mut_ptr());
+    if uses_quantized_activations(w.ty, n) {
+        scratch.act.quantize(x, n, k);
+        let act = &scratch.act;
+        pool.run(rows.div_ceil(chunk), &|c| {
+            let (r0, r1) = (c * chunk, ((c + 1) * chunk).min(rows));
+            for t in 0..n {
+                // SAFETY: (t, r0..r1) is inside `out` (checked by the caller) and belongs to
+                // this task only.
+                let o = unsafe {
+                    std::slice::from_raw_parts_mut(ptr.get().add(t * rows + r0), r1 - r0)
+                };
+                qdot_rows(w.ty, &bytes[r0 * rb..r1 * rb], act.row(t), o);
+            }
+        });
         return;
     }
-    let ptr = OutPtr(out.as_mut_ptr());
-    (0..rows.div_ceil(grain)).into_par_iter().for_each(|c| {
-        let p = ptr;
-        let mut tile = [0f32; TOKEN_TILE];
-        for r in c * grain..((c + 1) * grain).min(rows) {
-            let row = &bytes[r * rb..(r + 1) * rb];
-            for t0 in (0..n).step_by(TOKEN_TILE) {
-                let nt = TOKEN_TILE.min(n - t0);
-                dot_rows(w.ty, row, &x[t0 * k..(t0 + nt) * k], k, &mut tile[..nt]);
-                for (i, v) in tile[..nt].iter().enumerate() {
-                    // SAFETY: (t0 + i) < n and r < rows, so the index is inside `out`
-                    // (checked by the caller); column r belongs to this task only.
-                    unsafe { *p.0.add((t0 + i) * rows + r) = *v };
-                }
+    if n == 1 {
+        pool.par_chunks_mut(&mut out[..rows], chunk, |c, o| {
+            for (i, v) in o.iter_mut().enumerate() {
+                let r = c * chunk + i;
+                *v = dot_row(w.ty, &bytes[r * rb..(r + 1) * rb], &x[..k]);
             }
-        }
+        });
+        return;
+    }
+    // Prefill: activations packed once into token tiles, then one task per group of
+    // ROW_GROUP weight rows, dequantized once and run over every token.
+    scratch
+        .xt
+        .resize(scratch.xt.len().max(packed_len(n, k)), 0.0);
+    let tile_len = NT * k;
+    pool.par_chunks_mut(
+        &mut scratch.xt[..packed_len(n, k)],
+        tile_len,
+        |tile, dst| {
+            let t0 = tile * NT;
+            let nt = NT.min(n - t0);
+            pack_tokens(&x[t0 * k..(t0 + nt) * k], nt, k, dst);
+        },
+    );
+    let xt = &scratch.xt[..packed_len(n, k)];
+    pool.run(rows.div_ceil(ROW_GROUP), &|c| {
+        let (r0, r1) = (c * ROW_GROUP, ((c + 1) * ROW_GROUP).min(rows));
+        ROWS.with(|cell| {
+            let mut wbuf = cell.borrow_mut();
+            if wbuf.len() < ROW_GROUP * k {
+                wbuf.resize(ROW_GROUP * k, 0.0);
+            }
+            let wr = &mut wbuf[..(r1 - r0) * k];
+            unpack_rows(w.ty, &bytes[r0 * rb..r1 * rb], rb, k, wr);
+            // SAFETY: the columns r0..r1 of every token row belong to this task only, and
+            // the caller checked `out.len() >= n * rows`.
+            let o = unsafe {
+                std::slice::from_raw_parts_mut(ptr.get().add(r0), (n - 1) * rows + (r1 - r0))
+            };
+            rows_matmul(wr, k, xt, n, o, rows);
+        });
     });
 }

@@ -1,9 +1,9 @@
 //! Mixture-of-experts routing and routed expert MLPs (Gemma 4 26B-A4B), weights read in place.
 
 use markbase_core::backend::HostMatrix;
-use rayon::prelude::*;
 
 use crate::kernels::dot::dot_row;
+use crate::pool::Pool;
 
 /// Softmax → top-k → renormalise → per-expert scale for each `n_experts`-wide row of
 /// `logits`; writes `top_k` weights and ids (as f32) per row. Sizes are checked by the caller.
@@ -46,6 +46,7 @@ pub fn route(
 /// `ids` hold valid expert ids (checked by the caller).
 #[allow(clippy::too_many_arguments)]
 pub fn ffn(
+    pool: &Pool,
     x: &[f32],
     n: usize,
     gate_up: &HostMatrix,
@@ -60,7 +61,7 @@ pub fn ffn(
     let (gu_rb, dn_rb) = (gate_up.row_bytes(), down.row_bytes());
     let (gu, dn) = (gate_up.bytes.as_slice(), down.bytes.as_slice());
     let mut partial = vec![0f32; n * top_k * d];
-    partial.par_chunks_mut(d).enumerate().for_each(|(pair, o)| {
+    pool.par_chunks_mut(&mut partial, d, |pair, o| {
         let t = pair / top_k;
         let e = ids[pair] as usize;
         let xt = &x[t * d..(t + 1) * d];
@@ -78,16 +79,13 @@ pub fn ffn(
             *ov = w * dot_row(down.ty, &dn[row * dn_rb..(row + 1) * dn_rb], &h);
         }
     });
-    out[..n * d]
-        .par_chunks_mut(d)
-        .enumerate()
-        .for_each(|(t, o)| {
-            o.copy_from_slice(&partial[t * top_k * d..(t * top_k + 1) * d]);
-            for j in 1..top_k {
-                let p = &partial[(t * top_k + j) * d..(t * top_k + j + 1) * d];
-                o.iter_mut().zip(p).for_each(|(a, b)| *a += b);
-            }
-        });
+    pool.par_chunks_mut(&mut out[..n * d], d, |t, o| {
+        o.copy_from_slice(&partial[t * top_k * d..(t * top_k + 1) * d]);
+        for j in 1..top_k {
+            let p = &partial[(t * top_k + j) * d..(t * top_k + j + 1) * d];
+            o.iter_mut().zip(p).for_each(|(a, b)| *a += b);
+        }
+    });
 }
 
 /// PyTorch's `gelu_pytorch_tanh`.

@@ -36,6 +36,20 @@ pub fn matmul(x: &[f32], n: usize, m: &HostMatrix) -> Result<Vec<f32>> {
     Ok(out)
 }
 
+/// [`matmul`] with the activations first quantized to 16-bit blocks and dequantized again
+/// ([`QuantAct`]), as the backend's integer path sees them.
+///
+/// [`QuantAct`]: crate::kernels::act::QuantAct
+pub fn matmul_quantized(x: &[f32], n: usize, m: &HostMatrix) -> Result<Vec<f32>> {
+    let mut act = crate::kernels::act::QuantAct::new();
+    act.quantize(x, n, m.cols);
+    let xq: Vec<f32> = (0..n)
+        .flat_map(|t| act.row(t).dequantize())
+        .map(|v| v as f32)
+        .collect();
+    matmul(&xq, n, m)
+}
+
 /// Gathers token rows of the table and multiplies them by `scale`.
 pub fn embed(table: &HostMatrix, tokens: &[u32], scale: f32) -> Result<Vec<f32>> {
     let w = dequantize_matrix(table)?;

@@ -5,7 +5,9 @@ use std::sync::Arc;
 
 use markbase_core::backend::{AttnSpec, Backend, HostBytes, HostMatrix, KvLayout, NormOut, Rope};
 use markbase_core::quant::GgmlType;
-use markbase_cpu::{reference, CpuBackend, CpuBuffer};
+use markbase_cpu::{reference, uses_quantized_activations, CpuBackend, CpuBuffer, F32_FROM_TOKENS};
+
+mod common;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -41,37 +43,11 @@ fn assert_close(what: &str, got: &[f32], want: &[f32], tol: f32) {
     }
 }
 
-/// A random stored matrix: random bytes with moderate f16 scales for quantized formats.
+/// A random stored matrix of any format: random bytes with moderate f16 scales.
 fn random_matrix(rng: &mut StdRng, ty: GgmlType, rows: usize, cols: usize) -> HostMatrix {
-    let row_bytes = ty.bytes_for(cols).unwrap();
-    let mut bytes = vec![0u8; rows * row_bytes];
-    match ty {
-        GgmlType::F32 => {
-            for (c, v) in bytes.chunks_mut(4).zip(randn(rng, rows * cols, 1.0)) {
-                c.copy_from_slice(&v.to_le_bytes());
-            }
-        }
-        GgmlType::BF16 => {
-            for c in bytes.chunks_mut(2) {
-                c.copy_from_slice(&half::bf16::from_f32(rng.random_range(-1.0..1.0)).to_le_bytes());
-            }
-        }
-        _ => {
-            rng.fill(&mut bytes[..]);
-            let scales: &[usize] = match ty {
-                GgmlType::Q8_0 => &[0],
-                GgmlType::Q4_K => &[0, 2],
-                GgmlType::Q6_K => &[208],
-                _ => panic!("test covers F32, BF16, Q8_0, Q4_K, Q6_K"),
-            };
-            for block in bytes.chunks_mut(ty.type_size()) {
-                for &o in scales {
-                    let s = half::f16::from_f32(rng.random_range(0.001..0.05));
-                    block[o..o + 2].copy_from_slice(&s.to_le_bytes());
-                }
-            }
-        }
-    }
+    let bytes: Vec<u8> = (0..rows)
+        .flat_map(|_| common::random_row(ty, cols, rng))
+        .collect();
     HostMatrix {
         name: format!("random {ty}"),
         ty,
@@ -82,26 +58,29 @@ fn random_matrix(rng: &mut StdRng, ty: GgmlType, rows: usize, cols: usize) -> Ho
 }
 
 #[test]
-fn matmul_and_embed_match_reference() {
+fn matmul_and_embed_match_reference_for_every_format() {
     let mut rng = rng();
     let be = CpuBackend::new(2).unwrap();
-    for ty in [
-        GgmlType::F32,
-        GgmlType::BF16,
-        GgmlType::Q8_0,
-        GgmlType::Q4_K,
-        GgmlType::Q6_K,
-    ] {
-        let (rows, cols) = (rng.random_range(1..80), 256 * rng.random_range(1..4));
+    for ty in GgmlType::SUPPORTED {
+        let rows = rng.random_range(1..80);
+        let cols = match ty.block_size() {
+            1 => rng.random_range(1..300),
+            32 => 32 * rng.random_range(1..40),
+            _ => 256 * rng.random_range(1..4),
+        };
         let m = random_matrix(&mut rng, ty, rows, cols);
         let w = be.load_matrix(&m).unwrap();
-        for n in [1, 3, 70] {
+        for n in [1, 3, F32_FROM_TOKENS - 1, F32_FROM_TOKENS, 70] {
             let x = randn(&mut rng, n * cols, 1.0);
             let mut out = be.alloc(n * rows + 5).unwrap();
             be.matmul(&buf(&be, &x, 0), n, &w, &mut out).unwrap();
-            let want = reference::matmul(&x, n, &m).unwrap();
+            let want = if uses_quantized_activations(ty, n) {
+                reference::matmul_quantized(&x, n, &m).unwrap()
+            } else {
+                reference::matmul(&x, n, &m).unwrap()
+            };
             assert_close(
-                &format!("matmul {ty} n={n}"),
+                &format!("matmul {ty} [{rows}, {cols}] n={n}"),
                 &out.as_slice()[..n * rows],
                 &want,
                 1e-5,
@@ -113,6 +92,31 @@ fn matmul_and_embed_match_reference() {
         let want = reference::embed(&m, &tokens, 2.5).unwrap();
         assert_close(&format!("embed {ty}"), out.as_slice(), &want, 1e-6);
         assert!(be.embed(&w, &[rows as u32], 1.0, &mut out).is_err());
+    }
+}
+
+/// The integer path's results do not depend on the number of threads.
+#[test]
+fn matmul_is_identical_on_any_thread_count() {
+    let mut rng = rng();
+    let (rows, cols) = (300, 512);
+    for ty in [GgmlType::Q5_0, GgmlType::Q4_K, GgmlType::F16] {
+        let m = random_matrix(&mut rng, ty, rows, cols);
+        for n in [1, 4, 40] {
+            let x = randn(&mut rng, n * cols, 1.0);
+            let results: Vec<Vec<f32>> = [1, 2, 3]
+                .iter()
+                .map(|&threads| {
+                    let be = CpuBackend::new(threads).unwrap();
+                    let w = be.load_matrix(&m).unwrap();
+                    let mut out = be.alloc(n * rows).unwrap();
+                    be.matmul(&buf(&be, &x, 0), n, &w, &mut out).unwrap();
+                    out.as_slice().to_vec()
+                })
+                .collect();
+            assert_eq!(results[0], results[1], "{ty} n={n}");
+            assert_eq!(results[0], results[2], "{ty} n={n}");
+        }
     }
 }
 

@@ -261,7 +261,8 @@ fn kv_shared_layers_allocate_no_cache() {
 }
 
 /// Past the prefill chunk size and many windows: a 150-token prefill (several chunks, sliding
-/// rings wrapping) gives the same logits as token-by-token decode and as a split prefill.
+/// rings wrapping) gives the same logits as token-by-token decode and as a split prefill,
+/// up to the rounding of the decode path's quantized activations.
 #[test]
 fn long_sequences_agree_across_chunks_and_decode() {
     for name in ["e2b_like", "moe26b_like"] {
@@ -273,8 +274,10 @@ fn long_sequences_agree_across_chunks_and_decode() {
         for split in [1, 70] {
             let got = prefill_then_decode(&model, &ids, split);
             let rel = worst_rel(&got, &want, r.vocab);
+            // Decode rows of quantized weights take 16-bit quantized activations, prefill
+            // rows f32 ones: the paths differ by that rounding (≈ 3e-5 here), not more.
             assert!(
-                rel <= 1e-5,
+                rel <= 1e-4,
                 "{name}: split {split}: relative difference {rel:e}"
             );
         }

@@ -78,7 +78,7 @@ pub(super) unsafe fn dot_rows(ty: GgmlType, row: &[u8], xs: &[f32], k: usize, ou
 /// Dequantizes whole blocks of `ty` from `src` into `dst` (matching sizes), bit-identical to
 /// the reference.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dequantize(ty: GgmlType, src: &[u8], dst: &mut [f32]) {
+pub(super) unsafe fn dequantize(ty: GgmlType, src: &[u8], dst: &mut [f32]) {
     match ty {
         GgmlType::Q8_0 => {
             for (b, y) in src.chunks_exact(34).zip(dst.chunks_exact_mut(32)) {

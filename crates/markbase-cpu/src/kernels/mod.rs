@@ -1,12 +1,22 @@
-//! Quantized-weight kernels: dot products of stored weight rows (any [`GgmlType`]) with f32
-//! activations, with an AVX2+FMA path chosen at run time and a portable fallback.
+//! Quantized-weight kernels, each with an AVX2+FMA path chosen at run time and a portable
+//! twin: dot products of stored weight rows (any [`GgmlType`]) with f32 activations ([`dot`])
+//! or with 16-bit quantized activations ([`act`], [`qdot`]).
 //!
 //! [`GgmlType`]: markbase_core::quant::GgmlType
 
+pub mod act;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 pub mod dot;
+pub mod gemm;
 mod portable;
+pub mod qdot;
+#[cfg(target_arch = "x86_64")]
+mod qdot_avx2;
+mod qdot_portable;
+pub mod vmath;
+
+use qdot_portable::qdot_rows as portable_rows;
 
 use std::ops::Range;
 use std::sync::OnceLock;
@@ -66,4 +76,28 @@ fn chunks(ty: GgmlType, k: usize) -> impl Iterator<Item = (usize, usize, Range<u
 /// Reference dequantization of a chunk whose sizes this module computed (whole blocks).
 fn dequantize_chunk(ty: GgmlType, src: &[u8], dst: &mut [f32]) {
     dequantize_row(ty, src, dst).expect("chunks are whole blocks of matching size");
+}
+
+/// f32 value of every IEEE half bit pattern (256 KiB, built on first use): converting a block
+/// scale becomes one load in the integer dot kernels.
+fn f16_table() -> &'static [f32] {
+    static TABLE: OnceLock<Box<[f32]>> = OnceLock::new();
+    TABLE.get_or_init(|| {
+        (0..=u16::MAX)
+            .map(|b| half::f16::from_bits(b).to_f32())
+            .collect()
+    })
+}
+
+/// Dequantizes the whole blocks of `ty` in `src` into `dst` (matching sizes, checked by the
+/// caller), bit-identical to the reference, with the AVX2 block decoders where this CPU has
+/// them.
+fn dequantize_row_fast(ty: GgmlType, src: &[u8], dst: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if Isa::detect() == Isa::Avx2 {
+        // SAFETY: AVX2, FMA and F16C were detected; the caller matched the sizes.
+        unsafe { avx2::dequantize(ty, src, dst) };
+        return;
+    }
+    dequantize_chunk(ty, src, dst);
 }

@@ -1,0 +1,72 @@
+//! Decode matmuls through the backend (one token, the integer path) on matrices of the
+//! default model's shapes and on a 262144 × 640 LM head in Q8_0 and Q4_0, with 1 and 2
+//! threads. The big matrices do not fit in cache, so this is the GEMV's memory bandwidth.
+//! Run: `cargo bench -p markbase-cpu --bench gemv`; throughput is weight bytes per second.
+
+use std::sync::Arc;
+
+use divan::counter::BytesCount;
+use divan::Bencher;
+use markbase_core::backend::{Backend, HostBytes, HostMatrix};
+use markbase_core::quant::GgmlType;
+use markbase_cpu::CpuBackend;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+fn main() {
+    divan::main();
+}
+
+/// (name, format, rows, cols)
+const SHAPES: [(&str, GgmlType, usize, usize); 6] = [
+    ("lm_head_q8_0", GgmlType::Q8_0, 262_144, 640),
+    ("lm_head_q4_0", GgmlType::Q4_0, 262_144, 640),
+    ("ffn_up_q5_0", GgmlType::Q5_0, 2048, 640),
+    ("ffn_down_q6_k", GgmlType::Q6_K, 640, 2048),
+    ("ffn_down_q4_k", GgmlType::Q4_K, 640, 2048),
+    ("attn_q_q5_0", GgmlType::Q5_0, 1024, 640),
+];
+
+fn run(bencher: Bencher, shape: usize, threads: usize) {
+    let (_, ty, rows, cols) = SHAPES[shape];
+    let mut rng = StdRng::seed_from_u64(11);
+    let mut bytes = vec![0u8; rows * ty.bytes_for(cols).unwrap()];
+    rng.fill(&mut bytes[..]);
+    let scale_at: &[usize] = match ty {
+        GgmlType::Q6_K => &[208],
+        GgmlType::Q4_K => &[0, 2],
+        _ => &[0],
+    };
+    for b in bytes.chunks_exact_mut(ty.type_size()) {
+        for &at in scale_at {
+            b[at..at + 2].copy_from_slice(&0x2C00u16.to_le_bytes());
+        }
+    }
+    let len = bytes.len();
+    let m = HostMatrix {
+        name: SHAPES[shape].0.into(),
+        ty,
+        rows,
+        cols,
+        bytes: HostBytes::Owned(Arc::from(bytes)),
+    };
+    let be = CpuBackend::new(threads).unwrap();
+    let w = be.load_matrix(&m).unwrap();
+    let x: Vec<f32> = (0..cols).map(|_| rng.random_range(-1.0..1.0)).collect();
+    let mut xb = be.alloc(cols).unwrap();
+    be.write(&x, &mut xb).unwrap();
+    let mut out = be.alloc(rows).unwrap();
+    bencher
+        .counter(BytesCount::new(len))
+        .bench_local(|| be.matmul(&xb, 1, &w, &mut out).unwrap());
+}
+
+#[divan::bench(args = 0..SHAPES.len(), sample_count = 20)]
+fn one_thread(bencher: Bencher, shape: usize) {
+    run(bencher, shape, 1);
+}
+
+#[divan::bench(args = 0..SHAPES.len(), sample_count = 20)]
+fn two_threads(bencher: Bencher, shape: usize) {
+    run(bencher, shape, 2);
+}

@@ -1,0 +1,78 @@
+//! Integer dot kernels (16-bit activations): 64 rows of 2048 weights per format, which stay in
+//! L2 (the kernels' compute speed per core), AVX2 and portable.
+//! Run: `cargo bench -p markbase-cpu --bench qdot`; throughput is weight bytes per second.
+
+use divan::counter::BytesCount;
+use divan::Bencher;
+use markbase_core::quant::GgmlType;
+use markbase_cpu::kernels::act::QuantAct;
+use markbase_cpu::kernels::qdot::{qdot_rows_with, supports};
+use markbase_cpu::kernels::Isa;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+const K: usize = 2048;
+const ROWS: usize = 64;
+
+fn main() {
+    divan::main();
+}
+
+const FORMATS: [GgmlType; 11] = [
+    GgmlType::Q4_0,
+    GgmlType::Q4_1,
+    GgmlType::Q5_0,
+    GgmlType::Q5_1,
+    GgmlType::Q8_0,
+    GgmlType::Q2_K,
+    GgmlType::Q3_K,
+    GgmlType::Q4_K,
+    GgmlType::Q5_K,
+    GgmlType::Q6_K,
+    GgmlType::Q8_K,
+];
+
+/// Random rows whose f16 scales are all 2^-4, and quantized activations.
+fn inputs(ty: GgmlType) -> (Vec<u8>, QuantAct) {
+    assert!(supports(ty));
+    let mut rng = StdRng::seed_from_u64(7);
+    let mut rows = vec![0u8; ROWS * ty.bytes_for(K).unwrap()];
+    rng.fill(&mut rows[..]);
+    let scale_at: &[usize] = match ty {
+        GgmlType::Q2_K => &[80, 82],
+        GgmlType::Q3_K => &[108],
+        GgmlType::Q6_K => &[208],
+        GgmlType::Q8_K => &[],
+        _ => &[0, 2],
+    };
+    for block in rows.chunks_exact_mut(ty.type_size()) {
+        for &at in scale_at {
+            block[at..at + 2].copy_from_slice(&0x2C00u16.to_le_bytes());
+        }
+    }
+    let x: Vec<f32> = (0..K).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+    let mut act = QuantAct::new();
+    act.quantize(&x, 1, K);
+    (rows, act)
+}
+
+fn run(bencher: Bencher, ty: GgmlType, isa: Isa) {
+    let (rows, act) = inputs(ty);
+    let mut out = vec![0f32; ROWS];
+    bencher
+        .counter(BytesCount::new(rows.len()))
+        .bench_local(|| {
+            qdot_rows_with(isa, ty, divan::black_box(&rows), act.row(0), &mut out);
+            divan::black_box(&out);
+        });
+}
+
+#[divan::bench(args = FORMATS)]
+fn rows64_k2048(bencher: Bencher, ty: GgmlType) {
+    run(bencher, ty, Isa::detect());
+}
+
+#[divan::bench(args = FORMATS)]
+fn rows64_k2048_portable(bencher: Bencher, ty: GgmlType) {
+    run(bencher, ty, Isa::Portable);
+}

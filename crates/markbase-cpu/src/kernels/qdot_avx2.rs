@@ -1,0 +1,499 @@
+//! AVX2 integer dot products of a stored weight row with a 16-bit [`QuantAct`] row.
+//!
+//! For every format, the 32 weights of one activation block are unpacked to bytes in weight
+//! order (nibble masks and shifts, extra high bits merged in, format offsets such as Q4_0's 8
+//! subtracted so the bytes hold the signed integer weight, or kept unsigned where the format
+//! has a separate minimum), widened to 16 bits by byte unpacking (the activations are stored
+//! in the matching order) and multiplied with the activations by `vpmaddwd` into eight 32-bit
+//! sums — exact integers; lanes 0..4 hold the block's first 16 weights, lanes 4..8 the last 16.
+//! Each activation block's sums are converted to f32 once and accumulated with their float
+//! scale (weight scale × activation scale; per 16-weight half for formats with 16-weight
+//! sub-blocks) by one FMA. Minimums (`_1` and K formats) are applied through the activation
+//! block sums. Legacy block scales are converted from f16 by table lookup (a plain load),
+//! which keeps the shuffle and convert units free for the weights.
+//!
+//! Safety contract of every `unsafe fn` here: the CPU has AVX2, FMA and F16C, and the row and
+//! activations hold the sizes the public entry point checked.
+//!
+//! [`QuantAct`]: super::act::QuantAct
+
+use std::arch::x86_64::*;
+
+use markbase_core::quant::{q3_k_scales, GgmlType};
+
+use super::act::ActRow;
+use super::f16_table;
+
+/// Raw pointers into an activation row (advanced block by block).
+#[derive(Clone, Copy)]
+struct X {
+    q: *const i16,
+    d: *const f32,
+    s32: *const f32,
+    s16: *const f32,
+}
+
+impl X {
+    fn of(x: ActRow) -> X {
+        X {
+            q: x.q.as_ptr(),
+            d: x.d.as_ptr(),
+            s32: x.s32.as_ptr(),
+            s16: x.s16.as_ptr(),
+        }
+    }
+
+    /// The same row, `blocks` 32-activation blocks further on.
+    unsafe fn skip(self, blocks: usize) -> X {
+        X {
+            q: self.q.add(32 * blocks),
+            d: self.d.add(blocks),
+            s32: self.s32.add(blocks),
+            s16: self.s16.add(2 * blocks),
+        }
+    }
+}
+
+/// `out[i] = x · row i` for the `out.len()` rows of `rb` bytes at the start of `rows`, for a
+/// quantized `ty` (not F32/F16/BF16). The format is matched once for all rows.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn qdot_rows(ty: GgmlType, rows: &[u8], rb: usize, x: ActRow, out: &mut [f32]) {
+    let nb = x.d.len();
+    let xp = X::of(x);
+    let t = f16_table().as_ptr();
+    macro_rules! each_row {
+        (|$r:ident| $body:expr) => {
+            for (i, o) in out.iter_mut().enumerate() {
+                let $r = rows.as_ptr().add(i * rb);
+                *o = $body;
+            }
+        };
+    }
+    match ty {
+        GgmlType::Q8_0 => each_row!(|r| legacy::<34, false>(r, xp, nb, t, q8_0)),
+        GgmlType::Q4_0 => each_row!(|r| legacy::<18, false>(r, xp, nb, t, q4_0)),
+        GgmlType::Q4_1 => each_row!(|r| legacy::<20, true>(r, xp, nb, t, q4_1)),
+        GgmlType::Q5_0 => each_row!(|r| legacy::<22, false>(r, xp, nb, t, q5_0)),
+        GgmlType::Q5_1 => each_row!(|r| legacy::<24, true>(r, xp, nb, t, q5_1)),
+        GgmlType::Q2_K => each_row!(|r| kquant::<84>(r, xp, nb / 8, q2_k)),
+        GgmlType::Q3_K => each_row!(|r| kquant::<110>(r, xp, nb / 8, q3_k)),
+        GgmlType::Q4_K => each_row!(|r| kquant::<144>(r, xp, nb / 8, q4_k)),
+        GgmlType::Q5_K => each_row!(|r| kquant::<176>(r, xp, nb / 8, q5_k)),
+        GgmlType::Q6_K => each_row!(|r| kquant::<210>(r, xp, nb / 8, q6_k)),
+        GgmlType::Q8_K => each_row!(|r| kquant::<292>(r, xp, nb / 8, q8_k)),
+        GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => {
+            unreachable!("float formats take the f32 path")
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Shared pieces
+
+/// Sum of the eight lanes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn hsum(v: __m256) -> f32 {
+    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    _mm_cvtss_f32(s)
+}
+
+/// The IEEE half stored little-endian at `p`, as f32.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn f16_at(p: *const u8) -> f32 {
+    let bits = u16::from_le_bytes([*p, *p.add(1)]);
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
+}
+
+/// The half at `p` through the conversion table `t` (a load, no conversion instruction).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn f16_via(t: *const f32, p: *const u8) -> f32 {
+    *t.add(usize::from(u16::from_le_bytes([*p, *p.add(1)])))
+}
+
+/// Σ over a 32-weight block: `v` holds the weights as signed bytes in weight order, `q` the
+/// block's activations in unpack order. Lanes 0..4 sum weights 0..16, lanes 4..8 the rest.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot32_i8(v: __m256i, q: *const i16) -> __m256i {
+    let sign = _mm256_cmpgt_epi8(_mm256_setzero_si256(), v);
+    madd_pair(
+        _mm256_unpacklo_epi8(v, sign),
+        _mm256_unpackhi_epi8(v, sign),
+        q,
+    )
+}
+
+/// [`dot32_i8`] for unsigned weight bytes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot32_u8(v: __m256i, q: *const i16) -> __m256i {
+    let zero = _mm256_setzero_si256();
+    madd_pair(
+        _mm256_unpacklo_epi8(v, zero),
+        _mm256_unpackhi_epi8(v, zero),
+        q,
+    )
+}
+
+/// `lo · q[0..16] + hi · q[16..32]` as eight 32-bit pair sums.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn madd_pair(lo: __m256i, hi: __m256i, q: *const i16) -> __m256i {
+    let a = _mm256_madd_epi16(lo, _mm256_loadu_si256(q.cast()));
+    let b = _mm256_madd_epi16(hi, _mm256_loadu_si256(q.add(16).cast()));
+    _mm256_add_epi32(a, b)
+}
+
+/// Byte `j` of the result is 0xFF where bit `j` of `bits` is set, else 0.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn bits_to_bytes(bits: u32) -> __m256i {
+    // byte j <- byte j / 8 of `bits`
+    let spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32(bits as i32),
+        _mm256_set_epi64x(
+            0x0303_0303_0303_0303,
+            0x0202_0202_0202_0202,
+            0x0101_0101_0101_0101,
+            0,
+        ),
+    );
+    // set every bit but bit j % 8: all ones exactly when that bit was set
+    let probe = _mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbf_dfef_f7fb_fdfe));
+    _mm256_cmpeq_epi8(probe, _mm256_set1_epi8(-1))
+}
+
+/// Lane `j` of `v` in all eight lanes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn lane(v: __m256, j: usize) -> __m256 {
+    _mm256_permutevar8x32_ps(v, _mm256_set1_epi32(j as i32))
+}
+
+/// Lane `2i` of `v` in lanes 0..4 and lane `2i + 1` in lanes 4..8 (the two 16-weight halves
+/// of activation block `i` of a 4-block group).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn halves(v: __m256, i: usize) -> __m256 {
+    let (a, b) = (2 * i as i32, 2 * i as i32 + 1);
+    _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(a, a, a, a, b, b, b, b))
+}
+
+/// The eight bytes of `v` (least significant first) as f32.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn u8x8_to_f32(v: u64) -> __m256 {
+    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(v as i64)))
+}
+
+// ---------------------------------------------------------------------------------------------
+// 32-weight legacy formats: one activation block per weight block.
+
+/// A block kernel: the integer sums of (weight integers × activations) of the block at `b`.
+type Block32 = unsafe fn(*const u8, *const i16) -> __m256i;
+
+/// Σ over the `nb` blocks of `TS` bytes at `row`: `d · d_x · p`, plus `m · s_x` for formats
+/// with a minimum (`MIN`; `d` and `m` are the block's first two halves, else `d` alone).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn legacy<const TS: usize, const MIN: bool>(
+    row: *const u8,
+    x: X,
+    nb: usize,
+    t: *const f32,
+    block: Block32,
+) -> f32 {
+    // Two accumulators in registers: consecutive blocks do not wait on each other's FMA.
+    let (mut acc0, mut acc1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+    let (mut min0, mut min1) = (0f32, 0f32);
+    let one = |j: usize, acc: &mut __m256, mins: &mut f32| {
+        let b = row.add(j * TS);
+        let p = block(b, x.q.add(32 * j));
+        let s = _mm256_mul_ps(_mm256_set1_ps(f16_via(t, b)), _mm256_set1_ps(*x.d.add(j)));
+        *acc = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(p), *acc);
+        if MIN {
+            *mins += f16_via(t, b.add(2)) * *x.s32.add(j);
+        }
+    };
+    let mut j = 0;
+    while j + 2 <= nb {
+        one(j, &mut acc0, &mut min0);
+        one(j + 1, &mut acc1, &mut min1);
+        j += 2;
+    }
+    if j < nb {
+        one(j, &mut acc0, &mut min0);
+    }
+    hsum(_mm256_add_ps(acc0, acc1)) + (min0 + min1)
+}
+
+/// Q8_0 (34 bytes): `d: f16, qs: [i8; 32]`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q8_0(b: *const u8, q: *const i16) -> __m256i {
+    dot32_i8(_mm256_loadu_si256(b.add(2).cast()), q)
+}
+
+/// The 32 nibbles of 16 bytes at `p` (low nibbles = weights 0..16) as unsigned bytes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn nibbles32(p: *const u8) -> __m256i {
+    let qs = _mm_loadu_si128(p.cast());
+    let both = _mm256_set_m128i(_mm_srli_epi16(qs, 4), qs);
+    _mm256_and_si256(both, _mm256_set1_epi8(0x0F))
+}
+
+/// 0xFF in byte `j` where bit `j` of the little-endian u32 at `qh` is set.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn high_bits(qh: *const u8) -> __m256i {
+    bits_to_bytes(u32::from_le(std::ptr::read_unaligned(qh.cast::<u32>())))
+}
+
+/// Q4_0 (18 bytes): `d: f16, qs: [u8; 16]`, weights `q − 8`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q4_0(b: *const u8, q: *const i16) -> __m256i {
+    dot32_i8(_mm256_sub_epi8(nibbles32(b.add(2)), _mm256_set1_epi8(8)), q)
+}
+
+/// Q4_1 (20 bytes): `d: f16, m: f16, qs: [u8; 16]`, weights `d · q + m`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q4_1(b: *const u8, q: *const i16) -> __m256i {
+    dot32_u8(nibbles32(b.add(4)), q)
+}
+
+/// Q5_0 (22 bytes): `d: f16, qh: u32, qs: [u8; 16]`, weights `q − 16`: the nibble minus 16
+/// where the fifth bit is clear.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q5_0(b: *const u8, q: *const i16) -> __m256i {
+    let off = _mm256_andnot_si256(high_bits(b.add(2)), _mm256_set1_epi8(16));
+    dot32_i8(_mm256_sub_epi8(nibbles32(b.add(6)), off), q)
+}
+
+/// Q5_1 (24 bytes): `d: f16, m: f16, qh: u32, qs: [u8; 16]`, weights `d · q + m`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q5_1(b: *const u8, q: *const i16) -> __m256i {
+    let fifth = _mm256_and_si256(high_bits(b.add(4)), _mm256_set1_epi8(16));
+    dot32_u8(_mm256_or_si256(nibbles32(b.add(8)), fifth), q)
+}
+
+// ---------------------------------------------------------------------------------------------
+// 256-weight K super-blocks: eight activation blocks each.
+
+/// A super-block kernel: adds its scaled sums to `acc` (two accumulators) and its minimum
+/// terms to `mins`.
+type Block256 = unsafe fn(*const u8, X, &mut [__m256; 2], &mut __m256);
+
+/// Σ over `ns` super-blocks of `TS` bytes at `row`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn kquant<const TS: usize>(row: *const u8, x: X, ns: usize, block: Block256) -> f32 {
+    let mut acc = [_mm256_setzero_ps(); 2];
+    let mut mins = _mm256_setzero_ps();
+    for s in 0..ns {
+        block(row.add(s * TS), x.skip(8 * s), &mut acc, &mut mins);
+    }
+    hsum(_mm256_sub_ps(_mm256_add_ps(acc[0], acc[1]), mins))
+}
+
+/// Adds `scale · p` to `acc[j % 2]`, `p` being activation block `j`'s integer sums.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn add_block(acc: &mut [__m256; 2], scale: __m256, j: usize, p: __m256i) {
+    acc[j % 2] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(p), acc[j % 2]);
+}
+
+/// Per-half scales of a super-block with sixteen 16-weight sub-blocks: `sub` holds the 16
+/// sub-block scales (times the super-block scale) as two vectors of eight; the result is
+/// the same times each half's activation block scale, for [`halves`].
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn half_scales(sub: [__m256; 2], x: X) -> [__m256; 2] {
+    let dx = _mm256_loadu_ps(x.d);
+    let lo = _mm256_permutevar8x32_ps(dx, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
+    let hi = _mm256_permutevar8x32_ps(dx, _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7));
+    [_mm256_mul_ps(sub[0], lo), _mm256_mul_ps(sub[1], hi)]
+}
+
+/// The 16 signed bytes at `p` as two vectors of eight f32, times `d`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn i8x16_scaled(v: __m128i, d: f32) -> [__m256; 2] {
+    let d = _mm256_set1_ps(d);
+    let lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+    let hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)));
+    [_mm256_mul_ps(d, lo), _mm256_mul_ps(d, hi)]
+}
+
+/// The eight 6-bit scales and the eight 6-bit mins of a Q4_K/Q5_K super-block, one per byte
+/// (sub-block `j` in byte `j`), from its 12 packed scale bytes — the word-wide form of
+/// `markbase_core::quant::k_scale_min`.
+#[inline]
+unsafe fn k_scales_mins(s: *const u8) -> (u64, u64) {
+    let word = |i: usize| u32::from_le(std::ptr::read_unaligned(s.add(i).cast::<u32>()));
+    let (a, b, c) = (word(0), word(4), word(8));
+    let low6 = 0x3f3f_3f3f;
+    let (nibbles, top2) = (0x0f0f_0f0f, 0x0303_0303);
+    let sc_hi = (c & nibbles) | (((a >> 6) & top2) << 4);
+    let m_hi = ((c >> 4) & nibbles) | (((b >> 6) & top2) << 4);
+    let sc = u64::from(a & low6) | (u64::from(sc_hi) << 32);
+    let m = u64::from(b & low6) | (u64::from(m_hi) << 32);
+    (sc, m)
+}
+
+/// Q2_K (84 bytes): `scales: [u8; 16], qs: [u8; 64], d: f16, dmin: f16`; weight
+/// `128 n + 32 k + l` is bits `2k..2k+2` of `qs[32 n + l]`; sub-block `s` of 16:
+/// `w = d · (scales[s] & 15) · u − dmin · (scales[s] >> 4)`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q2_k(b: *const u8, x: X, acc: &mut [__m256; 2], mins: &mut __m256) {
+    let (d, dmin) = (f16_at(b.add(80)), f16_at(b.add(82)));
+    let sc = _mm_loadu_si128(b.cast());
+    let m4 = _mm_set1_epi8(0x0F);
+    // Both nibbles are below 16, so reading them as signed bytes is exact.
+    let m = i8x16_scaled(_mm_and_si128(_mm_srli_epi16(sc, 4), m4), dmin);
+    *mins = _mm256_fmadd_ps(m[0], _mm256_loadu_ps(x.s16), *mins);
+    *mins = _mm256_fmadd_ps(m[1], _mm256_loadu_ps(x.s16.add(8)), *mins);
+    let scale = half_scales(i8x16_scaled(_mm_and_si128(sc, m4), d), x);
+    let three = _mm256_set1_epi8(3);
+    for (n, scale) in scale.into_iter().enumerate() {
+        let qs = _mm256_loadu_si256(b.add(16 + 32 * n).cast());
+        for k in 0..4 {
+            let j = 4 * n + k;
+            let u = _mm256_and_si256(_mm256_srl_epi16(qs, _mm_cvtsi32_si128(2 * k as i32)), three);
+            let p = dot32_u8(u, x.q.add(32 * j));
+            add_block(acc, halves(scale, k), j, p);
+        }
+    }
+}
+
+/// Q3_K (110 bytes): `hmask: [u8; 32], qs: [u8; 64], scales: [u8; 12], d: f16`; weight
+/// `i = 128 n + 32 k + l` has bits `2k..2k+2` of `qs[32 n + l]`, minus 4 unless bit `i / 32`
+/// of `hmask[l]` is set; sub-block `s` of 16 is scaled by `d · scale[s]`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q3_k(b: *const u8, x: X, acc: &mut [__m256; 2], _mins: &mut __m256) {
+    let sc = q3_k_scales(std::slice::from_raw_parts(b.add(96), 12));
+    let sc = _mm_loadu_si128(sc.as_ptr().cast());
+    let scale = half_scales(i8x16_scaled(sc, f16_at(b.add(108))), x);
+    let hm = _mm256_loadu_si256(b.cast());
+    let (three, four) = (_mm256_set1_epi8(3), _mm256_set1_epi8(4));
+    for (n, scale) in scale.into_iter().enumerate() {
+        let qs = _mm256_loadu_si256(b.add(32 + 32 * n).cast());
+        for k in 0..4 {
+            let j = 4 * n + k;
+            let shift = _mm_cvtsi32_si128(2 * k as i32);
+            let low = _mm256_and_si256(_mm256_srl_epi16(qs, shift), three);
+            let bit = _mm256_set1_epi8((1u8 << j) as i8);
+            let set = _mm256_cmpeq_epi8(_mm256_and_si256(hm, bit), bit);
+            let v = _mm256_sub_epi8(low, _mm256_andnot_si256(set, four));
+            add_block(acc, halves(scale, k), j, dot32_i8(v, x.q.add(32 * j)));
+        }
+    }
+}
+
+/// Q4_K (144 bytes) and Q5_K (176 bytes) share this: `d: f16, dmin: f16, scales: [u8; 12]`,
+/// for Q5_K `qh: [u8; 32]`, then `qs: [u8; 128]`; weight `i = 64 n + 32 h + l` is nibble `h`
+/// of `qs[32 n + l]` (plus bit `i / 32` of `qh[l]` as bit 4); sub-block `j = i / 32` has
+/// `w = d · sc[j] · u − dmin · m[j]`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q45_k<const FIVE: bool>(b: *const u8, x: X, acc: &mut [__m256; 2], mins: &mut __m256) {
+    let (d, dmin) = (f16_at(b), f16_at(b.add(2)));
+    let (sc, m) = k_scales_mins(b.add(4));
+    let scale = _mm256_mul_ps(
+        _mm256_mul_ps(_mm256_set1_ps(d), u8x8_to_f32(sc)),
+        _mm256_loadu_ps(x.d),
+    );
+    let mv = _mm256_mul_ps(_mm256_set1_ps(dmin), u8x8_to_f32(m));
+    *mins = _mm256_fmadd_ps(mv, _mm256_loadu_ps(x.s32), *mins);
+    let qs = b.add(if FIVE { 48 } else { 16 });
+    let (m4, bit4) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x10));
+    // Bit j of each qh byte, walked down to bit 0 one sub-block at a time.
+    let mut hb = if FIVE {
+        _mm256_loadu_si256(b.add(16).cast())
+    } else {
+        _mm256_setzero_si256()
+    };
+    for n in 0..4 {
+        let raw = _mm256_loadu_si256(qs.add(32 * n).cast());
+        let mut lo = _mm256_and_si256(raw, m4);
+        let mut hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+        if FIVE {
+            lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(hb, 4), bit4));
+            hb = _mm256_srli_epi16(hb, 1);
+            hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(hb, 4), bit4));
+            hb = _mm256_srli_epi16(hb, 1);
+        }
+        let (j0, j1) = (2 * n, 2 * n + 1);
+        add_block(acc, lane(scale, j0), j0, dot32_u8(lo, x.q.add(32 * j0)));
+        add_block(acc, lane(scale, j1), j1, dot32_u8(hi, x.q.add(32 * j1)));
+    }
+}
+
+/// Q4_K super-block kernel.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q4_k(b: *const u8, x: X, acc: &mut [__m256; 2], mins: &mut __m256) {
+    q45_k::<false>(b, x, acc, mins)
+}
+
+/// Q5_K super-block kernel.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q5_k(b: *const u8, x: X, acc: &mut [__m256; 2], mins: &mut __m256) {
+    q45_k::<true>(b, x, acc, mins)
+}
+
+/// Q6_K (210 bytes): `ql: [u8; 128], qh: [u8; 64], scales: [i8; 16], d: f16`; weight
+/// `i = 128 n + 32 k + l` has low nibble `k / 2` of `ql[64 n + 32 (k % 2) + l]` and bits
+/// `2k..2k+2` of `qh[32 n + l]` as bits 4–5, minus 32; sub-block `s` of 16 is scaled by
+/// `d · scales[s]`.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q6_k(b: *const u8, x: X, acc: &mut [__m256; 2], _mins: &mut __m256) {
+    let sc = _mm_loadu_si128(b.add(192).cast());
+    let scale = half_scales(i8x16_scaled(sc, f16_at(b.add(208))), x);
+    let (m4, m3, off) = (
+        _mm256_set1_epi8(0x0F),
+        _mm256_set1_epi8(3),
+        _mm256_set1_epi8(32),
+    );
+    for (n, scale) in scale.into_iter().enumerate() {
+        let qa = _mm256_loadu_si256(b.add(64 * n).cast());
+        let qb = _mm256_loadu_si256(b.add(64 * n + 32).cast());
+        let h = _mm256_loadu_si256(b.add(128 + 32 * n).cast());
+        let high = |shift: i32| {
+            let bits = _mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(shift)), m3);
+            _mm256_slli_epi16(bits, 4)
+        };
+        let v = [
+            _mm256_or_si256(_mm256_and_si256(qa, m4), high(0)),
+            _mm256_or_si256(_mm256_and_si256(qb, m4), high(2)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qa, 4), m4), high(4)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qb, 4), m4), high(6)),
+        ];
+        for (k, v) in v.into_iter().enumerate() {
+            let j = 4 * n + k;
+            let p = dot32_i8(_mm256_sub_epi8(v, off), x.q.add(32 * j));
+            add_block(acc, halves(scale, k), j, p);
+        }
+    }
+}
+
+/// Q8_K (292 bytes): `d: f32, qs: [i8; 256], bsums: [i16; 16]` (sums unused here).
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q8_k(b: *const u8, x: X, acc: &mut [__m256; 2], _mins: &mut __m256) {
+    let d = f32::from_le_bytes(std::ptr::read_unaligned(b.cast::<[u8; 4]>()));
+    let scale = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_loadu_ps(x.d));
+    for j in 0..8 {
+        let v = _mm256_loadu_si256(b.add(4 + 32 * j).cast());
+        add_block(acc, lane(scale, j), j, dot32_i8(v, x.q.add(32 * j)));
+    }
+}

@@ -1,0 +1,87 @@
+//! Helpers shared by the kernel tests: seeded random generators, random weight rows of every
+//! format, and the kernel sets this CPU can run.
+#![allow(dead_code)]
+
+use markbase_core::quant::GgmlType;
+use markbase_cpu::kernels::Isa;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+/// A fresh seed (or MARKBASE_TEST_SEED to replay a failure) and its generator.
+pub fn seeded() -> (u64, StdRng) {
+    let seed = match std::env::var("MARKBASE_TEST_SEED") {
+        Ok(s) => s.parse().expect("MARKBASE_TEST_SEED must be an integer"),
+        Err(_) => rand::rng().random(),
+    };
+    (seed, StdRng::seed_from_u64(seed))
+}
+
+/// A finite f16 of random sign and magnitude 2^-14 … 2^3, as bits.
+pub fn moderate_f16(rng: &mut StdRng) -> [u8; 2] {
+    let sign = rng.random_range(0..2u16) << 15;
+    let exp = rng.random_range(1..=18u16) << 10;
+    (sign | exp | rng.random_range(0..1024u16)).to_le_bytes()
+}
+
+/// Byte offsets of the f16 scale fields in a block of `ty`.
+pub fn f16_fields(ty: GgmlType) -> &'static [usize] {
+    match ty {
+        GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => &[0],
+        GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4_K | GgmlType::Q5_K => &[0, 2],
+        GgmlType::Q2_K => &[80, 82],
+        GgmlType::Q3_K => &[108],
+        GgmlType::Q6_K => &[208],
+        _ => &[],
+    }
+}
+
+/// A random row of `k` weights: random bytes with finite, moderate scales.
+pub fn random_row(ty: GgmlType, k: usize, rng: &mut StdRng) -> Vec<u8> {
+    let mut row = vec![0u8; ty.bytes_for(k).unwrap()];
+    match ty {
+        GgmlType::F32 => {
+            for b in row.chunks_exact_mut(4) {
+                b.copy_from_slice(&rng.random_range(-4.0f32..4.0).to_le_bytes());
+            }
+        }
+        GgmlType::F16 => {
+            for b in row.chunks_exact_mut(2) {
+                b.copy_from_slice(&moderate_f16(rng));
+            }
+        }
+        GgmlType::BF16 => {
+            for b in row.chunks_exact_mut(2) {
+                let exp = rng.random_range(117..=130u16) << 7;
+                let bits = (rng.random_range(0..2u16) << 15) | exp | rng.random_range(0..128u16);
+                b.copy_from_slice(&bits.to_le_bytes());
+            }
+        }
+        _ => {
+            rng.fill(&mut row[..]);
+            for block in row.chunks_exact_mut(ty.type_size()) {
+                for &off in f16_fields(ty) {
+                    block[off..off + 2].copy_from_slice(&moderate_f16(rng));
+                }
+                if ty == GgmlType::Q8_K {
+                    block[..4].copy_from_slice(&rng.random_range(-0.1f32..0.1).to_le_bytes());
+                }
+            }
+        }
+    }
+    row
+}
+
+pub fn random_x(n: usize, rng: &mut StdRng) -> Vec<f32> {
+    (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
+}
+
+/// The kernel sets to test: portable always, AVX2 where this CPU has it.
+pub fn kernel_sets() -> Vec<Isa> {
+    let mut sets = vec![Isa::Portable];
+    if Isa::Avx2.available() {
+        sets.push(Isa::Avx2);
+    } else {
+        eprintln!("this CPU lacks AVX2/FMA/F16C: only the portable kernels are tested");
+    }
+    sets
+}
