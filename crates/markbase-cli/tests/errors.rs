@@ -202,7 +202,15 @@ fn cuda_device_without_a_gpu() {
     let dir = tempfile::tempdir().unwrap();
     let m = write(dir.path(), "tiny.gguf", &tiny_gemma3(64));
     let commands: [&[&str]; 2] = [
-        &["run", "--raw", "--temperature", "0", "--max-tokens", "2", "ab"],
+        &[
+            "run",
+            "--raw",
+            "--temperature",
+            "0",
+            "--max-tokens",
+            "2",
+            "ab",
+        ],
         &["bench", "-p", "4", "-n", "2", "-r", "1"],
     ];
     for cmd in commands {
