@@ -138,7 +138,9 @@ enum ArchConfig {
 pub struct KvPool {
     /// The storage: a [`crate::paged::PagedKv`] of the model's backend.
     pub(crate) kv: Box<dyn Any + Send + Sync>,
+    /// Slots per block.
     pub(crate) block_size: usize,
+    /// Blocks of each kind (indexed by [`crate::paged::kind_index`]).
     pub(crate) n_blocks: [usize; 2],
     /// Layers that own K/V buffers.
     pub(crate) n_caches: usize,
