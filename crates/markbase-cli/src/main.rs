@@ -7,7 +7,7 @@ mod progress;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use markbase_models::LmHeadMode;
+use markbase_models::{Device, LmHeadMode};
 
 /// MarkBase: an inference engine for Gemma models.
 #[derive(Parser, Debug)]
@@ -21,7 +21,10 @@ struct Cli {
     /// perplexity --tokens-file.
     #[arg(long, global = true, value_name = "SPEC", conflicts_with = "model")]
     synthetic: Option<String>,
-    /// Worker threads (0 = all cores).
+    /// Where the model runs: `cpu`, `cuda` (GPU 0) or `cuda:N`.
+    #[arg(long, global = true, default_value = "cpu", value_name = "DEVICE", value_parser = parse_device)]
+    device: Device,
+    /// Worker threads of the CPU backend (0 = all cores).
     #[arg(
         short = 't',
         long = "threads",
@@ -67,10 +70,17 @@ pub struct Global {
     pub model: Option<std::path::PathBuf>,
     /// `--synthetic`, if given.
     pub synthetic: Option<String>,
+    /// `--device`.
+    pub device: Device,
     /// `-t`.
     pub threads: usize,
     /// `--lm-head`.
     pub lm_head: LmHeadMode,
+}
+
+/// Parses `--device`.
+fn parse_device(s: &str) -> Result<Device, String> {
+    s.parse().map_err(|e: markbase_core::Error| e.to_string())
 }
 
 /// Parses `--lm-head`.
@@ -101,6 +111,7 @@ fn main() -> ExitCode {
     let global = Global {
         model: cli.model,
         synthetic: cli.synthetic,
+        device: cli.device,
         threads: cli.threads,
         lm_head: cli.lm_head,
     };

@@ -65,6 +65,7 @@ pub fn load_weights(global: &Global) -> Result<Model> {
         bar.set_position(done);
     };
     let opts = LoadOptions {
+        device: global.device,
         threads: global.threads,
         progress: Some(&report),
         lm_head: global.lm_head,
@@ -92,6 +93,7 @@ pub fn load_model(global: &Global) -> Result<LoadedModel> {
         bar.set_position(done);
     };
     let opts = LoadOptions {
+        device: global.device,
         threads: global.threads,
         progress: Some(&report),
         lm_head: global.lm_head,

@@ -194,3 +194,52 @@ fn pull_without_python_says_so() {
     let model = dir.path().join("models").join("gemma-3-270m-q4_k_m.gguf");
     assert!(!model.exists());
 }
+
+#[test]
+fn cuda_device_without_a_gpu() {
+    // Where a usable GPU exists the commands run on it; elsewhere (CI) each names the problem
+    // in one line.
+    let dir = tempfile::tempdir().unwrap();
+    let m = write(dir.path(), "tiny.gguf", &tiny_gemma3(64));
+    let commands: [&[&str]; 2] = [
+        &[
+            "run",
+            "--raw",
+            "--temperature",
+            "0",
+            "--max-tokens",
+            "2",
+            "ab",
+        ],
+        &["bench", "-p", "4", "-n", "2", "-r", "1"],
+    ];
+    for cmd in commands {
+        let mut args = vec!["-m", &m, "--device", "cuda"];
+        args.extend_from_slice(cmd);
+        let out = markbase(&args, dir.path());
+        if out.status.success() {
+            eprintln!("{}: ran on a GPU", cmd[0]);
+            continue;
+        }
+        assert_one_line_error(&out, &["cannot load the model", "CUDA"]);
+    }
+}
+
+#[test]
+fn malformed_device() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = write(dir.path(), "tiny.gguf", &tiny_gemma3(64));
+    for bad in ["gpu", "cuda:x", "cuda:"] {
+        let out = markbase(&["-m", &m, "--device", bad, "run", "ab"], dir.path());
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        // A usage error from the argument parser: exit code 2, before anything is loaded.
+        assert_eq!(out.status.code(), Some(2), "{stderr}");
+        let first = stderr.lines().next().unwrap_or_default();
+        assert!(first.starts_with("error: "), "{stderr}");
+        assert!(
+            first.contains(&format!("'{bad}' is not a device (cpu, cuda, cuda:N)")),
+            "{stderr}"
+        );
+        assert!(!stderr.contains("panicked"), "{stderr}");
+    }
+}

@@ -209,6 +209,11 @@ fn bench_json_shape() {
         ],
         dir.path(),
     ));
+    let device = v["device"].as_str().unwrap();
+    assert!(
+        device.starts_with("cpu (") && device.ends_with(" threads)"),
+        "{v}"
+    );
     let r = v["results"].as_array().unwrap();
     assert_eq!(r[0]["test"], "pp16");
     assert_eq!(r[1]["test"], "tg4");

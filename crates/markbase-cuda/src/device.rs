@@ -92,6 +92,15 @@ impl Device {
         self.multiprocessors
     }
 
+    /// Makes the device's context current on the calling thread. A thread must do this before
+    /// it queues work: cudarc's own calls bind the context, raw kernel launches and cuBLAS do
+    /// not.
+    pub fn bind_to_thread(&self) -> Result<()> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| driver_err("binding the context to a thread", e))
+    }
+
     /// Waits until every queued operation has finished.
     pub fn synchronize(&self) -> Result<()> {
         self.stream

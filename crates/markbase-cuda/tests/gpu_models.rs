@@ -2,7 +2,7 @@
 //! block tables): Gemma3<CudaBackend> and Gemma4<CudaBackend> against transformers' logits on the tiny fixtures (tests/fixtures/gemma3_tiny, tests/fixtures/gemma4/*) and
 //! against the same model on the CPU backend; and the real Gemma 3 270M weights (or the
 //! cut-down copy scripts/make_gemma3_270m_cut.py writes, named by `MARKBASE_GEMMA3_CUT`)
-//! decoding greedily like the CPU.
+//! decoding greedily like the CPU; and the public `Model` API loaded with `Device::Cuda`.
 //!
 //! Tolerances: f32 logits per position `max |diff| / max |ref| ≤ 1e-4` (as the CPU tests);
 //! bf16 weights: argmax equal to transformers' bf16 run at every position.
@@ -20,7 +20,9 @@ use markbase_cuda::CudaBackend;
 use markbase_models::gemma3::Gemma3;
 use markbase_models::gemma4::Gemma4;
 use markbase_models::gemma4_config::Gemma4Config;
-use markbase_models::{KvPool, LmHeadMode, Logits, SeqStep, WeightStore};
+use markbase_models::{
+    Device, LmHeadMode, LoadOptions, Logits, Model, ModelSource, PagedKv, SeqStep, WeightStore,
+};
 use serde_json::Value;
 
 const REL_TOL: f32 = 1e-4;
@@ -84,7 +86,7 @@ const BLOCK: usize = 4;
 /// One sequence's paged cache: a pool whose blocks are handed out in reverse order, so every
 /// key read goes through a non-trivial block table.
 struct Seq<B: Backend> {
-    pool: KvPool<B>,
+    pool: PagedKv<B>,
     table: Vec<u32>,
     len: usize,
 }
@@ -92,8 +94,8 @@ struct Seq<B: Backend> {
 /// A paged step of either architecture on either backend.
 trait Lm {
     type B: Backend;
-    fn pool(&self, blocks: usize) -> KvPool<Self::B>;
-    fn run_step(&self, pool: &mut KvPool<Self::B>, seqs: &[SeqStep]) -> Vec<f32>;
+    fn pool(&self, blocks: usize) -> PagedKv<Self::B>;
+    fn run_step(&self, pool: &mut PagedKv<Self::B>, seqs: &[SeqStep]) -> Vec<f32>;
 
     /// A one-sequence cache for `n` tokens.
     fn cache(&self, n: usize) -> Seq<Self::B> {
@@ -122,20 +124,20 @@ trait Lm {
 
 impl<B: Backend> Lm for Gemma3<B> {
     type B = B;
-    fn pool(&self, blocks: usize) -> KvPool<B> {
+    fn pool(&self, blocks: usize) -> PagedKv<B> {
         self.new_kv_pool(BLOCK, [blocks, blocks]).unwrap()
     }
-    fn run_step(&self, pool: &mut KvPool<B>, seqs: &[SeqStep]) -> Vec<f32> {
+    fn run_step(&self, pool: &mut PagedKv<B>, seqs: &[SeqStep]) -> Vec<f32> {
         self.step(pool, seqs).unwrap()
     }
 }
 
 impl<B: Backend> Lm for Gemma4<B> {
     type B = B;
-    fn pool(&self, blocks: usize) -> KvPool<B> {
+    fn pool(&self, blocks: usize) -> PagedKv<B> {
         self.new_kv_pool(BLOCK, [blocks, blocks]).unwrap()
     }
-    fn run_step(&self, pool: &mut KvPool<B>, seqs: &[SeqStep]) -> Vec<f32> {
+    fn run_step(&self, pool: &mut PagedKv<B>, seqs: &[SeqStep]) -> Vec<f32> {
         self.step(pool, seqs).unwrap()
     }
 }
@@ -421,4 +423,73 @@ fn gemma3_270m_greedy_matches_cpu() {
         cl = c.fwd(&mut cc, &[want as u32], false);
     }
     eprintln!("{} greedy steps compared, {agree} with a clear margin", 24);
+}
+
+/// The public `Model` API with `Device::Cuda(0)`: the logits equal the CPU model's, a step runs
+/// from a thread other than the loading one (as the engine's worker does), and a pool of the
+/// other device is refused.
+#[test]
+fn model_api_on_cuda_matches_cpu() {
+    let Some(_) = gpu() else { return };
+    let root = fixtures();
+    for path in [
+        root.join("gemma3_tiny/gguf/model.gguf"),
+        root.join("gemma4/e2b_like/model.gguf"),
+    ] {
+        let src = ModelSource::open(&path).unwrap();
+        let load = |device| {
+            let opts = LoadOptions {
+                device,
+                threads: 2,
+                lm_head: LmHeadMode::Exact,
+                ..LoadOptions::default()
+            };
+            Model::load(&src, &opts).unwrap()
+        };
+        let (g, c) = (Arc::new(load(Device::Cuda(0))), load(Device::Cpu));
+        assert!(
+            g.info().device.starts_with("cuda:0 "),
+            "{}",
+            g.info().device
+        );
+        assert!(c.info().device.starts_with("cpu ("), "{}", c.info().device);
+        let vocab = c.info().n_vocab;
+        let ids: Vec<u32> = (0..20).map(|i| (i * 7 + 3) % vocab as u32).collect();
+        let mut cc = c.new_cache(32).unwrap();
+        let want = [
+            c.forward(&mut cc, &ids[..12], Logits::All).unwrap(),
+            c.forward(&mut cc, &ids[12..], Logits::Last).unwrap(),
+        ];
+        let gm = g.clone();
+        let ids2 = ids.clone();
+        let got = std::thread::spawn(move || {
+            let mut gc = gm.new_cache(32).unwrap();
+            [
+                gm.forward(&mut gc, &ids2[..12], Logits::All).unwrap(),
+                gm.forward(&mut gc, &ids2[12..], Logits::Last).unwrap(),
+            ]
+        })
+        .join()
+        .unwrap();
+        for (part, (a, b)) in got.iter().zip(&want).enumerate() {
+            let rel = worst_rel(a, b, vocab);
+            eprintln!("{}: part {part} vs CPU {rel:e}", path.display());
+            assert!(
+                rel <= REL_TOL,
+                "{}: part {part} vs CPU {rel:e}",
+                path.display()
+            );
+        }
+        let mut cpu_pool = c.new_kv_pool(16, 4, 4).unwrap();
+        let table = [0u32];
+        let seq = SeqStep {
+            tokens: &ids[..1],
+            start: 0,
+            full_blocks: &table,
+            sliding_blocks: &table,
+            logits: Some(Logits::Last),
+        };
+        let e = g.step(&mut cpu_pool, &[seq]).unwrap_err().to_string();
+        assert!(e.contains("another device"), "{e}");
+    }
 }

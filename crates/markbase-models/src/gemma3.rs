@@ -11,7 +11,6 @@ use markbase_core::config::{Gemma3Config, LayerKind, RopeConfig};
 use markbase_core::{Error, Result};
 
 use crate::lm_head::{LmHead, LmHeadMode};
-use crate::model::KvPool;
 use crate::paged::{ChunkLayout, PagedKv, SeqStep, StepModel};
 use crate::weights::WeightStore;
 
@@ -198,27 +197,14 @@ impl<B: Backend> Gemma3<B> {
 
     /// A paged KV pool on this model's backend: `blocks[0]` full-attention and `blocks[1]`
     /// sliding-window blocks of `block_size` slots (what [`crate::Model::new_kv_pool`] makes
-    /// on the CPU).
-    pub fn new_kv_pool(&self, block_size: usize, blocks: [usize; 2]) -> Result<KvPool<B>> {
-        Ok(KvPool {
-            kv: PagedKv::new(&self.backend, &self.caches(), block_size, blocks)?,
-        })
+    /// on the model's device).
+    pub fn new_kv_pool(&self, block_size: usize, blocks: [usize; 2]) -> Result<PagedKv<B>> {
+        PagedKv::new(&self.backend, &self.caches(), block_size, blocks)
     }
 
     /// One step over several sequences on this model's backend (as [`crate::Model::step`]).
-    pub fn step(&self, pool: &mut KvPool<B>, seqs: &[SeqStep]) -> Result<Vec<f32>> {
-        crate::paged::step(self, &mut pool.kv, seqs)
-    }
-
-    /// The backend.
-    pub(crate) fn backend(&self) -> &B {
-        &self.backend
-    }
-
-    /// Kind and K/V row width of each layer's cache (every layer owns one).
-    pub(crate) fn caches(&self) -> Vec<(LayerKind, usize)> {
-        let row = self.cfg.n_kv_heads * self.cfg.head_dim;
-        self.layers.iter().map(|l| (l.kind, row)).collect()
+    pub fn step(&self, pool: &mut PagedKv<B>, seqs: &[SeqStep]) -> Result<Vec<f32>> {
+        crate::paged::step(self, pool, seqs)
     }
 
     /// Final norm + LM head (+ softcap) for hidden-state rows `rows`, row-major into `out`.
@@ -348,7 +334,29 @@ impl<B: Backend> Gemma3<B> {
     }
 }
 
-impl<B: Backend> StepModel<B> for Gemma3<B> {
+impl<B: Backend> StepModel for Gemma3<B> {
+    type Backend = B;
+
+    fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    /// Every layer owns a cache.
+    fn caches(&self) -> Vec<(LayerKind, usize)> {
+        let row = self.cfg.n_kv_heads * self.cfg.head_dim;
+        self.layers.iter().map(|l| (l.kind, row)).collect()
+    }
+
+    fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
+        match tokens.iter().find(|&&t| t as usize >= self.cfg.n_vocab) {
+            Some(t) => Err(Error::Invalid(format!(
+                "token id {t} is outside the vocabulary of {}",
+                self.cfg.n_vocab
+            ))),
+            None => Ok(()),
+        }
+    }
+
     fn max_rows(&self) -> usize {
         MAX_BATCH
     }

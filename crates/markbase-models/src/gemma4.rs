@@ -32,7 +32,6 @@ use markbase_core::{Error, Result};
 
 use crate::gemma4_config::{Gemma4Config, Gemma4Layer, Gemma4Rope};
 use crate::lm_head::{LmHead, LmHeadMode};
-use crate::model::KvPool;
 use crate::paged::{ChunkLayout, PagedKv, SeqStep, StepModel};
 use crate::weights::WeightStore;
 
@@ -372,45 +371,14 @@ impl<B: Backend> Gemma4<B> {
 
     /// A paged KV pool on this model's backend: `blocks[0]` full-attention and `blocks[1]`
     /// sliding-window blocks of `block_size` slots (what [`crate::Model::new_kv_pool`] makes
-    /// on the CPU).
-    pub fn new_kv_pool(&self, block_size: usize, blocks: [usize; 2]) -> Result<KvPool<B>> {
-        Ok(KvPool {
-            kv: PagedKv::new(&self.backend, self.caches(), block_size, blocks)?,
-        })
+    /// on the model's device).
+    pub fn new_kv_pool(&self, block_size: usize, blocks: [usize; 2]) -> Result<PagedKv<B>> {
+        PagedKv::new(&self.backend, &self.caches, block_size, blocks)
     }
 
     /// One step over several sequences on this model's backend (as [`crate::Model::step`]).
-    pub fn step(&self, pool: &mut KvPool<B>, seqs: &[SeqStep]) -> Result<Vec<f32>> {
-        crate::paged::step(self, &mut pool.kv, seqs)
-    }
-
-    /// The backend.
-    pub(crate) fn backend(&self) -> &B {
-        &self.backend
-    }
-
-    /// Kind and K/V row width of each cache (one per KV-producing layer).
-    pub(crate) fn caches(&self) -> &[(LayerKind, usize)] {
-        &self.caches
-    }
-
-    /// Checks that every token has a row in the embedding and per-layer tables.
-    pub(crate) fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
-        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= self.cfg.n_vocab) {
-            return Err(Error::Invalid(format!(
-                "token id {t} is outside the vocabulary of {}",
-                self.cfg.n_vocab
-            )));
-        }
-        if let Some(p) = self.cfg.ple {
-            if let Some(&t) = tokens.iter().find(|&&t| t as usize >= p.vocab) {
-                return Err(Error::Invalid(format!(
-                    "token id {t} is outside the per-layer embedding table of {}",
-                    p.vocab
-                )));
-            }
-        }
-        Ok(())
+    pub fn step(&self, pool: &mut PagedKv<B>, seqs: &[SeqStep]) -> Result<Vec<f32>> {
+        crate::paged::step(self, pool, seqs)
     }
 
     /// Final norm + tied LM head + softcap for hidden-state rows `rows`, row-major into `out`.
@@ -686,7 +654,37 @@ impl<B: Backend> Gemma4<B> {
     }
 }
 
-impl<B: Backend> StepModel<B> for Gemma4<B> {
+impl<B: Backend> StepModel for Gemma4<B> {
+    type Backend = B;
+
+    fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    /// One cache per KV-producing layer.
+    fn caches(&self) -> Vec<(LayerKind, usize)> {
+        self.caches.clone()
+    }
+
+    /// Every token needs a row in the embedding and per-layer tables.
+    fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
+        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= self.cfg.n_vocab) {
+            return Err(Error::Invalid(format!(
+                "token id {t} is outside the vocabulary of {}",
+                self.cfg.n_vocab
+            )));
+        }
+        if let Some(p) = self.cfg.ple {
+            if let Some(&t) = tokens.iter().find(|&&t| t as usize >= p.vocab) {
+                return Err(Error::Invalid(format!(
+                    "token id {t} is outside the per-layer embedding table of {}",
+                    p.vocab
+                )));
+            }
+        }
+        Ok(())
+    }
+
     fn max_rows(&self) -> usize {
         MAX_BATCH
     }

@@ -1,20 +1,23 @@
 //! The public face of a loaded model: open a source, load it, make caches, run forwards.
 
+use std::any::Any;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use markbase_core::backend::Backend;
 use markbase_core::config::{Gemma3Config, LayerKind};
 use markbase_core::gguf::GgufFile;
 use markbase_core::safetensors::SafetensorsDir;
 use markbase_core::{Error, Result};
 use markbase_cpu::CpuBackend;
+use markbase_cuda::CudaBackend;
 
+use crate::device::{Device, DeviceBackend};
 use crate::gemma3::Gemma3;
 use crate::gemma4::Gemma4;
 use crate::gemma4_config::Gemma4Config;
 use crate::lm_head::LmHeadMode;
-use crate::paged::{self, kind_index, PagedKv, SeqStep};
+use crate::paged::SeqStep;
+use crate::runner::Runner;
 use crate::synthetic::{SyntheticSpec, SyntheticWeights};
 use crate::weights::WeightStore;
 
@@ -52,7 +55,9 @@ impl ModelSource {
 /// How to load a model.
 #[derive(Clone, Copy, Default)]
 pub struct LoadOptions<'a> {
-    /// Compute threads (0 = all cores).
+    /// Where the model runs.
+    pub device: Device,
+    /// Compute threads of the CPU backend (0 = all cores).
     pub threads: usize,
     /// Called with (bytes done, bytes total) as weights are prepared.
     pub progress: Option<&'a (dyn Fn(u64, u64) + Sync)>,
@@ -85,6 +90,8 @@ pub struct ModelInfo {
     pub weight_bytes: u64,
     /// How the LM head is evaluated ("exact" or "screened (...)").
     pub lm_head: String,
+    /// What the model runs on ("cpu (2 threads)", "cuda:0 NVIDIA H200").
+    pub device: String,
     /// Every hyper-parameter as (name, value).
     pub hyper_params: Vec<(String, String)>,
 }
@@ -93,8 +100,8 @@ impl ModelInfo {
     /// One `name: value` line per hyper-parameter.
     pub fn describe(&self) -> String {
         let mut s = format!(
-            "architecture: {}\nweight_bytes: {}\nlm_head: {}\n",
-            self.architecture, self.weight_bytes, self.lm_head
+            "architecture: {}\ndevice: {}\nweight_bytes: {}\nlm_head: {}\n",
+            self.architecture, self.device, self.weight_bytes, self.lm_head
         );
         for (k, v) in &self.hyper_params {
             s.push_str(&format!("{k}: {v}\n"));
@@ -112,34 +119,44 @@ pub enum Logits {
     All,
 }
 
-/// A loaded model, ready to run on the CPU.
+/// A loaded model, ready to run on the device it was loaded onto.
 pub struct Model {
     info: ModelInfo,
-    inner: Arch,
+    inner: Box<dyn Runner>,
 }
 
-/// The architecture-specific model.
-enum Arch {
-    Gemma3(Box<Gemma3<CpuBackend>>),
-    Gemma4(Box<Gemma4<CpuBackend>>),
+/// The hyper-parameters of an architecture MarkBase runs.
+enum ArchConfig {
+    Gemma3(Gemma3Config),
+    Gemma4(Gemma4Config),
 }
 
-/// Paged key/value storage shared by many sequences (see [`crate::paged`]): per layer that
-/// owns a cache, `blocks(kind) · block_size` slots. Which sequence owns which block is the
-/// caller's business ([`Model::step`] takes each sequence's block tables).
-pub struct KvPool<B: Backend = CpuBackend> {
-    pub(crate) kv: PagedKv<B>,
+/// Paged key/value storage shared by many sequences (see [`crate::paged`]), on the device of
+/// the model that made it: per layer that owns a cache, `blocks(kind) · block_size` slots.
+/// Which sequence owns which block is the caller's business ([`Model::step`] takes each
+/// sequence's block tables).
+pub struct KvPool {
+    /// The storage: a [`crate::paged::PagedKv`] of the model's backend.
+    pub(crate) kv: Box<dyn Any + Send + Sync>,
+    /// Slots per block.
+    pub(crate) block_size: usize,
+    /// Blocks of each kind (indexed by [`crate::paged::kind_index`]).
+    pub(crate) n_blocks: [usize; 2],
+    /// Layers that own K/V buffers.
+    pub(crate) n_caches: usize,
+    /// Whether some of them are sliding-window layers.
+    pub(crate) has_sliding: bool,
 }
 
-impl<B: Backend> KvPool<B> {
+impl KvPool {
     /// Slots per block.
     pub fn block_size(&self) -> usize {
-        self.kv.block_size
+        self.block_size
     }
 
     /// Blocks for layers of `kind`.
     pub fn blocks(&self, kind: LayerKind) -> usize {
-        self.kv.n_blocks[kind_index(kind)]
+        self.n_blocks[crate::paged::kind_index(kind)]
     }
 }
 
@@ -183,7 +200,7 @@ impl KvCache {
         if n >= self.len {
             return Ok(());
         }
-        let has_sliding = self.pool.kv.has_kind(kind_index(LayerKind::Sliding));
+        let has_sliding = self.pool.has_sliding;
         let lo = (n + 1).saturating_sub(self.window);
         // Ring block of position q was last overwritten by the latest position in it.
         let oldest_kept = ((self.len - 1) / CACHE_BLOCK + 1).saturating_sub(self.ring);
@@ -204,37 +221,36 @@ impl KvCache {
 
     /// Layers that own K/V buffers (Gemma 4's KV-shared layers own none).
     pub fn n_layer_caches(&self) -> usize {
-        self.pool.kv.layers.len()
+        self.pool.n_caches
     }
 }
 
 impl Model {
-    /// Loads the model of `src` onto the CPU.
+    /// Loads the model of `src` onto `opts.device`.
     pub fn load(src: &ModelSource, opts: &LoadOptions) -> Result<Model> {
-        let (store, gemma4) = match src {
+        let (store, cfg) = match src {
             ModelSource::Gguf(file) => {
-                let arch = file.architecture()?;
-                let g4 = match arch {
-                    "gemma3" => None,
-                    "gemma4" => Some(Gemma4Config::from_gguf(file)?),
-                    _ => {
+                let cfg = match file.architecture()? {
+                    "gemma3" => ArchConfig::Gemma3(Gemma3Config::from_gguf(file)?),
+                    "gemma4" => ArchConfig::Gemma4(Gemma4Config::from_gguf(file)?),
+                    arch => {
                         return Err(Error::Unsupported(format!(
                             "architecture '{arch}' in {} (MarkBase runs gemma3 and gemma4)",
                             file.path().display()
                         )))
                     }
                 };
-                (WeightStore::Gguf(file.clone()), g4)
+                (WeightStore::Gguf(file.clone()), cfg)
             }
             ModelSource::HfDir(dir) => {
                 let path = dir.join("config.json");
                 let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
                 let json: serde_json::Value = serde_json::from_str(&text)
                     .map_err(|e| Error::Config(format!("{}: invalid JSON: {e}", path.display())))?;
-                let g4 = if Gemma4Config::is_gemma4_json(&json) {
-                    Some(Gemma4Config::from_hf_file(&path)?)
+                let cfg = if Gemma4Config::is_gemma4_json(&json) {
+                    ArchConfig::Gemma4(Gemma4Config::from_hf_file(&path)?)
                 } else {
-                    None
+                    ArchConfig::Gemma3(Gemma3Config::from_hf_file(&path)?)
                 };
                 let st = SafetensorsDir::open(dir)?;
                 let prefix = ["model.", "language_model.model.", "model.language_model."]
@@ -250,85 +266,87 @@ impl Model {
                     st,
                     prefix: prefix.to_string(),
                 };
-                (store, g4)
+                (store, cfg)
             }
         };
-        if let Some(cfg) = gemma4 {
-            return Self::load_gemma4(cfg, &store, opts);
-        }
-        let backend = CpuBackend::new(opts.threads)?;
-        let last = std::cell::Cell::new(0u64);
-        let progress = |done: u64, total: u64| {
-            last.set(done);
-            if let Some(p) = opts.progress {
-                p(done, total);
-            }
-        };
-        let cfg = match src {
-            ModelSource::Gguf(file) => Gemma3Config::from_gguf(file)?,
-            ModelSource::HfDir(dir) => Gemma3Config::from_hf_file(&dir.join("config.json"))?,
-        };
-        let inner = Gemma3::load(cfg.clone(), &store, backend, opts.lm_head, &progress)?;
-        let info = ModelInfo {
-            architecture: "gemma3".into(),
-            n_vocab: cfg.n_vocab,
-            context_length: cfg.context_length,
-            n_layers: cfg.n_layers,
-            d_model: cfg.d_model,
-            n_heads: cfg.n_heads,
-            n_kv_heads: cfg.n_kv_heads,
-            head_dim: cfg.head_dim,
-            sliding_window: cfg.sliding_window,
-            weight_bytes: last.get(),
-            lm_head: inner.head().describe(),
-            hyper_params: cfg.describe(),
-        };
-        Ok(Model {
-            info,
-            inner: Arch::Gemma3(Box::new(inner)),
-        })
-    }
-
-    /// Loads a Gemma 4 model from `store` onto the CPU.
-    fn load_gemma4(cfg: Gemma4Config, store: &WeightStore, opts: &LoadOptions) -> Result<Model> {
-        let backend = CpuBackend::new(opts.threads)?;
-        let last = std::cell::Cell::new(0u64);
-        let progress = |done: u64, total: u64| {
-            last.set(done);
-            if let Some(p) = opts.progress {
-                p(done, total);
-            }
-        };
-        let inner = Gemma4::load(cfg.clone(), store, backend, opts.lm_head, &progress)?;
-        let first_full = cfg.layers.iter().find(|l| l.kind == LayerKind::Full);
-        let sliding = cfg.layers.iter().find(|l| l.kind == LayerKind::Sliding);
-        let main = sliding.or(first_full).copied();
-        let info = ModelInfo {
-            architecture: "gemma4".into(),
-            n_vocab: cfg.n_vocab,
-            context_length: cfg.context_length,
-            n_layers: cfg.layers.len(),
-            d_model: cfg.d_model,
-            n_heads: cfg.n_heads,
-            n_kv_heads: main.map_or(0, |l| l.n_kv_heads),
-            head_dim: main.map_or(0, |l| l.head_dim),
-            sliding_window: cfg.sliding_window,
-            weight_bytes: last.get(),
-            lm_head: inner.head().describe(),
-            hyper_params: cfg.describe(),
-        };
-        Ok(Model {
-            info,
-            inner: Arch::Gemma4(Box::new(inner)),
-        })
+        Self::load_on_device(cfg, &store, opts)
     }
 
     /// Builds a model with random weights at a released Gemma 4 variant's shapes (see
-    /// [`crate::synthetic`]); every tensor is generated here.
+    /// [`crate::synthetic`]) on `opts.device`; every tensor is generated here.
     pub fn load_synthetic(spec: &SyntheticSpec, opts: &LoadOptions) -> Result<Model> {
         let weights = Arc::new(SyntheticWeights::new(*spec)?);
-        let cfg = weights.config().clone();
-        Self::load_gemma4(cfg, &WeightStore::Synthetic(weights), opts)
+        let cfg = ArchConfig::Gemma4(weights.config().clone());
+        Self::load_on_device(cfg, &WeightStore::Synthetic(weights), opts)
+    }
+
+    /// Opens the backend `opts.device` names and loads the model onto it.
+    fn load_on_device(cfg: ArchConfig, store: &WeightStore, opts: &LoadOptions) -> Result<Model> {
+        match opts.device {
+            Device::Cpu => Self::load_on(CpuBackend::new(opts.threads)?, cfg, store, opts),
+            Device::Cuda(ordinal) => Self::load_on(CudaBackend::new(ordinal)?, cfg, store, opts),
+        }
+    }
+
+    /// Loads the model of `cfg` from `store` onto `backend`.
+    fn load_on<B: DeviceBackend>(
+        backend: B,
+        cfg: ArchConfig,
+        store: &WeightStore,
+        opts: &LoadOptions,
+    ) -> Result<Model> {
+        let device = backend.describe();
+        let last = std::cell::Cell::new(0u64);
+        let progress = |done: u64, total: u64| {
+            last.set(done);
+            if let Some(p) = opts.progress {
+                p(done, total);
+            }
+        };
+        let (info, inner): (ModelInfo, Box<dyn Runner>) = match cfg {
+            ArchConfig::Gemma3(cfg) => {
+                let m = Gemma3::load(cfg.clone(), store, backend, opts.lm_head, &progress)?;
+                let info = ModelInfo {
+                    architecture: "gemma3".into(),
+                    n_vocab: cfg.n_vocab,
+                    context_length: cfg.context_length,
+                    n_layers: cfg.n_layers,
+                    d_model: cfg.d_model,
+                    n_heads: cfg.n_heads,
+                    n_kv_heads: cfg.n_kv_heads,
+                    head_dim: cfg.head_dim,
+                    sliding_window: cfg.sliding_window,
+                    weight_bytes: last.get(),
+                    lm_head: m.head().describe(),
+                    device,
+                    hyper_params: cfg.describe(),
+                };
+                (info, Box::new(m))
+            }
+            ArchConfig::Gemma4(cfg) => {
+                let m = Gemma4::load(cfg.clone(), store, backend, opts.lm_head, &progress)?;
+                let first_full = cfg.layers.iter().find(|l| l.kind == LayerKind::Full);
+                let sliding = cfg.layers.iter().find(|l| l.kind == LayerKind::Sliding);
+                let main = sliding.or(first_full).copied();
+                let info = ModelInfo {
+                    architecture: "gemma4".into(),
+                    n_vocab: cfg.n_vocab,
+                    context_length: cfg.context_length,
+                    n_layers: cfg.layers.len(),
+                    d_model: cfg.d_model,
+                    n_heads: cfg.n_heads,
+                    n_kv_heads: main.map_or(0, |l| l.n_kv_heads),
+                    head_dim: main.map_or(0, |l| l.head_dim),
+                    sliding_window: cfg.sliding_window,
+                    weight_bytes: last.get(),
+                    lm_head: m.head().describe(),
+                    device,
+                    hyper_params: cfg.describe(),
+                };
+                (info, Box::new(m))
+            }
+        };
+        Ok(Model { info, inner })
     }
 
     /// Facts about the model.
@@ -336,18 +354,11 @@ impl Model {
         &self.info
     }
 
-    /// Kind and K/V row width (f32 values per position) of each layer that owns a cache.
-    fn kv_geometry(&self) -> Vec<(LayerKind, usize)> {
-        match &self.inner {
-            Arch::Gemma3(m) => m.caches(),
-            Arch::Gemma4(m) => m.caches().to_vec(),
-        }
-    }
-
     /// Bytes of K and V that one position takes over all layers of `kind` that own a cache
     /// (0 when the model has no such layer).
     pub fn kv_bytes_per_token(&self, kind: LayerKind) -> usize {
-        self.kv_geometry()
+        self.inner
+            .caches()
             .iter()
             .filter(|g| g.0 == kind)
             .map(|g| 2 * g.1 * std::mem::size_of::<f32>())
@@ -357,10 +368,7 @@ impl Model {
     /// Token rows the model runs through its layers at once; a [`Model::step`] with more
     /// tokens is run in chunks of this many.
     pub fn max_step_rows(&self) -> usize {
-        match &self.inner {
-            Arch::Gemma3(_) => crate::gemma3::MAX_BATCH,
-            Arch::Gemma4(_) => crate::gemma4::MAX_BATCH,
-        }
+        self.inner.max_rows()
     }
 
     /// A pool of `full_blocks` blocks for full-attention layers and `sliding_blocks` for
@@ -371,13 +379,8 @@ impl Model {
         full_blocks: usize,
         sliding_blocks: usize,
     ) -> Result<KvPool> {
-        let geometry = self.kv_geometry();
-        let blocks = [full_blocks, sliding_blocks];
-        let kv = match &self.inner {
-            Arch::Gemma3(m) => PagedKv::new(m.backend(), &geometry, block_size, blocks)?,
-            Arch::Gemma4(m) => PagedKv::new(m.backend(), &geometry, block_size, blocks)?,
-        };
-        Ok(KvPool { kv })
+        self.inner
+            .new_pool(block_size, [full_blocks, sliding_blocks])
     }
 
     /// One step over several sequences: each runs its tokens at positions `start ..`, writing
@@ -385,25 +388,13 @@ impl Model {
     /// earlier tokens. Returns the logits each sequence asked for, sequence by sequence
     /// (row-major, `n_vocab` per row).
     pub fn step(&self, pool: &mut KvPool, seqs: &[SeqStep]) -> Result<Vec<f32>> {
-        match &self.inner {
-            Arch::Gemma3(m) => paged::step(m.as_ref(), &mut pool.kv, seqs),
-            Arch::Gemma4(m) => paged::step(m.as_ref(), &mut pool.kv, seqs),
-        }
+        self.inner.step(pool, seqs)
     }
 
     /// Checks that the model can run every token id (an [`Error::Invalid`] naming the first
     /// that it cannot).
     pub fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
-        match &self.inner {
-            Arch::Gemma4(m) => m.check_tokens(tokens),
-            Arch::Gemma3(_) => match tokens.iter().find(|&&t| t as usize >= self.info.n_vocab) {
-                Some(t) => Err(Error::Invalid(format!(
-                    "token id {t} is outside the vocabulary of {}",
-                    self.info.n_vocab
-                ))),
-                None => Ok(()),
-            },
-        }
+        self.inner.check_tokens(tokens)
     }
 
     /// A cache for up to `max_tokens` tokens (ContextOverflow beyond the context length).

@@ -42,26 +42,38 @@ pub(crate) fn kind_index(kind: LayerKind) -> usize {
     }
 }
 
-/// K and V buffers of every layer that owns a cache.
-pub(crate) struct PagedKv<B: Backend> {
+/// Paged key/value storage on backend `B`: the K and V buffers of every layer that owns a
+/// cache, `blocks(kind) · block_size` slots each (made by `Gemma3::new_kv_pool` /
+/// `Gemma4::new_kv_pool`; [`crate::KvPool`] holds one of the loaded model's backend).
+pub struct PagedKv<B: Backend> {
     /// Per cache: K, V, kind.
-    pub layers: Vec<(B::Buffer, B::Buffer, LayerKind)>,
+    pub(crate) layers: Vec<(B::Buffer, B::Buffer, LayerKind)>,
     /// Per cache: kind and row width (to recognise the model it was made for).
-    pub geometry: Vec<(LayerKind, usize)>,
+    pub(crate) geometry: Vec<(LayerKind, usize)>,
     /// Slots per block.
-    pub block_size: usize,
+    pub(crate) block_size: usize,
     /// Blocks of each kind (indexed by [`kind_index`]).
-    pub n_blocks: [usize; 2],
+    pub(crate) n_blocks: [usize; 2],
 }
 
 impl<B: Backend> PagedKv<B> {
+    /// Slots per block.
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// Blocks for layers of `kind`.
+    pub fn blocks(&self, kind: LayerKind) -> usize {
+        self.n_blocks[kind_index(kind)]
+    }
+
     /// Whether some cache is of kind index `k`.
-    pub fn has_kind(&self, k: usize) -> bool {
+    pub(crate) fn has_kind(&self, k: usize) -> bool {
         self.geometry.iter().any(|g| kind_index(g.0) == k)
     }
 
     /// Buffers for caches of `(kind, row width)`, `n_blocks[kind]` blocks of `block_size`.
-    pub fn new(
+    pub(crate) fn new(
         backend: &B,
         caches: &[(LayerKind, usize)],
         block_size: usize,
@@ -145,20 +157,34 @@ impl ChunkLayout {
 }
 
 /// What an architecture provides to run a step.
-pub(crate) trait StepModel<B: Backend> {
+pub(crate) trait StepModel {
+    /// The backend it runs on.
+    type Backend: Backend;
+    /// The backend.
+    fn backend(&self) -> &Self::Backend;
+    /// Kind and K/V row width (f32 values per position) of each layer that owns a cache.
+    fn caches(&self) -> Vec<(LayerKind, usize)>;
+    /// Checks that the model can run every token id (an [`Error::Invalid`] naming the first
+    /// that it cannot).
+    fn check_tokens(&self, tokens: &[u32]) -> Result<()>;
     /// Most token rows one chunk may have.
     fn max_rows(&self) -> usize;
     /// Logits per token.
     fn n_vocab(&self) -> usize;
     /// Runs a chunk through every layer and writes the logits of `layout.logit_rows`
     /// (row-major) to `out`.
-    fn run_chunk(&self, kv: &mut PagedKv<B>, layout: &ChunkLayout, out: &mut [f32]) -> Result<()>;
+    fn run_chunk(
+        &self,
+        kv: &mut PagedKv<Self::Backend>,
+        layout: &ChunkLayout,
+        out: &mut [f32],
+    ) -> Result<()>;
 }
 
 /// Runs a step over `seqs` and returns the logits each asked for, sequence by sequence.
-pub(crate) fn step<B: Backend, M: StepModel<B>>(
+pub(crate) fn step<M: StepModel>(
     model: &M,
-    kv: &mut PagedKv<B>,
+    kv: &mut PagedKv<M::Backend>,
     seqs: &[SeqStep],
 ) -> Result<Vec<f32>> {
     let bs = kv.block_size;

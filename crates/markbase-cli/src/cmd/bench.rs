@@ -42,8 +42,8 @@ pub fn run(global: &Global, args: Args) -> Result<()> {
     };
     let mut out = std::io::stdout().lock();
     if !args.json {
-        writeln!(out, "| model | size | threads | test | t/s |")?;
-        writeln!(out, "| --- | ---: | ---: | ---: | ---: |")?;
+        writeln!(out, "| model | size | device | test | t/s |")?;
+        writeln!(out, "| --- | ---: | --- | ---: | ---: |")?;
     }
     let mut write_err = None;
     let results = bench(&model, &opts, |r| {
@@ -52,8 +52,8 @@ pub fn run(global: &Global, args: Args) -> Result<()> {
         }
         let line = writeln!(
             out,
-            "| {} | {size_mib:.1} MiB | {threads} | {} | {:.2} ± {:.2} |",
-            info.architecture, r.test, r.tokens_per_second, r.std_tokens_per_second
+            "| {} | {size_mib:.1} MiB | {} | {} | {:.2} ± {:.2} |",
+            info.architecture, info.device, r.test, r.tokens_per_second, r.std_tokens_per_second
         );
         write_err = line.err();
     })?;
@@ -64,6 +64,7 @@ pub fn run(global: &Global, args: Args) -> Result<()> {
         let obj = json!({
             "model": info.architecture,
             "weight_bytes": info.weight_bytes,
+            "device": info.device,
             "threads": threads,
             "repetitions": args.repetitions,
             "results": results,

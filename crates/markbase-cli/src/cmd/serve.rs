@@ -52,6 +52,7 @@ pub fn run(global: &Global, args: Args) -> Result<()> {
     let path = crate::model::model_path(global)?;
     let loaded = crate::model::load_model(global)?;
     let limit = loaded.model.info().context_length;
+    let device = loaded.model.info().device.clone();
     let model_name = args.model_name.clone().unwrap_or_else(|| {
         path.file_stem()
             .or(path.file_name())
@@ -83,7 +84,7 @@ pub fn run(global: &Global, args: Args) -> Result<()> {
         let state = AppState::new(loaded, opts).map_err(anyhow::Error::msg)?;
         let addr = listener.local_addr()?;
         eprintln!(
-            "markbase: serving {model_name} on http://{addr} (OpenAI API under /v1{})",
+            "markbase: serving {model_name} ({device}) on http://{addr} (OpenAI API under /v1{})",
             if state.api_key.is_some() {
                 ", API key required"
             } else {

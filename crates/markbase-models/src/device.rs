@@ -1,0 +1,98 @@
+//! Where a model runs: the [`Device`] a caller asks for, and what [`crate::Model`] needs from
+//! the backend behind it.
+
+use std::fmt;
+use std::str::FromStr;
+
+use markbase_core::backend::Backend;
+use markbase_core::{Error, Result};
+use markbase_cpu::CpuBackend;
+use markbase_cuda::CudaBackend;
+
+/// The device a model is loaded onto.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Device {
+    /// The CPU backend (threads from [`crate::LoadOptions::threads`]).
+    #[default]
+    Cpu,
+    /// The CUDA backend on the GPU of this ordinal.
+    Cuda(usize),
+}
+
+impl FromStr for Device {
+    type Err = Error;
+
+    /// Parses `cpu`, `cuda` (GPU 0) or `cuda:N`.
+    fn from_str(s: &str) -> Result<Device> {
+        let bad = || Error::Invalid(format!("'{s}' is not a device (cpu, cuda, cuda:N)"));
+        match s {
+            "cpu" => Ok(Device::Cpu),
+            "cuda" => Ok(Device::Cuda(0)),
+            _ => {
+                let n = s.strip_prefix("cuda:").ok_or_else(bad)?;
+                n.parse().map(Device::Cuda).map_err(|_| bad())
+            }
+        }
+    }
+}
+
+impl fmt::Display for Device {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Device::Cpu => write!(f, "cpu"),
+            Device::Cuda(n) => write!(f, "cuda:{n}"),
+        }
+    }
+}
+
+/// A backend a [`crate::Model`] can run on.
+pub(crate) trait DeviceBackend: Backend + 'static {
+    /// What the model runs on, for people ("cpu (2 threads)", "cuda:0 NVIDIA H200").
+    fn describe(&self) -> String;
+    /// Prepares the calling thread to queue work (a step may run on any thread).
+    fn enter_thread(&self) -> Result<()>;
+}
+
+impl DeviceBackend for CpuBackend {
+    fn describe(&self) -> String {
+        format!("cpu ({} threads)", self.threads())
+    }
+
+    fn enter_thread(&self) -> Result<()> {
+        Ok(())
+    }
+}
+
+impl DeviceBackend for CudaBackend {
+    fn describe(&self) -> String {
+        let d = self.device();
+        format!("cuda:{} {}", d.ordinal(), d.name())
+    }
+
+    fn enter_thread(&self) -> Result<()> {
+        self.device().bind_to_thread()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_and_prints() {
+        for (s, d) in [
+            ("cpu", Device::Cpu),
+            ("cuda", Device::Cuda(0)),
+            ("cuda:0", Device::Cuda(0)),
+            ("cuda:3", Device::Cuda(3)),
+        ] {
+            assert_eq!(s.parse::<Device>().unwrap(), d, "{s}");
+        }
+        assert_eq!(Device::Cuda(3).to_string(), "cuda:3");
+        assert_eq!(Device::default().to_string(), "cpu");
+        for bad in ["", "gpu", "cuda:", "cuda:x", "cuda:-1", "CPU", "cuda0"] {
+            let e = bad.parse::<Device>().unwrap_err().to_string();
+            assert!(e.contains("is not a device"), "{bad}: {e}");
+        }
+    }
+}

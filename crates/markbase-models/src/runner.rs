@@ -1,0 +1,65 @@
+//! The object-safe face of an architecture on a backend, so that [`crate::Model`] and
+//! [`crate::KvPool`] need no backend parameter: a loaded model is a `Box<dyn Runner>`, its
+//! pools hold a [`PagedKv`] of the same backend behind `dyn Any`.
+
+use markbase_core::config::LayerKind;
+use markbase_core::{Error, Result};
+
+use crate::device::DeviceBackend;
+use crate::model::KvPool;
+use crate::paged::{self, kind_index, PagedKv, SeqStep, StepModel};
+
+/// What [`crate::Model`] does with its architecture, whatever the backend.
+pub(crate) trait Runner: Send + Sync {
+    /// Kind and K/V row width of each layer that owns a cache.
+    fn caches(&self) -> Vec<(LayerKind, usize)>;
+    /// Most token rows run through the layers at once.
+    fn max_rows(&self) -> usize;
+    /// Checks that the model can run every token id.
+    fn check_tokens(&self, tokens: &[u32]) -> Result<()>;
+    /// A pool on the model's backend.
+    fn new_pool(&self, block_size: usize, blocks: [usize; 2]) -> Result<KvPool>;
+    /// One step over several sequences (as [`crate::Model::step`]).
+    fn step(&self, pool: &mut KvPool, seqs: &[SeqStep]) -> Result<Vec<f32>>;
+}
+
+impl<M> Runner for M
+where
+    M: StepModel + Send + Sync,
+    M::Backend: DeviceBackend,
+{
+    fn caches(&self) -> Vec<(LayerKind, usize)> {
+        StepModel::caches(self)
+    }
+
+    fn max_rows(&self) -> usize {
+        StepModel::max_rows(self)
+    }
+
+    fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
+        StepModel::check_tokens(self, tokens)
+    }
+
+    fn new_pool(&self, block_size: usize, blocks: [usize; 2]) -> Result<KvPool> {
+        self.backend().enter_thread()?;
+        let kv = PagedKv::new(self.backend(), &self.caches(), block_size, blocks)?;
+        Ok(KvPool {
+            block_size,
+            n_blocks: blocks,
+            n_caches: kv.layers.len(),
+            has_sliding: kv.has_kind(kind_index(LayerKind::Sliding)),
+            kv: Box::new(kv),
+        })
+    }
+
+    fn step(&self, pool: &mut KvPool, seqs: &[SeqStep]) -> Result<Vec<f32>> {
+        let kv = pool
+            .kv
+            .downcast_mut::<PagedKv<M::Backend>>()
+            .ok_or_else(|| {
+                Error::Invalid("the KV pool was made on another device than the model's".into())
+            })?;
+        self.backend().enter_thread()?;
+        paged::step(self, kv, seqs)
+    }
+}
