@@ -83,19 +83,19 @@ pub(super) unsafe fn qdot_rows(
         let g = (xs.len() - t0).min(TOKEN_GROUP);
         let (x, o) = (&xs[t0..t0 + g], &mut outs[t0..t0 + g]);
         match g {
-            1 => group::<1, 4>(ty, rows, rb, x, o),
-            2 => group::<2, 2>(ty, rows, rb, x, o),
-            3 => group::<3, 1>(ty, rows, rb, x, o),
-            _ => group::<4, 1>(ty, rows, rb, x, o),
+            1 => group::<1>(ty, rows, rb, x, o),
+            2 => group::<2>(ty, rows, rb, x, o),
+            3 => group::<3>(ty, rows, rb, x, o),
+            _ => group::<4>(ty, rows, rb, x, o),
         }
         t0 += g;
     }
 }
 
-/// [`qdot_rows`] for a group of `N` tokens, legacy formats in tiles of `R` rows.
+/// [`qdot_rows`] for a group of `N` tokens.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn group<const N: usize, const R: usize>(
+unsafe fn group<const N: usize>(
     ty: GgmlType,
     rows: &[u8],
     rb: usize,
@@ -109,11 +109,11 @@ unsafe fn group<const N: usize, const R: usize>(
         rb,
     };
     match ty {
-        GgmlType::Q8_0 => legacy::<34, false, N, R>(w, &x, nb, q8_0, outs),
-        GgmlType::Q4_0 => legacy::<18, false, N, R>(w, &x, nb, q4_0, outs),
-        GgmlType::Q4_1 => legacy::<20, true, N, R>(w, &x, nb, q4_1, outs),
-        GgmlType::Q5_0 => legacy::<22, false, N, R>(w, &x, nb, q5_0, outs),
-        GgmlType::Q5_1 => legacy::<24, true, N, R>(w, &x, nb, q5_1, outs),
+        GgmlType::Q8_0 => legacy::<34, false, N>(w, &x, nb, q8_0, outs),
+        GgmlType::Q4_0 => legacy::<18, false, N>(w, &x, nb, q4_0, outs),
+        GgmlType::Q4_1 => legacy::<20, true, N>(w, &x, nb, q4_1, outs),
+        GgmlType::Q5_0 => legacy::<22, false, N>(w, &x, nb, q5_0, outs),
+        GgmlType::Q5_1 => legacy::<24, true, N>(w, &x, nb, q5_1, outs),
         GgmlType::Q2_K => kquant::<84, N>(w, &x, nb / 8, q2_k::<N>, outs),
         GgmlType::Q3_K => kquant::<110, N>(w, &x, nb / 8, q3_k::<N>, outs),
         GgmlType::Q4_K => kquant::<144, N>(w, &x, nb / 8, q45_k::<false, N>, outs),
@@ -243,79 +243,51 @@ unsafe fn u8x8_to_f32(v: u64) -> __m256 {
 /// order (see [`widen_i8`]).
 type Unpack32 = unsafe fn(*const u8) -> (__m256i, __m256i);
 
-/// Every row of `w` (as many as `outs[0]` holds) against `N` tokens, in tiles of `R` rows and
-/// then single rows; blocks of `TS` bytes whose first half is the scale `d` (and, for formats
-/// with a minimum, `MIN`, the second half `m`).
+/// Every row of `w` (as many as `outs[0]` holds) against `N` tokens: Σ over the `nb` blocks
+/// of `TS` bytes of `d · d_x · p` (plus `m · s_x` for formats with a minimum, `MIN`; `d` and
+/// `m` are the block's first two halves, else `d` alone). Rows are walked one after the other
+/// (one stream of addresses for the hardware prefetcher), with two accumulators per token so
+/// that consecutive blocks do not wait on each other's FMA.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn legacy<const TS: usize, const MIN: bool, const N: usize, const R: usize>(
+unsafe fn legacy<const TS: usize, const MIN: bool, const N: usize>(
     w: Rows,
     x: &[X; N],
     nb: usize,
     unpack: Unpack32,
     outs: &mut [&mut [f32]],
 ) {
-    let nrows = outs[0].len();
     let t = f16_table().as_ptr();
-    let mut i = 0;
-    while i + R <= nrows {
-        let v = legacy_tile::<TS, MIN, N, R>(w, i, x, nb, t, unpack);
-        store(outs, i, &v);
-        i += R;
-    }
-    while i < nrows {
-        let v = legacy_tile::<TS, MIN, N, 1>(w, i, x, nb, t, unpack);
-        store(outs, i, &v);
-        i += 1;
-    }
-}
-
-/// `outs[t][i + r] = v[r][t]`.
-#[inline]
-fn store<const N: usize, const R: usize>(outs: &mut [&mut [f32]], i: usize, v: &[[f32; N]; R]) {
-    for (r, vr) in v.iter().enumerate() {
-        for (o, val) in outs.iter_mut().zip(vr) {
-            o[i + r] = *val;
-        }
-    }
-}
-
-/// Rows `i..i + R` of `w` against `N` tokens: Σ over the `nb` blocks of `d · d_x · p` (plus
-/// `m · s_x`), one accumulator per (row, token).
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn legacy_tile<const TS: usize, const MIN: bool, const N: usize, const R: usize>(
-    w: Rows,
-    i: usize,
-    x: &[X; N],
-    nb: usize,
-    t: *const f32,
-    unpack: Unpack32,
-) -> [[f32; N]; R] {
-    let mut acc = [[_mm256_setzero_ps(); N]; R];
-    let mut mins = [[0f32; N]; R];
-    for j in 0..nb {
-        for r in 0..R {
-            let b = w.row(i + r).add(j * TS);
+    for i in 0..outs[0].len() {
+        let row = w.row(i);
+        let mut acc = [[_mm256_setzero_ps(); 2]; N];
+        let mut mins = [[0f32; 2]; N];
+        let mut one = |j: usize| {
+            let b = row.add(j * TS);
             let (lo, hi) = unpack(b);
             let d = _mm256_set1_ps(f16_via(t, b));
             for n in 0..N {
                 let p = madd_pair(lo, hi, x[n].q.add(32 * j));
                 let s = _mm256_mul_ps(d, _mm256_broadcast_ss(&*x[n].d.add(j)));
-                acc[r][n] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(p), acc[r][n]);
+                acc[n][j % 2] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(p), acc[n][j % 2]);
                 if MIN {
-                    mins[r][n] += f16_via(t, b.add(2)) * *x[n].s32.add(j);
+                    mins[n][j % 2] += f16_via(t, b.add(2)) * *x[n].s32.add(j);
                 }
             }
+        };
+        let mut j = 0;
+        while j + 2 <= nb {
+            one(j);
+            one(j + 1);
+            j += 2;
         }
-    }
-    let mut out = [[0f32; N]; R];
-    for r in 0..R {
+        if j < nb {
+            one(j);
+        }
         for n in 0..N {
-            out[r][n] = hsum(acc[r][n]) + mins[r][n];
+            outs[n][i] = hsum(_mm256_add_ps(acc[n][0], acc[n][1])) + (mins[n][0] + mins[n][1]);
         }
     }
-    out
 }
 
 /// Q8_0 (34 bytes): `d: f16, qs: [i8; 32]`.
@@ -404,22 +376,43 @@ unsafe fn kquant<const TS: usize, const N: usize>(
 }
 
 /// Adds activation block `j` of every token, times the weights widened in `lo` / `hi` and
-/// the weight scales `sw` (per 16-weight half, see [`halves`]), to the token's accumulator
-/// `j % 2`.
+/// the token's scales `s[n]` (weight scale × activation scale, per 16-weight half), to the
+/// token's accumulator `j % 2`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn add_block<const N: usize>(
     acc: &mut [[__m256; 2]; N],
     x: &[X; N],
     j: usize,
-    sw: __m256,
+    s: [__m256; N],
     (lo, hi): (__m256i, __m256i),
 ) {
     for n in 0..N {
         let p = madd_pair(lo, hi, x[n].q.add(32 * j));
-        let s = _mm256_mul_ps(sw, _mm256_broadcast_ss(&*x[n].d.add(j)));
-        acc[n][j % 2] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(p), acc[n][j % 2]);
+        acc[n][j % 2] = _mm256_fmadd_ps(s[n], _mm256_cvtepi32_ps(p), acc[n][j % 2]);
     }
+}
+
+/// Per-half scales of a super-block with sixteen 16-weight sub-blocks, for each token: `sub`
+/// holds the 16 sub-block scales (times the super-block scale) as two vectors of eight; the
+/// result is the same times each half's activation block scale, for [`halves`].
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn half_scales<const N: usize>(sub: [__m256; 2], x: &[X; N]) -> [[__m256; 2]; N] {
+    std::array::from_fn(|n| {
+        let dx = _mm256_loadu_ps(x[n].d);
+        let lo = _mm256_permutevar8x32_ps(dx, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
+        let hi = _mm256_permutevar8x32_ps(dx, _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7));
+        [_mm256_mul_ps(sub[0], lo), _mm256_mul_ps(sub[1], hi)]
+    })
+}
+
+/// Per-block scales of a super-block with eight 32-weight sub-blocks, for each token: the
+/// weight scales `sw` times the token's activation block scales, for [`lane`].
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn block_scales<const N: usize>(sw: __m256, x: &[X; N]) -> [__m256; N] {
+    std::array::from_fn(|n| _mm256_mul_ps(sw, _mm256_loadu_ps(x[n].d)))
 }
 
 /// Subtracts the minimum terms `m · s` (eight lanes) of every token from its accumulator 0,
@@ -476,13 +469,14 @@ unsafe fn q2_k<const N: usize>(b: *const u8, x: &[X; N], acc: &mut [[__m256; 2];
     let m = i8x16_scaled(_mm_and_si128(_mm_srli_epi16(sc, 4), m4), dmin);
     sub_mins(acc, x, m[0], |x| x.s16);
     sub_mins(acc, x, m[1], |x| x.s16.add(8));
-    let sub = i8x16_scaled(_mm_and_si128(sc, m4), d);
+    let tok = half_scales(i8x16_scaled(_mm_and_si128(sc, m4), d), x);
     let three = _mm256_set1_epi8(3);
-    for (n, sub) in sub.into_iter().enumerate() {
+    for n in 0..2 {
         let qs = _mm256_loadu_si256(b.add(16 + 32 * n).cast());
         for k in 0..4 {
             let u = _mm256_and_si256(_mm256_srl_epi16(qs, _mm_cvtsi32_si128(2 * k as i32)), three);
-            add_block(acc, x, 4 * n + k, halves(sub, k), widen_u8(u));
+            let s = std::array::from_fn(|t| halves(tok[t][n], k));
+            add_block(acc, x, 4 * n + k, s, widen_u8(u));
         }
     }
 }
@@ -495,10 +489,10 @@ unsafe fn q2_k<const N: usize>(b: *const u8, x: &[X; N], acc: &mut [[__m256; 2];
 unsafe fn q3_k<const N: usize>(b: *const u8, x: &[X; N], acc: &mut [[__m256; 2]; N]) {
     let sc = q3_k_scales(std::slice::from_raw_parts(b.add(96), 12));
     let sc = _mm_loadu_si128(sc.as_ptr().cast());
-    let sub = i8x16_scaled(sc, f16_at(b.add(108)));
+    let tok = half_scales(i8x16_scaled(sc, f16_at(b.add(108))), x);
     let hm = _mm256_loadu_si256(b.cast());
     let (three, four) = (_mm256_set1_epi8(3), _mm256_set1_epi8(4));
-    for (n, sub) in sub.into_iter().enumerate() {
+    for n in 0..2 {
         let qs = _mm256_loadu_si256(b.add(32 + 32 * n).cast());
         for k in 0..4 {
             let j = 4 * n + k;
@@ -507,7 +501,8 @@ unsafe fn q3_k<const N: usize>(b: *const u8, x: &[X; N], acc: &mut [[__m256; 2];
             let bit = _mm256_set1_epi8((1u8 << j) as i8);
             let set = _mm256_cmpeq_epi8(_mm256_and_si256(hm, bit), bit);
             let v = _mm256_sub_epi8(low, _mm256_andnot_si256(set, four));
-            add_block(acc, x, j, halves(sub, k), widen_i8(v));
+            let s = std::array::from_fn(|t| halves(tok[t][n], k));
+            add_block(acc, x, j, s, widen_i8(v));
         }
     }
 }
@@ -525,7 +520,7 @@ unsafe fn q45_k<const FIVE: bool, const N: usize>(
 ) {
     let (d, dmin) = (f16_at(b), f16_at(b.add(2)));
     let (sc, m) = k_scales_mins(b.add(4));
-    let scale = _mm256_mul_ps(_mm256_set1_ps(d), u8x8_to_f32(sc));
+    let tok = block_scales(_mm256_mul_ps(_mm256_set1_ps(d), u8x8_to_f32(sc)), x);
     let mv = _mm256_mul_ps(_mm256_set1_ps(dmin), u8x8_to_f32(m));
     sub_mins(acc, x, mv, |x| x.s32);
     let qs = b.add(if FIVE { 48 } else { 16 });
@@ -547,8 +542,8 @@ unsafe fn q45_k<const FIVE: bool, const N: usize>(
             hb = _mm256_srli_epi16(hb, 1);
         }
         let (j0, j1) = (2 * n, 2 * n + 1);
-        add_block(acc, x, j0, lane(scale, j0), widen_u8(lo));
-        add_block(acc, x, j1, lane(scale, j1), widen_u8(hi));
+        add_block(acc, x, j0, tok.map(|v| lane(v, j0)), widen_u8(lo));
+        add_block(acc, x, j1, tok.map(|v| lane(v, j1)), widen_u8(hi));
     }
 }
 
@@ -560,13 +555,13 @@ unsafe fn q45_k<const FIVE: bool, const N: usize>(
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q6_k<const N: usize>(b: *const u8, x: &[X; N], acc: &mut [[__m256; 2]; N]) {
     let sc = _mm_loadu_si128(b.add(192).cast());
-    let sub = i8x16_scaled(sc, f16_at(b.add(208)));
+    let tok = half_scales(i8x16_scaled(sc, f16_at(b.add(208))), x);
     let (m4, m3, off) = (
         _mm256_set1_epi8(0x0F),
         _mm256_set1_epi8(3),
         _mm256_set1_epi8(32),
     );
-    for (n, sub) in sub.into_iter().enumerate() {
+    for n in 0..2 {
         let qa = _mm256_loadu_si256(b.add(64 * n).cast());
         let qb = _mm256_loadu_si256(b.add(64 * n + 32).cast());
         let h = _mm256_loadu_si256(b.add(128 + 32 * n).cast());
@@ -582,7 +577,8 @@ unsafe fn q6_k<const N: usize>(b: *const u8, x: &[X; N], acc: &mut [[__m256; 2];
         ];
         for (k, v) in v.into_iter().enumerate() {
             let w = widen_i8(_mm256_sub_epi8(v, off));
-            add_block(acc, x, 4 * n + k, halves(sub, k), w);
+            let s = std::array::from_fn(|t| halves(tok[t][n], k));
+            add_block(acc, x, 4 * n + k, s, w);
         }
     }
 }
@@ -592,9 +588,9 @@ unsafe fn q6_k<const N: usize>(b: *const u8, x: &[X; N], acc: &mut [[__m256; 2];
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q8_k<const N: usize>(b: *const u8, x: &[X; N], acc: &mut [[__m256; 2]; N]) {
     let d = f32::from_le_bytes(std::ptr::read_unaligned(b.cast::<[u8; 4]>()));
-    let d = _mm256_set1_ps(d);
+    let tok = block_scales(_mm256_set1_ps(d), x);
     for j in 0..8 {
         let v = _mm256_loadu_si256(b.add(4 + 32 * j).cast());
-        add_block(acc, x, j, d, widen_i8(v));
+        add_block(acc, x, j, tok.map(|v| lane(v, j)), widen_i8(v));
     }
 }
