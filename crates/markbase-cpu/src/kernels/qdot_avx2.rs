@@ -395,16 +395,17 @@ unsafe fn add_block<const N: usize>(
 
 /// Per-half scales of a super-block with sixteen 16-weight sub-blocks, for each token: `sub`
 /// holds the 16 sub-block scales (times the super-block scale) as two vectors of eight; the
-/// result is the same times each half's activation block scale, for [`halves`].
+/// result is the same times each half's activation block scale (`[group of four blocks]
+/// [token]`), for [`halves`].
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn half_scales<const N: usize>(sub: [__m256; 2], x: &[X; N]) -> [[__m256; 2]; N] {
-    std::array::from_fn(|n| {
-        let dx = _mm256_loadu_ps(x[n].d);
-        let lo = _mm256_permutevar8x32_ps(dx, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
-        let hi = _mm256_permutevar8x32_ps(dx, _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7));
-        [_mm256_mul_ps(sub[0], lo), _mm256_mul_ps(sub[1], hi)]
-    })
+unsafe fn half_scales<const N: usize>(sub: [__m256; 2], x: &[X; N]) -> [[__m256; N]; 2] {
+    let lo = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
+    let hi = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
+    [
+        x.map(|x| _mm256_mul_ps(sub[0], _mm256_permutevar8x32_ps(_mm256_loadu_ps(x.d), lo))),
+        x.map(|x| _mm256_mul_ps(sub[1], _mm256_permutevar8x32_ps(_mm256_loadu_ps(x.d), hi))),
+    ]
 }
 
 /// Per-block scales of a super-block with eight 32-weight sub-blocks, for each token: the
@@ -471,11 +472,11 @@ unsafe fn q2_k<const N: usize>(b: *const u8, x: &[X; N], acc: &mut [[__m256; 2];
     sub_mins(acc, x, m[1], |x| x.s16.add(8));
     let tok = half_scales(i8x16_scaled(_mm_and_si128(sc, m4), d), x);
     let three = _mm256_set1_epi8(3);
-    for n in 0..2 {
+    for (n, tok) in tok.into_iter().enumerate() {
         let qs = _mm256_loadu_si256(b.add(16 + 32 * n).cast());
         for k in 0..4 {
             let u = _mm256_and_si256(_mm256_srl_epi16(qs, _mm_cvtsi32_si128(2 * k as i32)), three);
-            let s = std::array::from_fn(|t| halves(tok[t][n], k));
+            let s = tok.map(|v| halves(v, k));
             add_block(acc, x, 4 * n + k, s, widen_u8(u));
         }
     }
@@ -492,7 +493,7 @@ unsafe fn q3_k<const N: usize>(b: *const u8, x: &[X; N], acc: &mut [[__m256; 2];
     let tok = half_scales(i8x16_scaled(sc, f16_at(b.add(108))), x);
     let hm = _mm256_loadu_si256(b.cast());
     let (three, four) = (_mm256_set1_epi8(3), _mm256_set1_epi8(4));
-    for n in 0..2 {
+    for (n, tok) in tok.into_iter().enumerate() {
         let qs = _mm256_loadu_si256(b.add(32 + 32 * n).cast());
         for k in 0..4 {
             let j = 4 * n + k;
@@ -501,7 +502,7 @@ unsafe fn q3_k<const N: usize>(b: *const u8, x: &[X; N], acc: &mut [[__m256; 2];
             let bit = _mm256_set1_epi8((1u8 << j) as i8);
             let set = _mm256_cmpeq_epi8(_mm256_and_si256(hm, bit), bit);
             let v = _mm256_sub_epi8(low, _mm256_andnot_si256(set, four));
-            let s = std::array::from_fn(|t| halves(tok[t][n], k));
+            let s = tok.map(|v| halves(v, k));
             add_block(acc, x, j, s, widen_i8(v));
         }
     }
@@ -561,7 +562,7 @@ unsafe fn q6_k<const N: usize>(b: *const u8, x: &[X; N], acc: &mut [[__m256; 2];
         _mm256_set1_epi8(3),
         _mm256_set1_epi8(32),
     );
-    for n in 0..2 {
+    for (n, tok) in tok.into_iter().enumerate() {
         let qa = _mm256_loadu_si256(b.add(64 * n).cast());
         let qb = _mm256_loadu_si256(b.add(64 * n + 32).cast());
         let h = _mm256_loadu_si256(b.add(128 + 32 * n).cast());
@@ -577,7 +578,7 @@ unsafe fn q6_k<const N: usize>(b: *const u8, x: &[X; N], acc: &mut [[__m256; 2];
         ];
         for (k, v) in v.into_iter().enumerate() {
             let w = widen_i8(_mm256_sub_epi8(v, off));
-            let s = std::array::from_fn(|t| halves(tok[t][n], k));
+            let s = tok.map(|v| halves(v, k));
             add_block(acc, x, 4 * n + k, s, w);
         }
     }
