@@ -1,12 +1,14 @@
 //! Integer dot kernels (16-bit activations): 64 rows of 2048 weights per format, which stay in
-//! L2 (the kernels' compute speed per core), AVX2 and portable.
+//! L2 (the kernels' compute speed per core), AVX2 and portable; and the same rows against 4
+//! and 8 tokens at once (decode batches), counted as weight bytes × tokens per second.
 //! Run: `cargo bench -p markbase-cpu --bench qdot`; throughput is weight bytes per second.
 
 use divan::counter::BytesCount;
 use divan::Bencher;
 use markbase_core::quant::GgmlType;
+use markbase_cpu::kernels::act::ActRow;
 use markbase_cpu::kernels::act::QuantAct;
-use markbase_cpu::kernels::qdot::{qdot_rows_with, supports};
+use markbase_cpu::kernels::qdot::{qdot_rows_with, qdot_tokens_with, supports};
 use markbase_cpu::kernels::Isa;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -33,7 +35,7 @@ const FORMATS: [GgmlType; 11] = [
 ];
 
 /// Random rows whose f16 scales are all 2^-4, and quantized activations.
-fn inputs(ty: GgmlType) -> (Vec<u8>, QuantAct) {
+fn inputs(ty: GgmlType, n: usize) -> (Vec<u8>, QuantAct) {
     assert!(supports(ty));
     let mut rng = StdRng::seed_from_u64(7);
     let mut rows = vec![0u8; ROWS * ty.bytes_for(K).unwrap()];
@@ -50,14 +52,14 @@ fn inputs(ty: GgmlType) -> (Vec<u8>, QuantAct) {
             block[at..at + 2].copy_from_slice(&0x2C00u16.to_le_bytes());
         }
     }
-    let x: Vec<f32> = (0..K).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+    let x: Vec<f32> = (0..n * K).map(|_| rng.random_range(-1.0f32..1.0)).collect();
     let mut act = QuantAct::new();
-    act.quantize(&x, 1, K);
+    act.quantize(&x, n, K);
     (rows, act)
 }
 
 fn run(bencher: Bencher, ty: GgmlType, isa: Isa) {
-    let (rows, act) = inputs(ty);
+    let (rows, act) = inputs(ty, 1);
     let mut out = vec![0f32; ROWS];
     bencher
         .counter(BytesCount::new(rows.len()))
@@ -75,4 +77,36 @@ fn rows64_k2048(bencher: Bencher, ty: GgmlType) {
 #[divan::bench(args = FORMATS)]
 fn rows64_k2048_portable(bencher: Bencher, ty: GgmlType) {
     run(bencher, ty, Isa::Portable);
+}
+
+/// The formats of the default model, `n` tokens at once.
+fn run_tokens(bencher: Bencher, ty: GgmlType, n: usize) {
+    let (rows, act) = inputs(ty, n);
+    let xs: Vec<ActRow> = (0..n).map(|t| act.row(t)).collect();
+    let mut out = vec![0f32; n * ROWS];
+    bencher
+        .counter(BytesCount::new(n * rows.len()))
+        .bench_local(|| {
+            let mut outs: Vec<&mut [f32]> = out.chunks_mut(ROWS).collect();
+            qdot_tokens_with(Isa::detect(), ty, divan::black_box(&rows), &xs, &mut outs);
+            divan::black_box(&outs);
+        });
+}
+
+const MODEL_FORMATS: [GgmlType; 5] = [
+    GgmlType::Q4_0,
+    GgmlType::Q5_0,
+    GgmlType::Q8_0,
+    GgmlType::Q4_K,
+    GgmlType::Q6_K,
+];
+
+#[divan::bench(args = MODEL_FORMATS)]
+fn rows64_k2048_tokens4(bencher: Bencher, ty: GgmlType) {
+    run_tokens(bencher, ty, 4);
+}
+
+#[divan::bench(args = MODEL_FORMATS)]
+fn rows64_k2048_tokens8(bencher: Bencher, ty: GgmlType) {
+    run_tokens(bencher, ty, 8);
 }

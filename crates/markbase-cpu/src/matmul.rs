@@ -3,7 +3,8 @@
 //! Block-quantized weights with few tokens (decode) take the integer path: the activations are
 //! quantized once per call to 16-bit blocks ([`QuantAct`], kept in the backend so steady-state
 //! calls allocate nothing), then the weight rows are split into chunks over the pool and each
-//! chunk is dotted with every token's activations while it is in cache. Float weights with one
+//! chunk is dotted with every token's activations at once ([`qdot_tokens`]: each weight block
+//! is unpacked once for a group of tokens). Float weights with one
 //! token take f32 dot products. Larger token counts (prefill) take the blocked f32 GEMM of
 //! [`crate::kernels::gemm`]: each panel of weight rows is dequantized once per call and used
 //! for every token.
@@ -12,10 +13,10 @@ use markbase_core::backend::HostMatrix;
 
 use std::cell::RefCell;
 
-use crate::kernels::act::QuantAct;
+use crate::kernels::act::{ActRow, QuantAct};
 use crate::kernels::dot::dot_row;
 use crate::kernels::gemm::{pack_tokens, packed_len, rows_matmul, unpack_rows, NT};
-use crate::kernels::qdot::{qdot_rows, supports};
+use crate::kernels::qdot::{qdot_tokens, supports};
 use crate::pool::{Pool, SendPtr};
 
 /// Weight rows dequantized together per prefill task (their f32 copy stays in L2).
@@ -71,19 +72,24 @@ pub fn matmul(
     let bytes = w.bytes.as_slice();
     let chunk = rows_per_task(rows, rb, pool.threads());
     let ptr = SendPtr(out.as_mut_ptr());
+    if n == 0 {
+        return;
+    }
     if uses_quantized_activations(w.ty, n) {
         scratch.act.quantize(x, n, k);
         let act = &scratch.act;
+        let xs: [ActRow; F32_FROM_TOKENS] = std::array::from_fn(|t| act.row(t.min(n - 1)));
         pool.run(rows.div_ceil(chunk), &|c| {
             let (r0, r1) = (c * chunk, ((c + 1) * chunk).min(rows));
-            for t in 0..n {
+            let mut outs: [&mut [f32]; F32_FROM_TOKENS] = Default::default();
+            for (t, o) in outs[..n].iter_mut().enumerate() {
                 // SAFETY: (t, r0..r1) is inside `out` (checked by the caller) and belongs to
                 // this task only.
-                let o = unsafe {
+                *o = unsafe {
                     std::slice::from_raw_parts_mut(ptr.get().add(t * rows + r0), r1 - r0)
                 };
-                qdot_rows(w.ty, &bytes[r0 * rb..r1 * rb], act.row(t), o);
             }
+            qdot_tokens(w.ty, &bytes[r0 * rb..r1 * rb], &xs[..n], &mut outs[..n]);
         });
         return;
     }

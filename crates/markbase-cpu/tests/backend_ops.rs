@@ -120,6 +120,39 @@ fn matmul_is_identical_on_any_thread_count() {
     }
 }
 
+/// On the integer path a token's result does not depend on the other tokens of the call: a
+/// decode batch gives each sequence the logits it would get alone, bit for bit.
+#[test]
+fn batched_matmul_equals_one_token_at_a_time() {
+    let mut rng = rng();
+    let be = CpuBackend::new(2).unwrap();
+    for ty in [
+        GgmlType::Q4_0,
+        GgmlType::Q5_0,
+        GgmlType::Q6_K,
+        GgmlType::Q4_K,
+    ] {
+        let (rows, cols) = (rng.random_range(1..200), 512);
+        let m = random_matrix(&mut rng, ty, rows, cols);
+        let w = be.load_matrix(&m).unwrap();
+        let n = rng.random_range(2..F32_FROM_TOKENS);
+        assert!(uses_quantized_activations(ty, n));
+        let x = randn(&mut rng, n * cols, 1.0);
+        let mut all = be.alloc(n * rows).unwrap();
+        be.matmul(&buf(&be, &x, 0), n, &w, &mut all).unwrap();
+        for t in 0..n {
+            let mut one = be.alloc(rows).unwrap();
+            let xt = buf(&be, &x[t * cols..(t + 1) * cols], 0);
+            be.matmul(&xt, 1, &w, &mut one).unwrap();
+            assert_eq!(
+                &all.as_slice()[t * rows..(t + 1) * rows],
+                one.as_slice(),
+                "{ty} n={n} token {t}"
+            );
+        }
+    }
+}
+
 #[test]
 fn rms_norm_matches_reference_both_modes() {
     let mut rng = rng();

@@ -5,7 +5,7 @@
 
 use markbase_core::quant::{dequantize_row, GgmlType};
 use markbase_cpu::kernels::act::{ActRow, QuantAct};
-use markbase_cpu::kernels::qdot::{qdot_rows, qdot_rows_with, supports};
+use markbase_cpu::kernels::qdot::{qdot_rows, qdot_rows_with, qdot_tokens_with, supports};
 use markbase_cpu::kernels::Isa;
 use rand::rngs::StdRng;
 use rand::Rng;
@@ -88,6 +88,52 @@ fn qdot_matches_reference_for_every_format() {
                         err <= REL_TOL * mag + 1e-30,
                         "{isa:?} {ty} k={k} row {r}: got {got}, reference {want} \
                          (error {err:e}, scale {mag:e}); seed {seed}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// Several tokens at once (groups of up to four tokens share each weight block, tiles of
+/// rows): every token's result matches the reference and equals, bit for bit, what the
+/// single-token call gives it.
+#[test]
+fn multi_token_matches_reference_and_single_token() {
+    let (seed, mut rng) = seeded();
+    for isa in kernel_sets() {
+        for ty in quantized_formats() {
+            let k = lengths(ty)[rng.random_range(0..2)];
+            let rows = rng.random_range(1..12);
+            let n = rng.random_range(2..10);
+            let bytes: Vec<u8> = (0..rows)
+                .flat_map(|_| random_row(ty, k, &mut rng))
+                .collect();
+            let mut act = QuantAct::new();
+            act.quantize(&random_acts(n * k, &mut rng), n, k);
+            let xs: Vec<ActRow> = (0..act.rows()).map(|t| act.row(t)).collect();
+            let mut out = vec![f32::NAN; n * rows];
+            let mut outs: Vec<&mut [f32]> = out.chunks_mut(rows).collect();
+            qdot_tokens_with(isa, ty, &bytes, &xs, &mut outs);
+            let rb = bytes.len() / rows;
+            for (t, x) in xs.iter().enumerate() {
+                let mut alone = vec![f32::NAN; rows];
+                qdot_rows_with(isa, ty, &bytes, *x, &mut alone);
+                for r in 0..rows {
+                    let got = out[t * rows + r];
+                    let (want, mag) = reference(ty, &bytes[r * rb..(r + 1) * rb], *x);
+                    let err = (got as f64 - want).abs();
+                    assert!(
+                        err <= REL_TOL * mag + 1e-30,
+                        "{isa:?} {ty} k={k} n={n} token {t} row {r}: got {got}, reference \
+                         {want} (error {err:e}, scale {mag:e}); seed {seed}"
+                    );
+                    assert_eq!(
+                        got.to_bits(),
+                        alone[r].to_bits(),
+                        "{isa:?} {ty} k={k} n={n} token {t} row {r}: batched {got} vs alone {}; \
+                         seed {seed}",
+                        alone[r]
                     );
                 }
             }

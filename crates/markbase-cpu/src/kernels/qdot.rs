@@ -26,7 +26,7 @@ pub fn supports(ty: GgmlType) -> bool {
 /// If `ty` is a float format, or `rows` is shorter than `out.len()` rows of `x.len()` weights
 /// (caller bugs: model loading checks tensor shapes before any kernel runs).
 pub fn qdot_rows(ty: GgmlType, rows: &[u8], x: ActRow, out: &mut [f32]) {
-    qdot_rows_with(Isa::detect(), ty, rows, x, out)
+    qdot_tokens(ty, rows, &[x], &mut [out])
 }
 
 /// [`qdot_rows`] with the kernels written for `isa` (portable ones if this CPU lacks `isa`);
@@ -35,24 +35,66 @@ pub fn qdot_rows(ty: GgmlType, rows: &[u8], x: ActRow, out: &mut [f32]) {
 /// # Panics
 /// As [`qdot_rows`].
 pub fn qdot_rows_with(isa: Isa, ty: GgmlType, rows: &[u8], x: ActRow, out: &mut [f32]) {
+    qdot_tokens_with(isa, ty, rows, &[x], &mut [out])
+}
+
+/// `outs[t][i] = xs[t] · (dequantized row i)` for several tokens at once: each weight block
+/// is unpacked once for a group of tokens, so `n` tokens cost far less than `n` calls of
+/// [`qdot_rows`]. Every token's result equals what [`qdot_rows`] gives it alone (bit for bit:
+/// the same operations in the same order). All `outs` have the same length, the row count.
+///
+/// # Panics
+/// As [`qdot_rows`], or if `xs` and `outs` differ in length, the rows of `xs` in length, or
+/// the slices of `outs` in length.
+pub fn qdot_tokens(ty: GgmlType, rows: &[u8], xs: &[ActRow], outs: &mut [&mut [f32]]) {
+    qdot_tokens_with(Isa::detect(), ty, rows, xs, outs)
+}
+
+/// [`qdot_tokens`] with the kernels written for `isa` (portable ones if this CPU lacks
+/// `isa`).
+///
+/// # Panics
+/// As [`qdot_tokens`].
+pub fn qdot_tokens_with(
+    isa: Isa,
+    ty: GgmlType,
+    rows: &[u8],
+    xs: &[ActRow],
+    outs: &mut [&mut [f32]],
+) {
     assert!(supports(ty), "qdot: {ty} is not a block-quantized format");
-    let rb = match ty.bytes_for(x.len()) {
+    assert_eq!(
+        xs.len(),
+        outs.len(),
+        "qdot: activation rows and outputs differ"
+    );
+    let (Some(x0), Some(o0)) = (xs.first(), outs.first()) else {
+        return;
+    };
+    let (k, nrows) = (x0.len(), o0.len());
+    assert!(
+        xs.iter().all(|x| x.len() == k) && outs.iter().all(|o| o.len() == nrows),
+        "qdot: activation rows or outputs of different lengths"
+    );
+    let rb = match ty.bytes_for(k) {
         Ok(rb) => rb,
         Err(e) => panic!("qdot: {e}"),
     };
     assert!(
-        rows.len() >= rb * out.len(),
-        "qdot: {} bytes hold fewer than {} {ty} rows of {} weights",
+        rows.len() >= rb * nrows,
+        "qdot: {} bytes hold fewer than {nrows} {ty} rows of {k} weights",
         rows.len(),
-        out.len(),
-        x.len()
     );
     match isa {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 if Isa::detect() == Isa::Avx2 => {
             // SAFETY: AVX2, FMA and F16C were detected; sizes were checked above.
-            unsafe { super::qdot_avx2::qdot_rows(ty, rows, rb, x, out) }
+            unsafe { super::qdot_avx2::qdot_rows(ty, rows, rb, xs, outs) }
         }
-        _ => portable_rows(ty, rows, rb, x, out),
+        _ => {
+            for (x, out) in xs.iter().zip(outs.iter_mut()) {
+                portable_rows(ty, rows, rb, *x, out)
+            }
+        }
     }
 }

@@ -1,19 +1,28 @@
-//! AVX2 integer dot products of a stored weight row with a 16-bit [`QuantAct`] row.
+//! AVX2 integer dot products of stored weight rows with 16-bit [`QuantAct`] rows, for one or
+//! several tokens at a time.
 //!
 //! For every format, the 32 weights of one activation block are unpacked to bytes in weight
 //! order (nibble masks and shifts, extra high bits merged in, format offsets such as Q4_0's 8
 //! subtracted so the bytes hold the signed integer weight, or kept unsigned where the format
-//! has a separate minimum), widened to 16 bits by byte unpacking (the activations are stored
-//! in the matching order) and multiplied with the activations by `vpmaddwd` into eight 32-bit
-//! sums — exact integers; lanes 0..4 hold the block's first 16 weights, lanes 4..8 the last 16.
-//! Each activation block's sums are converted to f32 once and accumulated with their float
-//! scale (weight scale × activation scale; per 16-weight half for formats with 16-weight
-//! sub-blocks) by one FMA. Minimums (`_1` and K formats) are applied through the activation
-//! block sums. Legacy block scales are converted from f16 by table lookup (a plain load),
-//! which keeps the shuffle and convert units free for the weights.
+//! has a separate minimum) and widened to two vectors of 16-bit lanes by byte unpacking (the
+//! activations are stored in the matching order). That unpacking is done **once per weight
+//! block** and shared by up to [`TOKEN_GROUP`] tokens: for each token the widened weights are
+//! multiplied with its activations by `vpmaddwd` into eight 32-bit sums — exact integers;
+//! lanes 0..4 hold the block's first 16 weights, lanes 4..8 the last 16 — converted to f32
+//! once and accumulated with their float scale (weight scale × the token's activation scale;
+//! per 16-weight half for formats with 16-weight sub-blocks) by one FMA. Minimums (`_1` and K
+//! formats) are applied through the activation block sums. Legacy block scales are converted
+//! from f16 by table lookup (a plain load), which keeps the shuffle and convert units free for
+//! the weights.
 //!
-//! Safety contract of every `unsafe fn` here: the CPU has AVX2, FMA and F16C, and the row and
-//! activations hold the sizes the public entry point checked.
+//! Legacy (32-weight) formats walk a tile of rows × tokens block by block (four rows for one
+//! token, two for two), so that several independent accumulators hide the FMA latency and
+//! the activation loads are shared between rows. Every (row, token) result is accumulated by
+//! the same sequence of operations whatever the tile, so a token's result does not depend on
+//! how many tokens or rows were computed with it.
+//!
+//! Safety contract of every `unsafe fn` here: the CPU has AVX2, FMA and F16C, and the rows
+//! and activations hold the sizes the public entry point checked.
 //!
 //! [`QuantAct`]: super::act::QuantAct
 
@@ -23,6 +32,10 @@ use markbase_core::quant::{q3_k_scales, GgmlType};
 
 use super::act::ActRow;
 use super::f16_table;
+
+/// Tokens that share one unpacking of each weight block (their accumulators stay in
+/// registers); larger token counts are cut into groups of this size.
+pub(super) const TOKEN_GROUP: usize = 4;
 
 /// Raw pointers into an activation row (advanced block by block).
 #[derive(Clone, Copy)]
@@ -54,36 +67,76 @@ impl X {
     }
 }
 
-/// `out[i] = x · row i` for the `out.len()` rows of `rb` bytes at the start of `rows`, for a
-/// quantized `ty` (not F32/F16/BF16). The format is matched once for all rows.
+/// `outs[t][i] = xs[t] · row i` for the `outs[t].len()` rows of `rb` bytes at the start of
+/// `rows` (the same count for every token), for a quantized `ty` (not F32/F16/BF16). The
+/// format is matched once per group of tokens.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn qdot_rows(ty: GgmlType, rows: &[u8], rb: usize, x: ActRow, out: &mut [f32]) {
-    let nb = x.d.len();
-    let xp = X::of(x);
-    let t = f16_table().as_ptr();
-    macro_rules! each_row {
-        (|$r:ident| $body:expr) => {
-            for (i, o) in out.iter_mut().enumerate() {
-                let $r = rows.as_ptr().add(i * rb);
-                *o = $body;
-            }
-        };
+pub(super) unsafe fn qdot_rows(
+    ty: GgmlType,
+    rows: &[u8],
+    rb: usize,
+    xs: &[ActRow],
+    outs: &mut [&mut [f32]],
+) {
+    let mut t0 = 0;
+    while t0 < xs.len() {
+        let g = (xs.len() - t0).min(TOKEN_GROUP);
+        let (x, o) = (&xs[t0..t0 + g], &mut outs[t0..t0 + g]);
+        match g {
+            1 => group::<1>(ty, rows, rb, x, o),
+            2 => group::<2>(ty, rows, rb, x, o),
+            3 => group::<3>(ty, rows, rb, x, o),
+            _ => group::<4>(ty, rows, rb, x, o),
+        }
+        t0 += g;
     }
+}
+
+/// [`qdot_rows`] for a group of `N` tokens.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn group<const N: usize>(
+    ty: GgmlType,
+    rows: &[u8],
+    rb: usize,
+    xs: &[ActRow],
+    outs: &mut [&mut [f32]],
+) {
+    let x: [X; N] = std::array::from_fn(|t| X::of(xs[t]));
+    let nb = xs[0].d.len();
+    let w = Rows {
+        at: rows.as_ptr(),
+        rb,
+    };
     match ty {
-        GgmlType::Q8_0 => each_row!(|r| legacy::<34, false>(r, xp, nb, t, q8_0)),
-        GgmlType::Q4_0 => each_row!(|r| legacy::<18, false>(r, xp, nb, t, q4_0)),
-        GgmlType::Q4_1 => each_row!(|r| legacy::<20, true>(r, xp, nb, t, q4_1)),
-        GgmlType::Q5_0 => each_row!(|r| legacy::<22, false>(r, xp, nb, t, q5_0)),
-        GgmlType::Q5_1 => each_row!(|r| legacy::<24, true>(r, xp, nb, t, q5_1)),
-        GgmlType::Q2_K => each_row!(|r| kquant::<84>(r, xp, nb / 8, q2_k)),
-        GgmlType::Q3_K => each_row!(|r| kquant::<110>(r, xp, nb / 8, q3_k)),
-        GgmlType::Q4_K => each_row!(|r| kquant::<144>(r, xp, nb / 8, q4_k)),
-        GgmlType::Q5_K => each_row!(|r| kquant::<176>(r, xp, nb / 8, q5_k)),
-        GgmlType::Q6_K => each_row!(|r| kquant::<210>(r, xp, nb / 8, q6_k)),
-        GgmlType::Q8_K => each_row!(|r| kquant::<292>(r, xp, nb / 8, q8_k)),
+        GgmlType::Q8_0 => legacy::<34, false, N>(w, &x, nb, q8_0, outs),
+        GgmlType::Q4_0 => legacy::<18, false, N>(w, &x, nb, q4_0, outs),
+        GgmlType::Q4_1 => legacy::<20, true, N>(w, &x, nb, q4_1, outs),
+        GgmlType::Q5_0 => legacy::<22, false, N>(w, &x, nb, q5_0, outs),
+        GgmlType::Q5_1 => legacy::<24, true, N>(w, &x, nb, q5_1, outs),
+        GgmlType::Q2_K => kquant::<84, N>(w, &x, nb / 8, q2_k::<N>, outs),
+        GgmlType::Q3_K => kquant::<110, N>(w, &x, nb / 8, q3_k::<N>, outs),
+        GgmlType::Q4_K => kquant::<144, N>(w, &x, nb / 8, q45_k::<false, N>, outs),
+        GgmlType::Q5_K => kquant::<176, N>(w, &x, nb / 8, q45_k::<true, N>, outs),
+        GgmlType::Q6_K => kquant::<210, N>(w, &x, nb / 8, q6_k::<N>, outs),
+        GgmlType::Q8_K => kquant::<292, N>(w, &x, nb / 8, q8_k::<N>, outs),
         GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => {
             unreachable!("float formats take the f32 path")
         }
+    }
+}
+
+/// Weight rows: the first row's address and the bytes per row.
+#[derive(Clone, Copy)]
+struct Rows {
+    at: *const u8,
+    rb: usize,
+}
+
+impl Rows {
+    /// Row `i`.
+    unsafe fn row(self, i: usize) -> *const u8 {
+        self.at.add(i * self.rb)
     }
 }
 
@@ -115,29 +168,21 @@ unsafe fn f16_via(t: *const f32, p: *const u8) -> f32 {
     *t.add(usize::from(u16::from_le_bytes([*p, *p.add(1)])))
 }
 
-/// Σ over a 32-weight block: `v` holds the weights as signed bytes in weight order, `q` the
-/// block's activations in unpack order. Lanes 0..4 sum weights 0..16, lanes 4..8 the rest.
+/// The 32 signed weight bytes of `v` (weight order) widened to 16 bits: weights `0..8,
+/// 16..24` in the first vector, `8..16, 24..32` in the second — the activation order.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot32_i8(v: __m256i, q: *const i16) -> __m256i {
+unsafe fn widen_i8(v: __m256i) -> (__m256i, __m256i) {
     let sign = _mm256_cmpgt_epi8(_mm256_setzero_si256(), v);
-    madd_pair(
-        _mm256_unpacklo_epi8(v, sign),
-        _mm256_unpackhi_epi8(v, sign),
-        q,
-    )
+    (_mm256_unpacklo_epi8(v, sign), _mm256_unpackhi_epi8(v, sign))
 }
 
-/// [`dot32_i8`] for unsigned weight bytes.
+/// [`widen_i8`] for unsigned weight bytes.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot32_u8(v: __m256i, q: *const i16) -> __m256i {
+unsafe fn widen_u8(v: __m256i) -> (__m256i, __m256i) {
     let zero = _mm256_setzero_si256();
-    madd_pair(
-        _mm256_unpacklo_epi8(v, zero),
-        _mm256_unpackhi_epi8(v, zero),
-        q,
-    )
+    (_mm256_unpacklo_epi8(v, zero), _mm256_unpackhi_epi8(v, zero))
 }
 
 /// `lo · q[0..16] + hi · q[16..32]` as eight 32-bit pair sums.
@@ -194,49 +239,62 @@ unsafe fn u8x8_to_f32(v: u64) -> __m256 {
 // ---------------------------------------------------------------------------------------------
 // 32-weight legacy formats: one activation block per weight block.
 
-/// A block kernel: the integer sums of (weight integers × activations) of the block at `b`.
-type Block32 = unsafe fn(*const u8, *const i16) -> __m256i;
+/// A block unpacker: the block's weight integers at `b`, widened to 16 bits in the activation
+/// order (see [`widen_i8`]).
+type Unpack32 = unsafe fn(*const u8) -> (__m256i, __m256i);
 
-/// Σ over the `nb` blocks of `TS` bytes at `row`: `d · d_x · p`, plus `m · s_x` for formats
-/// with a minimum (`MIN`; `d` and `m` are the block's first two halves, else `d` alone).
+/// Every row of `w` (as many as `outs[0]` holds) against `N` tokens: Σ over the `nb` blocks
+/// of `TS` bytes of `d · d_x · p` (plus `m · s_x` for formats with a minimum, `MIN`; `d` and
+/// `m` are the block's first two halves, else `d` alone). Rows are walked one after the other
+/// (one stream of addresses for the hardware prefetcher), with two accumulators per token so
+/// that consecutive blocks do not wait on each other's FMA.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn legacy<const TS: usize, const MIN: bool>(
-    row: *const u8,
-    x: X,
+unsafe fn legacy<const TS: usize, const MIN: bool, const N: usize>(
+    w: Rows,
+    x: &[X; N],
     nb: usize,
-    t: *const f32,
-    block: Block32,
-) -> f32 {
-    // Two accumulators in registers: consecutive blocks do not wait on each other's FMA.
-    let (mut acc0, mut acc1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-    let (mut min0, mut min1) = (0f32, 0f32);
-    let one = |j: usize, acc: &mut __m256, mins: &mut f32| {
-        let b = row.add(j * TS);
-        let p = block(b, x.q.add(32 * j));
-        let s = _mm256_mul_ps(_mm256_set1_ps(f16_via(t, b)), _mm256_set1_ps(*x.d.add(j)));
-        *acc = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(p), *acc);
-        if MIN {
-            *mins += f16_via(t, b.add(2)) * *x.s32.add(j);
+    unpack: Unpack32,
+    outs: &mut [&mut [f32]],
+) {
+    let t = f16_table().as_ptr();
+    for i in 0..outs[0].len() {
+        let row = w.row(i);
+        let mut acc = [[_mm256_setzero_ps(); 2]; N];
+        let mut mins = [[0f32; 2]; N];
+        let mut one = |j: usize| {
+            let b = row.add(j * TS);
+            let (lo, hi) = unpack(b);
+            let d = _mm256_set1_ps(f16_via(t, b));
+            for n in 0..N {
+                let p = madd_pair(lo, hi, x[n].q.add(32 * j));
+                let s = _mm256_mul_ps(d, _mm256_broadcast_ss(&*x[n].d.add(j)));
+                acc[n][j % 2] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(p), acc[n][j % 2]);
+                if MIN {
+                    mins[n][j % 2] += f16_via(t, b.add(2)) * *x[n].s32.add(j);
+                }
+            }
+        };
+        let mut j = 0;
+        while j + 2 <= nb {
+            one(j);
+            one(j + 1);
+            j += 2;
         }
-    };
-    let mut j = 0;
-    while j + 2 <= nb {
-        one(j, &mut acc0, &mut min0);
-        one(j + 1, &mut acc1, &mut min1);
-        j += 2;
+        if j < nb {
+            one(j);
+        }
+        for n in 0..N {
+            outs[n][i] = hsum(_mm256_add_ps(acc[n][0], acc[n][1])) + (mins[n][0] + mins[n][1]);
+        }
     }
-    if j < nb {
-        one(j, &mut acc0, &mut min0);
-    }
-    hsum(_mm256_add_ps(acc0, acc1)) + (min0 + min1)
 }
 
 /// Q8_0 (34 bytes): `d: f16, qs: [i8; 32]`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q8_0(b: *const u8, q: *const i16) -> __m256i {
-    dot32_i8(_mm256_loadu_si256(b.add(2).cast()), q)
+unsafe fn q8_0(b: *const u8) -> (__m256i, __m256i) {
+    widen_i8(_mm256_loadu_si256(b.add(2).cast()))
 }
 
 /// The 32 nibbles of 16 bytes at `p` (low nibbles = weights 0..16) as unsigned bytes.
@@ -258,73 +316,122 @@ unsafe fn high_bits(qh: *const u8) -> __m256i {
 /// Q4_0 (18 bytes): `d: f16, qs: [u8; 16]`, weights `q − 8`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q4_0(b: *const u8, q: *const i16) -> __m256i {
-    dot32_i8(_mm256_sub_epi8(nibbles32(b.add(2)), _mm256_set1_epi8(8)), q)
+unsafe fn q4_0(b: *const u8) -> (__m256i, __m256i) {
+    widen_i8(_mm256_sub_epi8(nibbles32(b.add(2)), _mm256_set1_epi8(8)))
 }
 
 /// Q4_1 (20 bytes): `d: f16, m: f16, qs: [u8; 16]`, weights `d · q + m`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q4_1(b: *const u8, q: *const i16) -> __m256i {
-    dot32_u8(nibbles32(b.add(4)), q)
+unsafe fn q4_1(b: *const u8) -> (__m256i, __m256i) {
+    widen_u8(nibbles32(b.add(4)))
 }
 
 /// Q5_0 (22 bytes): `d: f16, qh: u32, qs: [u8; 16]`, weights `q − 16`: the nibble minus 16
 /// where the fifth bit is clear.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q5_0(b: *const u8, q: *const i16) -> __m256i {
+unsafe fn q5_0(b: *const u8) -> (__m256i, __m256i) {
     let off = _mm256_andnot_si256(high_bits(b.add(2)), _mm256_set1_epi8(16));
-    dot32_i8(_mm256_sub_epi8(nibbles32(b.add(6)), off), q)
+    widen_i8(_mm256_sub_epi8(nibbles32(b.add(6)), off))
 }
 
 /// Q5_1 (24 bytes): `d: f16, m: f16, qh: u32, qs: [u8; 16]`, weights `d · q + m`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q5_1(b: *const u8, q: *const i16) -> __m256i {
+unsafe fn q5_1(b: *const u8) -> (__m256i, __m256i) {
     let fifth = _mm256_and_si256(high_bits(b.add(4)), _mm256_set1_epi8(16));
-    dot32_u8(_mm256_or_si256(nibbles32(b.add(8)), fifth), q)
+    widen_u8(_mm256_or_si256(nibbles32(b.add(8)), fifth))
 }
 
 // ---------------------------------------------------------------------------------------------
 // 256-weight K super-blocks: eight activation blocks each.
 
-/// A super-block kernel: adds its scaled sums to `acc` (two accumulators) and its minimum
-/// terms to `mins`.
-type Block256 = unsafe fn(*const u8, X, &mut [__m256; 2], &mut __m256);
+/// A super-block kernel for `N` tokens: adds its scaled sums, minus its minimum terms, to
+/// each token's two accumulators; `x` is every token's activations at this super-block.
+type Block256<const N: usize> = unsafe fn(*const u8, &[X; N], &mut [[__m256; 2]; N]);
 
-/// Σ over `ns` super-blocks of `TS` bytes at `row`.
+/// Every row of `w` (as many as `outs[0]` holds) against `N` tokens: Σ over `ns`
+/// super-blocks of `TS` bytes, two accumulators per token.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn kquant<const TS: usize>(row: *const u8, x: X, ns: usize, block: Block256) -> f32 {
-    let mut acc = [_mm256_setzero_ps(); 2];
-    let mut mins = _mm256_setzero_ps();
-    for s in 0..ns {
-        block(row.add(s * TS), x.skip(8 * s), &mut acc, &mut mins);
+unsafe fn kquant<const TS: usize, const N: usize>(
+    w: Rows,
+    x: &[X; N],
+    ns: usize,
+    block: Block256<N>,
+    outs: &mut [&mut [f32]],
+) {
+    for i in 0..outs[0].len() {
+        let row = w.row(i);
+        let mut acc = [[_mm256_setzero_ps(); 2]; N];
+        for s in 0..ns {
+            let xs: [X; N] = std::array::from_fn(|n| x[n].skip(8 * s));
+            block(row.add(s * TS), &xs, &mut acc);
+        }
+        for (o, a) in outs.iter_mut().zip(&acc) {
+            o[i] = hsum(_mm256_add_ps(a[0], a[1]));
+        }
     }
-    hsum(_mm256_sub_ps(_mm256_add_ps(acc[0], acc[1]), mins))
 }
 
-/// Adds `scale · p` to `acc[j % 2]`, `p` being activation block `j`'s integer sums.
+/// Adds activation block `j` of every token, times the weights widened in `lo` / `hi` and
+/// the token's scales `s[n]` (weight scale × activation scale, per 16-weight half), to the
+/// token's accumulator `j % 2`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn add_block(acc: &mut [__m256; 2], scale: __m256, j: usize, p: __m256i) {
-    acc[j % 2] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(p), acc[j % 2]);
+unsafe fn add_block<const N: usize>(
+    acc: &mut [[__m256; 2]; N],
+    x: &[X; N],
+    j: usize,
+    s: [__m256; N],
+    (lo, hi): (__m256i, __m256i),
+) {
+    for n in 0..N {
+        let p = madd_pair(lo, hi, x[n].q.add(32 * j));
+        acc[n][j % 2] = _mm256_fmadd_ps(s[n], _mm256_cvtepi32_ps(p), acc[n][j % 2]);
+    }
 }
 
-/// Per-half scales of a super-block with sixteen 16-weight sub-blocks: `sub` holds the 16
-/// sub-block scales (times the super-block scale) as two vectors of eight; the result is
-/// the same times each half's activation block scale, for [`halves`].
+/// Per-half scales of a super-block with sixteen 16-weight sub-blocks, for each token: `sub`
+/// holds the 16 sub-block scales (times the super-block scale) as two vectors of eight; the
+/// result is the same times each half's activation block scale (`[group of four blocks]
+/// [token]`), for [`halves`].
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn half_scales(sub: [__m256; 2], x: X) -> [__m256; 2] {
-    let dx = _mm256_loadu_ps(x.d);
-    let lo = _mm256_permutevar8x32_ps(dx, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
-    let hi = _mm256_permutevar8x32_ps(dx, _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7));
-    [_mm256_mul_ps(sub[0], lo), _mm256_mul_ps(sub[1], hi)]
+unsafe fn half_scales<const N: usize>(sub: [__m256; 2], x: &[X; N]) -> [[__m256; N]; 2] {
+    let lo = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
+    let hi = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
+    [
+        x.map(|x| _mm256_mul_ps(sub[0], _mm256_permutevar8x32_ps(_mm256_loadu_ps(x.d), lo))),
+        x.map(|x| _mm256_mul_ps(sub[1], _mm256_permutevar8x32_ps(_mm256_loadu_ps(x.d), hi))),
+    ]
 }
 
-/// The 16 signed bytes at `p` as two vectors of eight f32, times `d`.
+/// Per-block scales of a super-block with eight 32-weight sub-blocks, for each token: the
+/// weight scales `sw` times the token's activation block scales, for [`lane`].
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn block_scales<const N: usize>(sw: __m256, x: &[X; N]) -> [__m256; N] {
+    std::array::from_fn(|n| _mm256_mul_ps(sw, _mm256_loadu_ps(x[n].d)))
+}
+
+/// Subtracts the minimum terms `m · s` (eight lanes) of every token from its accumulator 0,
+/// `s` being the token's activation sums at `at(x)`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn sub_mins<const N: usize>(
+    acc: &mut [[__m256; 2]; N],
+    x: &[X; N],
+    m: __m256,
+    at: impl Fn(X) -> *const f32,
+) {
+    for n in 0..N {
+        acc[n][0] = _mm256_fnmadd_ps(m, _mm256_loadu_ps(at(x[n])), acc[n][0]);
+    }
+}
+
+/// The 16 signed bytes of `v` as two vectors of eight f32, times `d`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn i8x16_scaled(v: __m128i, d: f32) -> [__m256; 2] {
@@ -355,23 +462,22 @@ unsafe fn k_scales_mins(s: *const u8) -> (u64, u64) {
 /// `w = d · (scales[s] & 15) · u − dmin · (scales[s] >> 4)`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q2_k(b: *const u8, x: X, acc: &mut [__m256; 2], mins: &mut __m256) {
+unsafe fn q2_k<const N: usize>(b: *const u8, x: &[X; N], acc: &mut [[__m256; 2]; N]) {
     let (d, dmin) = (f16_at(b.add(80)), f16_at(b.add(82)));
     let sc = _mm_loadu_si128(b.cast());
     let m4 = _mm_set1_epi8(0x0F);
     // Both nibbles are below 16, so reading them as signed bytes is exact.
     let m = i8x16_scaled(_mm_and_si128(_mm_srli_epi16(sc, 4), m4), dmin);
-    *mins = _mm256_fmadd_ps(m[0], _mm256_loadu_ps(x.s16), *mins);
-    *mins = _mm256_fmadd_ps(m[1], _mm256_loadu_ps(x.s16.add(8)), *mins);
-    let scale = half_scales(i8x16_scaled(_mm_and_si128(sc, m4), d), x);
+    sub_mins(acc, x, m[0], |x| x.s16);
+    sub_mins(acc, x, m[1], |x| x.s16.add(8));
+    let tok = half_scales(i8x16_scaled(_mm_and_si128(sc, m4), d), x);
     let three = _mm256_set1_epi8(3);
-    for (n, scale) in scale.into_iter().enumerate() {
+    for (n, tok) in tok.into_iter().enumerate() {
         let qs = _mm256_loadu_si256(b.add(16 + 32 * n).cast());
         for k in 0..4 {
-            let j = 4 * n + k;
             let u = _mm256_and_si256(_mm256_srl_epi16(qs, _mm_cvtsi32_si128(2 * k as i32)), three);
-            let p = dot32_u8(u, x.q.add(32 * j));
-            add_block(acc, halves(scale, k), j, p);
+            let s = tok.map(|v| halves(v, k));
+            add_block(acc, x, 4 * n + k, s, widen_u8(u));
         }
     }
 }
@@ -381,13 +487,13 @@ unsafe fn q2_k(b: *const u8, x: X, acc: &mut [__m256; 2], mins: &mut __m256) {
 /// of `hmask[l]` is set; sub-block `s` of 16 is scaled by `d · scale[s]`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q3_k(b: *const u8, x: X, acc: &mut [__m256; 2], _mins: &mut __m256) {
+unsafe fn q3_k<const N: usize>(b: *const u8, x: &[X; N], acc: &mut [[__m256; 2]; N]) {
     let sc = q3_k_scales(std::slice::from_raw_parts(b.add(96), 12));
     let sc = _mm_loadu_si128(sc.as_ptr().cast());
-    let scale = half_scales(i8x16_scaled(sc, f16_at(b.add(108))), x);
+    let tok = half_scales(i8x16_scaled(sc, f16_at(b.add(108))), x);
     let hm = _mm256_loadu_si256(b.cast());
     let (three, four) = (_mm256_set1_epi8(3), _mm256_set1_epi8(4));
-    for (n, scale) in scale.into_iter().enumerate() {
+    for (n, tok) in tok.into_iter().enumerate() {
         let qs = _mm256_loadu_si256(b.add(32 + 32 * n).cast());
         for k in 0..4 {
             let j = 4 * n + k;
@@ -396,7 +502,8 @@ unsafe fn q3_k(b: *const u8, x: X, acc: &mut [__m256; 2], _mins: &mut __m256) {
             let bit = _mm256_set1_epi8((1u8 << j) as i8);
             let set = _mm256_cmpeq_epi8(_mm256_and_si256(hm, bit), bit);
             let v = _mm256_sub_epi8(low, _mm256_andnot_si256(set, four));
-            add_block(acc, halves(scale, k), j, dot32_i8(v, x.q.add(32 * j)));
+            let s = tok.map(|v| halves(v, k));
+            add_block(acc, x, j, s, widen_i8(v));
         }
     }
 }
@@ -407,15 +514,16 @@ unsafe fn q3_k(b: *const u8, x: X, acc: &mut [__m256; 2], _mins: &mut __m256) {
 /// `w = d · sc[j] · u − dmin · m[j]`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q45_k<const FIVE: bool>(b: *const u8, x: X, acc: &mut [__m256; 2], mins: &mut __m256) {
+unsafe fn q45_k<const FIVE: bool, const N: usize>(
+    b: *const u8,
+    x: &[X; N],
+    acc: &mut [[__m256; 2]; N],
+) {
     let (d, dmin) = (f16_at(b), f16_at(b.add(2)));
     let (sc, m) = k_scales_mins(b.add(4));
-    let scale = _mm256_mul_ps(
-        _mm256_mul_ps(_mm256_set1_ps(d), u8x8_to_f32(sc)),
-        _mm256_loadu_ps(x.d),
-    );
+    let tok = block_scales(_mm256_mul_ps(_mm256_set1_ps(d), u8x8_to_f32(sc)), x);
     let mv = _mm256_mul_ps(_mm256_set1_ps(dmin), u8x8_to_f32(m));
-    *mins = _mm256_fmadd_ps(mv, _mm256_loadu_ps(x.s32), *mins);
+    sub_mins(acc, x, mv, |x| x.s32);
     let qs = b.add(if FIVE { 48 } else { 16 });
     let (m4, bit4) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x10));
     // Bit j of each qh byte, walked down to bit 0 one sub-block at a time.
@@ -435,37 +543,26 @@ unsafe fn q45_k<const FIVE: bool>(b: *const u8, x: X, acc: &mut [__m256; 2], min
             hb = _mm256_srli_epi16(hb, 1);
         }
         let (j0, j1) = (2 * n, 2 * n + 1);
-        add_block(acc, lane(scale, j0), j0, dot32_u8(lo, x.q.add(32 * j0)));
-        add_block(acc, lane(scale, j1), j1, dot32_u8(hi, x.q.add(32 * j1)));
+        add_block(acc, x, j0, tok.map(|v| lane(v, j0)), widen_u8(lo));
+        add_block(acc, x, j1, tok.map(|v| lane(v, j1)), widen_u8(hi));
     }
-}
-
-/// Q4_K super-block kernel.
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q4_k(b: *const u8, x: X, acc: &mut [__m256; 2], mins: &mut __m256) {
-    q45_k::<false>(b, x, acc, mins)
-}
-
-/// Q5_K super-block kernel.
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q5_k(b: *const u8, x: X, acc: &mut [__m256; 2], mins: &mut __m256) {
-    q45_k::<true>(b, x, acc, mins)
 }
 
 /// Q6_K (210 bytes): `ql: [u8; 128], qh: [u8; 64], scales: [i8; 16], d: f16`; weight
 /// `i = 128 n + 32 k + l` has low nibble `k / 2` of `ql[64 n + 32 (k % 2) + l]` and bits
 /// `2k..2k+2` of `qh[32 n + l]` as bits 4–5, minus 32; sub-block `s` of 16 is scaled by
 /// `d · scales[s]`.
+#[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q6_k(b: *const u8, x: X, acc: &mut [__m256; 2], _mins: &mut __m256) {
+unsafe fn q6_k<const N: usize>(b: *const u8, x: &[X; N], acc: &mut [[__m256; 2]; N]) {
     let sc = _mm_loadu_si128(b.add(192).cast());
-    let scale = half_scales(i8x16_scaled(sc, f16_at(b.add(208))), x);
+    let tok = half_scales(i8x16_scaled(sc, f16_at(b.add(208))), x);
     let (m4, m3, off) = (
         _mm256_set1_epi8(0x0F),
         _mm256_set1_epi8(3),
         _mm256_set1_epi8(32),
     );
-    for (n, scale) in scale.into_iter().enumerate() {
+    for (n, tok) in tok.into_iter().enumerate() {
         let qa = _mm256_loadu_si256(b.add(64 * n).cast());
         let qb = _mm256_loadu_si256(b.add(64 * n + 32).cast());
         let h = _mm256_loadu_si256(b.add(128 + 32 * n).cast());
@@ -480,20 +577,21 @@ unsafe fn q6_k(b: *const u8, x: X, acc: &mut [__m256; 2], _mins: &mut __m256) {
             _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qb, 4), m4), high(6)),
         ];
         for (k, v) in v.into_iter().enumerate() {
-            let j = 4 * n + k;
-            let p = dot32_i8(_mm256_sub_epi8(v, off), x.q.add(32 * j));
-            add_block(acc, halves(scale, k), j, p);
+            let w = widen_i8(_mm256_sub_epi8(v, off));
+            let s = tok.map(|v| halves(v, k));
+            add_block(acc, x, 4 * n + k, s, w);
         }
     }
 }
 
 /// Q8_K (292 bytes): `d: f32, qs: [i8; 256], bsums: [i16; 16]` (sums unused here).
+#[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q8_k(b: *const u8, x: X, acc: &mut [__m256; 2], _mins: &mut __m256) {
+unsafe fn q8_k<const N: usize>(b: *const u8, x: &[X; N], acc: &mut [[__m256; 2]; N]) {
     let d = f32::from_le_bytes(std::ptr::read_unaligned(b.cast::<[u8; 4]>()));
-    let scale = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_loadu_ps(x.d));
+    let tok = block_scales(_mm256_set1_ps(d), x);
     for j in 0..8 {
         let v = _mm256_loadu_si256(b.add(4 + 32 * j).cast());
-        add_block(acc, lane(scale, j), j, dot32_i8(v, x.q.add(32 * j)));
+        add_block(acc, x, j, tok.map(|v| lane(v, j)), widen_i8(v));
     }
 }
