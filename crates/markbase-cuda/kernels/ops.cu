@@ -1,5 +1,6 @@
 // Row-wise and element-wise operations: embedding gather, RMSNorm (+ fused residual add),
-// per-head norm + RoPE, KV write, activations, and weight dequantization for prefill GEMMs.
+// per-head norm + RoPE, KV write, activations, weight dequantization for prefill GEMMs and the
+// bf16 rounding of a tensor-core GEMM's activations.
 // Needs common.cuh and quant.cuh.
 
 // out[t, :] = dequant(table[tokens[t], :]) · scale. Grid: tokens; block: any.
@@ -46,6 +47,16 @@ __device__ void dequant_impl(const u8* w, u64 row_bytes, int r0, int k, float* d
         dequant_impl<F>(w, row_bytes, r0, k, dst);                                            \
     }
 FOR_EACH_FORMAT(OPS_FORMAT_KERNELS)
+
+// y[i] = x[i] rounded to bf16 (to nearest, ties to even; NaN stays NaN): the activations of a
+// tensor-core product with bf16 weights.
+extern "C" __global__ void f32_to_bf16(const float* x, u16* y, u64 n) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    u32 b = __float_as_uint(x[i]);
+    y[i] = (b & 0x7fffffffu) > 0x7f800000u ? (u16)((b >> 16) | 0x40u)
+                                           : (u16)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+}
 
 // RMSNorm of row blockIdx.x (dim values): x · 1/sqrt(mean(x²) + eps) · weight (weight may be
 // null), written to out (add = 0) or added into it (add = 1). Rows of a multiple of 4 values

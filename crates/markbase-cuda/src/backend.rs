@@ -193,16 +193,31 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// Prefill-sized product through cuBLAS: f32 weights directly, others dequantized tile by
-    /// tile into scratch.
+    /// Prefill-sized product through cuBLAS: f32 weights directly; bf16 weights as stored on
+    /// the tensor cores, the activations rounded to bf16 first (as every bf16 engine runs them);
+    /// other formats dequantized tile by tile into f32 scratch.
     fn gemm(&self, blas: &Blas, x: u64, n: usize, w: &CudaMatrix, out: u64) -> Result<()> {
         let k = w.cols;
         if w.ty == GgmlType::F32 {
             // SAFETY: sizes checked by the caller.
             return unsafe { blas.gemm_rows(w.ptr, w.rows, k, x, n, out, w.rows) };
         }
-        let tile = (DEQUANT_TILE / k.max(1)).clamp(1, 65_535).min(w.rows);
         let mut s = self.scratch()?;
+        if w.ty == GgmlType::BF16 && k.is_multiple_of(2) {
+            // n·k bf16 values in n·k/2 float slots of the scratch.
+            let xb = s.floats.get(&self.dev.stream, n * k / 2)?;
+            let len = (n * k) as u64;
+            self.run(
+                Module::Ops,
+                "f32_to_bf16",
+                Grid::new((blocks(n * k, 256), 1), 256),
+                &[Arg::U64(x), Arg::U64(xb), Arg::U64(len)],
+            )?;
+            // SAFETY: `xb` holds n·k bf16 values, `w` rows·k; `out` rows·n (checked by the
+            // caller).
+            return unsafe { blas.gemm_rows_bf16(w.ptr, w.rows, k, xb, n, out, w.rows) };
+        }
+        let tile = (DEQUANT_TILE / k.max(1)).clamp(1, 65_535).min(w.rows);
         let deq = s.floats.get(&self.dev.stream, tile * k)?;
         let f = self.kernels.func_for(Module::Ops, "dequant", w.ty, 0)?;
         let chunks = k.div_ceil(32);

@@ -1,5 +1,6 @@
 //! cuBLAS for prefill-sized products: a handle bound to the backend's stream and a row-major
-//! `out[n, rows] = x[n, k] · w[rows, k]ᵀ` in f32 (no TF32, so it matches the f32 reference).
+//! `out[n, rows] = x[n, k] · w[rows, k]ᵀ`, in f32 (no TF32, so it matches the f32 reference) or,
+//! for bf16 weights, on the tensor cores with bf16 activations and f32 accumulation.
 
 use std::sync::Arc;
 
@@ -78,6 +79,53 @@ impl Blas {
             int(ldo)?,
         )
         .map_err(|e| Error::Invalid(format!("cuBLAS sgemm: {e:?}")))
+    }
+}
+
+impl Blas {
+    /// [`Blas::gemm_rows`] with bf16 `w` and `x` (f32 accumulation and output) on the tensor
+    /// cores.
+    ///
+    /// # Safety
+    /// The pointers must be live device allocations of at least the sizes implied.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) unsafe fn gemm_rows_bf16(
+        &self,
+        w: u64,
+        rows: usize,
+        k: usize,
+        x: u64,
+        n: usize,
+        out: u64,
+        ldo: usize,
+    ) -> Result<()> {
+        let (alpha, beta) = (1f32, 0f32);
+        let int = |v: usize| {
+            i32::try_from(v).map_err(|_| Error::Invalid(format!("GEMM size {v} too large")))
+        };
+        let bf16 = sys::cudaDataType::CUDA_R_16BF;
+        blas::gemm_ex(
+            self.handle,
+            sys::cublasOperation_t::CUBLAS_OP_T,
+            sys::cublasOperation_t::CUBLAS_OP_N,
+            int(rows)?,
+            int(n)?,
+            int(k)?,
+            (&alpha as *const f32).cast(),
+            w as *const std::ffi::c_void,
+            bf16,
+            int(k)?,
+            x as *const std::ffi::c_void,
+            bf16,
+            int(k)?,
+            (&beta as *const f32).cast(),
+            out as *mut std::ffi::c_void,
+            sys::cudaDataType::CUDA_R_32F,
+            int(ldo)?,
+            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+        )
+        .map_err(|e| Error::Invalid(format!("cuBLAS bf16 gemm: {e:?}")))
     }
 }
 
