@@ -268,17 +268,7 @@ mod avx2 {
     use std::arch::x86_64::*;
 
     use super::{Job, Queries, KEY_TILE, MAX_HEAD_DIM, MAX_Q};
-    use crate::kernels::vmath::avx2::exp;
-
-    /// Sum of the eight lanes.
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn hsum(v: __m256) -> f32 {
-        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        let s = _mm_add_ss(s, _mm_movehdup_ps(s));
-        _mm_cvtss_f32(s)
-    }
+    use crate::kernels::vmath::avx2::{exp, hsum};
 
     /// Raw scores of queries `q` (H of them) against keys `k0` and `k1`.
     #[inline]

@@ -16,6 +16,7 @@ use std::ptr;
 
 use markbase_core::quant::GgmlType;
 
+use super::vmath::avx2::hsum;
 use super::{chunks, dequantize_chunk, CHUNK};
 
 /// Sums `kernel(block, x, acc)` over the 32-weight blocks of `row` (`$ts` bytes each), with
@@ -116,20 +117,10 @@ pub(super) unsafe fn dequantize(ty: GgmlType, src: &[u8], dst: &mut [f32]) {
 // ---------------------------------------------------------------------------------------------
 // Shared pieces
 
-/// Sum of the eight lanes.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn hsum(v: __m256) -> f32 {
-    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    let s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    _mm_cvtss_f32(s)
-}
-
 /// The IEEE half stored little-endian at `p`, as f32.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn f16_at(p: *const u8) -> f32 {
+pub(super) unsafe fn f16_at(p: *const u8) -> f32 {
     let bits = u16::from_le_bytes([*p, *p.add(1)]);
     _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
 }

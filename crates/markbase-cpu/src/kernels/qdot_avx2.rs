@@ -31,7 +31,9 @@ use std::arch::x86_64::*;
 use markbase_core::quant::{q3_k_scales, GgmlType};
 
 use super::act::ActRow;
+use super::avx2::f16_at;
 use super::f16_table;
+use super::vmath::avx2::hsum;
 
 /// Tokens that share one unpacking of each weight block (their accumulators stay in
 /// registers); larger token counts are cut into groups of this size.
@@ -142,24 +144,6 @@ impl Rows {
 
 // ---------------------------------------------------------------------------------------------
 // Shared pieces
-
-/// Sum of the eight lanes.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn hsum(v: __m256) -> f32 {
-    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    let s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    _mm_cvtss_f32(s)
-}
-
-/// The IEEE half stored little-endian at `p`, as f32.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn f16_at(p: *const u8) -> f32 {
-    let bits = u16::from_le_bytes([*p, *p.add(1)]);
-    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
-}
 
 /// The half at `p` through the conversion table `t` (a load, no conversion instruction).
 #[inline]

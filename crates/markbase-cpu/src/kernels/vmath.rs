@@ -49,6 +49,16 @@ pub(crate) mod avx2 {
 
     use std::arch::x86_64::*;
 
+    /// Sum of the eight lanes.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn hsum(v: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+        _mm_cvtss_f32(s)
+    }
+
     /// `exp` of eight lanes: inputs are clamped to [−87.3, 88.7] (results between about
     /// 1.2e-38 and 3.3e38); within 2 ulp of the true value there.
     #[inline]
