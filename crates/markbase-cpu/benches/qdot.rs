@@ -1,6 +1,7 @@
 //! Integer dot kernels (16-bit activations): 64 rows of 2048 weights per format, which stay in
 //! L2 (the kernels' compute speed per core), AVX2 and portable; and the same rows against 4
 //! and 8 tokens at once (decode batches), counted as weight bytes × tokens per second.
+//! Also the LM head's screening kernel (Q4_0 × 8-bit activations).
 //! Run: `cargo bench -p markbase-cpu --bench qdot`; throughput is weight bytes per second.
 
 use divan::counter::BytesCount;
@@ -8,7 +9,9 @@ use divan::Bencher;
 use markbase_core::quant::GgmlType;
 use markbase_cpu::kernels::act::ActRow;
 use markbase_cpu::kernels::act::QuantAct;
+use markbase_cpu::kernels::act8::{ByteAct, ByteRow};
 use markbase_cpu::kernels::qdot::{qdot_rows_with, qdot_tokens_with, supports};
+use markbase_cpu::kernels::screen::q4_0_tokens;
 use markbase_cpu::kernels::Isa;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -109,4 +112,24 @@ fn rows64_k2048_tokens4(bencher: Bencher, ty: GgmlType) {
 #[divan::bench(args = MODEL_FORMATS)]
 fn rows64_k2048_tokens8(bencher: Bencher, ty: GgmlType) {
     run_tokens(bencher, ty, 8);
+}
+
+/// The LM head's screening kernel (Q4_0 rows × 8-bit activations) for `n` tokens, against the
+/// 16-bit integer path's Q4_0 above.
+#[divan::bench(args = [1, 4, 8])]
+fn screen_q4_0_rows64_k2048(bencher: Bencher, n: usize) {
+    let (rows, _) = inputs(GgmlType::Q4_0, 1);
+    let mut rng = StdRng::seed_from_u64(9);
+    let x: Vec<f32> = (0..n * K).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+    let mut act = ByteAct::new();
+    act.quantize(&x, n, K);
+    let xs: Vec<ByteRow> = (0..n).map(|t| act.row(t)).collect();
+    let mut out = vec![0f32; n * ROWS];
+    bencher
+        .counter(BytesCount::new(n * rows.len()))
+        .bench_local(|| {
+            let mut outs: Vec<&mut [f32]> = out.chunks_mut(ROWS).collect();
+            q4_0_tokens(divan::black_box(&rows), &xs, &mut outs);
+            divan::black_box(&outs);
+        });
 }

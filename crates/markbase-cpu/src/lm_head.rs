@@ -9,8 +9,13 @@
 //! [`Backend::matmul_screened`]: markbase_core::backend::Backend::matmul_screened
 
 use markbase_core::backend::HostMatrix;
+use markbase_core::quant::GgmlType;
 
+use crate::kernels::act::{ActRow, QuantAct};
+use crate::kernels::act8::{ByteAct, ByteRow};
 use crate::kernels::dot::dot_row;
+use crate::kernels::qdot::{qdot_gather, supports};
+use crate::kernels::screen::q4_0_tokens;
 use crate::matmul;
 use crate::pool::{Pool, SendPtr};
 
@@ -18,12 +23,25 @@ use crate::pool::{Pool, SendPtr};
 const STRIDE: usize = 16;
 /// Exact rows recomputed per parallel task.
 const REFINE_GRAIN: usize = 128;
+/// Tokens whose byte activations one screening call takes at once.
+const SCREEN_TOKENS: usize = 16;
 
-/// Reused buffers of the leader selection (kept between calls: no allocation per token).
+/// Reused buffers of one token's leader selection.
 #[derive(Default)]
-pub struct Scratch {
+pub struct Selection {
     sample: Vec<f32>,
     leaders: Vec<u32>,
+}
+
+/// Reused buffers of [`screened`] (kept between calls: no allocation per token).
+#[derive(Default)]
+pub struct Scratch {
+    /// One leader selection per token of the largest call so far.
+    selections: Vec<Selection>,
+    /// The activations of the screening pass, in bytes.
+    bytes: ByteAct,
+    /// The activations of the exact rows, in 16-bit blocks.
+    act: QuantAct,
 }
 
 /// `out[n, exact.rows]`: coarse logits for every row of `x`, then each row's `top_k` leaders
@@ -41,26 +59,119 @@ pub fn screened(
     scratch: &mut Scratch,
     out: &mut [f32],
 ) {
-    let (rows, k) = (exact.rows, exact.cols);
-    matmul::matmul(pool, matmul_scratch, x, n, coarse, out);
-    let rb = exact.row_bytes();
-    let bytes = exact.bytes.as_slice();
-    for t in 0..n {
-        let logits = &mut out[t * rows..(t + 1) * rows];
-        select_leaders(logits, top_k, scratch);
-        let xt = &x[t * k..(t + 1) * k];
-        let ptr = SendPtr(logits.as_mut_ptr());
-        let leaders = &scratch.leaders;
-        pool.run(leaders.len().div_ceil(REFINE_GRAIN), &|c| {
-            for &i in &leaders[c * REFINE_GRAIN..((c + 1) * REFINE_GRAIN).min(leaders.len())] {
-                let i = i as usize;
-                let v = dot_row(exact.ty, &bytes[i * rb..(i + 1) * rb], xt);
-                // SAFETY: i < rows = logits.len() and the leader indices are distinct, so
-                // tasks write disjoint logits.
-                unsafe { *ptr.get().add(i) = v };
-            }
-        });
+    let rows = exact.rows;
+    if coarse.ty == GgmlType::Q4_0 {
+        screen_q4_0(pool, &mut scratch.bytes, x, n, coarse, out);
+    } else {
+        matmul::matmul(pool, matmul_scratch, x, n, coarse, out);
     }
+    if scratch.selections.len() < n {
+        scratch.selections.resize_with(n, Selection::default);
+    }
+    let (logits, selections) = (
+        SendPtr(out.as_mut_ptr()),
+        SendPtr(scratch.selections.as_mut_ptr()),
+    );
+    pool.run(n, &|t| {
+        // SAFETY: task t alone touches token t's logits and selection; the caller checked
+        // `out.len() >= n * rows`.
+        let (row, selection) = unsafe {
+            (
+                std::slice::from_raw_parts(logits.get().add(t * rows), rows),
+                &mut *selections.get().add(t),
+            )
+        };
+        select_leaders(row, top_k, selection);
+    });
+    refine(pool, scratch, x, n, exact, out);
+}
+
+/// Coarse logits `out[n, rows]` from the Q4_0 copy, the activations quantized to bytes: row
+/// chunks on the pool, each against every token ([`q4_0_tokens`] unpacks a block once for a
+/// group of tokens).
+fn screen_q4_0(
+    pool: &Pool,
+    bytes: &mut ByteAct,
+    x: &[f32],
+    n: usize,
+    coarse: &HostMatrix,
+    out: &mut [f32],
+) {
+    let (rows, k, rb) = (coarse.rows, coarse.cols, coarse.row_bytes());
+    bytes.quantize(x, n, k);
+    let bytes = &*bytes;
+    let weights = coarse.bytes.as_slice();
+    let chunk = matmul::rows_per_task(rows, rb, pool.threads());
+    let ptr = SendPtr(out.as_mut_ptr());
+    pool.run(rows.div_ceil(chunk), &|c| {
+        let (r0, r1) = (c * chunk, ((c + 1) * chunk).min(rows));
+        for t0 in (0..n).step_by(SCREEN_TOKENS) {
+            let g = SCREEN_TOKENS.min(n - t0);
+            let xs: [ByteRow; SCREEN_TOKENS] =
+                std::array::from_fn(|t| bytes.row(t0 + t.min(g - 1)));
+            let mut outs: [&mut [f32]; SCREEN_TOKENS] = Default::default();
+            for (t, o) in outs[..g].iter_mut().enumerate() {
+                // SAFETY: (t0 + t, r0..r1) is inside `out` (checked by the caller) and belongs
+                // to this task only.
+                *o = unsafe {
+                    std::slice::from_raw_parts_mut(ptr.get().add((t0 + t) * rows + r0), r1 - r0)
+                };
+            }
+            q4_0_tokens(&weights[r0 * rb..r1 * rb], &xs[..g], &mut outs[..g]);
+        }
+    });
+}
+
+/// Recomputes every token's leaders (`scratch.selections`) from the exact rows: integer dot
+/// products of gathered rows for block-quantized heads, f32 ones for float heads; one task per
+/// [`REFINE_GRAIN`] leaders of a token.
+fn refine(
+    pool: &Pool,
+    scratch: &mut Scratch,
+    x: &[f32],
+    n: usize,
+    exact: &HostMatrix,
+    out: &mut [f32],
+) {
+    let (rows, k, rb) = (exact.rows, exact.cols, exact.row_bytes());
+    let quantized = supports(exact.ty);
+    if quantized {
+        scratch.act.quantize(x, n, k);
+    }
+    let (act, selections) = (&scratch.act, &scratch.selections[..n]);
+    let per_token = selections
+        .iter()
+        .map(|s| s.leaders.len().div_ceil(REFINE_GRAIN))
+        .max()
+        .unwrap_or(0);
+    let bytes = exact.bytes.as_slice();
+    let logits = SendPtr(out.as_mut_ptr());
+    pool.run(n * per_token, &|c| {
+        let (t, part) = (c / per_token, c % per_token);
+        let leaders = &selections[t].leaders;
+        let index = &leaders[(part * REFINE_GRAIN).min(leaders.len())
+            ..((part + 1) * REFINE_GRAIN).min(leaders.len())];
+        let mut values = [0f32; REFINE_GRAIN];
+        let values = &mut values[..index.len()];
+        if quantized {
+            let xt: ActRow = act.row(t);
+            qdot_gather(exact.ty, bytes, index, xt, values);
+        } else {
+            for (v, &i) in values.iter_mut().zip(index) {
+                let i = i as usize;
+                *v = dot_row(
+                    exact.ty,
+                    &bytes[i * rb..(i + 1) * rb],
+                    &x[t * k..(t + 1) * k],
+                );
+            }
+        }
+        for (&i, &v) in index.iter().zip(values.iter()) {
+            // SAFETY: i < rows and a token's leaders are distinct, so tasks write disjoint
+            // logits of token t's row, inside `out` (checked by the caller).
+            unsafe { *logits.get().add(t * rows + i as usize) = v };
+        }
+    });
 }
 
 /// Puts into `scratch.leaders` the indices of the `top_k` largest `logits` (all of them if
@@ -69,7 +180,7 @@ pub fn screened(
 /// A strided sample sets a threshold that about `2 · top_k` values pass; the passing indices
 /// are then cut to the exact `top_k`. If too few pass (an unlucky sample), every index is a
 /// candidate, so the result is always the true top `top_k`.
-pub fn select_leaders(logits: &[f32], top_k: usize, scratch: &mut Scratch) {
+pub fn select_leaders(logits: &[f32], top_k: usize, scratch: &mut Selection) {
     let k = top_k.min(logits.len());
     let cands = &mut scratch.leaders;
     cands.clear();
@@ -104,7 +215,7 @@ pub fn select_leaders(logits: &[f32], top_k: usize, scratch: &mut Scratch) {
 mod tests {
     use super::*;
     use markbase_core::backend::HostBytes;
-    use markbase_core::quant::{dequantize_row, quantize_row, GgmlType};
+    use markbase_core::quant::{quantize_row, GgmlType};
     use rand::Rng;
 
     fn matrix(ty: GgmlType, rows: usize, cols: usize, w: &[f32]) -> HostMatrix {
@@ -119,8 +230,10 @@ mod tests {
         }
     }
 
-    /// Leaders carry the exact logits (the reference: dequantized exact rows, f64 dot), every
-    /// other logit the coarse one, and the leaders are the coarse top k.
+    /// Leaders carry the exact logits (the reference: dequantized exact rows times the
+    /// activations as the exact pass quantizes them), every other logit the coarse one (the
+    /// Q4_0 copy times the screening pass's byte activations), and the leaders are the coarse
+    /// top k.
     #[test]
     fn leaders_are_exact_and_the_rest_coarse() {
         let mut rng = rand::rng();
@@ -131,29 +244,9 @@ mod tests {
         let x: Vec<f32> = (0..n * cols).map(|_| rng.random_range(-1.0..1.0)).collect();
         let exact = matrix(GgmlType::Q8_0, rows, cols, &w);
         let coarse = matrix(GgmlType::Q4_0, rows, cols, &w);
-        let reference = |m: &HostMatrix| -> Vec<f64> {
-            let mut deq = vec![0f32; rows * cols];
-            dequantize_row(m.ty, m.bytes.as_slice(), &mut deq).unwrap();
-            (0..n * rows)
-                .map(|i| {
-                    let (t, r) = (i / rows, i % rows);
-                    (0..cols)
-                        .map(|j| x[t * cols + j] as f64 * deq[r * cols + j] as f64)
-                        .sum()
-                })
-                .collect()
-        };
-        let want_exact = reference(&exact);
-        // The coarse pass sees the activations as the backend's matmul does.
-        let want_coarse: Vec<f64> = if matmul::uses_quantized_activations(coarse.ty, n) {
-            crate::reference::matmul_quantized(&x, n, &coarse)
-                .unwrap()
-                .into_iter()
-                .map(f64::from)
-                .collect()
-        } else {
-            reference(&coarse)
-        };
+        let f64s = |v: Vec<f32>| -> Vec<f64> { v.into_iter().map(f64::from).collect() };
+        let want_exact = f64s(crate::reference::matmul_quantized(&x, n, &exact).unwrap());
+        let want_coarse = f64s(crate::reference::matmul_bytes(&x, n, &coarse).unwrap());
         let mut out = vec![0f32; n * rows];
         let pool = Pool::new(2).unwrap();
         let (mut scratch, mut mm) = (Scratch::default(), matmul::Scratch::default());
@@ -201,7 +294,7 @@ mod tests {
     #[test]
     fn leaders_are_the_true_top_k() {
         let mut rng = rand::rng();
-        let mut scratch = Scratch::default();
+        let mut scratch = Selection::default();
         for &(len, k) in &[
             (1usize, 1usize),
             (7, 3),

@@ -51,7 +51,7 @@ const TASK_BYTES: usize = 1 << 17;
 
 /// Rows per task: at most [`TASK_BYTES`] of weights and about eight tasks per thread, at
 /// least 16 rows.
-fn rows_per_task(rows: usize, rb: usize, threads: usize) -> usize {
+pub(crate) fn rows_per_task(rows: usize, rb: usize, threads: usize) -> usize {
     rows.div_ceil(threads * 8)
         .min(TASK_BYTES / rb.max(1))
         .max(16)

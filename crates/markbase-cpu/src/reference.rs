@@ -50,6 +50,18 @@ pub fn matmul_quantized(x: &[f32], n: usize, m: &HostMatrix) -> Result<Vec<f32>>
     matmul(&xq, n, m)
 }
 
+/// [`matmul`] with the activations first quantized to 8-bit blocks as the LM head's screening
+/// pass sees them ([`ByteAct`](crate::kernels::act8::ByteAct)).
+pub fn matmul_bytes(x: &[f32], n: usize, m: &HostMatrix) -> Result<Vec<f32>> {
+    let mut act = crate::kernels::act8::ByteAct::new();
+    act.quantize(x, n, m.cols);
+    let xq: Vec<f32> = (0..n)
+        .flat_map(|t| act.row(t).dequantize())
+        .map(|v| v as f32)
+        .collect();
+    matmul(&xq, n, m)
+}
+
 /// Gathers token rows of the table and multiplies them by `scale`.
 pub fn embed(table: &HostMatrix, tokens: &[u32], scale: f32) -> Result<Vec<f32>> {
     let w = dequantize_matrix(table)?;

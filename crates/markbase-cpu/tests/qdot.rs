@@ -5,7 +5,9 @@
 
 use markbase_core::quant::{dequantize_row, GgmlType};
 use markbase_cpu::kernels::act::{ActRow, QuantAct};
-use markbase_cpu::kernels::qdot::{qdot_rows, qdot_rows_with, qdot_tokens_with, supports};
+use markbase_cpu::kernels::qdot::{
+    qdot_gather_with, qdot_rows, qdot_rows_with, qdot_tokens_with, supports,
+};
 use markbase_cpu::kernels::Isa;
 use rand::rngs::StdRng;
 use rand::Rng;
@@ -235,4 +237,34 @@ fn qdot_rejects_float_formats() {
     let mut act = QuantAct::new();
     act.quantize(&[0.5f32; 32], 1, 32);
     qdot_rows(GgmlType::F16, &[0u8; 64], act.row(0), &mut [0f32; 1]);
+}
+
+/// Gathered rows (random indices, repeats and any order) give each row exactly what the
+/// contiguous kernel gives it, for every format and both kernel sets.
+#[test]
+fn gathered_rows_equal_contiguous_rows() {
+    let (seed, mut rng) = seeded();
+    for isa in kernel_sets() {
+        for ty in quantized_formats() {
+            let k = lengths(ty)[1];
+            let rows = 9;
+            let bytes: Vec<u8> = (0..rows)
+                .flat_map(|_| random_row(ty, k, &mut rng))
+                .collect();
+            let mut act = QuantAct::new();
+            act.quantize(&random_acts(k, &mut rng), 1, k);
+            let mut all = vec![0f32; rows];
+            qdot_rows_with(isa, ty, &bytes, act.row(0), &mut all);
+            let index: Vec<u32> = (0..13).map(|_| rng.random_range(0..rows as u32)).collect();
+            let mut got = vec![0f32; index.len()];
+            qdot_gather_with(isa, ty, &bytes, &index, act.row(0), &mut got);
+            for (g, &i) in got.iter().zip(&index) {
+                assert_eq!(
+                    g.to_bits(),
+                    all[i as usize].to_bits(),
+                    "{isa:?} {ty} row {i} (seed {seed})"
+                );
+            }
+        }
+    }
 }

@@ -1,10 +1,12 @@
 //! Quantized-weight kernels, each with an AVX2+FMA path chosen at run time and a portable
 //! twin: dot products of stored weight rows (any [`GgmlType`]) with f32 activations ([`dot`])
-//! or with 16-bit quantized activations ([`act`], [`qdot`]).
+//! or with 16-bit quantized activations ([`act`], [`qdot`]), and the LM head's Q4_0 screening
+//! pass with 8-bit activations ([`act8`], [`screen`]).
 //!
 //! [`GgmlType`]: markbase_core::quant::GgmlType
 
 pub mod act;
+pub mod act8;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 pub mod dot;
@@ -14,9 +16,10 @@ pub mod qdot;
 #[cfg(target_arch = "x86_64")]
 mod qdot_avx2;
 mod qdot_portable;
+pub mod screen;
 pub mod vmath;
 
-use qdot_portable::qdot_rows as portable_rows;
+use qdot_portable::{qdot_gather as portable_gather, qdot_rows as portable_rows};
 
 use std::ops::Range;
 use std::sync::OnceLock;

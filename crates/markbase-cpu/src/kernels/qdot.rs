@@ -12,7 +12,7 @@
 use markbase_core::quant::GgmlType;
 
 use super::act::ActRow;
-use super::{portable_rows, Isa};
+use super::{portable_gather, portable_rows, Isa};
 
 /// Whether [`qdot_rows`] handles `ty` (every block-quantized format).
 pub fn supports(ty: GgmlType) -> bool {
@@ -96,5 +96,54 @@ pub fn qdot_tokens_with(
                 portable_rows(ty, rows, rb, *x, out)
             }
         }
+    }
+}
+
+/// `out[j] = x · (dequantized row index[j])` for rows of `ty` stored one after the other in
+/// `rows` (each `ty.bytes_for(x.len())` bytes), with the best kernels for this CPU: a few
+/// scattered rows (the LM head's leaders) without a call per row. Each result equals what
+/// [`qdot_rows`] gives that row (the same operations in the same order).
+///
+/// # Panics
+/// If `ty` is a float format, `index` and `out` differ in length, or an index is not a row of
+/// `rows` (caller bugs).
+pub fn qdot_gather(ty: GgmlType, rows: &[u8], index: &[u32], x: ActRow, out: &mut [f32]) {
+    qdot_gather_with(Isa::detect(), ty, rows, index, x, out)
+}
+
+/// [`qdot_gather`] with the kernels written for `isa` (portable ones if this CPU lacks it).
+///
+/// # Panics
+/// As [`qdot_gather`].
+pub fn qdot_gather_with(
+    isa: Isa,
+    ty: GgmlType,
+    rows: &[u8],
+    index: &[u32],
+    x: ActRow,
+    out: &mut [f32],
+) {
+    assert!(supports(ty), "qdot: {ty} is not a block-quantized format");
+    assert_eq!(
+        index.len(),
+        out.len(),
+        "qdot: row indices and outputs differ"
+    );
+    let rb = match ty.bytes_for(x.len()) {
+        Ok(rb) => rb,
+        Err(e) => panic!("qdot: {e}"),
+    };
+    let stored = rows.len() / rb.max(1);
+    assert!(
+        index.iter().all(|&r| (r as usize) < stored),
+        "qdot: a row index is not below the {stored} stored rows"
+    );
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 if Isa::detect() == Isa::Avx2 => {
+            // SAFETY: AVX2, FMA and F16C were detected; every index was checked above.
+            unsafe { super::qdot_avx2::qdot_gather(ty, rows, rb, index, x, out) }
+        }
+        _ => portable_gather(ty, rows, rb, index, x, out),
     }
 }

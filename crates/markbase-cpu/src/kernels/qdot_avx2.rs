@@ -80,15 +80,45 @@ pub(super) unsafe fn qdot_rows(
     xs: &[ActRow],
     outs: &mut [&mut [f32]],
 ) {
+    let w = Rows {
+        at: rows.as_ptr(),
+        rb,
+        index: std::ptr::null(),
+    };
+    qdot_tokens(ty, w, xs, outs)
+}
+
+/// `out[j] = x · row index[j]` for the rows of `rb` bytes at `rows`; the caller checked that
+/// every index is a row of `rows`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn qdot_gather(
+    ty: GgmlType,
+    rows: &[u8],
+    rb: usize,
+    index: &[u32],
+    x: ActRow,
+    out: &mut [f32],
+) {
+    let w = Rows {
+        at: rows.as_ptr(),
+        rb,
+        index: index.as_ptr(),
+    };
+    qdot_tokens(ty, w, &[x], &mut [out])
+}
+
+/// [`qdot_rows`] over the rows `w` addresses.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn qdot_tokens(ty: GgmlType, w: Rows, xs: &[ActRow], outs: &mut [&mut [f32]]) {
     let mut t0 = 0;
     while t0 < xs.len() {
         let g = (xs.len() - t0).min(TOKEN_GROUP);
         let (x, o) = (&xs[t0..t0 + g], &mut outs[t0..t0 + g]);
         match g {
-            1 => group::<1>(ty, rows, rb, x, o),
-            2 => group::<2>(ty, rows, rb, x, o),
-            3 => group::<3>(ty, rows, rb, x, o),
-            _ => group::<4>(ty, rows, rb, x, o),
+            1 => group::<1>(ty, w, x, o),
+            2 => group::<2>(ty, w, x, o),
+            3 => group::<3>(ty, w, x, o),
+            _ => group::<4>(ty, w, x, o),
         }
         t0 += g;
     }
@@ -97,19 +127,9 @@ pub(super) unsafe fn qdot_rows(
 /// [`qdot_rows`] for a group of `N` tokens.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn group<const N: usize>(
-    ty: GgmlType,
-    rows: &[u8],
-    rb: usize,
-    xs: &[ActRow],
-    outs: &mut [&mut [f32]],
-) {
+unsafe fn group<const N: usize>(ty: GgmlType, w: Rows, xs: &[ActRow], outs: &mut [&mut [f32]]) {
     let x: [X; N] = std::array::from_fn(|t| X::of(xs[t]));
     let nb = xs[0].d.len();
-    let w = Rows {
-        at: rows.as_ptr(),
-        rb,
-    };
     match ty {
         GgmlType::Q8_0 => legacy::<34, false, N>(w, &x, nb, q8_0, outs),
         GgmlType::Q4_0 => legacy::<18, false, N>(w, &x, nb, q4_0, outs),
@@ -128,17 +148,25 @@ unsafe fn group<const N: usize>(
     }
 }
 
-/// Weight rows: the first row's address and the bytes per row.
+/// Weight rows: the first row's address, the bytes per row, and the rows to walk: all in
+/// order where `index` is null, else `index[0]`, `index[1]`, ….
 #[derive(Clone, Copy)]
 struct Rows {
     at: *const u8,
     rb: usize,
+    index: *const u32,
 }
 
 impl Rows {
-    /// Row `i`.
+    /// The `i`-th row walked.
+    #[inline]
     unsafe fn row(self, i: usize) -> *const u8 {
-        self.at.add(i * self.rb)
+        let r = if self.index.is_null() {
+            i
+        } else {
+            *self.index.add(i) as usize
+        };
+        self.at.add(r * self.rb)
     }
 }
 

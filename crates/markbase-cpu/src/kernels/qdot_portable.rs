@@ -21,6 +21,22 @@ pub(super) fn qdot_rows(ty: GgmlType, rows: &[u8], rb: usize, x: ActRow, out: &m
     }
 }
 
+/// `out[j] = x · row index[j]` for the rows of `rb` bytes in `rows`, for a quantized `ty`;
+/// the caller checked that every index is a row of `rows`.
+pub(super) fn qdot_gather(
+    ty: GgmlType,
+    rows: &[u8],
+    rb: usize,
+    index: &[u32],
+    x: ActRow,
+    out: &mut [f32],
+) {
+    for (o, &r) in out.iter_mut().zip(index) {
+        let r = r as usize;
+        *o = qdot(ty, &rows[r * rb..(r + 1) * rb], x);
+    }
+}
+
 /// x · row for a quantized `ty`.
 fn qdot(ty: GgmlType, row: &[u8], x: ActRow) -> f32 {
     match ty {

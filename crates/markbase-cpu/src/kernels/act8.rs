@@ -1,0 +1,166 @@
+//! Activations quantized to 8 bits per value ([`ByteAct`]), for the LM head's screening pass.
+//!
+//! Each row of `k` f32 activations (k a multiple of 32) is cut into blocks of 32; block `j`
+//! keeps an f32 scale `d[j] = max|x| / 127`, 32 signed bytes `q` with `x ≈ d[j] · q` (round to
+//! nearest, natural order) and the block sum `s[j] = d[j] · Σq`. Bytes let AVX2 multiply 32
+//! weight-activation pairs per instruction (`vpmaddubsw`), twice the 16-bit path's rate, at
+//! 1/127 relative precision per block: too coarse for the layers (greedy continuations of the
+//! default model changed, docs/perf.md), fine for a pass that only ranks the vocabulary.
+
+/// Activations per quantization block.
+pub const BYTE_BLOCK: usize = 32;
+
+/// 1.5 · 2^23: adding it to an f32 of magnitude below 2^22 rounds to an integer.
+const ROUND: f32 = 12_582_912.0;
+
+/// `n` rows of `k` activations in 8-bit blocks; storage is reused between calls.
+#[derive(Default)]
+pub struct ByteAct {
+    k: usize,
+    n: usize,
+    q: Vec<i8>,
+    d: Vec<f32>,
+    s: Vec<f32>,
+}
+
+/// One 8-bit quantized row, as the kernels read it.
+#[derive(Clone, Copy)]
+pub struct ByteRow<'a> {
+    /// `k` quantized values in natural order.
+    pub q: &'a [i8],
+    /// `k / 32` block scales.
+    pub d: &'a [f32],
+    /// `k / 32` block sums `d · Σq`.
+    pub s: &'a [f32],
+}
+
+impl ByteAct {
+    /// Empty storage.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Quantizes the `n` rows of `k` values at the start of `x`, reusing storage (it only
+    /// grows, so steady-state calls allocate nothing).
+    ///
+    /// # Panics
+    /// If `k` is not a multiple of 32 or `x` is shorter than `n * k` (caller bugs: weight
+    /// shapes are checked at load).
+    pub fn quantize(&mut self, x: &[f32], n: usize, k: usize) {
+        assert!(
+            k.is_multiple_of(BYTE_BLOCK),
+            "activation rows of {k} are not whole blocks of 32"
+        );
+        assert!(
+            x.len() >= n * k,
+            "{} activations for {n} rows of {k}",
+            x.len()
+        );
+        let blocks = n * k / BYTE_BLOCK;
+        (self.k, self.n) = (k, n);
+        if self.q.len() < n * k {
+            self.q.resize(n * k, 0);
+        }
+        if self.d.len() < blocks {
+            self.d.resize(blocks, 0.0);
+            self.s.resize(blocks, 0.0);
+        }
+        for (b, (xb, qb)) in x[..n * k]
+            .chunks_exact(BYTE_BLOCK)
+            .zip(self.q.chunks_exact_mut(BYTE_BLOCK))
+            .enumerate()
+        {
+            let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let (d, id) = if amax > 0.0 {
+                (amax / 127.0, 127.0 / amax)
+            } else {
+                (0.0, 0.0)
+            };
+            let mut sum = 0i32;
+            for (q, v) in qb.iter_mut().zip(xb) {
+                // Round to nearest (ties to even) by adding and removing 1.5 · 2^23 (it
+                // vectorises); the clamp guards the last ulp of |v · id| ≤ 127.
+                let r = ((v * id + ROUND) - ROUND).clamp(-127.0, 127.0) as i8;
+                *q = r;
+                sum += i32::from(r);
+            }
+            self.d[b] = d;
+            self.s[b] = d * sum as f32;
+        }
+    }
+
+    /// Rows quantized by the last [`ByteAct::quantize`].
+    pub fn rows(&self) -> usize {
+        self.n
+    }
+
+    /// Row `t` of the last [`ByteAct::quantize`].
+    ///
+    /// # Panics
+    /// If `t` is not below [`ByteAct::rows`].
+    pub fn row(&self, t: usize) -> ByteRow<'_> {
+        assert!(t < self.n, "row {t} of {} quantized rows", self.n);
+        let (k, kb) = (self.k, self.k / BYTE_BLOCK);
+        ByteRow {
+            q: &self.q[t * k..(t + 1) * k],
+            d: &self.d[t * kb..(t + 1) * kb],
+            s: &self.s[t * kb..(t + 1) * kb],
+        }
+    }
+}
+
+impl ByteRow<'_> {
+    /// Activations in the row.
+    pub fn len(&self) -> usize {
+        self.q.len()
+    }
+
+    /// Whether the row is empty.
+    pub fn is_empty(&self) -> bool {
+        self.q.is_empty()
+    }
+
+    /// The values the row stands for, `d · q`, in f64 (for reference checks).
+    pub fn dequantize(&self) -> Vec<f64> {
+        self.q
+            .iter()
+            .enumerate()
+            .map(|(i, &q)| f64::from(self.d[i / BYTE_BLOCK]) * f64::from(q))
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::Rng;
+
+    /// Every value is within half a step of its block's grid, the sums match the bytes, and
+    /// all-zero blocks stay zero.
+    #[test]
+    fn values_round_to_the_block_grid() {
+        let mut rng = rand::rng();
+        let (n, k) = (3, 96);
+        let mut x: Vec<f32> = (0..n * k).map(|_| rng.random_range(-5.0..5.0)).collect();
+        x[32..64].fill(0.0);
+        let mut act = ByteAct::new();
+        act.quantize(&x, n, k);
+        for t in 0..n {
+            let row = act.row(t);
+            let deq = row.dequantize();
+            for (i, v) in x[t * k..(t + 1) * k].iter().enumerate() {
+                let d = f64::from(row.d[i / 32]);
+                assert!(
+                    (deq[i] - f64::from(*v)).abs() <= 0.5 * d + 1e-6,
+                    "value {i}"
+                );
+            }
+            for (j, qb) in row.q.chunks(32).enumerate() {
+                let sum: i32 = qb.iter().map(|&q| i32::from(q)).sum();
+                assert_eq!(row.s[j], row.d[j] * sum as f32);
+                assert!(qb.iter().any(|&q| q.abs() == 127) || row.d[j] == 0.0);
+            }
+        }
+        assert!(act.row(0).q[32..64].iter().all(|&q| q == 0));
+    }
+}
