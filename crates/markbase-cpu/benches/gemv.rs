@@ -27,9 +27,9 @@ const SHAPES: [(&str, GgmlType, usize, usize); 6] = [
     ("attn_q_q5_0", GgmlType::Q5_0, 1024, 640),
 ];
 
-fn run(bencher: Bencher, shape: usize, threads: usize) {
+/// A random matrix of `SHAPES[shape]` whose block scales are all 2^-4.
+fn matrix(shape: usize, rng: &mut StdRng) -> HostMatrix {
     let (_, ty, rows, cols) = SHAPES[shape];
-    let mut rng = StdRng::seed_from_u64(11);
     let mut bytes = vec![0u8; rows * ty.bytes_for(cols).unwrap()];
     rng.fill(&mut bytes[..]);
     let scale_at: &[usize] = match ty {
@@ -42,14 +42,20 @@ fn run(bencher: Bencher, shape: usize, threads: usize) {
             b[at..at + 2].copy_from_slice(&0x2C00u16.to_le_bytes());
         }
     }
-    let len = bytes.len();
-    let m = HostMatrix {
+    HostMatrix {
         name: SHAPES[shape].0.into(),
         ty,
         rows,
         cols,
         bytes: HostBytes::Owned(Arc::from(bytes)),
-    };
+    }
+}
+
+fn run(bencher: Bencher, shape: usize, threads: usize) {
+    let (_, _, rows, cols) = SHAPES[shape];
+    let mut rng = StdRng::seed_from_u64(11);
+    let m = matrix(shape, &mut rng);
+    let len = m.bytes.as_slice().len();
     let be = CpuBackend::new(threads).unwrap();
     let w = be.load_matrix(&m).unwrap();
     let x: Vec<f32> = (0..cols).map(|_| rng.random_range(-1.0..1.0)).collect();
@@ -69,4 +75,30 @@ fn one_thread(bencher: Bencher, shape: usize) {
 #[divan::bench(args = 0..SHAPES.len(), sample_count = 20)]
 fn two_threads(bencher: Bencher, shape: usize) {
     run(bencher, shape, 2);
+}
+
+/// The screened LM head as decoding uses it (the Q4_0 copy ranks, the top 4096 rows of the
+/// Q8_0 head are exact) for `n` tokens on two threads; throughput counts the Q4_0 copy's
+/// bytes once per token.
+fn screened(bencher: Bencher, n: usize) {
+    let mut rng = StdRng::seed_from_u64(12);
+    let (exact, coarse) = (matrix(0, &mut rng), matrix(1, &mut rng));
+    let (rows, cols) = (exact.rows, exact.cols);
+    let be = CpuBackend::new(2).unwrap();
+    let (e, c) = (
+        be.load_matrix(&exact).unwrap(),
+        be.load_matrix(&coarse).unwrap(),
+    );
+    let x: Vec<f32> = (0..n * cols).map(|_| rng.random_range(-1.0..1.0)).collect();
+    let mut xb = be.alloc(n * cols).unwrap();
+    be.write(&x, &mut xb).unwrap();
+    let mut out = be.alloc(n * rows).unwrap();
+    bencher
+        .counter(BytesCount::new(n * coarse.bytes.as_slice().len()))
+        .bench_local(|| be.matmul_screened(&xb, n, &c, &e, 4096, &mut out).unwrap());
+}
+
+#[divan::bench(args = [1, 4, 8], sample_count = 10)]
+fn screened_head_two_threads(bencher: Bencher, n: usize) {
+    screened(bencher, n);
 }

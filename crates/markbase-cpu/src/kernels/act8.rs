@@ -2,7 +2,7 @@
 //!
 //! Each row of `k` f32 activations (k a multiple of 32) is cut into blocks of 32; block `j`
 //! keeps an f32 scale `d[j] = max|x| / 127`, 32 signed bytes `q` with `x ≈ d[j] · q` (round to
-//! nearest, natural order) and the block sum `s[j] = d[j] · Σq`. Bytes let AVX2 multiply 32
+//! nearest, natural order) and the integer block sum `sum[j] = Σq`. Bytes let AVX2 multiply 32
 //! weight-activation pairs per instruction (`vpmaddubsw`), twice the 16-bit path's rate, at
 //! 1/127 relative precision per block: too coarse for the layers (greedy continuations of the
 //! default model changed, docs/perf.md), fine for a pass that only ranks the vocabulary.
@@ -20,7 +20,7 @@ pub struct ByteAct {
     n: usize,
     q: Vec<i8>,
     d: Vec<f32>,
-    s: Vec<f32>,
+    sum: Vec<i32>,
 }
 
 /// One 8-bit quantized row, as the kernels read it.
@@ -30,8 +30,8 @@ pub struct ByteRow<'a> {
     pub q: &'a [i8],
     /// `k / 32` block scales.
     pub d: &'a [f32],
-    /// `k / 32` block sums `d · Σq`.
-    pub s: &'a [f32],
+    /// `k / 32` block sums `Σq`.
+    pub sum: &'a [i32],
 }
 
 impl ByteAct {
@@ -63,7 +63,7 @@ impl ByteAct {
         }
         if self.d.len() < blocks {
             self.d.resize(blocks, 0.0);
-            self.s.resize(blocks, 0.0);
+            self.sum.resize(blocks, 0);
         }
         for (b, (xb, qb)) in x[..n * k]
             .chunks_exact(BYTE_BLOCK)
@@ -85,7 +85,7 @@ impl ByteAct {
                 sum += i32::from(r);
             }
             self.d[b] = d;
-            self.s[b] = d * sum as f32;
+            self.sum[b] = sum;
         }
     }
 
@@ -104,7 +104,7 @@ impl ByteAct {
         ByteRow {
             q: &self.q[t * k..(t + 1) * k],
             d: &self.d[t * kb..(t + 1) * kb],
-            s: &self.s[t * kb..(t + 1) * kb],
+            sum: &self.sum[t * kb..(t + 1) * kb],
         }
     }
 }
@@ -157,7 +157,7 @@ mod tests {
             }
             for (j, qb) in row.q.chunks(32).enumerate() {
                 let sum: i32 = qb.iter().map(|&q| i32::from(q)).sum();
-                assert_eq!(row.s[j], row.d[j] * sum as f32);
+                assert_eq!(row.sum[j], sum);
                 assert!(qb.iter().any(|&q| q.abs() == 127) || row.d[j] == 0.0);
             }
         }
