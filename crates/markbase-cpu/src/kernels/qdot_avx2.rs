@@ -286,10 +286,9 @@ unsafe fn legacy<const TS: usize, const MIN: bool, const N: usize>(
     outs: &mut [&mut [f32]],
 ) {
     let t = f16_table().as_ptr();
-    let nrows = outs[0].len();
-    for i in 0..nrows {
+    for i in 0..outs[0].len() {
         let row = w.row(i);
-        w.prefetch(i + PREFETCH_ROWS, nrows);
+        w.prefetch(i + PREFETCH_ROWS, outs[0].len());
         let mut acc = [[_mm256_setzero_ps(); 2]; N];
         let mut mins = [[0f32; 2]; N];
         let mut one = |j: usize| {
@@ -392,10 +391,9 @@ unsafe fn kquant<const TS: usize, const N: usize>(
     block: Block256<N>,
     outs: &mut [&mut [f32]],
 ) {
-    let nrows = outs[0].len();
-    for i in 0..nrows {
+    for i in 0..outs[0].len() {
         let row = w.row(i);
-        w.prefetch(i + PREFETCH_ROWS, nrows);
+        w.prefetch(i + PREFETCH_ROWS, outs[0].len());
         let mut acc = [[_mm256_setzero_ps(); 2]; N];
         for s in 0..ns {
             let xs: [X; N] = std::array::from_fn(|n| x[n].skip(8 * s));
