@@ -21,20 +21,35 @@ __device__ void embed_impl(const u8* table, u64 row_bytes, const u32* tokens, in
     }
 }
 
-// dst[r - r0, :] = dequant(w[r, :]) for rows r0 .. r0 + n_rows. Grid: (chunk groups, rows).
+// Threads per block of the dequant kernels (the launch uses this block size).
+#define DEQUANT_THREADS 128
+
+// dst[r - r0, :] = dequant(w[r, :]) for rows r0 .. r0 + n_rows. Grid: (chunk groups, rows);
+// block: DEQUANT_THREADS. Each thread decodes one chunk of 32 weights into shared memory (rows
+// of 33 floats: no bank conflicts), then the block writes its span of the row with consecutive
+// threads on consecutive addresses — direct stores of 32 values per thread would scatter every
+// warp store over 32 separate segments.
 template <int FMT>
 __device__ void dequant_impl(const u8* w, u64 row_bytes, int r0, int k, float* dst) {
+    __shared__ float stage[DEQUANT_THREADS * 33];
     int r = blockIdx.y;
-    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    int c0 = blockIdx.x * DEQUANT_THREADS;
+    int c = c0 + threadIdx.x;
     int chunks = (k + 31) >> 5;
-    if (c >= chunks) return;
-    float v[32];
-    int kv = min(32, k - 32 * c);
-    deq32<FMT>(w + (u64)(r0 + r) * row_bytes, c, kv, k, v);
-    float* o = dst + (u64)r * k + 32 * c;
+    if (c < chunks) {
+        float v[32];
+        int kv = min(32, k - 32 * c);
+        deq32<FMT>(w + (u64)(r0 + r) * row_bytes, c, kv, k, v);
 #pragma unroll
-    for (int i = 0; i < 32; i++)
-        if (i < kv) o[i] = v[i];
+        for (int i = 0; i < 32; i++) stage[threadIdx.x * 33 + i] = v[i];
+    }
+    __syncthreads();
+    int begin = 32 * c0, end = min(k, 32 * (c0 + DEQUANT_THREADS));
+    float* o = dst + (u64)r * k;
+    for (int e = begin + threadIdx.x; e < end; e += DEQUANT_THREADS) {
+        int rel = e - begin;
+        o[e] = stage[(rel >> 5) * 33 + (rel & 31)];
+    }
 }
 
 #define OPS_FORMAT_KERNELS(S, F)                                                              \

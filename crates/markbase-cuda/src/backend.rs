@@ -25,6 +25,9 @@ const GEMV_MAX_ROWS: usize = 8;
 const GEMV_UP_TO: usize = 16;
 /// Most f32 weights dequantized at once for a cuBLAS product (64 MiB of scratch).
 const DEQUANT_TILE: usize = 16 << 20;
+/// Threads per block of the dequant kernels: `DEQUANT_THREADS` in ops.cu, which sizes its
+/// shared staging by it.
+const DEQUANT_THREADS: usize = 128;
 /// Query rows × key splits the attention kernel aims to keep busy.
 const ATTN_TARGET_WARPS: usize = 1024;
 /// Largest head dimension (lanes hold head_dim / 32 ≤ 16 values).
@@ -226,7 +229,10 @@ impl CudaBackend {
             let rt = tile.min(w.rows - r0);
             self.launch_fn(
                 &f,
-                Grid::new((blocks(chunks, 128), rt as u32), 128),
+                Grid::new(
+                    (blocks(chunks, DEQUANT_THREADS), rt as u32),
+                    DEQUANT_THREADS as u32,
+                ),
                 &[
                     Arg::U64(w.ptr),
                     Arg::U64(w.row_bytes as u64),
