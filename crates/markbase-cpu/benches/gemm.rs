@@ -1,12 +1,17 @@
-//! The prefill GEMM on one core, as the backend runs it per task: 24 Q5_0 weight rows
-//! dequantized, times 128 tokens packed in tiles, k = 640 and 2048. Throughput in FLOP/s is
-//! 2 · 24 · 128 · k per iteration (divan reports it as "items").
+//! The prefill GEMM: on one core as the backend runs it per task (24 Q5_0 weight rows
+//! dequantized, times 128 tokens packed in tiles, k = 640 and 2048), and through the backend
+//! for the seven matmuls of one layer of the default model with 512 tokens. Throughput in
+//! FLOP/s is 2 · rows · tokens · k per iteration (divan reports it as "items").
 //! Run: `cargo bench -p markbase-cpu --bench gemm`.
+
+use std::sync::Arc;
 
 use divan::counter::ItemsCount;
 use divan::Bencher;
+use markbase_core::backend::{Backend, HostBytes, HostMatrix};
 use markbase_core::quant::GgmlType;
 use markbase_cpu::kernels::gemm::{pack_tokens, packed_len, rows_matmul, unpack_rows};
+use markbase_cpu::CpuBackend;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -41,4 +46,70 @@ fn q5_0_rows24_x128(bencher: Bencher, k: usize) {
             rows_matmul(&w, k, divan::black_box(&xt), TOKENS, &mut out, ROWS);
             divan::black_box(&out);
         });
+}
+
+/// One layer of the default model (Gemma 3 270M Q4_K_M): (format, rows, cols) of attn_q,
+/// attn_k, attn_v, attn_output, ffn_gate, ffn_up, ffn_down.
+const LAYER: [(GgmlType, usize, usize); 7] = [
+    (GgmlType::Q5_0, 1024, 640),
+    (GgmlType::Q5_0, 256, 640),
+    (GgmlType::Q8_0, 256, 640),
+    (GgmlType::Q4_K, 640, 1024),
+    (GgmlType::Q5_0, 2048, 640),
+    (GgmlType::Q5_0, 2048, 640),
+    (GgmlType::Q6_K, 640, 2048),
+];
+
+/// Prefill tokens of the layer benchmark.
+const PREFILL: usize = 512;
+
+/// Random weight rows of `ty` with sane block scales (every f16 scale 2⁻⁴).
+fn random_matrix(ty: GgmlType, rows: usize, cols: usize, rng: &mut StdRng) -> HostMatrix {
+    let mut bytes = vec![0u8; rows * ty.bytes_for(cols).unwrap()];
+    rng.fill(&mut bytes[..]);
+    let scale_at: &[usize] = match ty {
+        GgmlType::Q6_K => &[208],
+        GgmlType::Q4_K => &[0, 2],
+        _ => &[0],
+    };
+    for b in bytes.chunks_exact_mut(ty.type_size()) {
+        for &at in scale_at {
+            b[at..at + 2].copy_from_slice(&0x2C00u16.to_le_bytes());
+        }
+    }
+    HostMatrix {
+        name: format!("{ty}"),
+        ty,
+        rows,
+        cols,
+        bytes: HostBytes::Owned(Arc::from(bytes)),
+    }
+}
+
+/// The seven matmuls of one layer for 512 tokens through the backend (thread pool, packing,
+/// dequantization and all), as prefill runs them.
+#[divan::bench(args = [1, 2], sample_count = 20)]
+fn layer_x512(bencher: Bencher, threads: usize) {
+    let mut rng = StdRng::seed_from_u64(5);
+    let be = CpuBackend::new(threads).unwrap();
+    let mut flops = 0;
+    let mut mats = Vec::new();
+    for (ty, rows, cols) in LAYER {
+        let w = be
+            .load_matrix(&random_matrix(ty, rows, cols, &mut rng))
+            .unwrap();
+        let x: Vec<f32> = (0..PREFILL * cols)
+            .map(|_| rng.random_range(-1.0..1.0))
+            .collect();
+        let mut xb = be.alloc(x.len()).unwrap();
+        be.write(&x, &mut xb).unwrap();
+        let out = be.alloc(PREFILL * rows).unwrap();
+        flops += 2 * PREFILL * rows * cols;
+        mats.push((w, xb, out));
+    }
+    bencher.counter(ItemsCount::new(flops)).bench_local(|| {
+        for (w, x, out) in &mut mats {
+            be.matmul(x, PREFILL, w, out).unwrap();
+        }
+    });
 }

@@ -17,6 +17,8 @@ pub struct CpuBackend {
     scratch: Mutex<matmul::Scratch>,
     /// Scratch of the screened LM head's leader selection (locked before `scratch`).
     screen: Mutex<lm_head::Scratch>,
+    /// RoPE angles of the last chunks' positions.
+    rope: Mutex<ops::RopeCache>,
 }
 
 /// An activation buffer: f32 values in host memory.
@@ -39,6 +41,7 @@ impl CpuBackend {
             pool: Pool::new(threads)?,
             scratch: Mutex::new(matmul::Scratch::default()),
             screen: Mutex::default(),
+            rope: Mutex::default(),
         })
     }
 
@@ -210,8 +213,12 @@ impl Backend for CpuBackend {
         if let Some((w, _)) = norm {
             need("head norm weight", w.len(), head_dim)?;
         }
+        // The cache only holds tables that are rebuilt when they do not match, so a poisoned
+        // lock is still safe to use.
+        let mut cache = self.rope.lock().unwrap_or_else(|e| e.into_inner());
         ops::head_norm_rope(
             &self.pool,
+            &mut cache,
             &mut x.0[..len],
             n_heads,
             head_dim,

@@ -45,9 +45,98 @@ pub fn rms_norm(
     });
 }
 
-/// In-place per-head RMSNorm (optional) and RoPE; `x` holds `positions.len()` tokens.
+/// The cos and sin of every rotation angle of one RoPE configuration at a list of positions.
+struct RopeTable {
+    /// θ and linear factor (as bits), rotated pairs and head dimension.
+    key: (u32, u32, usize, usize),
+    positions: Vec<u32>,
+    /// Per position: `pairs` cosines, then `pairs` sines.
+    cos_sin: Vec<f32>,
+}
+
+/// The last two [`RopeTable`]s built, so the query and key calls of every layer (and the
+/// layers sharing a configuration: Gemma alternates a local and a global θ) reuse one table
+/// per chunk instead of evaluating `sin_cos` again for each.
+#[derive(Default)]
+pub struct RopeCache {
+    tables: [Option<RopeTable>; 2],
+    /// The slot the next new table replaces.
+    next: usize,
+}
+
+impl RopeCache {
+    /// The table of `rope` at `positions` for heads of `head_dim`, built (on the pool) when not
+    /// cached.
+    fn table(
+        &mut self,
+        pool: &Pool,
+        rope: &Rope,
+        head_dim: usize,
+        positions: &[u32],
+    ) -> &RopeTable {
+        let pairs = rope.rotated_pairs;
+        let key = (
+            rope.theta.to_bits(),
+            rope.linear_factor.to_bits(),
+            pairs,
+            head_dim,
+        );
+        let hit = self.tables.iter().position(|t| {
+            t.as_ref()
+                .is_some_and(|t| t.key == key && t.positions == positions)
+        });
+        let slot = match hit {
+            Some(i) => i,
+            None => {
+                let i = self.next;
+                self.next = (i + 1) % self.tables.len();
+                let t = self.tables[i].get_or_insert_with(|| RopeTable {
+                    key,
+                    positions: Vec::new(),
+                    cos_sin: Vec::new(),
+                });
+                // Key and positions are set once the values are in, so a table left half
+                // built by a panic never matches.
+                t.positions.clear();
+                t.cos_sin.resize(positions.len() * 2 * pairs, 0.0);
+                fill_cos_sin(pool, rope, head_dim, positions, &mut t.cos_sin);
+                t.key = key;
+                t.positions.extend_from_slice(positions);
+                i
+            }
+        };
+        self.tables[slot].as_ref().expect("filled above")
+    }
+}
+
+/// `cos_sin[t]` = the cosines then the sines of position `positions[t]`'s angles.
+fn fill_cos_sin(pool: &Pool, rope: &Rope, head_dim: usize, positions: &[u32], cos_sin: &mut [f32]) {
+    let pairs = rope.rotated_pairs;
+    // Per-pair frequencies, once per table.
+    let mut freq = [0f32; 256];
+    for (i, f) in freq[..pairs].iter_mut().enumerate() {
+        let inv = 1.0 / rope.theta.powf((2 * i) as f32 / head_dim as f32);
+        *f = inv / rope.linear_factor;
+    }
+    pool.par_chunks_mut(cos_sin, 2 * pairs * ROW_GRAIN, |c, rows| {
+        for (t, row) in rows.chunks_mut(2 * pairs).enumerate() {
+            let p = positions[c * ROW_GRAIN + t] as f32;
+            let (cos, sin) = row.split_at_mut(pairs);
+            for i in 0..pairs {
+                let (s, c) = ((p * freq[i]) as f64).sin_cos();
+                cos[i] = c as f32;
+                sin[i] = s as f32;
+            }
+        }
+    });
+}
+
+/// In-place per-head RMSNorm (optional) and RoPE; `x` holds `positions.len()` tokens. The
+/// rotation angles come from `cache`.
+#[allow(clippy::too_many_arguments)]
 pub fn head_norm_rope(
     pool: &Pool,
+    cache: &mut RopeCache,
     x: &mut [f32],
     n_heads: usize,
     head_dim: usize,
@@ -56,22 +145,10 @@ pub fn head_norm_rope(
     positions: &[u32],
 ) {
     let half = head_dim / 2;
-    // Per-pair frequencies, once per call.
-    let mut freq = [0f32; 256];
-    for (i, f) in freq[..rope.rotated_pairs].iter_mut().enumerate() {
-        let inv = 1.0 / rope.theta.powf((2 * i) as f32 / head_dim as f32);
-        *f = inv / rope.linear_factor;
-    }
+    let pairs = rope.rotated_pairs;
+    let table = cache.table(pool, rope, head_dim, positions);
     pool.par_chunks_mut(x, n_heads * head_dim, |t, tok| {
-        let p = positions[t];
-        let mut cos = [0f32; 256];
-        let mut sin = [0f32; 256];
-        for i in 0..rope.rotated_pairs {
-            let angle = (p as f32) * freq[i];
-            let (s, c) = (angle as f64).sin_cos();
-            cos[i] = c as f32;
-            sin[i] = s as f32;
-        }
+        let (cos, sin) = table.cos_sin[t * 2 * pairs..(t + 1) * 2 * pairs].split_at(pairs);
         for head in tok.chunks_mut(head_dim) {
             if let Some((w, eps)) = norm {
                 let ms = head.iter().map(|v| v * v).sum::<f32>() / head_dim as f32;
@@ -79,7 +156,7 @@ pub fn head_norm_rope(
                 head.iter_mut().zip(w).for_each(|(v, w)| *v *= inv * w);
             }
             let (a, b) = head.split_at_mut(half);
-            for i in 0..rope.rotated_pairs {
+            for i in 0..pairs {
                 let (x0, x1) = (a[i], b[i]);
                 a[i] = x0 * cos[i] - x1 * sin[i];
                 b[i] = x1 * cos[i] + x0 * sin[i];

@@ -218,6 +218,33 @@ fn head_norm_rope_matches_reference() {
     }
 }
 
+/// The backend keeps the last RoPE tables: calls that alternate three configurations, repeat
+/// position lists, then change one position must each match the reference.
+#[test]
+fn head_norm_rope_tables_follow_configs_and_positions() {
+    let mut rng = rng();
+    let be = CpuBackend::new(2).unwrap();
+    let (hd, heads, n) = (64, 2, 9);
+    let ropes = [(1e4, 1.0, 32), (1e6, 1.0, 32), (1e4, 8.0, 16)].map(|(t, f, p)| Rope {
+        theta: t,
+        linear_factor: f,
+        rotated_pairs: p,
+    });
+    let mut positions: Vec<u32> = (100..100 + n as u32).collect();
+    for step in 0..12 {
+        if step == 8 {
+            positions[3] += 1000;
+        }
+        let rope = &ropes[[0, 0, 1, 0, 2, 1, 1, 0][step % 8]];
+        let x = randn(&mut rng, n * heads * hd, 2.0);
+        let mut b = buf(&be, &x, 0);
+        be.head_norm_rope(&mut b, heads, hd, None, rope, &positions)
+            .unwrap();
+        let want = reference::head_norm_rope(&x, heads, hd, None, rope, &positions);
+        assert_close(&format!("rope step {step}"), b.as_slice(), &want, 1e-5);
+    }
+}
+
 #[test]
 fn attention_matches_reference() {
     let mut rng = rng();

@@ -16,7 +16,7 @@ use crate::weights::WeightStore;
 
 /// Token rows run through the layers together; larger steps are processed in chunks of this
 /// size.
-pub const MAX_BATCH: usize = 128;
+pub const MAX_BATCH: usize = 512;
 /// Token rows put through the LM head together (each weight row is read once for all of them).
 const LOGIT_ROWS: usize = 64;
 
