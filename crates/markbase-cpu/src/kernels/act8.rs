@@ -7,11 +7,10 @@
 //! 1/127 relative precision per block: too coarse for the layers (greedy continuations of the
 //! default model changed, docs/perf.md), fine for a pass that only ranks the vocabulary.
 
+use super::act::{grow, ROUND};
+
 /// Activations per quantization block.
 pub const BYTE_BLOCK: usize = 32;
-
-/// 1.5 · 2^23: adding it to an f32 of magnitude below 2^22 rounds to an integer.
-const ROUND: f32 = 12_582_912.0;
 
 /// `n` rows of `k` activations in 8-bit blocks; storage is reused between calls.
 #[derive(Default)]
@@ -58,13 +57,9 @@ impl ByteAct {
         );
         let blocks = n * k / BYTE_BLOCK;
         (self.k, self.n) = (k, n);
-        if self.q.len() < n * k {
-            self.q.resize(n * k, 0);
-        }
-        if self.d.len() < blocks {
-            self.d.resize(blocks, 0.0);
-            self.sum.resize(blocks, 0);
-        }
+        grow(&mut self.q, n * k, 0);
+        grow(&mut self.d, blocks, 0.0);
+        grow(&mut self.sum, blocks, 0);
         for (b, (xb, qb)) in x[..n * k]
             .chunks_exact(BYTE_BLOCK)
             .zip(self.q.chunks_exact_mut(BYTE_BLOCK))
