@@ -43,11 +43,7 @@ pub fn matmul(x: &[f32], n: usize, m: &HostMatrix) -> Result<Vec<f32>> {
 pub fn matmul_quantized(x: &[f32], n: usize, m: &HostMatrix) -> Result<Vec<f32>> {
     let mut act = crate::kernels::act::QuantAct::new();
     act.quantize(x, n, m.cols);
-    let xq: Vec<f32> = (0..n)
-        .flat_map(|t| act.row(t).dequantize())
-        .map(|v| v as f32)
-        .collect();
-    matmul(&xq, n, m)
+    matmul_of_rows(n, m, |t| act.row(t).dequantize())
 }
 
 /// [`matmul`] with the activations first quantized to 8-bit blocks as the LM head's screening
@@ -55,11 +51,13 @@ pub fn matmul_quantized(x: &[f32], n: usize, m: &HostMatrix) -> Result<Vec<f32>>
 pub fn matmul_bytes(x: &[f32], n: usize, m: &HostMatrix) -> Result<Vec<f32>> {
     let mut act = crate::kernels::act8::ByteAct::new();
     act.quantize(x, n, m.cols);
-    let xq: Vec<f32> = (0..n)
-        .flat_map(|t| act.row(t).dequantize())
-        .map(|v| v as f32)
-        .collect();
-    matmul(&xq, n, m)
+    matmul_of_rows(n, m, |t| act.row(t).dequantize())
+}
+
+/// [`matmul`] of the `n` activation rows `row(t)` (dequantized values).
+fn matmul_of_rows(n: usize, m: &HostMatrix, row: impl Fn(usize) -> Vec<f64>) -> Result<Vec<f32>> {
+    let x: Vec<f32> = (0..n).flat_map(row).map(|v| v as f32).collect();
+    matmul(&x, n, m)
 }
 
 /// Gathers token rows of the table and multiplies them by `scale`.

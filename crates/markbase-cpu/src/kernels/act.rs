@@ -18,7 +18,7 @@
 pub const ACT_BLOCK: usize = 32;
 
 /// 1.5 · 2^23: adding it to an f32 of magnitude below 2^22 rounds to an integer.
-pub(super) const ROUND: f32 = 12_582_912.0;
+const ROUND: f32 = 12_582_912.0;
 
 /// `n` rows of `k` activations in 16-bit blocks; storage is reused between calls.
 #[derive(Default)]
@@ -57,15 +57,7 @@ impl QuantAct {
     /// If `k` is not a multiple of 32 or `x` is shorter than `n * k` (caller bugs: weight
     /// shapes are checked at load).
     pub fn quantize(&mut self, x: &[f32], n: usize, k: usize) {
-        assert!(
-            k.is_multiple_of(ACT_BLOCK),
-            "activation rows of {k} are not whole blocks of 32"
-        );
-        assert!(
-            x.len() >= n * k,
-            "{} activations for {n} rows of {k}",
-            x.len()
-        );
+        check_rows(x, n, k);
         let blocks = n * k / ACT_BLOCK;
         self.k = k;
         self.n = n;
@@ -74,25 +66,14 @@ impl QuantAct {
         grow(&mut self.s32, blocks, 0.0);
         grow(&mut self.s16, 2 * blocks, 0.0);
         let x = &x[..n * k];
+        let mut levels = [0f32; ACT_BLOCK];
         for (b, (xb, qb)) in x
             .chunks_exact(ACT_BLOCK)
             .zip(self.q.chunks_exact_mut(ACT_BLOCK))
             .enumerate()
         {
-            let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
-            let (d, id) = if amax > 0.0 {
-                (amax / 32767.0, 32767.0 / amax)
-            } else {
-                (0.0, 0.0)
-            };
-            let mut nat = [0i16; ACT_BLOCK];
-            for (q, v) in nat.iter_mut().zip(xb) {
-                // Round to nearest (ties to even) by adding and removing 1.5 · 2^23, which
-                // vectorises on any x86-64; |v · id| ≤ 32767 up to one rounding, and the clamp
-                // guards that last ulp.
-                let r = (v * id + ROUND) - ROUND;
-                *q = r.clamp(-32767.0, 32767.0) as i16;
-            }
+            let d = quantize_block(xb, 32767.0, &mut levels);
+            let nat = levels.map(|v| v as i16);
             for (i, q) in nat.iter().enumerate() {
                 qb[slot(i)] = *q;
             }
@@ -161,6 +142,41 @@ fn slot(i: usize) -> usize {
         2 => i - 8,
         _ => i,
     }
+}
+
+/// Checks that `x` holds `n` rows of `k` activations cut into whole blocks of 32.
+///
+/// # Panics
+/// If not (caller bugs: weight shapes are checked at load).
+pub(super) fn check_rows(x: &[f32], n: usize, k: usize) {
+    assert!(
+        k.is_multiple_of(ACT_BLOCK),
+        "activation rows of {k} are not whole blocks of 32"
+    );
+    assert!(
+        x.len() >= n * k,
+        "{} activations for {n} rows of {k}",
+        x.len()
+    );
+}
+
+/// Quantizes one block `xb` of 32 values to the integers `-levels..=levels` (as f32, in
+/// `q`) and returns the scale `d = max|x| / levels` with `x ≈ d · q` (0 for an all-zero
+/// block).
+#[inline]
+pub(super) fn quantize_block(xb: &[f32], levels: f32, q: &mut [f32; ACT_BLOCK]) -> f32 {
+    let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let (d, id) = if amax > 0.0 {
+        (amax / levels, levels / amax)
+    } else {
+        (0.0, 0.0)
+    };
+    for (q, v) in q.iter_mut().zip(xb) {
+        // Round to nearest (ties to even) by adding and removing 1.5 · 2^23, which vectorises
+        // on any x86-64; |v · id| ≤ levels up to one rounding, and the clamp guards that ulp.
+        *q = ((v * id + ROUND) - ROUND).clamp(-levels, levels);
+    }
+    d
 }
 
 /// Makes `v` at least `len` long (never shrinks).

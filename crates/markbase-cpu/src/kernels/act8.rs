@@ -7,7 +7,7 @@
 //! 1/127 relative precision per block: too coarse for the layers (greedy continuations of the
 //! default model changed, docs/perf.md), fine for a pass that only ranks the vocabulary.
 
-use super::act::{grow, ROUND};
+use super::act::{check_rows, grow, quantize_block};
 
 /// Activations per quantization block.
 pub const BYTE_BLOCK: usize = 32;
@@ -46,41 +46,23 @@ impl ByteAct {
     /// If `k` is not a multiple of 32 or `x` is shorter than `n * k` (caller bugs: weight
     /// shapes are checked at load).
     pub fn quantize(&mut self, x: &[f32], n: usize, k: usize) {
-        assert!(
-            k.is_multiple_of(BYTE_BLOCK),
-            "activation rows of {k} are not whole blocks of 32"
-        );
-        assert!(
-            x.len() >= n * k,
-            "{} activations for {n} rows of {k}",
-            x.len()
-        );
+        check_rows(x, n, k);
         let blocks = n * k / BYTE_BLOCK;
         (self.k, self.n) = (k, n);
         grow(&mut self.q, n * k, 0);
         grow(&mut self.d, blocks, 0.0);
         grow(&mut self.sum, blocks, 0);
+        let mut levels = [0f32; BYTE_BLOCK];
         for (b, (xb, qb)) in x[..n * k]
             .chunks_exact(BYTE_BLOCK)
             .zip(self.q.chunks_exact_mut(BYTE_BLOCK))
             .enumerate()
         {
-            let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
-            let (d, id) = if amax > 0.0 {
-                (amax / 127.0, 127.0 / amax)
-            } else {
-                (0.0, 0.0)
-            };
-            let mut sum = 0i32;
-            for (q, v) in qb.iter_mut().zip(xb) {
-                // Round to nearest (ties to even) by adding and removing 1.5 · 2^23 (it
-                // vectorises); the clamp guards the last ulp of |v · id| ≤ 127.
-                let r = ((v * id + ROUND) - ROUND).clamp(-127.0, 127.0) as i8;
-                *q = r;
-                sum += i32::from(r);
+            self.d[b] = quantize_block(xb, 127.0, &mut levels);
+            for (q, v) in qb.iter_mut().zip(levels) {
+                *q = v as i8;
             }
-            self.d[b] = d;
-            self.sum[b] = sum;
+            self.sum[b] = qb.iter().map(|&q| i32::from(q)).sum();
         }
     }
 
