@@ -12,7 +12,7 @@ use markbase_core::backend::{AttnSpec, Backend, HostMatrix, KvLayout, NormOut, R
 use markbase_core::quant::GgmlType;
 use markbase_core::{Error, Result};
 
-use crate::blas::Blas;
+use crate::blas::{Blas, GemmInput};
 use crate::buffer::{CudaBuffer, CudaMatrix, Growable};
 use crate::device::{driver_err, Device};
 use crate::kernels::{launch, Arg, AttnArgs, Grid, Kernels};
@@ -203,7 +203,7 @@ impl CudaBackend {
         let k = w.cols;
         if w.ty == GgmlType::F32 {
             // SAFETY: sizes checked by the caller.
-            return unsafe { blas.gemm_rows(w.ptr, w.rows, k, x, n, out, w.rows) };
+            return unsafe { blas.gemm_rows(GemmInput::F32, w.ptr, w.rows, k, x, n, out, w.rows) };
         }
         let mut s = self.scratch()?;
         if w.ty == GgmlType::BF16 && k.is_multiple_of(2) {
@@ -218,7 +218,9 @@ impl CudaBackend {
             )?;
             // SAFETY: `xb` holds n·k bf16 values, `w` rows·k; `out` rows·n (checked by the
             // caller).
-            return unsafe { blas.gemm_rows_bf16(w.ptr, w.rows, k, xb, n, out, w.rows) };
+            return unsafe {
+                blas.gemm_rows(GemmInput::Bf16, w.ptr, w.rows, k, xb, n, out, w.rows)
+            };
         }
         let tile = (DEQUANT_TILE / k.max(1)).clamp(1, 65_535).min(w.rows);
         let deq = s.floats.get(&self.dev.stream, tile * k)?;
@@ -242,7 +244,18 @@ impl CudaBackend {
                 ],
             )?;
             // SAFETY: `deq` holds rt·k floats; `out` rows·n (checked by the caller).
-            unsafe { blas.gemm_rows(deq, rt, k, x, n, out + 4 * r0 as u64, w.rows)? };
+            unsafe {
+                blas.gemm_rows(
+                    GemmInput::F32,
+                    deq,
+                    rt,
+                    k,
+                    x,
+                    n,
+                    out + 4 * r0 as u64,
+                    w.rows,
+                )?
+            };
             r0 += rt;
         }
         Ok(())

@@ -43,13 +43,15 @@ impl Blas {
     }
 
     /// `out[t·ldo + r] = Σ_i x[t·k + i] · w[r·k + i]` for `t < n`, `r < rows`: column-major
-    /// `C(rows × n) = Wᵀ(rows × k) · X(k × n)` with leading dimension `ldo` for C.
+    /// `C(rows × n) = Wᵀ(rows × k) · X(k × n)` with leading dimension `ldo` for C; `w` and `x`
+    /// hold elements of `input`, C is f32, accumulation in f32 (no TF32).
     ///
     /// # Safety
     /// The pointers must be live device allocations of at least the sizes implied.
     #[allow(clippy::too_many_arguments)]
     pub(crate) unsafe fn gemm_rows(
         &self,
+        input: GemmInput,
         w: u64,
         rows: usize,
         k: usize,
@@ -62,48 +64,10 @@ impl Blas {
         let int = |v: usize| {
             i32::try_from(v).map_err(|_| Error::Invalid(format!("GEMM size {v} too large")))
         };
-        blas::sgemm(
-            self.handle,
-            sys::cublasOperation_t::CUBLAS_OP_T,
-            sys::cublasOperation_t::CUBLAS_OP_N,
-            int(rows)?,
-            int(n)?,
-            int(k)?,
-            &alpha,
-            w as *const f32,
-            int(k)?,
-            x as *const f32,
-            int(k)?,
-            &beta,
-            out as *mut f32,
-            int(ldo)?,
-        )
-        .map_err(|e| Error::Invalid(format!("cuBLAS sgemm: {e:?}")))
-    }
-}
-
-impl Blas {
-    /// [`Blas::gemm_rows`] with bf16 `w` and `x` (f32 accumulation and output) on the tensor
-    /// cores.
-    ///
-    /// # Safety
-    /// The pointers must be live device allocations of at least the sizes implied.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) unsafe fn gemm_rows_bf16(
-        &self,
-        w: u64,
-        rows: usize,
-        k: usize,
-        x: u64,
-        n: usize,
-        out: u64,
-        ldo: usize,
-    ) -> Result<()> {
-        let (alpha, beta) = (1f32, 0f32);
-        let int = |v: usize| {
-            i32::try_from(v).map_err(|_| Error::Invalid(format!("GEMM size {v} too large")))
+        let ty = match input {
+            GemmInput::F32 => sys::cudaDataType::CUDA_R_32F,
+            GemmInput::Bf16 => sys::cudaDataType::CUDA_R_16BF,
         };
-        let bf16 = sys::cudaDataType::CUDA_R_16BF;
         blas::gemm_ex(
             self.handle,
             sys::cublasOperation_t::CUBLAS_OP_T,
@@ -113,10 +77,10 @@ impl Blas {
             int(k)?,
             (&alpha as *const f32).cast(),
             w as *const std::ffi::c_void,
-            bf16,
+            ty,
             int(k)?,
             x as *const std::ffi::c_void,
-            bf16,
+            ty,
             int(k)?,
             (&beta as *const f32).cast(),
             out as *mut std::ffi::c_void,
@@ -125,13 +89,15 @@ impl Blas {
             sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
             sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
         )
-        .map_err(|e| Error::Invalid(format!("cuBLAS bf16 gemm: {e:?}")))
+        .map_err(|e| Error::Invalid(format!("cuBLAS {input:?} gemm: {e:?}")))
     }
 }
 
-impl Drop for Blas {
-    fn drop(&mut self) {
-        // SAFETY: the handle was created by `new` and is destroyed once.
-        let _ = unsafe { blas::destroy_handle(self.handle) };
-    }
+/// Element type of a [`Blas::gemm_rows`] product's inputs.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum GemmInput {
+    /// f32 weights and activations.
+    F32,
+    /// bf16 weights and activations (the tensor cores).
+    Bf16,
 }
