@@ -4,16 +4,17 @@
 //! FLOP/s is 2 · rows · tokens · k per iteration (divan reports it as "items").
 //! Run: `cargo bench -p markbase-cpu --bench gemm`.
 
-use std::sync::Arc;
-
 use divan::counter::ItemsCount;
 use divan::Bencher;
-use markbase_core::backend::{Backend, HostBytes, HostMatrix};
+use markbase_core::backend::Backend;
 use markbase_core::quant::GgmlType;
 use markbase_cpu::kernels::gemm::{pack_tokens, packed_len, rows_matmul, unpack_rows};
 use markbase_cpu::CpuBackend;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
+
+mod common;
+use common::random_matrix;
 
 const TOKENS: usize = 128;
 const ROWS: usize = 24;
@@ -62,29 +63,6 @@ const LAYER: [(GgmlType, usize, usize); 7] = [
 
 /// Prefill tokens of the layer benchmark.
 const PREFILL: usize = 512;
-
-/// Random weight rows of `ty` with sane block scales (every f16 scale 2⁻⁴).
-fn random_matrix(ty: GgmlType, rows: usize, cols: usize, rng: &mut StdRng) -> HostMatrix {
-    let mut bytes = vec![0u8; rows * ty.bytes_for(cols).unwrap()];
-    rng.fill(&mut bytes[..]);
-    let scale_at: &[usize] = match ty {
-        GgmlType::Q6_K => &[208],
-        GgmlType::Q4_K => &[0, 2],
-        _ => &[0],
-    };
-    for b in bytes.chunks_exact_mut(ty.type_size()) {
-        for &at in scale_at {
-            b[at..at + 2].copy_from_slice(&0x2C00u16.to_le_bytes());
-        }
-    }
-    HostMatrix {
-        name: format!("{ty}"),
-        ty,
-        rows,
-        cols,
-        bytes: HostBytes::Owned(Arc::from(bytes)),
-    }
-}
 
 /// The seven matmuls of one layer for 512 tokens through the backend (thread pool, packing,
 /// dequantization and all), as prefill runs them.

@@ -3,15 +3,16 @@
 //! threads. The big matrices do not fit in cache, so this is the GEMV's memory bandwidth.
 //! Run: `cargo bench -p markbase-cpu --bench gemv`; throughput is weight bytes per second.
 
-use std::sync::Arc;
-
 use divan::counter::BytesCount;
 use divan::Bencher;
-use markbase_core::backend::{Backend, HostBytes, HostMatrix};
+use markbase_core::backend::{Backend, HostMatrix};
 use markbase_core::quant::GgmlType;
 use markbase_cpu::CpuBackend;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
+
+mod common;
+use common::random_matrix;
 
 fn main() {
     divan::main();
@@ -29,25 +30,10 @@ const SHAPES: [(&str, GgmlType, usize, usize); 6] = [
 
 /// A random matrix of `SHAPES[shape]` whose block scales are all 2^-4.
 fn matrix(shape: usize, rng: &mut StdRng) -> HostMatrix {
-    let (_, ty, rows, cols) = SHAPES[shape];
-    let mut bytes = vec![0u8; rows * ty.bytes_for(cols).unwrap()];
-    rng.fill(&mut bytes[..]);
-    let scale_at: &[usize] = match ty {
-        GgmlType::Q6_K => &[208],
-        GgmlType::Q4_K => &[0, 2],
-        _ => &[0],
-    };
-    for b in bytes.chunks_exact_mut(ty.type_size()) {
-        for &at in scale_at {
-            b[at..at + 2].copy_from_slice(&0x2C00u16.to_le_bytes());
-        }
-    }
+    let (name, ty, rows, cols) = SHAPES[shape];
     HostMatrix {
-        name: SHAPES[shape].0.into(),
-        ty,
-        rows,
-        cols,
-        bytes: HostBytes::Owned(Arc::from(bytes)),
+        name: name.into(),
+        ..random_matrix(ty, rows, cols, rng)
     }
 }
 
