@@ -33,7 +33,7 @@ struct Cli {
         value_name = "N"
     )]
     threads: usize,
-    /// LM head: `auto` screens a huge ≥ 8-bit head on the CPU (a Q4_0 copy ranks the
+    /// LM head: `auto` screens a huge ≥ 8-bit head on the CPU (a 4-bit copy ranks the
     /// vocabulary, the top 4096 logits are computed exactly); `exact` computes every logit
     /// from the stored weights.
     #[arg(long, global = true, default_value = "auto", value_name = "MODE", value_parser = parse_lm_head)]

@@ -268,13 +268,17 @@ pub trait Backend: Send + Sync {
         w: &Self::Matrix,
         out: &mut Self::Buffer,
     ) -> Result<()>;
-    /// Whether [`Backend::matmul_screened`] reads the coarse copy (models then make one).
-    fn screens_lm_head(&self) -> bool {
-        false
+    /// A coarse copy of a large LM head (`head`, as stored) in this backend's screening format,
+    /// for [`Backend::matmul_screened`]; `None` where the backend does not screen (the
+    /// default) or the head's shape does not suit its format.
+    fn load_screen(&self, head: &HostMatrix) -> Result<Option<Self::Matrix>> {
+        let _ = head;
+        Ok(None)
     }
     /// An LM head with a coarse twin: `out[n, exact.rows] = x · exactᵀ` where only the
     /// `top_k` largest logits of each row (as `coarse` ranks them) are guaranteed to be computed
-    /// from `exact`; the others may come from `coarse`, a low-bit copy of the same matrix.
+    /// from `exact`; the others may come from `coarse`, a low-bit copy of the same matrix
+    /// ([`Backend::load_screen`]).
     /// Reading the small copy for every row and the exact rows only for the leaders is what
     /// makes a huge-vocabulary head fast where memory bandwidth is scarce. The default computes
     /// every logit from `exact`.

@@ -1,17 +1,18 @@
 //! Integer dot kernels (16-bit activations): 64 rows of 2048 weights per format, which stay in
 //! L2 (the kernels' compute speed per core), AVX2 and portable; and the same rows against 4
 //! and 8 tokens at once (decode batches), counted as weight bytes × tokens per second.
-//! Also the LM head's screening kernel (Q4_0 × 8-bit activations).
+//! Also the LM head's screening kernel (4-bit copy × byte activations).
 //! Run: `cargo bench -p markbase-cpu --bench qdot`; throughput is weight bytes per second.
 
 use divan::counter::BytesCount;
 use divan::Bencher;
+use markbase_core::backend::{HostBytes, HostMatrix};
 use markbase_core::quant::GgmlType;
 use markbase_cpu::kernels::act::ActRow;
 use markbase_cpu::kernels::act::QuantAct;
-use markbase_cpu::kernels::act8::{ByteAct, ByteRow};
 use markbase_cpu::kernels::qdot::{qdot_rows_with, qdot_tokens_with, supports};
-use markbase_cpu::kernels::screen::q4_0_tokens;
+use markbase_cpu::kernels::screen::{screen_tokens, ScreenAct, ScreenRow};
+use markbase_cpu::kernels::screen_copy::ScreenCopy;
 use markbase_cpu::kernels::Isa;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -114,22 +115,32 @@ fn rows64_k2048_tokens8(bencher: Bencher, ty: GgmlType) {
     run_tokens(bencher, ty, 8);
 }
 
-/// The LM head's screening kernel (Q4_0 rows × 8-bit activations) for `n` tokens, against the
-/// 16-bit integer path's Q4_0 above.
+/// The LM head's screening kernel (4-bit copy with integer chunk scales × byte activations) for `n` tokens,
+/// against the 16-bit integer path's formats above.
 #[divan::bench(args = [1, 4, 8])]
-fn screen_q4_0_rows64_k2048(bencher: Bencher, n: usize) {
-    let (rows, _) = inputs(GgmlType::Q4_0, 1);
+fn screen_rows64_k2048(bencher: Bencher, n: usize) {
     let mut rng = StdRng::seed_from_u64(9);
+    let w: Vec<u8> = (0..ROWS * K)
+        .flat_map(|_| rng.random_range(-1.0f32..1.0).to_le_bytes())
+        .collect();
+    let copy = ScreenCopy::build(&HostMatrix {
+        name: "bench".into(),
+        ty: GgmlType::F32,
+        rows: ROWS,
+        cols: K,
+        bytes: HostBytes::Owned(w.into()),
+    })
+    .unwrap();
     let x: Vec<f32> = (0..n * K).map(|_| rng.random_range(-1.0f32..1.0)).collect();
-    let mut act = ByteAct::new();
-    act.quantize(&x, n, K);
-    let xs: Vec<ByteRow> = (0..n).map(|t| act.row(t)).collect();
+    let mut act = ScreenAct::new();
+    act.quantize(&x, n, &copy);
+    let xs: Vec<ScreenRow> = (0..n).map(|t| act.row(t)).collect();
     let mut out = vec![0f32; n * ROWS];
     bencher
-        .counter(BytesCount::new(n * rows.len()))
+        .counter(BytesCount::new(n * copy.codes.len()))
         .bench_local(|| {
             let mut outs: Vec<&mut [f32]> = out.chunks_mut(ROWS).collect();
-            q4_0_tokens(divan::black_box(&rows), &xs, &mut outs);
+            screen_tokens(divan::black_box(&copy), 0, &xs, &mut outs);
             divan::black_box(&outs);
         });
 }

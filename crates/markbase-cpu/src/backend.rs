@@ -7,6 +7,7 @@ use markbase_core::{Error, Result};
 use std::sync::Mutex;
 
 use crate::attention::{self, MAX_HEAD_DIM};
+use crate::kernels::screen_copy::{ScreenCopy, CHUNK};
 use crate::pool::Pool;
 use crate::{lm_head, matmul, moe, ops};
 
@@ -15,7 +16,7 @@ pub struct CpuBackend {
     pool: Pool,
     /// Scratch of the matmuls (reused: no allocation per call).
     scratch: Mutex<matmul::Scratch>,
-    /// Scratch of the screened LM head's leader selection (locked before `scratch`).
+    /// Scratch of the screened LM head (activations and leader selections).
     screen: Mutex<lm_head::Scratch>,
     /// RoPE angles of the last chunks' positions.
     rope: Mutex<ops::RopeCache>,
@@ -31,8 +32,30 @@ impl CpuBuffer {
     }
 }
 
-/// A weight matrix used in place (mapped bytes, or bytes made at load).
-pub struct CpuMatrix(HostMatrix);
+/// A weight matrix used in place (mapped bytes, or bytes made at load), or an LM head's
+/// screening copy.
+pub struct CpuMatrix(Weights);
+
+/// What a [`CpuMatrix`] holds.
+enum Weights {
+    /// A stored matrix, any format.
+    Stored(HostMatrix),
+    /// An LM head's screening copy ([`Backend::load_screen`]).
+    Screen(ScreenCopy),
+}
+
+impl CpuMatrix {
+    /// The stored matrix, for operation `op`; a screening copy is refused.
+    fn stored(&self, op: &str) -> Result<&HostMatrix> {
+        match &self.0 {
+            Weights::Stored(m) => Ok(m),
+            Weights::Screen(c) => Err(Error::Invalid(format!(
+                "cpu {op}: '{}' is a screening copy, usable only by matmul_screened",
+                c.name
+            ))),
+        }
+    }
+}
 
 impl CpuBackend {
     /// A backend running on `threads` threads (0 = one per core).
@@ -78,7 +101,7 @@ impl Backend for CpuBackend {
             sum = sum.wrapping_add(bytes[i]);
         }
         std::hint::black_box(sum);
-        Ok(CpuMatrix(m.clone()))
+        Ok(CpuMatrix(Weights::Stored(m.clone())))
     }
 
     fn load_vector(&self, v: &[f32]) -> Result<Vec<f32>> {
@@ -96,7 +119,7 @@ impl Backend for CpuBackend {
         scale: f32,
         out: &mut CpuBuffer,
     ) -> Result<()> {
-        let m = &table.0;
+        let m = table.stored("embed")?;
         need("embed", out.0.len(), tokens.len() * m.cols)?;
         let rb = m.row_bytes();
         let bytes = m.bytes.as_slice();
@@ -143,7 +166,7 @@ impl Backend for CpuBackend {
     }
 
     fn matmul(&self, x: &CpuBuffer, n: usize, w: &CpuMatrix, out: &mut CpuBuffer) -> Result<()> {
-        let m = &w.0;
+        let m = w.stored("matmul")?;
         need("matmul input", x.0.len(), n * m.cols)?;
         need("matmul output", out.0.len(), n * m.rows)?;
         let mut scratch = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
@@ -151,8 +174,11 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn screens_lm_head(&self) -> bool {
-        true
+    fn load_screen(&self, head: &HostMatrix) -> Result<Option<CpuMatrix>> {
+        if !head.cols.is_multiple_of(CHUNK) {
+            return Ok(None);
+        }
+        Ok(Some(CpuMatrix(Weights::Screen(ScreenCopy::build(head)?))))
     }
 
     fn matmul_screened(
@@ -164,7 +190,16 @@ impl Backend for CpuBackend {
         top_k: usize,
         out: &mut CpuBuffer,
     ) -> Result<()> {
-        let (c, e) = (&coarse.0, &exact.0);
+        let e = exact.stored("matmul_screened")?;
+        let c = match &coarse.0 {
+            Weights::Screen(c) => c,
+            Weights::Stored(m) => {
+                return Err(Error::Invalid(format!(
+                    "cpu matmul_screened: '{}' is not a screening copy (Backend::load_screen)",
+                    m.name
+                )))
+            }
+        };
         if (c.rows, c.cols) != (e.rows, e.cols) {
             return Err(Error::Invalid(format!(
                 "cpu screened matmul: coarse [{}, {}] and exact [{}, {}] differ",
@@ -175,18 +210,7 @@ impl Backend for CpuBackend {
         need("matmul output", out.0.len(), n * e.rows)?;
         // Scratch only holds reusable buffers, so a poisoned lock is still safe to use.
         let mut screen = self.screen.lock().unwrap_or_else(|e| e.into_inner());
-        let mut scratch = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
-        lm_head::screened(
-            &self.pool,
-            &mut scratch,
-            &x.0,
-            n,
-            c,
-            e,
-            top_k,
-            &mut screen,
-            &mut out.0,
-        );
+        lm_head::screened(&self.pool, &x.0, n, c, e, top_k, &mut screen, &mut out.0);
         Ok(())
     }
 
@@ -327,7 +351,7 @@ impl Backend for CpuBackend {
         ids: &CpuBuffer,
         out: &mut CpuBuffer,
     ) -> Result<()> {
-        let (gu, dn) = (&gate_up.0, &down.0);
+        let (gu, dn) = (gate_up.stored("moe_ffn")?, down.stored("moe_ffn")?);
         let d = gu.cols;
         let f = dn.cols;
         if n_experts == 0 || gu.rows != n_experts * 2 * f || dn.rows != n_experts * d {

@@ -1,21 +1,21 @@
 //! The screened LM head ([`Backend::matmul_screened`]): logits for the whole vocabulary from a
-//! low-bit copy of the head, then the leaders recomputed from the exact rows.
+//! 4-bit copy of the head ([`ScreenCopy`]), then the leaders recomputed from the exact rows.
 //!
 //! A 262k-token head in Q8_0 is most of a small model's bytes, and decoding one token on a CPU
-//! is bound by the bytes it reads. The coarse pass reads the copy (about half the bytes); the
-//! exact pass reads `top_k` rows. Greedy choices, the likely tokens a sampler draws from and
-//! their probabilities are exact; only the logits of unlikely tokens keep the copy's error.
+//! is bound by the bytes it reads. The coarse pass reads the copy (about half the bytes, summed
+//! in integers: `kernels::screen`); the exact pass reads `top_k` rows. Greedy choices, the
+//! likely tokens a sampler draws from and their probabilities are exact; only the logits of
+//! unlikely tokens keep the copy's error.
 //!
 //! [`Backend::matmul_screened`]: markbase_core::backend::Backend::matmul_screened
 
 use markbase_core::backend::HostMatrix;
-use markbase_core::quant::GgmlType;
 
 use crate::kernels::act::{ActRow, QuantAct};
-use crate::kernels::act8::{ByteAct, ByteRow};
 use crate::kernels::dot::dot_row;
 use crate::kernels::qdot::{qdot_gather, supports};
-use crate::kernels::screen::q4_0_tokens;
+use crate::kernels::screen::{screen_tokens, ScreenAct, ScreenRow};
+use crate::kernels::screen_copy::ScreenCopy;
 use crate::matmul;
 use crate::pool::{Pool, SendPtr};
 
@@ -23,7 +23,7 @@ use crate::pool::{Pool, SendPtr};
 const STRIDE: usize = 16;
 /// Exact rows recomputed per parallel task.
 const REFINE_GRAIN: usize = 128;
-/// Tokens whose byte activations one screening call takes at once.
+/// Tokens whose activations one screening call takes at once.
 const SCREEN_TOKENS: usize = 16;
 
 /// Reused buffers of one token's leader selection.
@@ -39,32 +39,27 @@ pub struct Scratch {
     /// One leader selection per token of the largest call so far.
     selections: Vec<Selection>,
     /// The activations of the screening pass, in bytes.
-    bytes: ByteAct,
+    bytes: ScreenAct,
     /// The activations of the exact rows, in 16-bit blocks.
     act: QuantAct,
 }
 
-/// `out[n, exact.rows]`: coarse logits for every row of `x`, then each row's `top_k` leaders
-/// (by coarse logit) recomputed from `exact`. Sizes are checked by the caller; `coarse` and
-/// `exact` have the same shape.
+/// `out[n, exact.rows]`: coarse logits for every row of `x` from `coarse`, then each row's
+/// `top_k` leaders (by coarse logit) recomputed from `exact`. Sizes are checked by the caller;
+/// `coarse` and `exact` have the same shape.
 #[allow(clippy::too_many_arguments)]
 pub fn screened(
     pool: &Pool,
-    matmul_scratch: &mut matmul::Scratch,
     x: &[f32],
     n: usize,
-    coarse: &HostMatrix,
+    coarse: &ScreenCopy,
     exact: &HostMatrix,
     top_k: usize,
     scratch: &mut Scratch,
     out: &mut [f32],
 ) {
     let rows = exact.rows;
-    if coarse.ty == GgmlType::Q4_0 {
-        screen_q4_0(pool, &mut scratch.bytes, x, n, coarse, out);
-    } else {
-        matmul::matmul(pool, matmul_scratch, x, n, coarse, out);
-    }
+    screen(pool, &mut scratch.bytes, x, n, coarse, out);
     if scratch.selections.len() < n {
         scratch.selections.resize_with(n, Selection::default);
     }
@@ -86,28 +81,26 @@ pub fn screened(
     refine(pool, scratch, x, n, exact, out);
 }
 
-/// Coarse logits `out[n, rows]` from the Q4_0 copy, the activations quantized to bytes: row
-/// chunks on the pool, each against every token ([`q4_0_tokens`] unpacks a block once for a
-/// group of tokens).
-fn screen_q4_0(
+/// Coarse logits `out[n, rows]` from the copy: row chunks on the pool, each against every
+/// token ([`screen_tokens`] unpacks a chunk of codes once for a group of tokens).
+fn screen(
     pool: &Pool,
-    bytes: &mut ByteAct,
+    bytes: &mut ScreenAct,
     x: &[f32],
     n: usize,
-    coarse: &HostMatrix,
+    coarse: &ScreenCopy,
     out: &mut [f32],
 ) {
-    let (rows, k, rb) = (coarse.rows, coarse.cols, coarse.row_bytes());
-    bytes.quantize(x, n, k);
+    let rows = coarse.rows;
+    bytes.quantize(x, n, coarse);
     let bytes = &*bytes;
-    let weights = coarse.bytes.as_slice();
-    let chunk = matmul::rows_per_task(rows, rb, pool.threads());
+    let chunk = matmul::rows_per_task(rows, coarse.row_bytes(), pool.threads());
     let ptr = SendPtr(out.as_mut_ptr());
     pool.run(rows.div_ceil(chunk), &|c| {
         let (r0, r1) = (c * chunk, ((c + 1) * chunk).min(rows));
         for t0 in (0..n).step_by(SCREEN_TOKENS) {
             let g = SCREEN_TOKENS.min(n - t0);
-            let xs: [ByteRow; SCREEN_TOKENS] =
+            let xs: [ScreenRow; SCREEN_TOKENS] =
                 std::array::from_fn(|t| bytes.row(t0 + t.min(g - 1)));
             let mut outs: [&mut [f32]; SCREEN_TOKENS] = Default::default();
             for (t, o) in outs[..g].iter_mut().enumerate() {
@@ -117,7 +110,7 @@ fn screen_q4_0(
                     std::slice::from_raw_parts_mut(ptr.get().add((t0 + t) * rows + r0), r1 - r0)
                 };
             }
-            q4_0_tokens(&weights[r0 * rb..r1 * rb], &xs[..g], &mut outs[..g]);
+            screen_tokens(coarse, r0, &xs[..g], &mut outs[..g]);
         }
     });
 }
@@ -214,6 +207,7 @@ pub fn select_leaders(logits: &[f32], top_k: usize, scratch: &mut Selection) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kernels::screen_copy::ScreenCopy;
     use markbase_core::backend::HostBytes;
     use markbase_core::quant::{quantize_row, GgmlType};
     use rand::Rng;
@@ -232,35 +226,25 @@ mod tests {
 
     /// Leaders carry the exact logits (the reference: dequantized exact rows times the
     /// activations as the exact pass quantizes them), every other logit the coarse one (the
-    /// Q4_0 copy times the screening pass's byte activations), and the leaders are the coarse
-    /// top k.
+    /// screening copy times the screening pass's byte activations), and the leaders are the
+    /// coarse top k.
     #[test]
     fn leaders_are_exact_and_the_rest_coarse() {
         let mut rng = rand::rng();
-        let (rows, cols, n, top_k) = (3000, 96, 3, 200);
+        let (rows, cols, n, top_k) = (3000, 128, 3, 200);
         let w: Vec<f32> = (0..rows * cols)
             .map(|_| rng.random_range(-1.0..1.0))
             .collect();
         let x: Vec<f32> = (0..n * cols).map(|_| rng.random_range(-1.0..1.0)).collect();
         let exact = matrix(GgmlType::Q8_0, rows, cols, &w);
-        let coarse = matrix(GgmlType::Q4_0, rows, cols, &w);
+        let coarse = ScreenCopy::build(&exact).unwrap();
         let f64s = |v: Vec<f32>| -> Vec<f64> { v.into_iter().map(f64::from).collect() };
         let want_exact = f64s(crate::reference::matmul_quantized(&x, n, &exact).unwrap());
-        let want_coarse = f64s(crate::reference::matmul_bytes(&x, n, &coarse).unwrap());
+        let want_coarse = f64s(crate::reference::matmul_screen_copy(&x, n, &coarse));
         let mut out = vec![0f32; n * rows];
         let pool = Pool::new(2).unwrap();
-        let (mut scratch, mut mm) = (Scratch::default(), matmul::Scratch::default());
-        screened(
-            &pool,
-            &mut mm,
-            &x,
-            n,
-            &coarse,
-            &exact,
-            top_k,
-            &mut scratch,
-            &mut out,
-        );
+        let mut scratch = Scratch::default();
+        screened(&pool, &x, n, &coarse, &exact, top_k, &mut scratch, &mut out);
         for t in 0..n {
             let row = |v: &[f64]| v[t * rows..(t + 1) * rows].to_vec();
             let (e, c) = (row(&want_exact), row(&want_coarse));

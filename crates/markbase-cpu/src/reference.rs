@@ -5,6 +5,8 @@ use markbase_core::backend::{AttnSpec, HostMatrix, KvLayout, Rope};
 use markbase_core::quant::dequantize_row;
 use markbase_core::Result;
 
+use crate::kernels::screen_copy::ScreenCopy;
+
 /// All rows of a stored matrix as f32, row-major `[rows, cols]`.
 pub fn dequantize_matrix(m: &HostMatrix) -> Result<Vec<f32>> {
     let mut out = vec![0f32; m.rows * m.cols];
@@ -46,12 +48,39 @@ pub fn matmul_quantized(x: &[f32], n: usize, m: &HostMatrix) -> Result<Vec<f32>>
     matmul_of_rows(n, m, |t| act.row(t).dequantize())
 }
 
-/// [`matmul`] with the activations first quantized to 8-bit blocks as the LM head's screening
-/// pass sees them ([`ByteAct`](crate::kernels::act8::ByteAct)).
-pub fn matmul_bytes(x: &[f32], n: usize, m: &HostMatrix) -> Result<Vec<f32>> {
-    let mut act = crate::kernels::act8::ByteAct::new();
-    act.quantize(x, n, m.cols);
-    matmul_of_rows(n, m, |t| act.row(t).dequantize())
+/// The screening pass's logits: the copy's dequantized rows (less the column means) times the
+/// activations as the pass quantizes them ([`ScreenAct`], divided back by the column
+/// magnitudes), plus each token's `x · μ`, in f64.
+///
+/// [`ScreenAct`]: crate::kernels::screen::ScreenAct
+pub fn matmul_screen_copy(x: &[f32], n: usize, copy: &ScreenCopy) -> Vec<f32> {
+    let mut act = crate::kernels::screen::ScreenAct::new();
+    act.quantize(x, n, copy);
+    let k = copy.cols;
+    let rows: Vec<Vec<f32>> = (0..copy.rows).map(|r| copy.dequantize_row(r)).collect();
+    let mut out = Vec::with_capacity(n * copy.rows);
+    for t in 0..n {
+        let xt: Vec<f64> = act
+            .row(t)
+            .dequantize()
+            .iter()
+            .zip(&copy.beta)
+            .map(|(v, b)| v / f64::from(*b))
+            .collect();
+        let shift: f64 = x[t * k..(t + 1) * k]
+            .iter()
+            .zip(&copy.mean)
+            .map(|(v, m)| f64::from(*v) * f64::from(*m))
+            .sum();
+        out.extend(rows.iter().map(|w| {
+            (shift
+                + w.iter()
+                    .zip(&xt)
+                    .map(|(a, b)| f64::from(*a) * b)
+                    .sum::<f64>()) as f32
+        }));
+    }
+    out
 }
 
 /// [`matmul`] of the `n` activation rows `row(t)` (dequantized values).

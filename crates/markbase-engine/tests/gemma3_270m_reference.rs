@@ -4,7 +4,7 @@
 //! Logits: relative error ≤ 1e-3 at every position of every prompt (on a fixed sample of 384
 //! vocabulary ids plus each position's top 8), full-row logsumexp and argmax checked too, both
 //! for a whole-prompt prefill and for prefill followed by token-by-token decode across the
-//! 512-token sliding window — all with the exact LM head. The default screened LM head (a Q4_0
+//! 512-token sliding window — all with the exact LM head. The default screened LM head (a 4-bit
 //! copy ranks the vocabulary, the leaders are exact): transformers' top-8 logits and the argmax
 //! equal, the full-row logsumexp within [`SCREENED_LSE_TOL`], and greedy 64-token continuations
 //! equal on at least 7 of 8 prompts.
@@ -12,10 +12,12 @@
 use std::path::PathBuf;
 
 /// Full-row logsumexp error allowed with the screened head, whose tail logits come from the
-/// Q4_0 copy times 8-bit activations. The worst position measures 0.0216 (prompt 2, position
-/// 1); the quality this bounds is measured end to end: perplexity of the Vim manual 14.7994
-/// screened against 14.7849 exact (+0.10 %, docs/perf.md).
-const SCREENED_LSE_TOL: f64 = 0.025;
+/// 4-bit copy (integer chunk scales) times byte activations. The worst position measures
+/// 0.0508 (prompt 2, position 1, where one hidden dimension carries 78 % of the activations'
+/// norm, so one column's rounding dominates every tail logit; 0.0216 with the earlier Q4_0
+/// copy); the quality this bounds is measured end to end: perplexity of the Vim manual 14.7871
+/// screened against 14.7849 exact (+0.015 %, docs/perf.md).
+const SCREENED_LSE_TOL: f64 = 0.06;
 
 use markbase_models::{LmHeadMode, LoadOptions, Logits, Model, ModelSource};
 use serde_json::Value;

@@ -148,7 +148,7 @@ fn slot(i: usize) -> usize {
 ///
 /// # Panics
 /// If not (caller bugs: weight shapes are checked at load).
-pub(super) fn check_rows(x: &[f32], n: usize, k: usize) {
+fn check_rows(x: &[f32], n: usize, k: usize) {
     assert!(
         k.is_multiple_of(ACT_BLOCK),
         "activation rows of {k} are not whole blocks of 32"
@@ -164,7 +164,7 @@ pub(super) fn check_rows(x: &[f32], n: usize, k: usize) {
 /// `q`) and returns the scale `d = max|x| / levels` with `x ≈ d · q` (0 for an all-zero
 /// block).
 #[inline]
-pub(super) fn quantize_block(xb: &[f32], levels: f32, q: &mut [f32; ACT_BLOCK]) -> f32 {
+fn quantize_block(xb: &[f32], levels: f32, q: &mut [f32; ACT_BLOCK]) -> f32 {
     let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
     let (d, id) = if amax > 0.0 {
         (amax / levels, levels / amax)

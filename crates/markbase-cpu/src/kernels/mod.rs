@@ -1,12 +1,11 @@
 //! Quantized-weight kernels, each with an AVX2+FMA path chosen at run time and a portable
 //! twin: dot products of stored weight rows (any [`GgmlType`]) with f32 activations ([`dot`])
-//! or with 16-bit quantized activations ([`act`], [`qdot`]), and the LM head's Q4_0 screening
-//! pass with 8-bit activations ([`act8`], [`screen`]).
+//! or with 16-bit quantized activations ([`act`], [`qdot`]), and the LM head's screening pass:
+//! a 4-bit row-scaled copy ([`screen_copy`]) against byte activations ([`screen`]).
 //!
 //! [`GgmlType`]: markbase_core::quant::GgmlType
 
 pub mod act;
-pub mod act8;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 pub mod dot;
@@ -17,6 +16,7 @@ pub mod qdot;
 mod qdot_avx2;
 mod qdot_portable;
 pub mod screen;
+pub mod screen_copy;
 pub mod vmath;
 
 use qdot_portable::{qdot_gather as portable_gather, qdot_rows as portable_rows};

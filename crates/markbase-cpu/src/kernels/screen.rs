@@ -1,115 +1,201 @@
-//! The LM head's screening kernel: Q4_0 weight rows times 8-bit activations ([`ByteRow`]), for
-//! one or several tokens at a time, with an AVX2 path chosen at run time and a portable twin.
+//! The LM head's screening kernel: rows of a [`ScreenCopy`] times activations quantized to
+//! unsigned bytes with one scale per token ([`ScreenAct`]), for one or several tokens at a
+//! time, with an AVX2 path chosen at run time and a portable twin.
 //!
-//! A Q4_0 block stores 32 nibbles `u` and a scale `d`; its weights are `d · (u − 8)`. Against
-//! an activation block `x = d_x · q` the product is `d · d_x · (Σ u·q − 8 · Σq)`: the unsigned
-//! nibbles multiply the signed bytes directly (`vpmaddubsw`, whose 16-bit pair sums cannot
-//! overflow: 2 · 15 · 127 < 2^15) and the offset comes from the activations' integer block
-//! sums. Integer sums are exact; the scales are applied once per block in f32.
+//! A token's activations `x` are multiplied by the copy's column magnitudes `β`, then
+//! `β·x ≈ t · p` with `p ∈ −127..=127` and one scale `t`, stored as `a = p + 128`. Against a
+//! row (codes `q`, chunk scales `s`, row scale `d`, offset `o = 128 · Σ_c s_c · Σq`) the
+//! product is `d · t · (Σ_c s_c · Σ a·q − o) + x·μ`. All of `Σ_c s_c · Σ a·q` is integer:
+//! `vpmaddubsw` of the bytes and codes (pair sums ≤ 2·255·8 = 4 080), a chunk's two halves
+//! added in 16 bits (≤ 8 160), then `vpmaddwd` by the chunk scale (≤ 63) into 32 bits. Per 32
+//! products and token that is 1.5 multiplies and no float work, against two multiplies and a
+//! float FMA for Q4_0 blocks.
 //!
-//! [`ByteRow`]: super::act8::ByteRow
+//! [`ScreenCopy`]: super::screen_copy::ScreenCopy
 
-use super::act8::ByteRow;
+use super::act::grow;
+use super::screen_copy::{code, ScreenCopy, CHUNK};
 use super::Isa;
 
-/// Bytes of one Q4_0 block: an f16 scale and 16 bytes of nibbles.
-const BLOCK_BYTES: usize = 18;
-
-/// `outs[t][i] = xs[t] · (dequantized Q4_0 row i)` for the `outs[t].len()` rows at the start of
-/// `rows` (each `xs[t].len() / 32` blocks long), with the best kernels for this CPU.
-///
-/// # Panics
-/// If `xs` and `outs` differ in length, the rows of `xs` or the slices of `outs` differ in
-/// length, or `rows` holds fewer rows (caller bugs: shapes are checked at load).
-pub fn q4_0_tokens(rows: &[u8], xs: &[ByteRow], outs: &mut [&mut [f32]]) {
-    q4_0_tokens_with(Isa::detect(), rows, xs, outs)
+/// `n` tokens' activations for [`ScreenCopy`] rows; storage is reused between calls.
+#[derive(Default)]
+pub struct ScreenAct {
+    k: usize,
+    n: usize,
+    a: Vec<u8>,
+    scale: Vec<f32>,
+    shift: Vec<f32>,
 }
 
-/// [`q4_0_tokens`] with the kernels written for `isa` (portable ones if this CPU lacks it).
+/// One token's screening activations, as the kernels read them.
+#[derive(Clone, Copy)]
+pub struct ScreenRow<'a> {
+    /// `k` unsigned bytes `a = q + 128`, natural order.
+    pub a: &'a [u8],
+    /// The token's scale `t`.
+    pub scale: f32,
+    /// `x · μ`, added to every logit.
+    pub shift: f32,
+}
+
+impl ScreenAct {
+    /// Empty storage.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Quantizes the `n` rows of `copy.cols` values at the start of `x` for `copy`; storage
+    /// only grows (steady-state calls allocate nothing).
+    ///
+    /// # Panics
+    /// If `x` is shorter than `n · copy.cols` (a caller bug: shapes are checked at load).
+    pub fn quantize(&mut self, x: &[f32], n: usize, copy: &ScreenCopy) {
+        let (k, beta) = (copy.cols, &copy.beta);
+        assert!(
+            x.len() >= n * k,
+            "screen: {} values, need {n} × {k}",
+            x.len()
+        );
+        (self.k, self.n) = (k, n);
+        grow(&mut self.a, n * k, 0);
+        grow(&mut self.scale, n, 0.0);
+        grow(&mut self.shift, n, 0.0);
+        for t in 0..n {
+            let xt = &x[t * k..(t + 1) * k];
+            let max = xt
+                .iter()
+                .zip(beta)
+                .fold(0f32, |m, (v, b)| m.max((v * b).abs()));
+            let s = if max > 0.0 && max.is_finite() {
+                max / 127.0
+            } else {
+                0.0
+            };
+            let inv = if s > 0.0 { 1.0 / s } else { 0.0 };
+            for ((a, v), b) in self.a[t * k..(t + 1) * k].iter_mut().zip(xt).zip(beta) {
+                *a = ((v * b * inv).round().clamp(-127.0, 127.0) as i32 + 128) as u8;
+            }
+            self.scale[t] = s;
+            self.shift[t] = xt.iter().zip(&copy.mean).map(|(v, m)| v * m).sum();
+        }
+    }
+
+    /// Token `t` of the last [`ScreenAct::quantize`].
+    ///
+    /// # Panics
+    /// If `t` is not below the number of tokens quantized.
+    pub fn row(&self, t: usize) -> ScreenRow<'_> {
+        assert!(t < self.n, "token {t} of {} quantized", self.n);
+        ScreenRow {
+            a: &self.a[t * self.k..(t + 1) * self.k],
+            scale: self.scale[t],
+            shift: self.shift[t],
+        }
+    }
+}
+
+impl ScreenRow<'_> {
+    /// The bytes as the kernels see them, `t · p` (divided by `β` this is the token).
+    pub fn dequantize(&self) -> Vec<f64> {
+        self.a
+            .iter()
+            .map(|&a| f64::from(self.scale) * (f64::from(a) - 128.0))
+            .collect()
+    }
+}
+
+/// `outs[t][i] = xs[t] · (row r0 + i of copy)` for the `outs[t].len()` rows from `r0`, with
+/// the best kernels for this CPU.
 ///
 /// # Panics
-/// As [`q4_0_tokens`].
-pub fn q4_0_tokens_with(isa: Isa, rows: &[u8], xs: &[ByteRow], outs: &mut [&mut [f32]]) {
+/// If `xs` and `outs` differ in length, a token is not `copy.cols` long, the slices of `outs`
+/// differ in length or reach past the copy's rows (caller bugs: shapes are checked at load).
+pub fn screen_tokens(copy: &ScreenCopy, r0: usize, xs: &[ScreenRow], outs: &mut [&mut [f32]]) {
+    screen_tokens_with(Isa::detect(), copy, r0, xs, outs)
+}
+
+/// [`screen_tokens`] with the kernels written for `isa` (portable ones if this CPU lacks it).
+///
+/// # Panics
+/// As [`screen_tokens`].
+pub fn screen_tokens_with(
+    isa: Isa,
+    copy: &ScreenCopy,
+    r0: usize,
+    xs: &[ScreenRow],
+    outs: &mut [&mut [f32]],
+) {
     assert_eq!(
         xs.len(),
         outs.len(),
         "screen: activations and outputs differ"
     );
-    let (Some(x0), Some(o0)) = (xs.first(), outs.first()) else {
+    let Some(o0) = outs.first() else {
         return;
     };
-    let (nb, nrows) = (x0.d.len(), o0.len());
+    let nrows = o0.len();
     assert!(
-        xs.iter()
-            .all(|x| x.d.len() == nb && x.sum.len() == nb && x.q.len() == 32 * nb)
-            && outs.iter().all(|o| o.len() == nrows),
+        xs.iter().all(|x| x.a.len() == copy.cols) && outs.iter().all(|o| o.len() == nrows),
         "screen: activation rows or outputs of different lengths"
     );
-    let rb = nb * BLOCK_BYTES;
     assert!(
-        rows.len() >= rb * nrows,
-        "screen: {} bytes hold fewer than {nrows} Q4_0 rows of {} weights",
-        rows.len(),
-        32 * nb
+        r0 + nrows <= copy.rows,
+        "screen: rows {r0}..{} of '{}' ({} rows)",
+        r0 + nrows,
+        copy.name,
+        copy.rows
     );
     match isa {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 if Isa::detect() == Isa::Avx2 => {
-            // SAFETY: AVX2, FMA and F16C were detected; sizes were checked above.
-            unsafe { avx2::q4_0_tokens(rows, rb, xs, outs) }
+            // SAFETY: AVX2 was detected; sizes were checked above.
+            unsafe { avx2::screen_tokens(copy, r0, xs, outs) }
         }
         _ => {
             for (x, out) in xs.iter().zip(outs.iter_mut()) {
-                for (o, row) in out.iter_mut().zip(rows.chunks_exact(rb)) {
-                    *o = portable_dot(row, x);
+                for (i, o) in out.iter_mut().enumerate() {
+                    *o = portable_dot(copy, r0 + i, x);
                 }
             }
         }
     }
 }
 
-/// The portable twin: one Q4_0 row times one byte row, block by block.
-fn portable_dot(row: &[u8], x: &ByteRow) -> f32 {
-    let mut sum = 0f32;
-    for (j, b) in row.chunks_exact(BLOCK_BYTES).enumerate() {
-        let d = half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
-        let q = &x.q[32 * j..32 * j + 32];
-        let p: i32 = b[2..]
-            .iter()
+/// The portable twin: one row times one token, weight by weight.
+fn portable_dot(copy: &ScreenCopy, r: usize, x: &ScreenRow) -> f32 {
+    let (rb, chunks) = (copy.row_bytes(), copy.cols / CHUNK);
+    let row = &copy.codes[r * rb..(r + 1) * rb];
+    let sum: i32 =
+        x.a.iter()
             .enumerate()
-            .map(|(l, &v)| {
-                i32::from(v & 15) * i32::from(q[l]) + i32::from(v >> 4) * i32::from(q[l + 16])
+            .map(|(i, &a)| {
+                let s = copy.scales[r * chunks + i / CHUNK];
+                i32::from(s) * i32::from(a) * i32::from(code(row, i))
             })
             .sum();
-        sum += d * x.d[j] * (p - 8 * x.sum[j]) as f32;
-    }
-    sum
+    copy.steps[r] * x.scale * (sum - copy.offsets[r]) as f32 + x.shift
 }
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    //! The AVX2 kernel. Safety contract: the CPU has AVX2, FMA and F16C, and the sizes were
-    //! checked by [`super::q4_0_tokens_with`].
+    //! The AVX2 kernel. Safety contract: the CPU has AVX2 and the sizes were checked by
+    //! [`super::screen_tokens_with`].
 
     use std::arch::x86_64::*;
 
-    use super::super::act8::ByteRow;
-    use super::super::f16_table;
-    use super::super::vmath::avx2::hsum;
-    use super::BLOCK_BYTES;
+    use super::{ScreenCopy, ScreenRow, CHUNK};
 
-    /// Tokens that share one unpacking of each weight block.
+    /// Tokens that share one unpacking of each chunk of codes.
     const GROUP: usize = 4;
-
     /// Rows ahead of the current one whose bytes are prefetched.
     const PREFETCH_ROWS: usize = 4;
 
-    /// [`super::q4_0_tokens`]: tokens in groups of up to [`GROUP`].
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn q4_0_tokens(
-        rows: &[u8],
-        rb: usize,
-        xs: &[ByteRow],
+    /// [`super::screen_tokens`]: tokens in groups of up to [`GROUP`].
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn screen_tokens(
+        copy: &ScreenCopy,
+        r0: usize,
+        xs: &[ScreenRow],
         outs: &mut [&mut [f32]],
     ) {
         let mut t0 = 0;
@@ -117,73 +203,70 @@ mod avx2 {
             let g = (xs.len() - t0).min(GROUP);
             let (x, o) = (&xs[t0..t0 + g], &mut outs[t0..t0 + g]);
             match g {
-                1 => group::<1>(rows, rb, x, o),
-                2 => group::<2>(rows, rb, x, o),
-                3 => group::<3>(rows, rb, x, o),
-                _ => group::<4>(rows, rb, x, o),
+                1 => group::<1>(copy, r0, x, o),
+                2 => group::<2>(copy, r0, x, o),
+                3 => group::<3>(copy, r0, x, o),
+                _ => group::<4>(copy, r0, x, o),
             }
             t0 += g;
         }
     }
 
-    /// Every row against `N` tokens. Rows are walked one after the other (one address stream
-    /// for the prefetcher); each block's nibbles are unpacked once for all `N` tokens, whose
-    /// two float accumulators (even and odd blocks) stay in registers. The offset `8 · Σq`
-    /// is taken from the integer lanes (`Σq` from each of the eight), so it costs one
-    /// subtraction.
+    /// The eight 32-bit lanes of `v` summed.
     #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
+    #[target_feature(enable = "avx2")]
+    unsafe fn hsum_i32(v: __m256i) -> i32 {
+        let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+        _mm_cvtsi128_si32(s)
+    }
+
+    /// Every row against `N` tokens, rows walked in order (one address stream for the
+    /// prefetcher). Each 32-byte chunk of codes is split into its two signed nibble halves
+    /// and its scale broadcast once for all `N` tokens.
+    #[inline]
+    #[target_feature(enable = "avx2")]
     unsafe fn group<const N: usize>(
-        rows: &[u8],
-        rb: usize,
-        xs: &[ByteRow],
+        copy: &ScreenCopy,
+        r0: usize,
+        xs: &[ScreenRow],
         outs: &mut [&mut [f32]],
     ) {
-        let table = f16_table().as_ptr();
-        let nb = rb / BLOCK_BYTES;
-        let q: [*const i8; N] = std::array::from_fn(|t| xs[t].q.as_ptr());
-        let d: [*const f32; N] = std::array::from_fn(|t| xs[t].d.as_ptr());
-        let sums: [*const i32; N] = std::array::from_fn(|t| xs[t].sum.as_ptr());
-        let (m4, ones) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi16(1));
+        let (rb, chunks) = (copy.row_bytes(), copy.cols / CHUNK);
+        let a: [*const u8; N] = std::array::from_fn(|t| xs[t].a.as_ptr());
+        let (m4, eight) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(8));
+        let codes = copy.codes.as_ptr().add(r0 * rb);
+        let scales = copy.scales.as_ptr().add(r0 * chunks);
+        let end = copy.codes.as_ptr().add(copy.rows * rb);
         for i in 0..outs[0].len() {
-            let row = rows.as_ptr().add(i * rb);
-            // Ask for the row PREFETCH_ROWS ahead (the hardware prefetcher alone leaves
-            // bandwidth unused on a single stream).
-            if i + PREFETCH_ROWS < outs[0].len() {
-                let ahead = row.add(PREFETCH_ROWS * rb);
+            let row = codes.add(i * rb);
+            let ahead = row.add(PREFETCH_ROWS * rb);
+            if ahead < end {
                 for line in (0..rb).step_by(64) {
                     _mm_prefetch::<_MM_HINT_T0>(ahead.add(line).cast());
                 }
             }
-            let mut acc = [[_mm256_setzero_ps(); 2]; N];
-            // Block j into accumulator `slot` (even and odd blocks alternate, so consecutive
-            // blocks do not wait on each other's FMA).
-            let mut block = |j: usize, slot: usize| {
-                let b = row.add(j * BLOCK_BYTES);
-                let dw = table.add(usize::from(u16::from_le_bytes([*b, *b.add(1)])));
-                let qs = _mm_loadu_si128(b.add(2).cast());
-                // low nibbles are weights 0..16, high nibbles 16..32
-                let u = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(qs, 4), qs), m4);
-                let w = _mm256_broadcast_ss(&*dw);
+            let mut acc = [_mm256_setzero_si256(); N];
+            for c in 0..chunks {
+                let v = _mm256_loadu_si256(row.add(32 * c).cast());
+                let lo = _mm256_sub_epi8(_mm256_and_si256(v, m4), eight);
+                let hi = _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4), eight);
+                let s = _mm256_set1_epi16(i16::from(*scales.add(i * chunks + c)));
                 for t in 0..N {
-                    let x = _mm256_loadu_si256(q[t].add(32 * j).cast());
-                    let p = _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), ones);
-                    let p = _mm256_sub_epi32(p, _mm256_set1_epi32(*sums[t].add(j)));
-                    let sc = _mm256_mul_ps(w, _mm256_broadcast_ss(&*d[t].add(j)));
-                    acc[t][slot] = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(p), acc[t][slot]);
+                    let x = a[t].add(CHUNK * c);
+                    let pairs = _mm256_add_epi16(
+                        _mm256_maddubs_epi16(_mm256_loadu_si256(x.cast()), lo),
+                        _mm256_maddubs_epi16(_mm256_loadu_si256(x.add(32).cast()), hi),
+                    );
+                    acc[t] = _mm256_add_epi32(acc[t], _mm256_madd_epi16(pairs, s));
                 }
-            };
-            let mut j = 0;
-            while j + 2 <= nb {
-                block(j, 0);
-                block(j + 1, 1);
-                j += 2;
             }
-            if j < nb {
-                block(j, 0);
-            }
+            let r = r0 + i;
+            let (d, offset) = (*copy.steps.get_unchecked(r), *copy.offsets.get_unchecked(r));
             for t in 0..N {
-                outs[t][i] = hsum(_mm256_add_ps(acc[t][0], acc[t][1]));
+                let sum = hsum_i32(acc[t]) - offset;
+                outs[t][i] = d * xs[t].scale * sum as f32 + xs[t].shift;
             }
         }
     }
@@ -192,14 +275,30 @@ mod avx2 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kernels::act8::ByteAct;
-    use markbase_core::quant::{dequantize_row, quantize_row, GgmlType};
+    use markbase_core::backend::{HostBytes, HostMatrix};
+    use markbase_core::quant::GgmlType;
     use rand::Rng;
 
-    /// Both kernel sets against the reference (dequantized Q4_0 rows times the dequantized
-    /// byte activations, in f64) on fresh random inputs, 1–9 tokens, several lengths. The
-    /// only rounding is f32 scaling and summing of exact block sums: relative to Σ|w|·|x|
-    /// it stays far below 1e-5, while one wrong nibble moves a result by ~1/k of it.
+    fn random_copy(rows: usize, cols: usize) -> ScreenCopy {
+        let mut rng = rand::rng();
+        let w: Vec<f32> = (0..rows * cols)
+            .map(|i| rng.random_range(-1.0..1.0) * if i % 7 == 0 { 9.0 } else { 1.0 })
+            .collect();
+        let bytes: Vec<u8> = w.iter().flat_map(|v| v.to_le_bytes()).collect();
+        ScreenCopy::build(&HostMatrix {
+            name: "w".into(),
+            ty: GgmlType::F32,
+            rows,
+            cols,
+            bytes: HostBytes::Owned(bytes.into()),
+        })
+        .unwrap()
+    }
+
+    /// Both kernel sets against the reference (`reference::matmul_screen_copy`: the copy's
+    /// dequantized rows times the dequantized activations divided by β) on fresh random inputs, 1–9 tokens,
+    /// several lengths and row offsets. Integer sums are exact; only the final f32 scaling
+    /// rounds, far below 1e-5 of Σ|w|·|x|, while one wrong code moves a result by ~1/k of it.
     #[test]
     fn matches_reference_for_any_token_count() {
         let mut rng = rand::rng();
@@ -207,48 +306,77 @@ mod tests {
         if Isa::Avx2.available() {
             sets.push(Isa::Avx2);
         }
-        for &(k, nrows, n) in &[
-            (32, 1, 1),
-            (64, 5, 2),
-            (640, 7, 3),
-            (640, 3, 4),
-            (2080, 4, 9),
+        for &(k, nrows, r0, n) in &[
+            (64, 1, 0, 1),
+            (128, 5, 2, 2),
+            (640, 9, 3, 3),
+            (640, 3, 0, 4),
+            (2112, 4, 1, 9),
         ] {
-            let w: Vec<f32> = (0..nrows * k)
-                .map(|_| rng.random_range(-1.0..1.0))
-                .collect();
-            let mut rows = vec![0u8; nrows * GgmlType::Q4_0.bytes_for(k).unwrap()];
-            quantize_row(GgmlType::Q4_0, &w, &mut rows).unwrap();
-            let mut wd = vec![0f32; nrows * k];
-            dequantize_row(GgmlType::Q4_0, &rows, &mut wd).unwrap();
+            let copy = random_copy(nrows + r0, k);
             let x: Vec<f32> = (0..n * k)
                 .map(|i| rng.random_range(-1.0..1.0) * if i % 96 < 32 { 40.0 } else { 1.0 })
                 .collect();
-            let mut act = ByteAct::new();
-            act.quantize(&x, n, k);
-            let xs: Vec<ByteRow> = (0..n).map(|t| act.row(t)).collect();
+            let mut act = ScreenAct::new();
+            act.quantize(&x, n, &copy);
+            let xs: Vec<ScreenRow> = (0..n).map(|t| act.row(t)).collect();
+            let want = crate::reference::matmul_screen_copy(&x, n, &copy);
             for &isa in &sets {
                 let mut out = vec![0f32; n * nrows];
                 let mut outs: Vec<&mut [f32]> = out.chunks_mut(nrows).collect();
-                q4_0_tokens_with(isa, &rows, &xs, &mut outs);
+                screen_tokens_with(isa, &copy, r0, &xs, &mut outs);
                 for t in 0..n {
                     let xd = xs[t].dequantize();
                     for r in 0..nrows {
-                        let wr = &wd[r * k..(r + 1) * k];
-                        let want: f64 = wr.iter().zip(&xd).map(|(a, b)| f64::from(*a) * b).sum();
+                        let wr = copy.dequantize_row(r0 + r);
                         let mag: f64 = wr
                             .iter()
                             .zip(&xd)
-                            .map(|(a, b)| f64::from(a.abs()) * b.abs())
+                            .zip(&copy.beta)
+                            .map(|((a, b), c)| f64::from(a.abs()) * b.abs() / f64::from(*c))
+                            .chain(
+                                copy.mean
+                                    .iter()
+                                    .zip(&x[t * k..(t + 1) * k])
+                                    .map(|(m, v)| f64::from((m * v).abs())),
+                            )
                             .sum();
-                        let got = f64::from(out[t * nrows + r]);
+                        let (got, want) = (out[t * nrows + r], want[t * (nrows + r0) + r0 + r]);
                         assert!(
-                            (got - want).abs() <= 1e-5 * mag,
+                            (f64::from(got) - f64::from(want)).abs() <= 1e-5 * mag,
                             "{isa:?} k {k} token {t} row {r}: {got} vs {want}"
                         );
                     }
                 }
             }
         }
+    }
+
+    /// The bytes stay within half a step of `β·x`, the shift is `x·μ`, and an all-zero token
+    /// gives zero logits rather than NaN.
+    #[test]
+    fn activations_round_to_nearest_and_zero_is_safe() {
+        let mut rng = rand::rng();
+        let k = 192;
+        let copy = random_copy(3, k);
+        let mut x: Vec<f32> = (0..k).map(|_| rng.random_range(-3.0..3.0)).collect();
+        x.extend(std::iter::repeat_n(0.0, k));
+        let mut act = ScreenAct::new();
+        act.quantize(&x, 2, &copy);
+        let r = act.row(0);
+        for ((q, v), b) in r.dequantize().iter().zip(&x).zip(&copy.beta) {
+            let want = f64::from(v * b);
+            assert!(
+                (q - want).abs() <= 0.5001 * f64::from(r.scale),
+                "{q} vs {want}"
+            );
+        }
+        let shift: f32 = x[..k].iter().zip(&copy.mean).map(|(v, m)| v * m).sum();
+        assert!((r.shift - shift).abs() <= 1e-4 * shift.abs().max(1.0));
+        let zero = act.row(1);
+        assert_eq!((zero.scale, zero.shift), (0.0, 0.0));
+        let mut out = vec![f32::NAN; 3];
+        screen_tokens(&copy, 0, &[zero], &mut [&mut out[..]]);
+        assert_eq!(out, [0.0; 3]);
     }
 }
