@@ -18,7 +18,7 @@
 pub const ACT_BLOCK: usize = 32;
 
 /// 1.5 · 2^23: adding it to an f32 of magnitude below 2^22 rounds to an integer.
-const ROUND: f32 = 12_582_912.0;
+pub(super) const ROUND: f32 = 12_582_912.0;
 
 /// `n` rows of `k` activations in 16-bit blocks; storage is reused between calls.
 #[derive(Default)]

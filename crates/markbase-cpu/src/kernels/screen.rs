@@ -13,7 +13,7 @@
 //!
 //! [`ScreenCopy`]: super::screen_copy::ScreenCopy
 
-use super::act::grow;
+use super::act::{grow, ROUND};
 use super::screen_copy::{code, ScreenCopy, CHUNK};
 use super::Isa;
 
@@ -73,7 +73,8 @@ impl ScreenAct {
             };
             let inv = if s > 0.0 { 1.0 / s } else { 0.0 };
             for ((a, v), b) in self.a[t * k..(t + 1) * k].iter_mut().zip(xt).zip(beta) {
-                *a = ((v * b * inv).round().clamp(-127.0, 127.0) as i32 + 128) as u8;
+                // round to nearest (ties to even) inline, see `act::ROUND`
+                *a = (((v * b * inv + ROUND) - ROUND).clamp(-127.0, 127.0) as i32 + 128) as u8;
             }
             self.scale[t] = s;
             self.shift[t] = xt.iter().zip(&copy.mean).map(|(v, m)| v * m).sum();

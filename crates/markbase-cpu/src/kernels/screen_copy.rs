@@ -26,6 +26,8 @@ use markbase_core::backend::HostMatrix;
 use markbase_core::quant::dequantize_row;
 use markbase_core::{Error, Result};
 
+use super::act::ROUND;
+
 /// Weights per 32-byte chunk of a row.
 pub const CHUNK: usize = 64;
 /// Largest integer chunk scale.
@@ -127,6 +129,8 @@ pub fn code(row: &[u8], i: usize) -> i8 {
 /// Codes, scales and offsets of a run of rows.
 #[derive(Default)]
 struct Encoded {
+    /// One row less the means, over β (reused).
+    z: Vec<f32>,
     codes: Vec<u8>,
     scales: Vec<u8>,
     steps: Vec<f32>,
@@ -136,11 +140,13 @@ struct Encoded {
 impl Encoded {
     /// Appends the encoding of one row `w` (columns less `mean`, divided by `beta`).
     fn push(&mut self, w: &[f32], mean: &[f32], beta: &[f32]) {
-        let z: Vec<f32> = w
-            .iter()
-            .zip(mean.iter().zip(beta))
-            .map(|(v, (m, b))| (v - m) / b)
-            .collect();
+        let mut z = std::mem::take(&mut self.z);
+        z.clear();
+        z.extend(
+            w.iter()
+                .zip(mean.iter().zip(beta))
+                .map(|(v, (m, b))| (v - m) / b),
+        );
         let amax: Vec<f32> = z
             .chunks_exact(CHUNK)
             .map(|c| c.iter().fold(0f32, |m, v| m.max(v.abs())))
@@ -161,7 +167,7 @@ impl Encoded {
             let step = d * s;
             let q = |i: usize| -> i8 {
                 if step > 0.0 {
-                    (zc[i] / step).round().clamp(-8.0, 7.0) as i8
+                    (((zc[i] / step) + ROUND) - ROUND).clamp(-8.0, 7.0) as i8
                 } else {
                     0
                 }
@@ -177,6 +183,7 @@ impl Encoded {
         }
         self.steps.push(d);
         self.offsets.push(offset);
+        self.z = z;
     }
 }
 
