@@ -276,8 +276,7 @@ mod avx2 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use markbase_core::backend::{HostBytes, HostMatrix};
-    use markbase_core::quant::GgmlType;
+    use crate::kernels::screen_copy::f32_matrix;
     use rand::Rng;
 
     fn random_copy(rows: usize, cols: usize) -> ScreenCopy {
@@ -285,15 +284,7 @@ mod tests {
         let w: Vec<f32> = (0..rows * cols)
             .map(|i| rng.random_range(-1.0..1.0) * if i % 7 == 0 { 9.0 } else { 1.0 })
             .collect();
-        let bytes: Vec<u8> = w.iter().flat_map(|v| v.to_le_bytes()).collect();
-        ScreenCopy::build(&HostMatrix {
-            name: "w".into(),
-            ty: GgmlType::F32,
-            rows,
-            cols,
-            bytes: HostBytes::Owned(bytes.into()),
-        })
-        .unwrap()
+        ScreenCopy::build(&f32_matrix("w", rows, cols, &w)).unwrap()
     }
 
     /// Both kernel sets against the reference (`reference::matmul_screen_copy`: the copy's

@@ -75,7 +75,7 @@ impl ScreenCopy {
             // A column equal to its mean everywhere gets β = 1 (its codes stay at zero).
             .map(|b| if b > 0.0 && b.is_finite() { b } else { 1.0 })
             .collect();
-        let parts = for_row_chunks(m, cols, |rows_f32, part: &mut Encoded| {
+        let parts = for_row_chunks(m, |rows_f32, part: &mut Encoded| {
             for row in rows_f32.chunks_exact(cols) {
                 part.push(row, &mean, &beta);
             }
@@ -140,27 +140,23 @@ struct Encoded {
 impl Encoded {
     /// Appends the encoding of one row `w` (columns less `mean`, divided by `beta`).
     fn push(&mut self, w: &[f32], mean: &[f32], beta: &[f32]) {
-        let mut z = std::mem::take(&mut self.z);
-        z.clear();
-        z.extend(
+        self.z.clear();
+        self.z.extend(
             w.iter()
                 .zip(mean.iter().zip(beta))
                 .map(|(v, (m, b))| (v - m) / b),
         );
-        let amax: Vec<f32> = z
-            .chunks_exact(CHUNK)
-            .map(|c| c.iter().fold(0f32, |m, v| m.max(v.abs())))
-            .collect();
-        let top = amax.iter().fold(0f32, |m, v| m.max(*v));
+        let amax = |z: &[f32]| z.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let top = amax(&self.z);
         let d = if top > 0.0 && top.is_finite() {
             top / 7.5 / MAX_SCALE
         } else {
             0.0
         };
         let mut offset = 0i32;
-        for (zc, &am) in z.chunks_exact(CHUNK).zip(&amax) {
+        for zc in self.z.chunks_exact(CHUNK) {
             let s = if d > 0.0 {
-                (am / 7.5 / d).ceil().clamp(0.0, MAX_SCALE)
+                (amax(zc) / 7.5 / d).ceil().clamp(0.0, MAX_SCALE)
             } else {
                 0.0
             };
@@ -183,14 +179,13 @@ impl Encoded {
         }
         self.steps.push(d);
         self.offsets.push(offset);
-        self.z = z;
     }
 }
 
 /// Per column of `m`: the mean over all rows of `f(w, column)`.
 fn column_means(m: &HostMatrix, f: impl Fn(f32, usize) -> f32 + Sync) -> Result<Vec<f32>> {
     let cols = m.cols;
-    let parts = for_row_chunks(m, cols, |rows_f32, acc: &mut Vec<f64>| {
+    let parts = for_row_chunks(m, |rows_f32, acc: &mut Vec<f64>| {
         acc.resize(cols, 0.0);
         for row in rows_f32.chunks_exact(cols) {
             for (i, (a, v)) in acc.iter_mut().zip(row).enumerate() {
@@ -214,14 +209,13 @@ fn column_means(m: &HostMatrix, f: impl Fn(f32, usize) -> f32 + Sync) -> Result<
 /// into its own accumulator; the accumulators come back in row order.
 fn for_row_chunks<A: Default + Send>(
     m: &HostMatrix,
-    cols: usize,
     f: impl Fn(&[f32], &mut A) + Sync,
 ) -> Result<Vec<A>> {
     /// Rows dequantized at once.
     const BATCH: usize = 64;
     let threads = std::thread::available_parallelism().map_or(1, NonZeroUsize::get);
     let per = m.rows.div_ceil(threads).max(1);
-    let (src, rb) = (m.bytes.as_slice(), m.row_bytes());
+    let (src, rb, cols) = (m.bytes.as_slice(), m.row_bytes(), m.cols);
     std::thread::scope(|s| {
         let tasks: Vec<_> = (0..m.rows.div_ceil(per))
             .map(|c| {
@@ -247,11 +241,23 @@ fn for_row_chunks<A: Default + Send>(
     })
 }
 
+/// A plain f32 matrix of `rows × cols` values `w`, for tests.
+#[cfg(test)]
+pub(crate) fn f32_matrix(name: &str, rows: usize, cols: usize, w: &[f32]) -> HostMatrix {
+    use markbase_core::backend::HostBytes;
+    let bytes: Vec<u8> = w.iter().flat_map(|v| v.to_le_bytes()).collect();
+    HostMatrix {
+        name: name.into(),
+        ty: markbase_core::quant::GgmlType::F32,
+        rows,
+        cols,
+        bytes: HostBytes::Owned(bytes.into()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use markbase_core::backend::HostBytes;
-    use markbase_core::quant::GgmlType;
     use rand::Rng;
 
     /// Every weight comes back within half its chunk's step (times its column's β) around
@@ -265,15 +271,7 @@ mod tests {
         let w: Vec<f32> = (0..rows * cols)
             .map(|i| rng.random_range(-1.0..1.0) * col_scale[i % cols] + col_shift[i % cols])
             .collect();
-        let bytes: Vec<u8> = w.iter().flat_map(|v| v.to_le_bytes()).collect();
-        let m = HostMatrix {
-            name: "w".into(),
-            ty: GgmlType::F32,
-            rows,
-            cols,
-            bytes: HostBytes::Owned(bytes.into()),
-        };
-        let copy = ScreenCopy::build(&m).unwrap();
+        let copy = ScreenCopy::build(&f32_matrix("w", rows, cols, &w)).unwrap();
         let w = &w;
         let column = |i: usize| (0..rows).map(move |r| w[r * cols + i]);
         for i in 0..cols {
@@ -309,13 +307,7 @@ mod tests {
     /// Columns that are not a whole number of chunks are refused with the matrix's name.
     #[test]
     fn refuses_ragged_columns() {
-        let m = HostMatrix {
-            name: "head".into(),
-            ty: GgmlType::F32,
-            rows: 2,
-            cols: 96,
-            bytes: HostBytes::Owned(vec![0u8; 2 * 96 * 4].into()),
-        };
+        let m = f32_matrix("head", 2, 96, &[0.0; 2 * 96]);
         let err = ScreenCopy::build(&m).err().unwrap().to_string();
         assert!(err.contains("'head'") && err.contains("96"), "{err}");
     }
