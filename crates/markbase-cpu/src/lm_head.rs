@@ -185,13 +185,21 @@ pub fn select_leaders(logits: &[f32], top_k: usize, scratch: &mut Selection) {
     sample.extend(logits.iter().step_by(STRIDE));
     let rank = ((2 * k).div_ceil(STRIDE)).min(sample.len()) - 1;
     let (_, &mut tau, _) = sample.select_nth_unstable_by(rank, |a, b| b.total_cmp(a));
-    cands.extend(
-        logits
+    // Runs of 16 values are tested with a branch-free (vectorised) comparison first: about
+    // one value in 16 / 2k passes, so most runs are skipped whole.
+    for (c, run) in logits.chunks(16).enumerate() {
+        // (NaN passes the test too, so the exact comparison still ranks it as total_cmp does.)
+        if run
             .iter()
-            .enumerate()
-            .filter(|(_, v)| v.total_cmp(&tau).is_ge())
-            .map(|(i, _)| i as u32),
-    );
+            .fold(false, |hit, &v| hit | (v >= tau) | v.is_nan())
+        {
+            cands.extend(
+                (0..run.len())
+                    .filter(|&j| run[j].total_cmp(&tau).is_ge())
+                    .map(|j| (16 * c + j) as u32),
+            );
+        }
+    }
     if cands.len() < k {
         cands.clear();
         cands.extend(0..logits.len() as u32);

@@ -1,6 +1,8 @@
 //! Speed tests in the manner of llama-bench: `ppN` runs a prompt of N tokens in one forward
-//! call; `tgN` generates N tokens one forward call at a time. Each test starts from an empty
-//! cache, runs once untimed as a warm-up, then `repetitions` timed runs.
+//! call; `tgN` generates N tokens one forward call at a time; with a batch of B sequences,
+//! `tgN@bB` generates N tokens for each of B sequences, one step of B tokens at a time (the
+//! rate counts all B·N tokens). Each test starts from an empty cache, runs once untimed as a
+//! warm-up, then `repetitions` timed runs.
 
 use std::time::Instant;
 
@@ -19,6 +21,8 @@ pub struct BenchOptions {
     pub gen_tokens: usize,
     /// Timed runs per test.
     pub repetitions: usize,
+    /// Sequences decoded together in the `tg` test (1: a single sequence).
+    pub batch: usize,
 }
 
 /// One test's result.
@@ -59,6 +63,11 @@ pub fn bench(
     if opts.repetitions == 0 {
         return Err(Error::Invalid("bench needs at least one repetition".into()));
     }
+    if opts.batch == 0 {
+        return Err(Error::Invalid(
+            "bench needs a batch of at least one sequence".into(),
+        ));
+    }
     let info = model.info();
     let limit = info.context_length;
     for (what, n) in [("-p", opts.prompt_tokens), ("-n", opts.gen_tokens)] {
@@ -93,7 +102,26 @@ pub fn bench(
         on_result(results.last().expect("just pushed"));
     }
 
-    if opts.gen_tokens > 0 {
+    if opts.gen_tokens > 0 && opts.batch > 1 {
+        let (n, b) = (opts.gen_tokens, opts.batch);
+        let mut cache = model.new_batch_cache(b, n)?;
+        // Sequence s reads the random ids from offset s, so the rows of a step differ.
+        let step_tokens = |i: usize| -> Vec<u32> { (0..b).map(|s| tokens[(i + s) % n]).collect() };
+        let run = |cache: &mut markbase_models::BatchCache| -> Result<f64> {
+            cache.clear();
+            let t = Instant::now();
+            for i in 0..n {
+                model.forward_batch(cache, &step_tokens(i))?;
+            }
+            Ok(t.elapsed().as_secs_f64())
+        };
+        run(&mut cache)?;
+        let samples = (0..opts.repetitions)
+            .map(|_| run(&mut cache).map(|s| (b * n) as f64 / s))
+            .collect::<Result<Vec<_>>>()?;
+        results.push(result(format!("tg{n}@b{b}"), b * n, samples));
+        on_result(results.last().expect("just pushed"));
+    } else if opts.gen_tokens > 0 {
         let gen = &tokens[..opts.gen_tokens];
         let mut cache = model.new_cache(gen.len())?;
         let run = |cache: &mut markbase_models::KvCache| -> Result<f64> {

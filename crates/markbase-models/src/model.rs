@@ -225,6 +225,41 @@ impl KvCache {
     }
 }
 
+/// The key/value caches of sequences that decode in lockstep, one token each per step
+/// ([`Model::forward_batch`]): batched-decode benchmarks. Every sequence holds the same number
+/// of tokens.
+pub struct BatchCache {
+    pool: KvPool,
+    /// Per sequence, its full-attention block table.
+    full: Vec<Vec<u32>>,
+    /// Per sequence, its sliding ring's block table.
+    sliding: Vec<Vec<u32>>,
+    len: usize,
+    capacity: usize,
+}
+
+impl BatchCache {
+    /// Tokens held by each sequence.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether no token is held.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Sequences in the batch.
+    pub fn seqs(&self) -> usize {
+        self.full.len()
+    }
+
+    /// Forgets every token.
+    pub fn clear(&mut self) {
+        self.len = 0;
+    }
+}
+
 impl Model {
     /// Loads the model of `src` onto `opts.device`.
     pub fn load(src: &ModelSource, opts: &LoadOptions) -> Result<Model> {
@@ -399,6 +434,21 @@ impl Model {
 
     /// A cache for up to `max_tokens` tokens (ContextOverflow beyond the context length).
     pub fn new_cache(&self, max_tokens: usize) -> Result<KvCache> {
+        let (blocks, ring) = self.cache_blocks(max_tokens)?;
+        Ok(KvCache {
+            pool: self.new_kv_pool(CACHE_BLOCK, blocks, ring)?,
+            full: (0..blocks as u32).collect(),
+            sliding: (0..blocks).map(|i| (i % ring) as u32).collect(),
+            ring,
+            len: 0,
+            capacity: max_tokens,
+            window: self.info.sliding_window.max(1),
+        })
+    }
+
+    /// Blocks of full-attention layers and of the sliding ring for one sequence of up to
+    /// `max_tokens` tokens (ContextOverflow beyond the context length).
+    fn cache_blocks(&self, max_tokens: usize) -> Result<(usize, usize)> {
         let limit = self.info.context_length;
         if max_tokens > limit {
             return Err(Error::ContextOverflow {
@@ -410,15 +460,58 @@ impl Model {
         let window = self.info.sliding_window.max(1);
         // Writing a chunk must not overwrite keys its first token still sees.
         let ring = ((window - 1 + self.max_step_rows()).div_ceil(CACHE_BLOCK) + 1).min(blocks);
-        Ok(KvCache {
-            pool: self.new_kv_pool(CACHE_BLOCK, blocks, ring)?,
-            full: (0..blocks as u32).collect(),
-            sliding: (0..blocks).map(|i| (i % ring) as u32).collect(),
-            ring,
+        Ok((blocks, ring))
+    }
+
+    /// Caches for `seqs` sequences of up to `max_tokens` tokens each that decode in lockstep
+    /// ([`Model::forward_batch`]), in one shared pool.
+    pub fn new_batch_cache(&self, seqs: usize, max_tokens: usize) -> Result<BatchCache> {
+        if seqs == 0 {
+            return Err(Error::Invalid("a batch needs at least one sequence".into()));
+        }
+        let (blocks, ring) = self.cache_blocks(max_tokens)?;
+        let table = |s: usize, per: usize, n: usize| -> Vec<u32> {
+            (0..n).map(|i| (s * per + i % per) as u32).collect()
+        };
+        Ok(BatchCache {
+            pool: self.new_kv_pool(CACHE_BLOCK, seqs * blocks, seqs * ring)?,
+            full: (0..seqs).map(|s| table(s, blocks, blocks)).collect(),
+            sliding: (0..seqs).map(|s| table(s, ring, blocks)).collect(),
             len: 0,
             capacity: max_tokens,
-            window,
         })
+    }
+
+    /// Runs one token per sequence of `cache` (`tokens[s]` for sequence `s`), all at position
+    /// `cache.len()`, in one step; returns each sequence's logits (row-major, `n_vocab` per row).
+    pub fn forward_batch(&self, cache: &mut BatchCache, tokens: &[u32]) -> Result<Vec<f32>> {
+        if tokens.len() != cache.full.len() {
+            return Err(Error::Invalid(format!(
+                "forward_batch: {} tokens for {} sequences",
+                tokens.len(),
+                cache.full.len()
+            )));
+        }
+        if cache.len >= cache.capacity {
+            return Err(Error::ContextOverflow {
+                tokens: cache.len + 1,
+                context: cache.capacity,
+            });
+        }
+        let seqs: Vec<SeqStep> = tokens
+            .iter()
+            .zip(cache.full.iter().zip(&cache.sliding))
+            .map(|(t, (full, sliding))| SeqStep {
+                tokens: std::slice::from_ref(t),
+                start: cache.len,
+                full_blocks: full,
+                sliding_blocks: sliding,
+                logits: Some(Logits::Last),
+            })
+            .collect();
+        let out = self.step(&mut cache.pool, &seqs)?;
+        cache.len += 1;
+        Ok(out)
     }
 
     /// Runs `tokens` at positions `cache.len()..`, appends them to the cache, and returns the

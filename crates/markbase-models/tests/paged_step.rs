@@ -248,3 +248,43 @@ fn bad_steps_are_errors() {
     assert!(model.step(&mut other_pool, &[ok]).is_err());
     assert!(model.step(&mut pool, &[]).unwrap().is_empty());
 }
+
+/// `forward_batch` (the batched-decode benchmark's path) gives each sequence the logits it gets
+/// decoding alone, past the sliding ring's wrap; a wrong token count and overflow are errors.
+#[test]
+fn batch_cache_matches_sequences_alone() {
+    // 120 tokens: this fixture's sliding ring (96 slots) wraps.
+    let model = load("gemma4/e2b_like");
+    let (seqs, len) = (3, 120);
+    let mut rng = Rng(0x5eed);
+    let n_vocab = model.info().n_vocab;
+    let streams: Vec<Vec<u32>> = (0..seqs)
+        .map(|_| (0..len).map(|_| rng.below(n_vocab) as u32).collect())
+        .collect();
+    let mut batch = model.new_batch_cache(seqs, len).unwrap();
+    let mut alone: Vec<_> = (0..seqs).map(|_| model.new_cache(len).unwrap()).collect();
+    for i in 0..len {
+        let step: Vec<u32> = streams.iter().map(|s| s[i]).collect();
+        let got = model.forward_batch(&mut batch, &step).unwrap();
+        for (s, cache) in alone.iter_mut().enumerate() {
+            let want = model.forward(cache, &[step[s]], Logits::Last).unwrap();
+            let row = &got[s * n_vocab..(s + 1) * n_vocab];
+            let err = worst_rel(row, &want);
+            assert!(
+                err <= REL_TOL,
+                "step {i} sequence {s}: relative error {err}"
+            );
+        }
+    }
+    assert_eq!(batch.len(), len);
+    assert!(
+        model.forward_batch(&mut batch, &[1, 2, 3]).is_err(),
+        "past capacity"
+    );
+    batch.clear();
+    assert!(
+        model.forward_batch(&mut batch, &[1, 2]).is_err(),
+        "two tokens for three sequences"
+    );
+    assert!(model.new_batch_cache(0, 8).is_err());
+}

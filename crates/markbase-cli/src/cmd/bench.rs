@@ -20,6 +20,9 @@ pub struct Args {
     /// Timed repetitions of each test.
     #[arg(short = 'r', long = "repetitions", default_value_t = 5)]
     pub repetitions: usize,
+    /// Sequences decoded together in the tg test (its rate counts every sequence's tokens).
+    #[arg(short = 'b', long = "batch", default_value_t = 1)]
+    pub batch: usize,
     /// Print {"results": [{"test": "pp512", "tokens_per_second": ...}, ...]}.
     #[arg(long)]
     pub json: bool,
@@ -39,6 +42,7 @@ pub fn run(global: &Global, args: Args) -> Result<()> {
         prompt_tokens: args.n_prompt,
         gen_tokens: args.n_gen,
         repetitions: args.repetitions,
+        batch: args.batch,
     };
     let mut out = std::io::stdout().lock();
     if !args.json {
@@ -67,6 +71,7 @@ pub fn run(global: &Global, args: Args) -> Result<()> {
             "device": info.device,
             "threads": threads,
             "repetitions": args.repetitions,
+            "batch": args.batch,
             "results": results,
         });
         writeln!(out, "{obj}")?;

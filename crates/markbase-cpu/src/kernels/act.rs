@@ -14,6 +14,8 @@
 //! error is 1.8e-4, inside the 1e-3 of the parity test (docs/perf.md). The integer products are
 //! taken with `vpmaddwd` (16 × 16 → 32 bits), exact.
 
+use super::Isa;
+
 /// Activations per quantization block.
 pub const ACT_BLOCK: usize = 32;
 
@@ -57,6 +59,15 @@ impl QuantAct {
     /// If `k` is not a multiple of 32 or `x` is shorter than `n * k` (caller bugs: weight
     /// shapes are checked at load).
     pub fn quantize(&mut self, x: &[f32], n: usize, k: usize) {
+        self.quantize_with(Isa::detect(), x, n, k)
+    }
+
+    /// [`QuantAct::quantize`] with the code written for `isa` (portable code if this CPU lacks
+    /// it); every path gives the same bits.
+    ///
+    /// # Panics
+    /// As [`QuantAct::quantize`].
+    pub fn quantize_with(&mut self, isa: Isa, x: &[f32], n: usize, k: usize) {
         check_rows(x, n, k);
         let blocks = n * k / ACT_BLOCK;
         self.k = k;
@@ -66,19 +77,17 @@ impl QuantAct {
         grow(&mut self.s32, blocks, 0.0);
         grow(&mut self.s16, 2 * blocks, 0.0);
         let x = &x[..n * k];
-        let mut levels = [0f32; ACT_BLOCK];
         for (b, (xb, qb)) in x
             .chunks_exact(ACT_BLOCK)
             .zip(self.q.chunks_exact_mut(ACT_BLOCK))
             .enumerate()
         {
-            let d = quantize_block(xb, 32767.0, &mut levels);
-            let nat = levels.map(|v| v as i16);
-            for (i, q) in nat.iter().enumerate() {
-                qb[slot(i)] = *q;
-            }
-            let lo: i32 = nat[..16].iter().map(|&q| i32::from(q)).sum();
-            let hi: i32 = nat[16..].iter().map(|&q| i32::from(q)).sum();
+            let (d, lo, hi) = match isa {
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: AVX2 was detected; both blocks hold 32 values.
+                Isa::Avx2 if Isa::detect() == Isa::Avx2 => unsafe { avx2::quantize_block(xb, qb) },
+                _ => portable_block(xb, qb),
+            };
             self.d[b] = d;
             self.s16[2 * b] = d * lo as f32;
             self.s16[2 * b + 1] = d * hi as f32;
@@ -134,6 +143,84 @@ impl ActRow<'_> {
     }
 }
 
+/// Quantizes block `xb` to 16 bits into `qb` (unpack order); returns the scale and the sums of
+/// the first and last 16 integers.
+fn portable_block(xb: &[f32], qb: &mut [i16]) -> (f32, i32, i32) {
+    let mut levels = [0f32; ACT_BLOCK];
+    let d = quantize_block(xb, 32767.0, &mut levels);
+    let nat = levels.map(|v| v as i16);
+    for (i, q) in nat.iter().enumerate() {
+        qb[slot(i)] = *q;
+    }
+    let lo: i32 = nat[..16].iter().map(|&q| i32::from(q)).sum();
+    let hi: i32 = nat[16..].iter().map(|&q| i32::from(q)).sum();
+    (d, lo, hi)
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    //! The AVX2 block quantizer (safety contract: the CPU has AVX2).
+
+    use std::arch::x86_64::*;
+
+    /// [`super::portable_block`] in eight-lane steps, bit for bit: the same scale, the
+    /// product `x · (32767 / max|x|)` rounded to nearest-even (`vcvtps2dq` in the default
+    /// rounding mode, as the portable `ROUND` trick), clamped to ±32767; NaN values give 0
+    /// (the portable `max` skips them and `NaN as i16` is 0).
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn quantize_block(xb: &[f32], qb: &mut [i16]) -> (f32, i32, i32) {
+        debug_assert!(xb.len() == 32 && qb.len() == 32);
+        let p = xb.as_ptr();
+        let v: [__m256; 4] = std::array::from_fn(|g| _mm256_loadu_ps(p.add(8 * g)));
+        let abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff));
+        // max_ps(a, m) returns m where a is NaN: NaN never wins, as in the portable fold.
+        let mut m = _mm256_setzero_ps();
+        for g in v {
+            m = _mm256_max_ps(_mm256_and_ps(g, abs_mask), m);
+        }
+        let m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        let m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        let amax = _mm_cvtss_f32(_mm_max_ss(m2, _mm_movehdup_ps(m2)));
+        let (d, id) = if amax > 0.0 {
+            (amax / 32767.0, 32767.0 / amax)
+        } else {
+            (0.0, 0.0)
+        };
+        let (idv, hi, lo) = (
+            _mm256_set1_ps(id),
+            _mm256_set1_epi32(32767),
+            _mm256_set1_epi32(-32767),
+        );
+        let q: [__m256i; 4] = v.map(|g| {
+            let y = _mm256_mul_ps(g, idv);
+            let n = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(y), lo), hi);
+            let nan = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_UNORD_Q>(y, y));
+            _mm256_andnot_si256(nan, n)
+        });
+        // packs interleaves 128-bit lanes: [a0..4 b0..4 | a4..8 b4..8]; the permute puts
+        // the groups in the unpack order 0, 2 | 1, 3.
+        let first = _mm256_permute4x64_epi64::<0xD8>(_mm256_packs_epi32(q[0], q[2]));
+        let second = _mm256_permute4x64_epi64::<0xD8>(_mm256_packs_epi32(q[1], q[3]));
+        let out = qb.as_mut_ptr();
+        _mm256_storeu_si256(out.cast(), first);
+        _mm256_storeu_si256(out.add(16).cast(), second);
+        (
+            d,
+            hsum(_mm256_add_epi32(q[0], q[1])),
+            hsum(_mm256_add_epi32(q[2], q[3])),
+        )
+    }
+
+    /// The eight 32-bit lanes of `v` summed.
+    #[target_feature(enable = "avx2")]
+    unsafe fn hsum(v: __m256i) -> i32 {
+        let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+        _mm_cvtsi128_si32(s)
+    }
+}
+
 /// Where value `i` of a block is stored: the middle two groups of eight swap places.
 #[inline]
 fn slot(i: usize) -> usize {
@@ -183,5 +270,48 @@ fn quantize_block(xb: &[f32], levels: f32, q: &mut [f32; ACT_BLOCK]) -> f32 {
 pub(super) fn grow<T: Copy>(v: &mut Vec<T>, len: usize, fill: T) {
     if v.len() < len {
         v.resize(len, fill);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::Rng;
+
+    /// Every path gives the bits of the portable one, on fresh random rows whose blocks span
+    /// many magnitudes, plus all-zero, NaN, infinite and tie-rounding blocks.
+    #[test]
+    fn every_path_quantizes_like_the_portable_one() {
+        if !Isa::Avx2.available() {
+            eprintln!("skipped: this CPU has no AVX2");
+            return;
+        }
+        let mut rng = rand::rng();
+        let (n, k) = (5, 640);
+        let mut x: Vec<f32> = (0..n * k)
+            .map(|i| {
+                let scale = 10f32.powi((i / 32 % 9) as i32 - 4);
+                rng.random_range(-1.0f32..1.0) * scale
+            })
+            .collect();
+        x[..32].fill(0.0);
+        x[40] = f32::NAN;
+        x[70] = f32::INFINITY;
+        // Values landing exactly on .5 after scaling by 32767 / 2: ties to even.
+        for (i, v) in x[96..128].iter_mut().enumerate() {
+            *v = (i as f32 + 0.5) * 2.0 / 32767.0;
+        }
+        x[127] = 2.0;
+        let (mut a, mut b) = (QuantAct::new(), QuantAct::new());
+        a.quantize_with(Isa::Portable, &x, n, k);
+        b.quantize_with(Isa::Avx2, &x, n, k);
+        for t in 0..n {
+            let (ra, rb) = (a.row(t), b.row(t));
+            assert_eq!(ra.q, rb.q, "row {t}: integers");
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(ra.d), bits(rb.d), "row {t}: scales");
+            assert_eq!(bits(ra.s32), bits(rb.s32), "row {t}: block sums");
+            assert_eq!(bits(ra.s16), bits(rb.s16), "row {t}: half sums");
+        }
     }
 }

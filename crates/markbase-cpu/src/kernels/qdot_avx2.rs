@@ -6,20 +6,21 @@
 //! subtracted so the bytes hold the signed integer weight, or kept unsigned where the format
 //! has a separate minimum) and widened to two vectors of 16-bit lanes by byte unpacking (the
 //! activations are stored in the matching order). That unpacking is done **once per weight
-//! block** and shared by up to [`TOKEN_GROUP`] tokens: for each token the widened weights are
+//! block** and shared by a group of tokens: for each token the widened weights are
 //! multiplied with its activations by `vpmaddwd` into eight 32-bit sums — exact integers;
 //! lanes 0..4 hold the block's first 16 weights, lanes 4..8 the last 16 — converted to f32
 //! once and accumulated with their float scale (weight scale × the token's activation scale;
-//! per 16-weight half for formats with 16-weight sub-blocks) by one FMA. Minimums (`_1` and K
+//! per 16-weight half for formats with 16-weight sub-blocks) by one FMA. Legacy formats keep
+//! one accumulator per token, so that a group of [`LEGACY_GROUP`] tokens fits the sixteen
+//! vector registers; K formats, whose per-token scale vectors take registers too, keep two
+//! and share each unpacking among [`K_GROUP`] tokens. Minimums (`_1` and K
 //! formats) are applied through the activation block sums. Legacy block scales are converted
 //! from f16 by table lookup (a plain load), which keeps the shuffle and convert units free for
 //! the weights.
 //!
-//! Legacy (32-weight) formats walk a tile of rows × tokens block by block (four rows for one
-//! token, two for two), so that several independent accumulators hide the FMA latency and
-//! the activation loads are shared between rows. Every (row, token) result is accumulated by
-//! the same sequence of operations whatever the tile, so a token's result does not depend on
-//! how many tokens or rows were computed with it.
+//! Rows are walked one after the other. Every (row, token) result is accumulated by the same
+//! sequence of operations whatever the group, so a token's result does not depend on how many
+//! tokens were computed with it.
 //!
 //! Safety contract of every `unsafe fn` here: the CPU has AVX2, FMA and F16C, and the rows
 //! and activations hold the sizes the public entry point checked.
@@ -35,9 +36,13 @@ use super::avx2::f16_at;
 use super::f16_table;
 use super::vmath::avx2::hsum;
 
-/// Tokens that share one unpacking of each weight block (their accumulators stay in
+/// Tokens that share one unpacking of each 32-weight legacy block (one accumulator each, in
 /// registers); larger token counts are cut into groups of this size.
-pub(super) const TOKEN_GROUP: usize = 4;
+const LEGACY_GROUP: usize = 8;
+
+/// Tokens that share one unpacking of each K super-block (two accumulators and a scale vector
+/// each).
+const K_GROUP: usize = 4;
 
 /// Rows ahead of the current one whose bytes are prefetched: the hardware prefetcher alone
 /// leaves bandwidth unused on one stream per core, and cannot guess gathered rows.
@@ -60,6 +65,11 @@ impl X {
             s32: x.s32.as_ptr(),
             s16: x.s16.as_ptr(),
         }
+    }
+
+    /// The rows of a group of `N` tokens.
+    fn group<const N: usize>(xs: &[ActRow]) -> [X; N] {
+        std::array::from_fn(|t| X::of(xs[t]))
     }
 
     /// The same row, `blocks` 32-activation blocks further on.
@@ -111,43 +121,74 @@ pub(super) unsafe fn qdot_gather(
     qdot_tokens(ty, w, &[x], &mut [out])
 }
 
-/// [`qdot_rows`] over the rows `w` addresses.
+/// [`qdot_rows`] over the rows `w` addresses, in groups of tokens.
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn qdot_tokens(ty: GgmlType, w: Rows, xs: &[ActRow], outs: &mut [&mut [f32]]) {
+    let nb = xs[0].d.len();
+    let most = if ty.block_size() == 32 {
+        LEGACY_GROUP
+    } else {
+        K_GROUP
+    };
     let mut t0 = 0;
     while t0 < xs.len() {
-        let g = (xs.len() - t0).min(TOKEN_GROUP);
+        let g = (xs.len() - t0).min(most);
         let (x, o) = (&xs[t0..t0 + g], &mut outs[t0..t0 + g]);
         match g {
-            1 => group::<1>(ty, w, x, o),
-            2 => group::<2>(ty, w, x, o),
-            3 => group::<3>(ty, w, x, o),
-            _ => group::<4>(ty, w, x, o),
+            1 => group::<1>(ty, w, &X::group(x), nb, o),
+            2 => group::<2>(ty, w, &X::group(x), nb, o),
+            3 => group::<3>(ty, w, &X::group(x), nb, o),
+            4 => group::<4>(ty, w, &X::group(x), nb, o),
+            5 => legacy_group::<5>(ty, w, &X::group(x), nb, o),
+            6 => legacy_group::<6>(ty, w, &X::group(x), nb, o),
+            7 => legacy_group::<7>(ty, w, &X::group(x), nb, o),
+            _ => legacy_group::<8>(ty, w, &X::group(x), nb, o),
         }
         t0 += g;
     }
 }
 
-/// [`qdot_rows`] for a group of `N` tokens.
+/// [`qdot_rows`] for a group of `N` tokens (at most [`K_GROUP`]), any format; `nb` blocks of
+/// 32 per row.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn group<const N: usize>(ty: GgmlType, w: Rows, xs: &[ActRow], outs: &mut [&mut [f32]]) {
-    let x: [X; N] = std::array::from_fn(|t| X::of(xs[t]));
-    let nb = xs[0].d.len();
+unsafe fn group<const N: usize>(
+    ty: GgmlType,
+    w: Rows,
+    x: &[X; N],
+    nb: usize,
+    outs: &mut [&mut [f32]],
+) {
     match ty {
-        GgmlType::Q8_0 => legacy::<34, false, N>(w, &x, nb, q8_0, outs),
-        GgmlType::Q4_0 => legacy::<18, false, N>(w, &x, nb, q4_0, outs),
-        GgmlType::Q4_1 => legacy::<20, true, N>(w, &x, nb, q4_1, outs),
-        GgmlType::Q5_0 => legacy::<22, false, N>(w, &x, nb, q5_0, outs),
-        GgmlType::Q5_1 => legacy::<24, true, N>(w, &x, nb, q5_1, outs),
-        GgmlType::Q2_K => kquant::<84, N>(w, &x, nb / 8, q2_k::<N>, outs),
-        GgmlType::Q3_K => kquant::<110, N>(w, &x, nb / 8, q3_k::<N>, outs),
-        GgmlType::Q4_K => kquant::<144, N>(w, &x, nb / 8, q45_k::<false, N>, outs),
-        GgmlType::Q5_K => kquant::<176, N>(w, &x, nb / 8, q45_k::<true, N>, outs),
-        GgmlType::Q6_K => kquant::<210, N>(w, &x, nb / 8, q6_k::<N>, outs),
-        GgmlType::Q8_K => kquant::<292, N>(w, &x, nb / 8, q8_k::<N>, outs),
-        GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => {
-            unreachable!("float formats take the f32 path")
+        GgmlType::Q2_K => kquant::<84, N>(w, x, nb / 8, q2_k::<N>, outs),
+        GgmlType::Q3_K => kquant::<110, N>(w, x, nb / 8, q3_k::<N>, outs),
+        GgmlType::Q4_K => kquant::<144, N>(w, x, nb / 8, q45_k::<false, N>, outs),
+        GgmlType::Q5_K => kquant::<176, N>(w, x, nb / 8, q45_k::<true, N>, outs),
+        GgmlType::Q6_K => kquant::<210, N>(w, x, nb / 8, q6_k::<N>, outs),
+        GgmlType::Q8_K => kquant::<292, N>(w, x, nb / 8, q8_k::<N>, outs),
+        _ => legacy_group::<N>(ty, w, x, nb, outs),
+    }
+}
+
+/// [`qdot_rows`] for a group of `N` tokens (at most [`LEGACY_GROUP`]) of a 32-weight legacy
+/// format.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn legacy_group<const N: usize>(
+    ty: GgmlType,
+    w: Rows,
+    x: &[X; N],
+    nb: usize,
+    outs: &mut [&mut [f32]],
+) {
+    match ty {
+        GgmlType::Q8_0 => legacy::<34, false, N>(w, x, nb, q8_0, outs),
+        GgmlType::Q4_0 => legacy::<18, false, N>(w, x, nb, q4_0, outs),
+        GgmlType::Q4_1 => legacy::<20, true, N>(w, x, nb, q4_1, outs),
+        GgmlType::Q5_0 => legacy::<22, false, N>(w, x, nb, q5_0, outs),
+        GgmlType::Q5_1 => legacy::<24, true, N>(w, x, nb, q5_1, outs),
+        _ => {
+            unreachable!("{ty} is not a 32-weight legacy format (float formats take the f32 path)")
         }
     }
 }
@@ -274,8 +315,8 @@ type Unpack32 = unsafe fn(*const u8) -> (__m256i, __m256i);
 /// Every row of `w` (as many as `outs[0]` holds) against `N` tokens: Σ over the `nb` blocks
 /// of `TS` bytes of `d · d_x · p` (plus `m · s_x` for formats with a minimum, `MIN`; `d` and
 /// `m` are the block's first two halves, else `d` alone). Rows are walked one after the other
-/// (one stream of addresses for the hardware prefetcher), with two accumulators per token so
-/// that consecutive blocks do not wait on each other's FMA.
+/// (one stream of addresses for the hardware prefetcher), with one accumulator per token: a
+/// block's unpacking and products take longer than the FMA latency that chains them.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn legacy<const TS: usize, const MIN: bool, const N: usize>(
@@ -289,32 +330,23 @@ unsafe fn legacy<const TS: usize, const MIN: bool, const N: usize>(
     for i in 0..outs[0].len() {
         let row = w.row(i);
         w.prefetch(i + PREFETCH_ROWS, outs[0].len());
-        let mut acc = [[_mm256_setzero_ps(); 2]; N];
-        let mut mins = [[0f32; 2]; N];
-        let mut one = |j: usize| {
+        let mut acc = [_mm256_setzero_ps(); N];
+        let mut mins = [0f32; N];
+        for j in 0..nb {
             let b = row.add(j * TS);
             let (lo, hi) = unpack(b);
             let d = _mm256_set1_ps(f16_via(t, b));
             for n in 0..N {
                 let p = madd_pair(lo, hi, x[n].q.add(32 * j));
                 let s = _mm256_mul_ps(d, _mm256_broadcast_ss(&*x[n].d.add(j)));
-                acc[n][j % 2] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(p), acc[n][j % 2]);
+                acc[n] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(p), acc[n]);
                 if MIN {
-                    mins[n][j % 2] += f16_via(t, b.add(2)) * *x[n].s32.add(j);
+                    mins[n] += f16_via(t, b.add(2)) * *x[n].s32.add(j);
                 }
             }
-        };
-        let mut j = 0;
-        while j + 2 <= nb {
-            one(j);
-            one(j + 1);
-            j += 2;
-        }
-        if j < nb {
-            one(j);
         }
         for n in 0..N {
-            outs[n][i] = hsum(_mm256_add_ps(acc[n][0], acc[n][1])) + (mins[n][0] + mins[n][1]);
+            outs[n][i] = hsum(acc[n]) + mins[n];
         }
     }
 }

@@ -186,8 +186,9 @@ mod avx2 {
 
     use super::{ScreenCopy, ScreenRow, CHUNK};
 
-    /// Tokens that share one unpacking of each chunk of codes.
-    const GROUP: usize = 4;
+    /// Tokens that share one unpacking of each chunk of codes (one accumulator each, in
+    /// registers).
+    const GROUP: usize = 8;
     /// Rows ahead of the current one whose bytes are prefetched.
     const PREFETCH_ROWS: usize = 4;
 
@@ -207,7 +208,11 @@ mod avx2 {
                 1 => group::<1>(copy, r0, x, o),
                 2 => group::<2>(copy, r0, x, o),
                 3 => group::<3>(copy, r0, x, o),
-                _ => group::<4>(copy, r0, x, o),
+                4 => group::<4>(copy, r0, x, o),
+                5 => group::<5>(copy, r0, x, o),
+                6 => group::<6>(copy, r0, x, o),
+                7 => group::<7>(copy, r0, x, o),
+                _ => group::<8>(copy, r0, x, o),
             }
             t0 += g;
         }
@@ -288,9 +293,10 @@ mod tests {
     }
 
     /// Both kernel sets against the reference (`reference::matmul_screen_copy`: the copy's
-    /// dequantized rows times the dequantized activations divided by β) on fresh random inputs, 1–9 tokens,
-    /// several lengths and row offsets. Integer sums are exact; only the final f32 scaling
-    /// rounds, far below 1e-5 of Σ|w|·|x|, while one wrong code moves a result by ~1/k of it.
+    /// dequantized rows times the dequantized activations divided by β) on fresh random inputs,
+    /// 1–14 tokens, several lengths and row offsets. Integer sums are exact; only the final f32
+    /// scaling rounds, far below 1e-5 of Σ|w|·|x|, while one wrong code moves a result by ~1/k of
+    /// it.
     #[test]
     fn matches_reference_for_any_token_count() {
         let mut rng = rand::rng();
@@ -304,6 +310,8 @@ mod tests {
             (640, 9, 3, 3),
             (640, 3, 0, 4),
             (2112, 4, 1, 9),
+            (640, 6, 2, 8),
+            (256, 7, 0, 14),
         ] {
             let copy = random_copy(nrows + r0, k);
             let x: Vec<f32> = (0..n * k)
