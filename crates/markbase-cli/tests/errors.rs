@@ -155,6 +155,38 @@ fn bad_sampling_parameter() {
 }
 
 #[test]
+fn bench_batches() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = write(dir.path(), "tiny.gguf", &tiny_gemma3(64));
+    let args = ["-m", &m, "bench", "-p", "0", "-n", "3", "-r", "1", "--json"];
+    let out = markbase(&[&args[..], &["-b", "1,3"]].concat(), dir.path());
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let tests: Vec<(String, u64)> = v["results"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            (
+                r["test"].as_str().unwrap().to_string(),
+                r["n_tokens"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        tests,
+        [("tg3".to_string(), 3), ("tg3@b3".to_string(), 9)],
+        "{v}"
+    );
+    let out = markbase(&[&args[..], &["-b", "0"]].concat(), dir.path());
+    assert_one_line_error(&out, &["batch of at least one sequence"]);
+}
+
+#[test]
 fn bad_tokens_file() {
     let dir = tempfile::tempdir().unwrap();
     let m = write(dir.path(), "tiny.gguf", &tiny_gemma3(64));

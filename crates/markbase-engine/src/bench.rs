@@ -21,8 +21,9 @@ pub struct BenchOptions {
     pub gen_tokens: usize,
     /// Timed runs per test.
     pub repetitions: usize,
-    /// Sequences decoded together in the `tg` test (1: a single sequence).
-    pub batch: usize,
+    /// Sequences decoded together in the `tg` test, one test per entry (1: a single
+    /// sequence, `tgN`; B > 1: `tgN@bB`).
+    pub batches: Vec<usize>,
 }
 
 /// One test's result.
@@ -63,7 +64,7 @@ pub fn bench(
     if opts.repetitions == 0 {
         return Err(Error::Invalid("bench needs at least one repetition".into()));
     }
-    if opts.batch == 0 {
+    if opts.batches.contains(&0) {
         return Err(Error::Invalid(
             "bench needs a batch of at least one sequence".into(),
         ));
@@ -102,44 +103,58 @@ pub fn bench(
         on_result(results.last().expect("just pushed"));
     }
 
-    if opts.gen_tokens > 0 && opts.batch > 1 {
-        let (n, b) = (opts.gen_tokens, opts.batch);
-        let mut cache = model.new_batch_cache(b, n)?;
-        // Sequence s reads the random ids from offset s, so the rows of a step differ.
-        let step_tokens = |i: usize| -> Vec<u32> { (0..b).map(|s| tokens[(i + s) % n]).collect() };
-        let run = |cache: &mut markbase_models::BatchCache| -> Result<f64> {
-            cache.clear();
-            let t = Instant::now();
-            for i in 0..n {
-                model.forward_batch(cache, &step_tokens(i))?;
-            }
-            Ok(t.elapsed().as_secs_f64())
+    for &b in &opts.batches {
+        if opts.gen_tokens == 0 {
+            break;
+        }
+        let r = if b == 1 {
+            tg_single(model, &tokens[..opts.gen_tokens], opts.repetitions)?
+        } else {
+            tg_batch(model, &tokens[..opts.gen_tokens], b, opts.repetitions)?
         };
-        run(&mut cache)?;
-        let samples = (0..opts.repetitions)
-            .map(|_| run(&mut cache).map(|s| (b * n) as f64 / s))
-            .collect::<Result<Vec<_>>>()?;
-        results.push(result(format!("tg{n}@b{b}"), b * n, samples));
-        on_result(results.last().expect("just pushed"));
-    } else if opts.gen_tokens > 0 {
-        let gen = &tokens[..opts.gen_tokens];
-        let mut cache = model.new_cache(gen.len())?;
-        let run = |cache: &mut markbase_models::KvCache| -> Result<f64> {
-            cache.clear();
-            let t = Instant::now();
-            for &id in gen {
-                model.forward(cache, &[id], Logits::Last)?;
-            }
-            Ok(t.elapsed().as_secs_f64())
-        };
-        run(&mut cache)?;
-        let samples = (0..opts.repetitions)
-            .map(|_| run(&mut cache).map(|s| gen.len() as f64 / s))
-            .collect::<Result<Vec<_>>>()?;
-        results.push(result(format!("tg{}", gen.len()), gen.len(), samples));
+        results.push(r);
         on_result(results.last().expect("just pushed"));
     }
     Ok(results)
+}
+
+/// `tgN`: the tokens `gen` one forward call at a time.
+fn tg_single(model: &Model, gen: &[u32], repetitions: usize) -> Result<BenchResult> {
+    let mut cache = model.new_cache(gen.len())?;
+    let run = |cache: &mut markbase_models::KvCache| -> Result<f64> {
+        cache.clear();
+        let t = Instant::now();
+        for &id in gen {
+            model.forward(cache, &[id], Logits::Last)?;
+        }
+        Ok(t.elapsed().as_secs_f64())
+    };
+    run(&mut cache)?;
+    let samples = (0..repetitions)
+        .map(|_| run(&mut cache).map(|s| gen.len() as f64 / s))
+        .collect::<Result<Vec<_>>>()?;
+    Ok(result(format!("tg{}", gen.len()), gen.len(), samples))
+}
+
+/// `tgN@bB`: `b` sequences of `gen.len()` tokens, one step of `b` tokens at a time.
+fn tg_batch(model: &Model, gen: &[u32], b: usize, repetitions: usize) -> Result<BenchResult> {
+    let n = gen.len();
+    let mut cache = model.new_batch_cache(b, n)?;
+    // Sequence s reads the random ids from offset s, so the rows of a step differ.
+    let step_tokens = |i: usize| -> Vec<u32> { (0..b).map(|s| gen[(i + s) % n]).collect() };
+    let run = |cache: &mut markbase_models::BatchCache| -> Result<f64> {
+        cache.clear();
+        let t = Instant::now();
+        for i in 0..n {
+            model.forward_batch(cache, &step_tokens(i))?;
+        }
+        Ok(t.elapsed().as_secs_f64())
+    };
+    run(&mut cache)?;
+    let samples = (0..repetitions)
+        .map(|_| run(&mut cache).map(|s| (b * n) as f64 / s))
+        .collect::<Result<Vec<_>>>()?;
+    Ok(result(format!("tg{n}@b{b}"), b * n, samples))
 }
 
 fn result(test: String, n_tokens: usize, samples: Vec<f64>) -> BenchResult {

@@ -20,9 +20,15 @@ pub struct Args {
     /// Timed repetitions of each test.
     #[arg(short = 'r', long = "repetitions", default_value_t = 5)]
     pub repetitions: usize,
-    /// Sequences decoded together in the tg test (its rate counts every sequence's tokens).
-    #[arg(short = 'b', long = "batch", default_value_t = 1)]
-    pub batch: usize,
+    /// Sequences decoded together in the tg test (its rate counts every sequence's tokens); a
+    /// comma-separated list runs one tg test per value.
+    #[arg(
+        short = 'b',
+        long = "batch",
+        value_delimiter = ',',
+        default_value = "1"
+    )]
+    pub batch: Vec<usize>,
     /// Print {"results": [{"test": "pp512", "tokens_per_second": ...}, ...]}.
     #[arg(long)]
     pub json: bool,
@@ -42,7 +48,7 @@ pub fn run(global: &Global, args: Args) -> Result<()> {
         prompt_tokens: args.n_prompt,
         gen_tokens: args.n_gen,
         repetitions: args.repetitions,
-        batch: args.batch,
+        batches: args.batch.clone(),
     };
     let mut out = std::io::stdout().lock();
     if !args.json {
