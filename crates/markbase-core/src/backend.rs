@@ -381,6 +381,10 @@ pub trait Backend: Send + Sync {
     fn softcap(&self, x: &mut Self::Buffer, cap: f32, len: usize) -> Result<()>;
     /// Copies host values into the start of `dst` (asynchronous on a GPU).
     fn write(&self, src: &[f32], dst: &mut Self::Buffer) -> Result<()>;
+    /// The index of the largest of each of `rows` rows of `n` values of `x` (ties: the lowest
+    /// index; NaN never wins), computed where `x` lives: only the indices come back to the host
+    /// (a step's one synchronisation, as [`Backend::read`]).
+    fn argmax(&self, x: &Self::Buffer, rows: usize, n: usize) -> Result<Vec<u32>>;
     /// Copies the first `dst.len()` values of `x` to the host — the step's one synchronisation.
     fn read(&self, x: &Self::Buffer, dst: &mut [f32]) -> Result<()>;
 }

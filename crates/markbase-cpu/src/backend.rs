@@ -438,6 +438,11 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn argmax(&self, x: &CpuBuffer, rows: usize, n: usize) -> Result<Vec<u32>> {
+        need("argmax", x.0.len(), rows * n)?;
+        Ok(ops::argmax_rows(&self.pool, &x.0, rows, n))
+    }
+
     fn read(&self, x: &CpuBuffer, dst: &mut [f32]) -> Result<()> {
         need("read", x.0.len(), dst.len())?;
         dst.copy_from_slice(&x.0[..dst.len()]);

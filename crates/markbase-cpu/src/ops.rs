@@ -3,7 +3,7 @@
 use markbase_core::backend::Rope;
 
 use crate::kernels::vmath;
-use crate::pool::Pool;
+use crate::pool::{Pool, SendPtr};
 
 /// Rows processed per parallel task in row-wise ops.
 const ROW_GRAIN: usize = 16;
@@ -171,4 +171,82 @@ pub fn gelu_tanh_mul(pool: &Pool, gate: &mut [f32], up: &[f32]) {
     pool.par_chunks_mut(gate, GRAIN, |c, g| {
         vmath::gelu_tanh_mul(g, &up[c * GRAIN..]);
     });
+}
+
+/// Values of one row scanned per task of [`argmax_rows`].
+const ARGMAX_GRAIN: usize = 1 << 15;
+
+/// The index of the largest value of each of the `rows` rows of `n` values at the start of
+/// `x` (ties: the lowest index; NaN never wins; a row without a number gives 0). Long rows are
+/// split into parts scanned in parallel. Sizes are checked by the caller.
+pub fn argmax_rows(pool: &Pool, x: &[f32], rows: usize, n: usize) -> Vec<u32> {
+    let parts = n.div_ceil(ARGMAX_GRAIN).max(1);
+    let mut best = vec![(f32::NEG_INFINITY, 0u32); rows * parts];
+    let out = SendPtr(best.as_mut_ptr());
+    pool.run(rows * parts, &|task| {
+        let (r, p) = (task / parts, task % parts);
+        let lo = p * ARGMAX_GRAIN;
+        let part = &x[r * n + lo..r * n + n.min(lo + ARGMAX_GRAIN)];
+        let (mut value, mut index) = (f32::NEG_INFINITY, lo as u32);
+        for (i, &v) in part.iter().enumerate() {
+            if v > value {
+                (value, index) = (v, (lo + i) as u32);
+            }
+        }
+        // SAFETY: task `task` alone writes slot `task`, inside `best`.
+        unsafe { *out.get().add(task) = (value, index) };
+    });
+    best.chunks(parts)
+        .map(|row| {
+            // Parts in order, a later one only on a strictly larger value: the lowest index wins.
+            let mut pick = (f32::NEG_INFINITY, 0u32);
+            for &(v, i) in row {
+                if v > pick.0 {
+                    pick = (v, i);
+                }
+            }
+            pick.1
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::Rng;
+
+    /// Against a plain scan on fresh random rows (short and several parts long), with ties,
+    /// NaN and rows of nothing but -inf.
+    #[test]
+    fn argmax_matches_a_plain_scan() {
+        let mut rng = rand::rng();
+        let pool = Pool::new(2).unwrap();
+        for &(rows, n) in &[
+            (1usize, 7usize),
+            (3, 1000),
+            (2, 3 * ARGMAX_GRAIN + 5),
+            (5, 70_000),
+        ] {
+            let mut x: Vec<f32> = (0..rows * n)
+                .map(|_| (rng.random_range(-50..50) as f32) * 0.5)
+                .collect();
+            x[n / 2] = f32::NAN;
+            if rows > 1 {
+                x[n..2 * n].fill(f32::NEG_INFINITY);
+            }
+            let want: Vec<u32> = x
+                .chunks(n)
+                .map(|row| {
+                    let mut best = 0;
+                    for (i, &v) in row.iter().enumerate() {
+                        if v > row[best] || (row[best].is_nan() && !v.is_nan()) {
+                            best = i;
+                        }
+                    }
+                    best as u32
+                })
+                .collect();
+            assert_eq!(argmax_rows(&pool, &x, rows, n), want, "{rows} rows of {n}");
+        }
+    }
 }

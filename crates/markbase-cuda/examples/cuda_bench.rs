@@ -206,7 +206,7 @@ fn main() {
         let mut one = OneSeq::new(prompt + steps + 1);
         let mut pool = m.new_kv_pool(BLOCK, [one.blocks(), one.blocks()]).unwrap();
         (
-            Box::new(move |ids| one.run(ids, |s| m.step(&mut pool, s).unwrap())),
+            Box::new(move |ids| one.run(ids, |s| m.step(&mut pool, s).unwrap().logits)),
             bytes,
             format!("synthetic {}", spec.describe()),
         )
@@ -218,7 +218,7 @@ fn main() {
         let mut one = OneSeq::new(prompt + steps + 1);
         let mut pool = m.new_kv_pool(BLOCK, [one.blocks(), one.blocks()]).unwrap();
         (
-            Box::new(move |ids| one.run(ids, |s| m.step(&mut pool, s).unwrap())),
+            Box::new(move |ids| one.run(ids, |s| m.step(&mut pool, s).unwrap().logits)),
             bytes,
             path,
         )

@@ -839,6 +839,10 @@ impl Backend for CudaBackend {
             .map_err(|e| driver_err("host-to-device copy", e))
     }
 
+    fn argmax(&self, x: &CudaBuffer, rows: usize, n: usize) -> Result<Vec<u32>> {
+        self.argmax_rows(x, rows, n)
+    }
+
     fn read(&self, x: &CudaBuffer, dst: &mut [f32]) -> Result<()> {
         need("read", x.len(), dst.len())?;
         let check = self.queue_error_check()?;

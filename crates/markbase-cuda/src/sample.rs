@@ -49,8 +49,13 @@ impl CudaBackend {
     }
 
     /// The index of the largest of each of `rows` rows of `n` logits (ties: lowest index;
-    /// NaN never wins).
-    pub fn argmax(&self, logits: &CudaBuffer, rows: usize, n: usize) -> Result<Vec<u32>> {
+    /// NaN never wins): [`Backend::argmax`](markbase_core::backend::Backend::argmax).
+    pub(crate) fn argmax_rows(
+        &self,
+        logits: &CudaBuffer,
+        rows: usize,
+        n: usize,
+    ) -> Result<Vec<u32>> {
         self.check_rows(logits, rows, n)?;
         // The scratch stays locked until the picks are back (another thread may sample too).
         let mut s = self.scratch()?;

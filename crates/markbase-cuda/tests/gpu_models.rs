@@ -21,7 +21,8 @@ use markbase_models::gemma3::Gemma3;
 use markbase_models::gemma4::Gemma4;
 use markbase_models::gemma4_config::Gemma4Config;
 use markbase_models::{
-    Device, LmHeadMode, LoadOptions, Logits, Model, ModelSource, PagedKv, SeqStep, WeightStore,
+    Device, LmHeadMode, LoadOptions, Logits, Model, ModelSource, PagedKv, SeqStep, StepOutput,
+    WeightStore,
 };
 use serde_json::Value;
 
@@ -95,7 +96,7 @@ struct Seq<B: Backend> {
 trait Lm {
     type B: Backend;
     fn pool(&self, blocks: usize) -> PagedKv<Self::B>;
-    fn run_step(&self, pool: &mut PagedKv<Self::B>, seqs: &[SeqStep]) -> Vec<f32>;
+    fn run_step(&self, pool: &mut PagedKv<Self::B>, seqs: &[SeqStep]) -> StepOutput;
 
     /// A one-sequence cache for `n` tokens.
     fn cache(&self, n: usize) -> Seq<Self::B> {
@@ -118,7 +119,7 @@ trait Lm {
         };
         let out = self.run_step(&mut c.pool, &[seq]);
         c.len += ids.len();
-        out
+        out.logits
     }
 }
 
@@ -127,7 +128,7 @@ impl<B: Backend> Lm for Gemma3<B> {
     fn pool(&self, blocks: usize) -> PagedKv<B> {
         self.new_kv_pool(BLOCK, [blocks, blocks]).unwrap()
     }
-    fn run_step(&self, pool: &mut PagedKv<B>, seqs: &[SeqStep]) -> Vec<f32> {
+    fn run_step(&self, pool: &mut PagedKv<B>, seqs: &[SeqStep]) -> StepOutput {
         self.step(pool, seqs).unwrap()
     }
 }
@@ -137,13 +138,14 @@ impl<B: Backend> Lm for Gemma4<B> {
     fn pool(&self, blocks: usize) -> PagedKv<B> {
         self.new_kv_pool(BLOCK, [blocks, blocks]).unwrap()
     }
-    fn run_step(&self, pool: &mut PagedKv<B>, seqs: &[SeqStep]) -> Vec<f32> {
+    fn run_step(&self, pool: &mut PagedKv<B>, seqs: &[SeqStep]) -> StepOutput {
         self.step(pool, seqs).unwrap()
     }
 }
 
 /// Three sequences in shared pools, run as batched steps (a mixed prefill, then two decode
-/// steps of all three): the GPU's logits equal the CPU's.
+/// steps of all three): the GPU's logits equal the CPU's, and its greedy picks are their
+/// argmax.
 fn batched_matches_cpu<G: Lm, C: Lm>(name: &str, gpu: &G, cpu: &C, ids: &[u32], vocab: usize) {
     let lens = [ids.len(), ids.len() / 2, 3];
     let per: Vec<usize> = lens.iter().map(|l| (l + 2).div_ceil(BLOCK)).collect();
@@ -172,11 +174,25 @@ fn batched_matches_cpu<G: Lm, C: Lm>(name: &str, gpu: &G, cpu: &C, ids: &[u32], 
                 logits: Some(if step == 0 { Logits::All } else { Logits::Last }),
             })
             .collect();
-        let got = gpu.run_step(&mut gp, &seqs);
-        let want = cpu.run_step(&mut cp, &seqs);
+        let got = gpu.run_step(&mut gp, &seqs).logits;
+        let want = cpu.run_step(&mut cp, &seqs).logits;
         let rel = worst_rel(&got, &want, vocab);
         eprintln!("{name} batched step {step}: vs CPU {rel:e}");
         assert!(rel <= REL_TOL, "{name} batched step {step}: vs CPU {rel:e}");
+        if step > 0 {
+            // The same step again (it rewrites the same keys and values), greedy: the device's
+            // picks are the argmax of the logits it just returned.
+            let greedy: Vec<SeqStep> = seqs
+                .iter()
+                .map(|s| SeqStep {
+                    logits: Some(Logits::Greedy),
+                    ..*s
+                })
+                .collect();
+            let picks = gpu.run_step(&mut gp, &greedy).ids;
+            let want: Vec<u32> = got.chunks(vocab).map(|r| argmax(r) as u32).collect();
+            assert_eq!(picks, want, "{name} batched step {step}: greedy picks");
+        }
         for s in 0..3 {
             starts[s] += toks[s].len();
             toks[s] = vec![ids[(starts[s] + s) % ids.len()]];

@@ -1,7 +1,7 @@
 //! Speed tests in the manner of llama-bench: `ppN` runs a prompt of N tokens in one forward
-//! call; `tgN` generates N tokens one forward call at a time; with a batch of B sequences,
-//! `tgN@bB` generates N tokens for each of B sequences, one step of B tokens at a time (the
-//! rate counts all B·N tokens). Each test starts from an empty cache, runs once untimed as a
+//! call; `tgN` generates N tokens one step at a time, each step ending with the greedy pick of
+//! the next token; with a batch of B sequences, `tgN@bB` generates N tokens for each of B
+//! sequences, one step of B tokens at a time (the rate counts all B·N tokens). Each test starts from an empty cache, runs once untimed as a
 //! warm-up, then `repetitions` timed runs.
 
 use std::time::Instant;
@@ -107,37 +107,16 @@ pub fn bench(
         if opts.gen_tokens == 0 {
             break;
         }
-        let r = if b == 1 {
-            tg_single(model, &tokens[..opts.gen_tokens], opts.repetitions)?
-        } else {
-            tg_batch(model, &tokens[..opts.gen_tokens], b, opts.repetitions)?
-        };
-        results.push(r);
+        results.push(tg(model, &tokens[..opts.gen_tokens], b, opts.repetitions)?);
         on_result(results.last().expect("just pushed"));
     }
     Ok(results)
 }
 
-/// `tgN`: the tokens `gen` one forward call at a time.
-fn tg_single(model: &Model, gen: &[u32], repetitions: usize) -> Result<BenchResult> {
-    let mut cache = model.new_cache(gen.len())?;
-    let run = |cache: &mut markbase_models::KvCache| -> Result<f64> {
-        cache.clear();
-        let t = Instant::now();
-        for &id in gen {
-            model.forward(cache, &[id], Logits::Last)?;
-        }
-        Ok(t.elapsed().as_secs_f64())
-    };
-    run(&mut cache)?;
-    let samples = (0..repetitions)
-        .map(|_| run(&mut cache).map(|s| gen.len() as f64 / s))
-        .collect::<Result<Vec<_>>>()?;
-    Ok(result(format!("tg{}", gen.len()), gen.len(), samples))
-}
-
-/// `tgN@bB`: `b` sequences of `gen.len()` tokens, one step of `b` tokens at a time.
-fn tg_batch(model: &Model, gen: &[u32], b: usize, repetitions: usize) -> Result<BenchResult> {
+/// `tgN` (one sequence) or `tgN@bB` (`b` sequences): `gen.len()` steps of one token per
+/// sequence, each step ending with the greedy pick of every sequence's next token (made where
+/// the model runs: only the ids come back, as in the server's greedy decoding).
+fn tg(model: &Model, gen: &[u32], b: usize, repetitions: usize) -> Result<BenchResult> {
     let n = gen.len();
     let mut cache = model.new_batch_cache(b, n)?;
     // Sequence s reads the random ids from offset s, so the rows of a step differ.
@@ -146,7 +125,7 @@ fn tg_batch(model: &Model, gen: &[u32], b: usize, repetitions: usize) -> Result<
         cache.clear();
         let t = Instant::now();
         for i in 0..n {
-            model.forward_batch(cache, &step_tokens(i))?;
+            model.forward_batch(cache, &step_tokens(i), Logits::Greedy)?;
         }
         Ok(t.elapsed().as_secs_f64())
     };
@@ -154,7 +133,12 @@ fn tg_batch(model: &Model, gen: &[u32], b: usize, repetitions: usize) -> Result<
     let samples = (0..repetitions)
         .map(|_| run(&mut cache).map(|s| (b * n) as f64 / s))
         .collect::<Result<Vec<_>>>()?;
-    Ok(result(format!("tg{n}@b{b}"), b * n, samples))
+    let test = if b == 1 {
+        format!("tg{n}")
+    } else {
+        format!("tg{n}@b{b}")
+    };
+    Ok(result(test, b * n, samples))
 }
 
 fn result(test: String, n_tokens: usize, samples: Vec<f64>) -> BenchResult {

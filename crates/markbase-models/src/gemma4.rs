@@ -32,7 +32,7 @@ use markbase_core::{Error, Result};
 
 use crate::gemma4_config::{Gemma4Config, Gemma4Layer, Gemma4Rope};
 use crate::lm_head::{LmHead, LmHeadMode};
-use crate::paged::{ChunkLayout, PagedKv, SeqStep, StepModel};
+use crate::paged::{ChunkLayout, HeadOut, PagedKv, SeqStep, StepModel, StepOutput};
 use crate::weights::WeightStore;
 
 /// Token rows run through the layers together; larger steps are processed in chunks of this
@@ -377,12 +377,13 @@ impl<B: Backend> Gemma4<B> {
     }
 
     /// One step over several sequences on this model's backend (as [`crate::Model::step`]).
-    pub fn step(&self, pool: &mut PagedKv<B>, seqs: &[SeqStep]) -> Result<Vec<f32>> {
+    pub fn step(&self, pool: &mut PagedKv<B>, seqs: &[SeqStep]) -> Result<StepOutput> {
         crate::paged::step(self, pool, seqs)
     }
 
-    /// Final norm + tied LM head + softcap for hidden-state rows `rows`, row-major into `out`.
-    fn lm_head(&self, w: &mut Workspace<B>, rows: &[usize], out: &mut [f32]) -> Result<()> {
+    /// Final norm + tied LM head + softcap for hidden-state rows `rows`, into `out` (logits rows
+    /// or greedy picks).
+    fn lm_head(&self, w: &mut Workspace<B>, rows: &[usize], mut out: HeadOut) -> Result<()> {
         let (be, d, nv) = (&self.backend, self.cfg.d_model, self.cfg.n_vocab);
         let eps = self.cfg.rms_eps as f32;
         for (g, group) in rows.chunks(LOGIT_ROWS).enumerate() {
@@ -404,8 +405,7 @@ impl<B: Backend> Gemma4<B> {
             if let Some(cap) = self.cfg.final_logit_softcap {
                 be.softcap(&mut w.logits, cap as f32, n * nv)?;
             }
-            let r0 = g * LOGIT_ROWS;
-            be.read(&w.logits, &mut out[r0 * nv..(r0 + n) * nv])?;
+            out.take(be, &w.logits, g * LOGIT_ROWS, n, nv)?;
         }
         Ok(())
     }
@@ -693,7 +693,13 @@ impl<B: Backend> StepModel for Gemma4<B> {
         self.cfg.n_vocab
     }
 
-    fn run_chunk(&self, kv: &mut PagedKv<B>, l: &ChunkLayout, out: &mut [f32]) -> Result<()> {
+    fn run_chunk(
+        &self,
+        kv: &mut PagedKv<B>,
+        l: &ChunkLayout,
+        logits: &mut [f32],
+        ids: &mut Vec<u32>,
+    ) -> Result<()> {
         if kv.geometry != self.caches {
             return Err(Error::Invalid("KV cache belongs to another model".into()));
         }
@@ -702,7 +708,8 @@ impl<B: Backend> StepModel for Gemma4<B> {
         // leaves nothing to distrust.
         let mut work = self.work.lock().unwrap_or_else(|e| e.into_inner());
         self.layers_forward(&mut work, kv, l)?;
-        self.lm_head(&mut work, &l.logit_rows, out)
+        self.lm_head(&mut work, &l.logit_rows, HeadOut::Logits(logits))?;
+        self.lm_head(&mut work, &l.greedy_rows, HeadOut::Ids(ids))
     }
 }
 

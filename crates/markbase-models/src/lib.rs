@@ -14,5 +14,5 @@ mod weights;
 pub use device::Device;
 pub use lm_head::LmHeadMode;
 pub use model::{BatchCache, KvCache, KvPool, LoadOptions, Logits, Model, ModelInfo, ModelSource};
-pub use paged::{PagedKv, SeqStep, NO_BLOCK};
+pub use paged::{PagedKv, SeqStep, StepOutput, NO_BLOCK};
 pub use weights::WeightStore;

@@ -16,7 +16,7 @@ use crate::gemma3::Gemma3;
 use crate::gemma4::Gemma4;
 use crate::gemma4_config::Gemma4Config;
 use crate::lm_head::LmHeadMode;
-use crate::paged::SeqStep;
+use crate::paged::{SeqStep, StepOutput};
 use crate::runner::Runner;
 use crate::synthetic::{SyntheticSpec, SyntheticWeights};
 use crate::weights::WeightStore;
@@ -117,6 +117,9 @@ pub enum Logits {
     Last,
     /// Every token's (row-major tokens × `n_vocab`).
     All,
+    /// None: only the id of the last token's largest logit (ties: the lowest id), chosen where
+    /// the model runs, so no logits cross to the host ([`StepOutput::ids`]).
+    Greedy,
 }
 
 /// A loaded model, ready to run on the device it was loaded onto.
@@ -420,9 +423,9 @@ impl Model {
 
     /// One step over several sequences: each runs its tokens at positions `start ..`, writing
     /// their keys and values into the pool blocks its tables name, and attending over its own
-    /// earlier tokens. Returns the logits each sequence asked for, sequence by sequence
-    /// (row-major, `n_vocab` per row).
-    pub fn step(&self, pool: &mut KvPool, seqs: &[SeqStep]) -> Result<Vec<f32>> {
+    /// earlier tokens. Returns the logits and the greedy picks the sequences asked for, in
+    /// sequence order ([`StepOutput`]).
+    pub fn step(&self, pool: &mut KvPool, seqs: &[SeqStep]) -> Result<StepOutput> {
         self.inner.step(pool, seqs)
     }
 
@@ -483,8 +486,14 @@ impl Model {
     }
 
     /// Runs one token per sequence of `cache` (`tokens[s]` for sequence `s`), all at position
-    /// `cache.len()`, in one step; returns each sequence's logits (row-major, `n_vocab` per row).
-    pub fn forward_batch(&self, cache: &mut BatchCache, tokens: &[u32]) -> Result<Vec<f32>> {
+    /// `cache.len()`, in one step, and returns what `logits` asks for from each sequence:
+    /// its logits row ([`Logits::Last`]; `All` is the same for one token) or its greedy pick.
+    pub fn forward_batch(
+        &self,
+        cache: &mut BatchCache,
+        tokens: &[u32],
+        logits: Logits,
+    ) -> Result<StepOutput> {
         if tokens.len() != cache.full.len() {
             return Err(Error::Invalid(format!(
                 "forward_batch: {} tokens for {} sequences",
@@ -506,7 +515,7 @@ impl Model {
                 start: cache.len,
                 full_blocks: full,
                 sliding_blocks: sliding,
-                logits: Some(Logits::Last),
+                logits: Some(logits),
             })
             .collect();
         let out = self.step(&mut cache.pool, &seqs)?;
@@ -515,10 +524,16 @@ impl Model {
     }
 
     /// Runs `tokens` at positions `cache.len()..`, appends them to the cache, and returns the
-    /// logits of the last token or of every token (row-major tokens × n_vocab).
+    /// logits of the last token or of every token (row-major tokens × n_vocab); `Greedy` is
+    /// for [`Model::step`] and [`Model::forward_batch`].
     pub fn forward(&self, cache: &mut KvCache, tokens: &[u32], logits: Logits) -> Result<Vec<f32>> {
         if tokens.is_empty() {
             return Err(Error::Invalid("forward called with no tokens".into()));
+        }
+        if logits == Logits::Greedy {
+            return Err(Error::Invalid(
+                "forward returns logits: greedy picks come from Model::step".into(),
+            ));
         }
         let end = cache.len + tokens.len();
         if end > cache.capacity {
@@ -536,6 +551,6 @@ impl Model {
         };
         let out = self.step(&mut cache.pool, &[seq])?;
         cache.len = end;
-        Ok(out)
+        Ok(out.logits)
     }
 }

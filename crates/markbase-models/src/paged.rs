@@ -129,6 +129,8 @@ pub(crate) struct ChunkLayout {
     slots: [Vec<u32>; 2],
     /// Rows whose logits are returned, in output order.
     pub logit_rows: Vec<usize>,
+    /// Rows whose greedy pick is returned, in output order.
+    pub greedy_rows: Vec<usize>,
     block_size: usize,
 }
 
@@ -171,22 +173,63 @@ pub(crate) trait StepModel {
     fn max_rows(&self) -> usize;
     /// Logits per token.
     fn n_vocab(&self) -> usize;
-    /// Runs a chunk through every layer and writes the logits of `layout.logit_rows`
-    /// (row-major) to `out`.
+    /// Runs a chunk through every layer, writes the logits of `layout.logit_rows` (row-major)
+    /// to `logits` and appends the greedy picks of `layout.greedy_rows` to `ids`.
     fn run_chunk(
         &self,
         kv: &mut PagedKv<Self::Backend>,
         layout: &ChunkLayout,
-        out: &mut [f32],
+        logits: &mut [f32],
+        ids: &mut Vec<u32>,
     ) -> Result<()>;
 }
 
-/// Runs a step over `seqs` and returns the logits each asked for, sequence by sequence.
+/// What a step returns, each part in sequence order.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct StepOutput {
+    /// The logits rows (`n_vocab` values each) of the sequences that asked for
+    /// [`Logits::Last`] (one row) or [`Logits::All`] (a row per token).
+    pub logits: Vec<f32>,
+    /// The greedy pick of each sequence that asked for [`Logits::Greedy`].
+    pub ids: Vec<u32>,
+}
+
+/// Where the LM head's results for a set of rows go.
+pub(crate) enum HeadOut<'a> {
+    /// Logits rows, row-major.
+    Logits(&'a mut [f32]),
+    /// The index of each row's largest logit, appended.
+    Ids(&'a mut Vec<u32>),
+}
+
+impl HeadOut<'_> {
+    /// Takes rows `r0 .. r0 + n` of the results from the first `n` rows of `n_vocab` logits in
+    /// `logits`: copied to the host, or reduced to their argmax where they are.
+    pub(crate) fn take<B: Backend>(
+        &mut self,
+        be: &B,
+        logits: &B::Buffer,
+        r0: usize,
+        n: usize,
+        n_vocab: usize,
+    ) -> Result<()> {
+        match self {
+            HeadOut::Logits(out) => be.read(logits, &mut out[r0 * n_vocab..(r0 + n) * n_vocab]),
+            HeadOut::Ids(ids) => {
+                ids.extend(be.argmax(logits, n, n_vocab)?);
+                Ok(())
+            }
+        }
+    }
+}
+
+/// Runs a step over `seqs` and returns the logits and greedy picks each asked for, sequence
+/// by sequence.
 pub(crate) fn step<M: StepModel>(
     model: &M,
     kv: &mut PagedKv<M::Backend>,
     seqs: &[SeqStep],
-) -> Result<Vec<f32>> {
+) -> Result<StepOutput> {
     let bs = kv.block_size;
     let mut n_out = 0;
     for (i, s) in seqs.iter().enumerate() {
@@ -205,18 +248,22 @@ pub(crate) fn step<M: StepModel>(
             }
         }
         n_out += match s.logits {
-            None => 0,
+            None | Some(Logits::Greedy) => 0,
             Some(Logits::Last) => 1,
             Some(Logits::All) => s.tokens.len(),
         };
     }
     let nv = model.n_vocab();
-    let mut out = vec![0f32; n_out * nv];
+    let mut out = StepOutput {
+        logits: vec![0f32; n_out * nv],
+        ids: Vec::new(),
+    };
     let mut done = 0;
     for chunk in chunks(seqs, model.max_rows()) {
         let layout = layout(seqs, &chunk, kv)?;
         let rows = layout.logit_rows.len();
-        model.run_chunk(kv, &layout, &mut out[done * nv..(done + rows) * nv])?;
+        let logits = &mut out.logits[done * nv..(done + rows) * nv];
+        model.run_chunk(kv, &layout, logits, &mut out.ids)?;
         done += rows;
     }
     Ok(out)
@@ -255,6 +302,7 @@ fn layout<B: Backend>(seqs: &[SeqStep], pieces: &[Piece], kv: &PagedKv<B>) -> Re
         width: [0, 0],
         slots: [Vec::new(), Vec::new()],
         logit_rows: Vec::new(),
+        greedy_rows: Vec::new(),
         block_size: bs,
     };
     let used = [kv.has_kind(0), kv.has_kind(1)];
@@ -293,6 +341,9 @@ fn layout<B: Backend>(seqs: &[SeqStep], pieces: &[Piece], kv: &PagedKv<B>) -> Re
         match s.logits {
             Some(Logits::All) => l.logit_rows.extend(row0..l.tokens.len()),
             Some(Logits::Last) if p.to == s.tokens.len() => l.logit_rows.push(l.tokens.len() - 1),
+            Some(Logits::Greedy) if p.to == s.tokens.len() => {
+                l.greedy_rows.push(l.tokens.len() - 1)
+            }
             _ => {}
         }
     }

@@ -7,7 +7,7 @@ use markbase_core::{Error, Result};
 
 use crate::device::DeviceBackend;
 use crate::model::KvPool;
-use crate::paged::{self, kind_index, PagedKv, SeqStep, StepModel};
+use crate::paged::{self, kind_index, PagedKv, SeqStep, StepModel, StepOutput};
 
 /// What [`crate::Model`] does with its architecture, whatever the backend.
 pub(crate) trait Runner: Send + Sync {
@@ -20,7 +20,7 @@ pub(crate) trait Runner: Send + Sync {
     /// A pool on the model's backend.
     fn new_pool(&self, block_size: usize, blocks: [usize; 2]) -> Result<KvPool>;
     /// One step over several sequences (as [`crate::Model::step`]).
-    fn step(&self, pool: &mut KvPool, seqs: &[SeqStep]) -> Result<Vec<f32>>;
+    fn step(&self, pool: &mut KvPool, seqs: &[SeqStep]) -> Result<StepOutput>;
 }
 
 impl<M> Runner for M
@@ -52,7 +52,7 @@ where
         })
     }
 
-    fn step(&self, pool: &mut KvPool, seqs: &[SeqStep]) -> Result<Vec<f32>> {
+    fn step(&self, pool: &mut KvPool, seqs: &[SeqStep]) -> Result<StepOutput> {
         let kv = pool
             .kv
             .downcast_mut::<PagedKv<M::Backend>>()

@@ -105,27 +105,45 @@ fn check_model(model: &Model, n_seqs: usize, max_len: usize, seed: u64) {
                 let k = rng.below(free_sliding.len());
                 s.sliding.push(free_sliding.swap_remove(k));
             }
-            plan.push((i, n));
+            // Every row's logits, or (one time in three) only the greedy pick of the last.
+            let greedy = rng.below(3) == 0;
+            plan.push((i, n, greedy));
         }
         let steps: Vec<SeqStep> = plan
             .iter()
-            .map(|&(i, n)| {
+            .map(|&(i, n, greedy)| {
                 let s = &seqs[i];
                 SeqStep {
                     tokens: &s.tokens[s.done..s.done + n],
                     start: s.done,
                     full_blocks: &s.full,
                     sliding_blocks: &s.sliding,
-                    logits: Some(Logits::All),
+                    logits: Some(if greedy { Logits::Greedy } else { Logits::All }),
                 }
             })
             .collect();
         let got = model.step(&mut pool, &steps).unwrap();
         let mut row = 0;
-        for &(i, n) in &plan {
+        let mut picks = got.ids.iter();
+        for &(i, n, greedy) in &plan {
             let s = &mut seqs[i];
-            for p in s.done..s.done + n {
-                let g = &got[row * nv..(row + 1) * nv];
+            if greedy {
+                // The pick is the alone run's best token, up to the batched logits' error.
+                let p = s.done + n - 1;
+                let w = &s.want[p * nv..(p + 1) * nv];
+                let scale = w.iter().fold(0f32, |m, v| m.max(v.abs()));
+                let best = w.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+                let id = *picks.next().expect("a pick per greedy sequence") as usize;
+                assert!(
+                    w[id] >= best - 2.0 * REL_TOL * scale,
+                    "{}: position {p}: picked {id} ({}) under the best {best}",
+                    info.architecture,
+                    w[id]
+                );
+                checked += 1;
+            }
+            for p in (s.done..s.done + n).filter(|_| !greedy) {
+                let g = &got.logits[row * nv..(row + 1) * nv];
                 let w = &s.want[p * nv..(p + 1) * nv];
                 let err = worst_rel(g, w);
                 assert!(err <= REL_TOL, "{}: position {p}: {err}", info.architecture);
@@ -142,7 +160,8 @@ fn check_model(model: &Model, n_seqs: usize, max_len: usize, seed: u64) {
                 }
             }
         }
-        assert_eq!(row * nv, got.len());
+        assert_eq!(row * nv, got.logits.len());
+        assert!(picks.next().is_none(), "one pick per greedy sequence");
     }
     assert!(checked > 0);
 }
@@ -192,7 +211,7 @@ fn long_sequence_through_the_sliding_ring_matches_the_pool() {
         sliding_blocks: &table,
         logits: Some(Logits::All),
     };
-    let paged = model.step(&mut pool, &[step]).unwrap();
+    let paged = model.step(&mut pool, &[step]).unwrap().logits;
     for p in 0..200 {
         let err = worst_rel(&ring[p * nv..(p + 1) * nv], &paged[p * nv..(p + 1) * nv]);
         assert!(err <= REL_TOL, "position {p}: {err}");
@@ -219,7 +238,15 @@ fn bad_steps_are_errors() {
         sliding_blocks: &table,
         logits: Some(Logits::Last),
     };
-    assert_eq!(model.step(&mut pool, &[ok]).unwrap().len(), 300);
+    assert_eq!(model.step(&mut pool, &[ok]).unwrap().logits.len(), 300);
+    let greedy = SeqStep {
+        logits: Some(Logits::Greedy),
+        ..ok
+    };
+    let out = model.step(&mut pool, &[greedy, ok]).unwrap();
+    assert_eq!((out.ids.len(), out.logits.len()), (1, 300));
+    let mut cache = model.new_cache(3).unwrap();
+    assert!(model.forward(&mut cache, &[5], Logits::Greedy).is_err());
     // Beyond the table, a block outside the pool, no tokens, a token outside the vocabulary.
     let far = SeqStep { start: 15, ..ok };
     assert!(model.step(&mut pool, &[far]).is_err());
@@ -246,11 +273,12 @@ fn bad_steps_are_errors() {
     let other = load("gemma4/e2b_like");
     let mut other_pool = other.new_kv_pool(4, 4, 4).unwrap();
     assert!(model.step(&mut other_pool, &[ok]).is_err());
-    assert!(model.step(&mut pool, &[]).unwrap().is_empty());
+    assert_eq!(model.step(&mut pool, &[]).unwrap(), Default::default());
 }
 
 /// `forward_batch` (the batched-decode benchmark's path) gives each sequence the logits it gets
-/// decoding alone, past the sliding ring's wrap; a wrong token count and overflow are errors.
+/// decoding alone (or their best token), past the sliding ring's wrap; a wrong token count and
+/// overflow are errors.
 #[test]
 fn batch_cache_matches_sequences_alone() {
     // 120 tokens: this fixture's sliding ring (96 slots) wraps.
@@ -265,10 +293,24 @@ fn batch_cache_matches_sequences_alone() {
     let mut alone: Vec<_> = (0..seqs).map(|_| model.new_cache(len).unwrap()).collect();
     for i in 0..len {
         let step: Vec<u32> = streams.iter().map(|s| s[i]).collect();
-        let got = model.forward_batch(&mut batch, &step).unwrap();
+        // Logits on even steps, greedy picks on odd ones (the cache advances either way).
+        let greedy = i % 2 == 1;
+        let how = if greedy { Logits::Greedy } else { Logits::Last };
+        let got = model.forward_batch(&mut batch, &step, how).unwrap();
+        assert_eq!(got.ids.len(), if greedy { seqs } else { 0 });
         for (s, cache) in alone.iter_mut().enumerate() {
             let want = model.forward(cache, &[step[s]], Logits::Last).unwrap();
-            let row = &got[s * n_vocab..(s + 1) * n_vocab];
+            if greedy {
+                let best = want.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+                let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+                let id = got.ids[s] as usize;
+                assert!(
+                    want[id] >= best - 2.0 * REL_TOL * scale,
+                    "step {i} sequence {s}"
+                );
+                continue;
+            }
+            let row = &got.logits[s * n_vocab..(s + 1) * n_vocab];
             let err = worst_rel(row, &want);
             assert!(
                 err <= REL_TOL,
@@ -278,12 +320,16 @@ fn batch_cache_matches_sequences_alone() {
     }
     assert_eq!(batch.len(), len);
     assert!(
-        model.forward_batch(&mut batch, &[1, 2, 3]).is_err(),
+        model
+            .forward_batch(&mut batch, &[1, 2, 3], Logits::Last)
+            .is_err(),
         "past capacity"
     );
     batch.clear();
     assert!(
-        model.forward_batch(&mut batch, &[1, 2]).is_err(),
+        model
+            .forward_batch(&mut batch, &[1, 2], Logits::Last)
+            .is_err(),
         "two tokens for three sequences"
     );
     assert!(model.new_batch_cache(0, 8).is_err());

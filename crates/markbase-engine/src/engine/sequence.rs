@@ -92,10 +92,33 @@ impl Sequence {
             _ => Vec::new(),
         };
         let id = self.sampler.sample(logits, &self.tokens);
+        let logprob = lse.map(|lse| raw.as_deref().unwrap_or(logits)[id as usize] - lse);
+        self.emit(id, logprob, top)
+    }
+
+    /// Whether choosing the next token needs the logits on the host: anything but a plain
+    /// greedy choice (no repetition penalty) without log-probabilities. Otherwise the model
+    /// picks the token where it runs and [`Sequence::accept_pick`] takes it.
+    pub fn needs_logits(&self) -> bool {
+        let p = self.sampler.params();
+        !(p.temperature == 0.0 && p.repetition_penalty == 1.0 && self.top_logprobs.is_none())
+    }
+
+    /// [`Sequence::accept`] for a greedy choice made by the model (see
+    /// [`Sequence::needs_logits`]).
+    pub fn accept_pick(&mut self, id: u32) -> Outcome {
+        if self.cancelled() {
+            return Outcome::Cancelled;
+        }
+        self.emit(id, None, Vec::new())
+    }
+
+    /// Takes token `id` as the next one: sends its event, and finishes the sequence at a stop
+    /// token or the token limit.
+    fn emit(&mut self, id: u32, logprob: Option<f32>, top: Vec<(u32, f32)>) -> Outcome {
         if self.stop_tokens.contains(&id) {
             return self.finish(FinishReason::Stop);
         }
-        let logprob = lse.map(|lse| raw.as_deref().unwrap_or(logits)[id as usize] - lse);
         self.tokens.push(id);
         let event = Event::Token {
             id,

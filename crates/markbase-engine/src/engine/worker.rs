@@ -173,22 +173,32 @@ impl Worker {
                     start,
                     full_blocks: &s.kv.full,
                     sliding_blocks: &s.kv.sliding,
-                    logits: (n == s.pending()).then_some(Logits::Last),
+                    // Greedy choices without log-probabilities need no logits on the host.
+                    logits: (n == s.pending()).then_some(if s.needs_logits() {
+                        Logits::Last
+                    } else {
+                        Logits::Greedy
+                    }),
                 }
             })
             .collect();
-        let mut logits = self.model.step(&mut self.pool, &seqs)?;
+        let mut out = self.model.step(&mut self.pool, &seqs)?;
         drop(seqs);
         let nv = self.model.info().n_vocab;
-        let mut rows = logits.chunks_mut(nv);
+        let mut rows = out.logits.chunks_mut(nv);
+        let mut picks = out.ids.into_iter();
         let mut done = Vec::new();
         for &(i, n) in plan {
             let sampled = n == self.sched.running[i].pending();
             let seq: &mut Sequence = &mut self.sched.running[i];
             self.sched.kv.advance(&mut seq.kv, &seq.tokens, n);
             if sampled {
-                let row = rows.next().expect("one logits row per sampled sequence");
-                if seq.accept(row) != Outcome::Continue {
+                let outcome = if seq.needs_logits() {
+                    seq.accept(rows.next().expect("one logits row per sampling sequence"))
+                } else {
+                    seq.accept_pick(picks.next().expect("one pick per greedy sequence"))
+                };
+                if outcome != Outcome::Continue {
                     done.push(i);
                 }
             }
