@@ -28,6 +28,11 @@ use serde_json::Value;
 
 const REL_TOL: f32 = 1e-4;
 
+/// CPU against GPU where the weights are block-quantized: below 16 token rows the CPU takes
+/// 16-bit quantized activations, whose rounding alone moves logits by up to ≈ 1.8e-4 of their
+/// scale (markbase-cpu `kernels::act`); the GPU keeps f32 activations.
+const QUANT_ACT_TOL: f32 = 2e-4;
+
 fn gpu() -> Option<CudaBackend> {
     match CudaBackend::new(0) {
         Ok(b) => Some(b),
@@ -75,6 +80,15 @@ fn worst_rel(got: &[f32], want: &[f32], vocab: usize) -> f32 {
             }
         })
         .fold(0f32, f32::max)
+}
+
+/// Whether the GGUF at `path` holds block-quantized matrices.
+fn src_is_quantized(path: &Path) -> bool {
+    GgufFile::open(path)
+        .unwrap()
+        .tensors()
+        .iter()
+        .any(|t| t.dtype.block_size() > 1)
 }
 
 fn argmax(v: &[f32]) -> usize {
@@ -487,14 +501,12 @@ fn model_api_on_cuda_matches_cpu() {
         })
         .join()
         .unwrap();
+        let quantized = src_is_quantized(&path);
+        let tol = if quantized { QUANT_ACT_TOL } else { REL_TOL };
         for (part, (a, b)) in got.iter().zip(&want).enumerate() {
             let rel = worst_rel(a, b, vocab);
             eprintln!("{}: part {part} vs CPU {rel:e}", path.display());
-            assert!(
-                rel <= REL_TOL,
-                "{}: part {part} vs CPU {rel:e}",
-                path.display()
-            );
+            assert!(rel <= tol, "{}: part {part} vs CPU {rel:e}", path.display());
         }
         let mut cpu_pool = c.new_kv_pool(16, 4, 4).unwrap();
         let table = [0u32];
