@@ -1,6 +1,7 @@
 //! Opening a GPU: the driver library, the device, a context and the one stream every operation
 //! is queued on — with an error that says which of them is missing.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use cudarc::driver::{sys, CudaContext, CudaStream, DriverError};
@@ -14,6 +15,8 @@ pub struct Device {
     ordinal: usize,
     capability: (i32, i32),
     multiprocessors: i32,
+    /// Times the host has waited for the stream ([`Device::synchronize`]).
+    waits: AtomicU64,
 }
 
 /// Wraps a driver error with what was being done.
@@ -69,7 +72,13 @@ impl Device {
             ordinal,
             capability,
             multiprocessors,
+            waits: AtomicU64::new(0),
         })
+    }
+
+    /// Host waits for the device so far (calls of [`Device::synchronize`]).
+    pub fn host_waits(&self) -> u64 {
+        self.waits.load(Ordering::Relaxed)
     }
 
     /// The GPU's name (e.g. "NVIDIA H200").
@@ -101,8 +110,11 @@ impl Device {
             .map_err(|e| driver_err("binding the context to a thread", e))
     }
 
-    /// Waits until every queued operation has finished.
+    /// Waits until every queued operation has finished. Every host wait of the backend goes
+    /// through here (a copy to pageable host memory, which blocks too, is always followed by
+    /// it), so [`Device::host_waits`] counts them.
     pub fn synchronize(&self) -> Result<()> {
+        self.waits.fetch_add(1, Ordering::Relaxed);
         self.stream
             .synchronize()
             .map_err(|e| driver_err("synchronize", e))

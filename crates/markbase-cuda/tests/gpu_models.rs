@@ -456,8 +456,8 @@ fn gemma3_270m_greedy_matches_cpu() {
 }
 
 /// The public `Model` API with `Device::Cuda(0)`: the logits equal the CPU model's, a step runs
-/// from a thread other than the loading one (as the engine's worker does), and a pool of the
-/// other device is refused.
+/// from a thread other than the loading one (as the engine's worker does) and waits for the
+/// device once, and a pool of the other device is refused.
 #[test]
 fn model_api_on_cuda_matches_cpu() {
     let Some(_) = gpu() else { return };
@@ -494,10 +494,13 @@ fn model_api_on_cuda_matches_cpu() {
         let ids2 = ids.clone();
         let got = std::thread::spawn(move || {
             let mut gc = gm.new_cache(32).unwrap();
-            [
+            let waits = gm.host_waits();
+            let out = [
                 gm.forward(&mut gc, &ids2[..12], Logits::All).unwrap(),
                 gm.forward(&mut gc, &ids2[12..], Logits::Last).unwrap(),
-            ]
+            ];
+            assert_eq!(gm.host_waits() - waits, 2, "one host wait per step");
+            out
         })
         .join()
         .unwrap();

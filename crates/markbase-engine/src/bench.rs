@@ -39,6 +39,8 @@ pub struct BenchResult {
     pub std_tokens_per_second: f64,
     /// Tokens per second of each repetition.
     pub samples: Vec<f64>,
+    /// Host waits for the device per forward step over the timed runs (0 on the CPU).
+    pub host_waits_per_step: f64,
 }
 
 /// Mean and sample standard deviation.
@@ -96,10 +98,13 @@ pub fn bench(
             Ok(t.elapsed().as_secs_f64())
         };
         run(&mut cache)?;
+        let waits = model.host_waits();
         let samples = (0..opts.repetitions)
             .map(|_| run(&mut cache).map(|s| prompt.len() as f64 / s))
             .collect::<Result<Vec<_>>>()?;
-        results.push(result(format!("pp{}", prompt.len()), prompt.len(), samples));
+        let waits = (model.host_waits() - waits) as f64 / opts.repetitions as f64;
+        let test = format!("pp{}", prompt.len());
+        results.push(result(test, prompt.len(), samples, waits));
         on_result(results.last().expect("just pushed"));
     }
 
@@ -130,18 +135,20 @@ fn tg(model: &Model, gen: &[u32], b: usize, repetitions: usize) -> Result<BenchR
         Ok(t.elapsed().as_secs_f64())
     };
     run(&mut cache)?;
+    let waits = model.host_waits();
     let samples = (0..repetitions)
         .map(|_| run(&mut cache).map(|s| (b * n) as f64 / s))
         .collect::<Result<Vec<_>>>()?;
+    let waits = (model.host_waits() - waits) as f64 / (repetitions * n) as f64;
     let test = if b == 1 {
         format!("tg{n}")
     } else {
         format!("tg{n}@b{b}")
     };
-    Ok(result(test, b * n, samples))
+    Ok(result(test, b * n, samples, waits))
 }
 
-fn result(test: String, n_tokens: usize, samples: Vec<f64>) -> BenchResult {
+fn result(test: String, n_tokens: usize, samples: Vec<f64>, waits_per_step: f64) -> BenchResult {
     let (mean, std) = mean_std(&samples);
     BenchResult {
         test,
@@ -149,6 +156,7 @@ fn result(test: String, n_tokens: usize, samples: Vec<f64>) -> BenchResult {
         tokens_per_second: mean,
         std_tokens_per_second: std,
         samples,
+        host_waits_per_step: waits_per_step,
     }
 }
 

@@ -51,6 +51,8 @@ pub(crate) trait DeviceBackend: Backend + 'static {
     fn describe(&self) -> String;
     /// Prepares the calling thread to queue work (a step may run on any thread).
     fn enter_thread(&self) -> Result<()>;
+    /// Times the host has waited for the device so far (0 where the host computes itself).
+    fn host_waits(&self) -> u64;
 }
 
 impl DeviceBackend for CpuBackend {
@@ -60,6 +62,10 @@ impl DeviceBackend for CpuBackend {
 
     fn enter_thread(&self) -> Result<()> {
         Ok(())
+    }
+
+    fn host_waits(&self) -> u64 {
+        0
     }
 }
 
@@ -71,6 +77,10 @@ impl DeviceBackend for CudaBackend {
 
     fn enter_thread(&self) -> Result<()> {
         self.device().bind_to_thread()
+    }
+
+    fn host_waits(&self) -> u64 {
+        self.device().host_waits()
     }
 }
 

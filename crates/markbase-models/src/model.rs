@@ -429,6 +429,12 @@ impl Model {
         self.inner.step(pool, seqs)
     }
 
+    /// Times the host has waited for the model's device since it was loaded (0 on the CPU,
+    /// where the host computes itself): a decode step should add exactly one.
+    pub fn host_waits(&self) -> u64 {
+        self.inner.host_waits()
+    }
+
     /// Checks that the model can run every token id (an [`Error::Invalid`] naming the first
     /// that it cannot).
     pub fn check_tokens(&self, tokens: &[u32]) -> Result<()> {

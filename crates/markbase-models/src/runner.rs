@@ -21,6 +21,8 @@ pub(crate) trait Runner: Send + Sync {
     fn new_pool(&self, block_size: usize, blocks: [usize; 2]) -> Result<KvPool>;
     /// One step over several sequences (as [`crate::Model::step`]).
     fn step(&self, pool: &mut KvPool, seqs: &[SeqStep]) -> Result<StepOutput>;
+    /// Times the host has waited for the model's device so far.
+    fn host_waits(&self) -> u64;
 }
 
 impl<M> Runner for M
@@ -61,5 +63,9 @@ where
             })?;
         self.backend().enter_thread()?;
         paged::step(self, kv, seqs)
+    }
+
+    fn host_waits(&self) -> u64 {
+        self.backend().host_waits()
     }
 }

@@ -29,6 +29,10 @@ pub struct Args {
         default_value = "1"
     )]
     pub batch: Vec<usize>,
+    /// Also print, per test, how many times the host waited for the device per forward step
+    /// (1 on a GPU: the step's one synchronisation; 0 on the CPU).
+    #[arg(short = 'v', long)]
+    pub verbose: bool,
     /// Print {"results": [{"test": "pp512", "tokens_per_second": ...}, ...]}.
     #[arg(long)]
     pub json: bool,
@@ -52,17 +56,27 @@ pub fn run(global: &Global, args: Args) -> Result<()> {
     };
     let mut out = std::io::stdout().lock();
     if !args.json {
-        writeln!(out, "| model | size | device | test | t/s |")?;
-        writeln!(out, "| --- | ---: | --- | ---: | ---: |")?;
+        let (head, rule) = if args.verbose {
+            (" host waits / step |", " ---: |")
+        } else {
+            ("", "")
+        };
+        writeln!(out, "| model | size | device | test | t/s |{head}")?;
+        writeln!(out, "| --- | ---: | --- | ---: | ---: |{rule}")?;
     }
     let mut write_err = None;
     let results = bench(&model, &opts, |r| {
         if args.json || write_err.is_some() {
             return;
         }
+        let waits = if args.verbose {
+            format!(" {:.2} |", r.host_waits_per_step)
+        } else {
+            String::new()
+        };
         let line = writeln!(
             out,
-            "| {} | {size_mib:.1} MiB | {} | {} | {:.2} ± {:.2} |",
+            "| {} | {size_mib:.1} MiB | {} | {} | {:.2} ± {:.2} |{waits}",
             info.architecture, info.device, r.test, r.tokens_per_second, r.std_tokens_per_second
         );
         write_err = line.err();
