@@ -5,6 +5,21 @@
 //!
 //! [`GgmlType`]: markbase_core::quant::GgmlType
 
+/// Runs `$body` with the constant `$N` equal to the run-time token-group size `$n`, one of the
+/// listed sizes: the one place where a group size becomes a kernel's const generic.
+#[cfg(target_arch = "x86_64")]
+macro_rules! for_group_size {
+    ($n:expr; $($k:literal),+; $N:ident => $body:expr) => {
+        match $n {
+            $($k => {
+                const $N: usize = $k;
+                $body
+            })+
+            n => unreachable!("no kernel for a group of {n} tokens"),
+        }
+    };
+}
+
 pub mod act;
 #[cfg(target_arch = "x86_64")]
 mod avx2;

@@ -125,34 +125,28 @@ pub(super) unsafe fn qdot_gather(
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn qdot_tokens(ty: GgmlType, w: Rows, xs: &[ActRow], outs: &mut [&mut [f32]]) {
     let nb = xs[0].d.len();
-    let most = if ty.block_size() == 32 {
-        LEGACY_GROUP
-    } else {
-        K_GROUP
-    };
+    let legacy = ty.block_size() == 32;
+    let most = if legacy { LEGACY_GROUP } else { K_GROUP };
     let mut t0 = 0;
     while t0 < xs.len() {
         let g = (xs.len() - t0).min(most);
         let (x, o) = (&xs[t0..t0 + g], &mut outs[t0..t0 + g]);
-        match g {
-            1 => group::<1>(ty, w, &X::group(x), nb, o),
-            2 => group::<2>(ty, w, &X::group(x), nb, o),
-            3 => group::<3>(ty, w, &X::group(x), nb, o),
-            4 => group::<4>(ty, w, &X::group(x), nb, o),
-            5 => legacy_group::<5>(ty, w, &X::group(x), nb, o),
-            6 => legacy_group::<6>(ty, w, &X::group(x), nb, o),
-            7 => legacy_group::<7>(ty, w, &X::group(x), nb, o),
-            _ => legacy_group::<8>(ty, w, &X::group(x), nb, o),
+        if legacy {
+            for_group_size!(g; 1, 2, 3, 4, 5, 6, 7, 8; N => {
+                legacy_group::<N>(ty, w, &X::group(x), nb, o)
+            })
+        } else {
+            for_group_size!(g; 1, 2, 3, 4; N => k_group::<N>(ty, w, &X::group(x), nb, o))
         }
         t0 += g;
     }
 }
 
-/// [`qdot_rows`] for a group of `N` tokens (at most [`K_GROUP`]), any format; `nb` blocks of
+/// [`qdot_rows`] for a group of `N` tokens (at most [`K_GROUP`]) of a K format; `nb` blocks of
 /// 32 per row.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn group<const N: usize>(
+unsafe fn k_group<const N: usize>(
     ty: GgmlType,
     w: Rows,
     x: &[X; N],
@@ -166,7 +160,7 @@ unsafe fn group<const N: usize>(
         GgmlType::Q5_K => kquant::<176, N>(w, x, nb / 8, q45_k::<true, N>, outs),
         GgmlType::Q6_K => kquant::<210, N>(w, x, nb / 8, q6_k::<N>, outs),
         GgmlType::Q8_K => kquant::<292, N>(w, x, nb / 8, q8_k::<N>, outs),
-        _ => legacy_group::<N>(ty, w, x, nb, outs),
+        _ => unreachable!("{ty} is not a K format"),
     }
 }
 

@@ -204,16 +204,7 @@ mod avx2 {
         while t0 < xs.len() {
             let g = (xs.len() - t0).min(GROUP);
             let (x, o) = (&xs[t0..t0 + g], &mut outs[t0..t0 + g]);
-            match g {
-                1 => group::<1>(copy, r0, x, o),
-                2 => group::<2>(copy, r0, x, o),
-                3 => group::<3>(copy, r0, x, o),
-                4 => group::<4>(copy, r0, x, o),
-                5 => group::<5>(copy, r0, x, o),
-                6 => group::<6>(copy, r0, x, o),
-                7 => group::<7>(copy, r0, x, o),
-                _ => group::<8>(copy, r0, x, o),
-            }
+            for_group_size!(g; 1, 2, 3, 4, 5, 6, 7, 8; N => group::<N>(copy, r0, x, o));
             t0 += g;
         }
     }
