@@ -163,6 +163,8 @@ mod avx2 {
 
     use std::arch::x86_64::*;
 
+    use crate::kernels::vmath::avx2::hsum_i32;
+
     /// [`super::portable_block`] in eight-lane steps, bit for bit: the same scale, the
     /// product `x · (32767 / max|x|)` rounded to nearest-even (`vcvtps2dq` in the default
     /// rounding mode, as the portable `ROUND` trick), clamped to ±32767; NaN values give 0
@@ -206,18 +208,9 @@ mod avx2 {
         _mm256_storeu_si256(out.add(16).cast(), second);
         (
             d,
-            hsum(_mm256_add_epi32(q[0], q[1])),
-            hsum(_mm256_add_epi32(q[2], q[3])),
+            hsum_i32(_mm256_add_epi32(q[0], q[1])),
+            hsum_i32(_mm256_add_epi32(q[2], q[3])),
         )
-    }
-
-    /// The eight 32-bit lanes of `v` summed.
-    #[target_feature(enable = "avx2")]
-    unsafe fn hsum(v: __m256i) -> i32 {
-        let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-        _mm_cvtsi128_si32(s)
     }
 }
 

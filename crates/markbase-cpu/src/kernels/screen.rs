@@ -185,6 +185,7 @@ mod avx2 {
     use std::arch::x86_64::*;
 
     use super::{ScreenCopy, ScreenRow, CHUNK};
+    use crate::kernels::vmath::avx2::hsum_i32;
 
     /// Tokens that share one unpacking of each chunk of codes (one accumulator each, in
     /// registers).
@@ -207,16 +208,6 @@ mod avx2 {
             for_group_size!(g; 1, 2, 3, 4, 5, 6, 7, 8; N => group::<N>(copy, r0, x, o));
             t0 += g;
         }
-    }
-
-    /// The eight 32-bit lanes of `v` summed.
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    unsafe fn hsum_i32(v: __m256i) -> i32 {
-        let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-        _mm_cvtsi128_si32(s)
     }
 
     /// Every row against `N` tokens, rows walked in order (one address stream for the

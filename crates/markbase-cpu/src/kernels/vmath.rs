@@ -59,6 +59,16 @@ pub(crate) mod avx2 {
         _mm_cvtss_f32(s)
     }
 
+    /// Sum of the eight 32-bit integer lanes (wrapping).
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn hsum_i32(v: __m256i) -> i32 {
+        let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+        _mm_cvtsi128_si32(s)
+    }
+
     /// `exp` of eight lanes: inputs are clamped to [−87.3, 88.7] (results between about
     /// 1.2e-38 and 3.3e38); within 2 ulp of the true value there.
     #[inline]
