@@ -1,8 +1,8 @@
-//! Speed tests in the manner of llama-bench: `ppN` runs a prompt of N tokens in one forward
-//! call; `tgN` generates N tokens one step at a time, each step ending with the greedy pick of
-//! the next token; with a batch of B sequences, `tgN@bB` generates N tokens for each of B
-//! sequences, one step of B tokens at a time (the rate counts all B·N tokens). Each test starts from an empty cache, runs once untimed as a
-//! warm-up, then `repetitions` timed runs.
+//! Speed tests in the manner of llama-bench: `ppN` runs a prompt of N tokens in one forward call;
+//! `tgN` generates N tokens one step at a time, each step ending with the greedy pick of the next
+//! token; with a batch of B sequences, `tgN@bB` generates N tokens for each of B sequences, one
+//! step of B tokens at a time (the rate counts all B·N tokens). Each test starts from an empty
+//! cache, runs once untimed as a warm-up, then `repetitions` timed runs.
 
 use std::time::Instant;
 
