@@ -294,6 +294,25 @@ pub trait Backend: Send + Sync {
         let _ = (coarse, top_k);
         self.matmul(x, n, exact, out)
     }
+    /// The greedy pick of each of `n` rows of `x · exactᵀ` (`n_vocab = exact.rows`): the index
+    /// of the largest logit (ties: the lowest index), with `coarse` ranking the vocabulary as
+    /// in [`Backend::matmul_screened`], whose result `logits` may receive as scratch. A backend
+    /// may decide a row from fewer exact leaders than `top_k` when the coarse logits leave no
+    /// doubt. The default is `matmul_screened` then [`Backend::argmax`].
+    #[allow(clippy::too_many_arguments)]
+    fn argmax_screened(
+        &self,
+        x: &Self::Buffer,
+        n: usize,
+        coarse: &Self::Matrix,
+        exact: &Self::Matrix,
+        top_k: usize,
+        n_vocab: usize,
+        logits: &mut Self::Buffer,
+    ) -> Result<Vec<u32>> {
+        self.matmul_screened(x, n, coarse, exact, top_k, logits)?;
+        self.argmax(logits, n, n_vocab)
+    }
     /// In place on `n` tokens × `n_heads` heads of `head_dim`: optional per-head RMSNorm with
     /// `norm = (weight, eps)`, then RoPE at `positions[t]`.
     #[allow(clippy::too_many_arguments)]

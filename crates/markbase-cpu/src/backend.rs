@@ -190,28 +190,45 @@ impl Backend for CpuBackend {
         top_k: usize,
         out: &mut CpuBuffer,
     ) -> Result<()> {
-        let e = exact.stored("matmul_screened")?;
-        let c = match &coarse.0 {
-            Weights::Screen(c) => c,
-            Weights::Stored(m) => {
-                return Err(Error::Invalid(format!(
-                    "cpu matmul_screened: '{}' is not a screening copy (Backend::load_screen)",
-                    m.name
-                )))
-            }
-        };
-        if (c.rows, c.cols) != (e.rows, e.cols) {
-            return Err(Error::Invalid(format!(
-                "cpu screened matmul: coarse [{}, {}] and exact [{}, {}] differ",
-                c.rows, c.cols, e.rows, e.cols
-            )));
-        }
+        let (c, e) = screened_pair("matmul_screened", coarse, exact)?;
         need("matmul input", x.0.len(), n * e.cols)?;
         need("matmul output", out.0.len(), n * e.rows)?;
         // Scratch only holds reusable buffers, so a poisoned lock is still safe to use.
         let mut screen = self.screen.lock().unwrap_or_else(|e| e.into_inner());
         lm_head::screened(&self.pool, &x.0, n, c, e, top_k, &mut screen, &mut out.0);
         Ok(())
+    }
+
+    fn argmax_screened(
+        &self,
+        x: &CpuBuffer,
+        n: usize,
+        coarse: &CpuMatrix,
+        exact: &CpuMatrix,
+        top_k: usize,
+        n_vocab: usize,
+        logits: &mut CpuBuffer,
+    ) -> Result<Vec<u32>> {
+        let (c, e) = screened_pair("argmax_screened", coarse, exact)?;
+        if n_vocab != e.rows {
+            return Err(Error::Invalid(format!(
+                "cpu argmax_screened: {n_vocab} logits per row asked of a {}-row head",
+                e.rows
+            )));
+        }
+        need("argmax_screened input", x.0.len(), n * e.cols)?;
+        need("argmax_screened scratch", logits.0.len(), n * e.rows)?;
+        let mut screen = self.screen.lock().unwrap_or_else(|e| e.into_inner());
+        Ok(lm_head::greedy(
+            &self.pool,
+            &x.0,
+            n,
+            c,
+            e,
+            top_k,
+            &mut screen,
+            &mut logits.0,
+        ))
     }
 
     fn head_norm_rope(
@@ -448,4 +465,30 @@ impl Backend for CpuBackend {
         dst.copy_from_slice(&x.0[..dst.len()]);
         Ok(())
     }
+}
+
+/// A screening copy and its exact head, checked to be that and of one shape (`op` names the
+/// caller in errors).
+fn screened_pair<'a>(
+    op: &str,
+    coarse: &'a CpuMatrix,
+    exact: &'a CpuMatrix,
+) -> Result<(&'a ScreenCopy, &'a HostMatrix)> {
+    let e = exact.stored(op)?;
+    let c = match &coarse.0 {
+        Weights::Screen(c) => c,
+        Weights::Stored(m) => {
+            return Err(Error::Invalid(format!(
+                "cpu {op}: '{}' is not a screening copy (Backend::load_screen)",
+                m.name
+            )))
+        }
+    };
+    if (c.rows, c.cols) != (e.rows, e.cols) {
+        return Err(Error::Invalid(format!(
+            "cpu {op}: coarse [{}, {}] and exact [{}, {}] differ",
+            c.rows, c.cols, e.rows, e.cols
+        )));
+    }
+    Ok((c, e))
 }

@@ -11,7 +11,7 @@
 
 use markbase_core::backend::HostMatrix;
 
-use crate::kernels::act::{ActRow, QuantAct};
+use crate::kernels::act::QuantAct;
 use crate::kernels::dot::dot_row;
 use crate::kernels::qdot::{qdot_gather, supports};
 use crate::kernels::screen::{screen_tokens, ScreenAct, ScreenRow};
@@ -25,6 +25,14 @@ const STRIDE: usize = 16;
 const REFINE_GRAIN: usize = 128;
 /// Tokens whose activations one screening call takes at once.
 const SCREEN_TOKENS: usize = 16;
+/// How many coarse leaders [`greedy_pick`] has recomputed after each of its stages (the best
+/// exact logit usually stands out after the first).
+const GREEDY_STAGES: [usize; 3] = [64, 256, 1024];
+/// How many times the largest coarse error seen among the recomputed leaders the best exact
+/// logit must clear the next leader's coarse logit by, for a greedy pick to stand early. On
+/// the default model those errors reach about 4 root-mean-squares among 4 096 leaders and
+/// 3 among 64 (measured, docs/perf.md).
+const GREEDY_MARGIN: f32 = 1.5;
 
 /// Reused buffers of one token's leader selection.
 #[derive(Default)]
@@ -115,8 +123,7 @@ fn screen(
     });
 }
 
-/// Recomputes every token's leaders (`scratch.selections`) from the exact rows: integer dot
-/// products of gathered rows for block-quantized heads, f32 ones for float heads; one task per
+/// Recomputes every token's leaders (`scratch.selections`) from the exact rows, one task per
 /// [`REFINE_GRAIN`] leaders of a token.
 fn refine(
     pool: &Pool,
@@ -126,18 +133,14 @@ fn refine(
     exact: &HostMatrix,
     out: &mut [f32],
 ) {
-    let (rows, k, rb) = (exact.rows, exact.cols, exact.row_bytes());
-    let quantized = supports(exact.ty);
-    if quantized {
-        scratch.act.quantize(x, n, k);
-    }
-    let (act, selections) = (&scratch.act, &scratch.selections[..n]);
+    let rows = exact.rows;
+    let rows_of = ExactRows::new(&mut scratch.act, x, n, exact);
+    let selections = &scratch.selections[..n];
     let per_token = selections
         .iter()
         .map(|s| s.leaders.len().div_ceil(REFINE_GRAIN))
         .max()
         .unwrap_or(0);
-    let bytes = exact.bytes.as_slice();
     let logits = SendPtr(out.as_mut_ptr());
     pool.run(n * per_token, &|c| {
         let (t, part) = (c / per_token, c % per_token);
@@ -146,25 +149,161 @@ fn refine(
             ..((part + 1) * REFINE_GRAIN).min(leaders.len())];
         let mut values = [0f32; REFINE_GRAIN];
         let values = &mut values[..index.len()];
-        if quantized {
-            let xt: ActRow = act.row(t);
-            qdot_gather(exact.ty, bytes, index, xt, values);
-        } else {
-            for (v, &i) in values.iter_mut().zip(index) {
-                let i = i as usize;
-                *v = dot_row(
-                    exact.ty,
-                    &bytes[i * rb..(i + 1) * rb],
-                    &x[t * k..(t + 1) * k],
-                );
-            }
-        }
+        rows_of.logits(t, index, values);
         for (&i, &v) in index.iter().zip(values.iter()) {
             // SAFETY: i < rows and a token's leaders are distinct, so tasks write disjoint
             // logits of token t's row, inside `out` (checked by the caller).
             unsafe { *logits.get().add(t * rows + i as usize) = v };
         }
     });
+}
+
+/// Exact logits of chosen rows of the stored head: integer dot products of gathered rows for
+/// block-quantized heads (the activations quantized once per call), f32 ones for float heads.
+struct ExactRows<'a> {
+    exact: &'a HostMatrix,
+    x: &'a [f32],
+    act: Option<&'a QuantAct>,
+}
+
+impl<'a> ExactRows<'a> {
+    /// Prepares the `n` activation rows `x` for `exact`, quantizing them into `act` if the
+    /// integer path takes them.
+    fn new(act: &'a mut QuantAct, x: &'a [f32], n: usize, exact: &'a HostMatrix) -> Self {
+        let act = supports(exact.ty).then(|| {
+            act.quantize(x, n, exact.cols);
+            &*act
+        });
+        ExactRows { exact, x, act }
+    }
+
+    /// `values[j] = x[t] · row index[j]`.
+    fn logits(&self, t: usize, index: &[u32], values: &mut [f32]) {
+        let (k, rb) = (self.exact.cols, self.exact.row_bytes());
+        let bytes = self.exact.bytes.as_slice();
+        match self.act {
+            Some(act) => qdot_gather(self.exact.ty, bytes, index, act.row(t), values),
+            None => {
+                for (v, &i) in values.iter_mut().zip(index) {
+                    let i = i as usize;
+                    *v = dot_row(
+                        self.exact.ty,
+                        &bytes[i * rb..(i + 1) * rb],
+                        &self.x[t * k..(t + 1) * k],
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// The greedy pick of each of the `n` rows of `x · exactᵀ` (ties: the lowest index): coarse
+/// logits for every row into `out` (scratch), then per token ([`greedy_pick`]) the
+/// coarse leaders recomputed exactly, a few first and `top_k` of them when the few
+/// leave doubt. Sizes are checked by the caller.
+#[allow(clippy::too_many_arguments)]
+pub fn greedy(
+    pool: &Pool,
+    x: &[f32],
+    n: usize,
+    coarse: &ScreenCopy,
+    exact: &HostMatrix,
+    top_k: usize,
+    scratch: &mut Scratch,
+    out: &mut [f32],
+) -> Vec<u32> {
+    let rows = exact.rows;
+    screen(pool, &mut scratch.bytes, x, n, coarse, out);
+    if scratch.selections.len() < n {
+        scratch.selections.resize_with(n, Selection::default);
+    }
+    let rows_of = ExactRows::new(&mut scratch.act, x, n, exact);
+    let selections = SendPtr(scratch.selections.as_mut_ptr());
+    let mut picks = vec![0u32; n];
+    let picked = SendPtr(picks.as_mut_ptr());
+    let out = &*out;
+    pool.run(n, &|t| {
+        // SAFETY: task t alone touches token t's selection and pick.
+        let (selection, pick) =
+            unsafe { (&mut *selections.get().add(t), &mut *picked.get().add(t)) };
+        let row = &out[t * rows..(t + 1) * rows];
+        *pick = greedy_pick(row, top_k, selection, &|index, values| {
+            rows_of.logits(t, index, values)
+        });
+    });
+    picks
+}
+
+/// The index of the largest exact logit of a row whose coarse logits are `coarse`; `exact`
+/// computes the exact logits of a list of rows.
+///
+/// The coarse leaders are recomputed in stages of [`GREEDY_STAGES`] rows, in coarse order.
+/// After a stage, a row not yet recomputed has a coarse logit at most the stage's last one,
+/// `floor`, and its exact logit differs from that by the copy's error, which the recomputed
+/// rows sample: with `err` the largest |exact − coarse| among them, the best exact logit so
+/// far is the pick once it exceeds `floor + GREEDY_MARGIN · err`. Rows that still leave doubt
+/// after the last stage take the `top_k` coarse leaders, as the full screened head ranks them.
+fn greedy_pick(
+    coarse: &[f32],
+    top_k: usize,
+    selection: &mut Selection,
+    exact: &dyn Fn(&[u32], &mut [f32]),
+) -> u32 {
+    const WIDEST: usize = GREEDY_STAGES[GREEDY_STAGES.len() - 1];
+    select_leaders(coarse, WIDEST.min(top_k), selection);
+    let leaders = &mut selection.leaders;
+    leaders.sort_unstable_by(|&a, &b| coarse[b as usize].total_cmp(&coarse[a as usize]));
+    let (mut best, mut err, mut done) = (Pick::NONE, 0f32, 0);
+    let mut values = [0f32; WIDEST];
+    for stage in GREEDY_STAGES {
+        let end = stage.min(leaders.len());
+        exact(&leaders[done..end], &mut values[done..end]);
+        for (&i, &v) in leaders[done..end].iter().zip(&values[done..end]) {
+            best.offer(v, i);
+            err = err.max((v - coarse[i as usize]).abs());
+        }
+        done = end;
+        let floor = coarse[leaders[end - 1] as usize];
+        if end == coarse.len() || best.value > floor + GREEDY_MARGIN * err {
+            return best.index;
+        }
+        if end == leaders.len() {
+            break;
+        }
+    }
+    select_leaders(coarse, top_k, selection);
+    let mut best = Pick::NONE;
+    let mut values = [0f32; REFINE_GRAIN];
+    for part in selection.leaders.chunks(REFINE_GRAIN) {
+        let values = &mut values[..part.len()];
+        exact(part, values);
+        for (&i, &v) in part.iter().zip(values.iter()) {
+            best.offer(v, i);
+        }
+    }
+    best.index
+}
+
+/// The largest value offered so far and its index (ties: the lowest index; NaN never wins).
+#[derive(Clone, Copy)]
+struct Pick {
+    value: f32,
+    index: u32,
+}
+
+impl Pick {
+    /// Nothing offered yet.
+    const NONE: Pick = Pick {
+        value: f32::NEG_INFINITY,
+        index: 0,
+    };
+
+    /// Keeps `(value, index)` if it beats the pick so far.
+    fn offer(&mut self, value: f32, index: u32) {
+        if value > self.value || (value == self.value && index < self.index) {
+            *self = Pick { value, index };
+        }
+    }
 }
 
 /// Puts into `scratch.leaders` the indices of the `top_k` largest `logits` (all of them if
@@ -280,6 +419,85 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Greedy picks with exact logits `coarse ± a` (every error exactly `a`, so the margin
+    /// test is sound): always the best exact logit among the `top_k` coarse leaders, from the
+    /// first stage when `a` is small and after all of them when it is large.
+    #[test]
+    fn greedy_pick_is_the_best_exact_leader() {
+        use std::cell::Cell;
+        let mut rng = rand::rng();
+        let mut selection = Selection::default();
+        let (rows, top_k) = (20_000, 4096);
+        for &(a, most_rows) in &[(0.05f32, 64usize), (0.5, 1024), (3.0, 1024 + 4096)] {
+            for _ in 0..20 {
+                // distinct coarse logits in a random order of rows
+                let mut coarse: Vec<f32> = (0..rows).map(|i| i as f32 * 1e-3).collect();
+                for i in (1..rows).rev() {
+                    coarse.swap(i, rng.random_range(0..=i));
+                }
+                let sign: Vec<f32> = (0..rows)
+                    .map(|_| if rng.random_bool(0.5) { a } else { -a })
+                    .collect();
+                let exact_of = |i: usize| coarse[i] + sign[i];
+                let computed = Cell::new(0);
+                let exact = |index: &[u32], values: &mut [f32]| {
+                    computed.set(computed.get() + index.len());
+                    for (v, &i) in values.iter_mut().zip(index) {
+                        *v = exact_of(i as usize);
+                    }
+                };
+                let pick = greedy_pick(&coarse, top_k, &mut selection, &exact);
+                let mut order: Vec<usize> = (0..rows).collect();
+                order.sort_by(|&x, &y| coarse[y].total_cmp(&coarse[x]));
+                let want = order[..top_k]
+                    .iter()
+                    .copied()
+                    .max_by(|&x, &y| exact_of(x).total_cmp(&exact_of(y)).then(y.cmp(&x)))
+                    .unwrap();
+                assert_eq!(pick as usize, want, "a = {a}");
+                assert!(
+                    computed.get() <= most_rows,
+                    "a = {a}: {} rows recomputed",
+                    computed.get()
+                );
+            }
+        }
+    }
+
+    /// The screened head's greedy picks are the argmax of the exact logits when one row per
+    /// token stands out (random matrices, the row made to align with the token).
+    #[test]
+    fn greedy_picks_the_standout_row() {
+        let mut rng = rand::rng();
+        let (rows, cols, n) = (5000, 128, 5);
+        let x: Vec<f32> = (0..n * cols).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let mut w: Vec<f32> = (0..rows * cols)
+            .map(|_| rng.random_range(-1.0..1.0))
+            .collect();
+        let want: Vec<u32> = (0..n).map(|_| rng.random_range(0..rows as u32)).collect();
+        for (t, &r) in want.iter().enumerate() {
+            let r = r as usize;
+            for c in 0..cols {
+                w[r * cols + c] = x[t * cols + c].signum() * 0.9;
+            }
+        }
+        let exact = matrix(GgmlType::Q8_0, rows, cols, &w);
+        let coarse = ScreenCopy::build(&exact).unwrap();
+        let pool = Pool::new(2).unwrap();
+        let mut out = vec![0f32; n * rows];
+        let got = greedy(
+            &pool,
+            &x,
+            n,
+            &coarse,
+            &exact,
+            200,
+            &mut Scratch::default(),
+            &mut out,
+        );
+        assert_eq!(got, want);
     }
 
     /// The selection equals a full sort's top k on random rows with ties and odd sizes.

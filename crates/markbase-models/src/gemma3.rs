@@ -10,15 +10,13 @@ use markbase_core::backend::{AttnSpec, Backend, NormOut, Rope};
 use markbase_core::config::{Gemma3Config, LayerKind, RopeConfig};
 use markbase_core::{Error, Result};
 
-use crate::lm_head::{LmHead, LmHeadMode};
-use crate::paged::{ChunkLayout, HeadOut, PagedKv, SeqStep, StepModel, StepOutput};
+use crate::lm_head::{HeadNorm, HeadOut, HeadWork, LmHead, LmHeadMode};
+use crate::paged::{ChunkLayout, PagedKv, SeqStep, StepModel, StepOutput};
 use crate::weights::WeightStore;
 
 /// Token rows run through the layers together; larger steps are processed in chunks of this
 /// size.
 pub const MAX_BATCH: usize = 512;
-/// Token rows put through the LM head together (each weight row is read once for all of them).
-const LOGIT_ROWS: usize = 64;
 
 /// Weights of one decoder layer.
 struct Layer<B: Backend> {
@@ -49,9 +47,7 @@ struct Workspace<B: Backend> {
     proj: B::Buffer,
     gate: B::Buffer,
     up: B::Buffer,
-    head_in: B::Buffer,
-    head_norm: B::Buffer,
-    logits: B::Buffer,
+    head: HeadWork<B>,
 }
 
 /// A loaded Gemma 3 text model on backend `B`.
@@ -170,9 +166,7 @@ impl<B: Backend> Gemma3<B> {
             proj: backend.alloc(MAX_BATCH * d)?,
             gate: backend.alloc(MAX_BATCH * ff)?,
             up: backend.alloc(MAX_BATCH * ff)?,
-            head_in: backend.alloc(LOGIT_ROWS * d)?,
-            head_norm: backend.alloc(LOGIT_ROWS * d)?,
-            logits: backend.alloc(LOGIT_ROWS * cfg.n_vocab)?,
+            head: HeadWork::new(&backend, d, cfg.n_vocab)?,
         });
         Ok(Gemma3 {
             cfg,
@@ -209,32 +203,21 @@ impl<B: Backend> Gemma3<B> {
 
     /// Final norm + LM head (+ softcap) for hidden-state rows `rows`, into `out` (logits rows
     /// or greedy picks).
-    fn lm_head(&self, w: &mut Workspace<B>, rows: &[usize], mut out: HeadOut) -> Result<()> {
-        let (be, d, nv) = (&self.backend, self.cfg.d_model, self.cfg.n_vocab);
-        let eps = self.cfg.rms_eps as f32;
-        for (g, group) in rows.chunks(LOGIT_ROWS).enumerate() {
-            let n = group.len();
-            for (i, &r) in group.iter().enumerate() {
-                be.copy(&w.h, r * d, &mut w.head_in, i * d, d)?;
-            }
-            let final_norm = Some(&self.final_norm);
-            be.rms_norm(
-                &w.head_in,
-                final_norm,
-                eps,
-                n,
-                d,
-                &mut w.head_norm,
-                NormOut::Write,
-            )?;
-            self.head
-                .matmul(be, &self.embed, &w.head_norm, n, &mut w.logits)?;
-            if let Some(cap) = self.cfg.final_logit_softcap {
-                be.softcap(&mut w.logits, cap as f32, n * nv)?;
-            }
-            out.take(be, &w.logits, g * LOGIT_ROWS, n, nv)?;
-        }
-        Ok(())
+    fn lm_head(&self, w: &mut Workspace<B>, rows: &[usize], out: HeadOut) -> Result<()> {
+        let norm = HeadNorm {
+            weight: &self.final_norm,
+            eps: self.cfg.rms_eps as f32,
+            softcap: self.cfg.final_logit_softcap.map(|c| c as f32),
+        };
+        self.head.run(
+            &self.backend,
+            &self.embed,
+            &norm,
+            &w.h,
+            rows,
+            &mut w.head,
+            out,
+        )
     }
 
     /// Every decoder layer for one chunk of tokens; leaves the hidden state in `w.h`.

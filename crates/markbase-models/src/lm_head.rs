@@ -7,7 +7,7 @@
 //! transformers' top 8 within its top 87 at every position tried, and perplexity +0.035 % with
 //! the top 4 096 exact, against +8.4 % for a plain Q4_0 head.
 
-use markbase_core::backend::{Backend, HostMatrix};
+use markbase_core::backend::{Backend, HostMatrix, NormOut};
 use markbase_core::quant::GgmlType;
 use markbase_core::Result;
 
@@ -15,6 +15,50 @@ use markbase_core::Result;
 pub const SCREEN_TOP_K: usize = 4096;
 /// Heads with fewer rows are always exact (screening pays on huge vocabularies only).
 const SCREEN_MIN_ROWS: usize = 65_536;
+/// Hidden-state rows put through the head together (each weight row is read once for all of
+/// them).
+const LOGIT_ROWS: usize = 64;
+
+/// Where the head's results for a set of rows go.
+pub(crate) enum HeadOut<'a> {
+    /// Logits rows, row-major, copied to the host.
+    Logits(&'a mut [f32]),
+    /// The index of each row's largest logit, appended (only the indices leave the device).
+    Ids(&'a mut Vec<u32>),
+}
+
+/// The final RMSNorm before the head and the logit softcap after it.
+pub(crate) struct HeadNorm<'a, B: Backend> {
+    /// The final norm's weight.
+    pub weight: &'a B::Vector,
+    /// Its epsilon.
+    pub eps: f32,
+    /// `cap · tanh(logit / cap)` when set.
+    pub softcap: Option<f32>,
+}
+
+/// Device buffers of [`LmHead::run`] for [`LOGIT_ROWS`] rows of width `d` and `n_vocab`
+/// logits.
+pub(crate) struct HeadWork<B: Backend> {
+    d: usize,
+    n_vocab: usize,
+    input: B::Buffer,
+    normed: B::Buffer,
+    logits: B::Buffer,
+}
+
+impl<B: Backend> HeadWork<B> {
+    /// Allocates the buffers on `backend`.
+    pub(crate) fn new(backend: &B, d: usize, n_vocab: usize) -> Result<Self> {
+        Ok(HeadWork {
+            d,
+            n_vocab,
+            input: backend.alloc(LOGIT_ROWS * d)?,
+            normed: backend.alloc(LOGIT_ROWS * d)?,
+            logits: backend.alloc(LOGIT_ROWS * n_vocab)?,
+        })
+    }
+}
 
 /// How the LM head is evaluated.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -72,6 +116,64 @@ impl<B: Backend> LmHead<B> {
             Some(coarse) => backend.matmul_screened(x, n, coarse, head, SCREEN_TOP_K, out),
             None => backend.matmul(x, n, head, out),
         }
+    }
+
+    /// Final norm, head and softcap for the hidden-state rows `rows` of `h` (rows of
+    /// `work.d`), [`LOGIT_ROWS`] at a time, into `out`. Greedy picks skip the softcap (it keeps
+    /// the order) and, on a screening backend, ask for the picks alone
+    /// ([`Backend::argmax_screened`]).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn run(
+        &self,
+        backend: &B,
+        embed: &B::Matrix,
+        norm: &HeadNorm<B>,
+        h: &B::Buffer,
+        rows: &[usize],
+        work: &mut HeadWork<B>,
+        mut out: HeadOut,
+    ) -> Result<()> {
+        let (d, nv) = (work.d, work.n_vocab);
+        for (g, group) in rows.chunks(LOGIT_ROWS).enumerate() {
+            let n = group.len();
+            for (i, &r) in group.iter().enumerate() {
+                backend.copy(h, r * d, &mut work.input, i * d, d)?;
+            }
+            backend.rms_norm(
+                &work.input,
+                Some(norm.weight),
+                norm.eps,
+                n,
+                d,
+                &mut work.normed,
+                NormOut::Write,
+            )?;
+            let head = self.own.as_ref().unwrap_or(embed);
+            match (&mut out, &self.coarse) {
+                (HeadOut::Ids(ids), Some(coarse)) => ids.extend(backend.argmax_screened(
+                    &work.normed,
+                    n,
+                    coarse,
+                    head,
+                    SCREEN_TOP_K,
+                    nv,
+                    &mut work.logits,
+                )?),
+                (HeadOut::Ids(ids), None) => {
+                    backend.matmul(&work.normed, n, head, &mut work.logits)?;
+                    ids.extend(backend.argmax(&work.logits, n, nv)?);
+                }
+                (HeadOut::Logits(logits), _) => {
+                    self.matmul(backend, embed, &work.normed, n, &mut work.logits)?;
+                    if let Some(cap) = norm.softcap {
+                        backend.softcap(&mut work.logits, cap, n * nv)?;
+                    }
+                    let r0 = g * LOGIT_ROWS;
+                    backend.read(&work.logits, &mut logits[r0 * nv..(r0 + n) * nv])?;
+                }
+            }
+        }
+        Ok(())
     }
 
     /// How logits are computed, for `inspect` / `bench` output.

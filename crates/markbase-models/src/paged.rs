@@ -194,35 +194,6 @@ pub struct StepOutput {
     pub ids: Vec<u32>,
 }
 
-/// Where the LM head's results for a set of rows go.
-pub(crate) enum HeadOut<'a> {
-    /// Logits rows, row-major.
-    Logits(&'a mut [f32]),
-    /// The index of each row's largest logit, appended.
-    Ids(&'a mut Vec<u32>),
-}
-
-impl HeadOut<'_> {
-    /// Takes rows `r0 .. r0 + n` of the results from the first `n` rows of `n_vocab` logits in
-    /// `logits`: copied to the host, or reduced to their argmax where they are.
-    pub(crate) fn take<B: Backend>(
-        &mut self,
-        be: &B,
-        logits: &B::Buffer,
-        r0: usize,
-        n: usize,
-        n_vocab: usize,
-    ) -> Result<()> {
-        match self {
-            HeadOut::Logits(out) => be.read(logits, &mut out[r0 * n_vocab..(r0 + n) * n_vocab]),
-            HeadOut::Ids(ids) => {
-                ids.extend(be.argmax(logits, n, n_vocab)?);
-                Ok(())
-            }
-        }
-    }
-}
-
 /// Runs a step over `seqs` and returns the logits and greedy picks each asked for, sequence
 /// by sequence.
 pub(crate) fn step<M: StepModel>(
