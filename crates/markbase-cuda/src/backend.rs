@@ -846,14 +846,16 @@ impl Backend for CudaBackend {
     fn read(&self, x: &CudaBuffer, dst: &mut [f32]) -> Result<()> {
         need("read", x.len(), dst.len())?;
         let check = self.queue_error_check()?;
-        if !dst.is_empty() {
-            let from = x.mem.slice(0..dst.len());
-            self.dev
-                .stream
-                .memcpy_dtoh(&from, dst)
-                .map_err(|e| driver_err("device-to-host copy", e))?;
-        }
-        self.dev.synchronize()?;
+        self.dev.wait(|| {
+            if !dst.is_empty() {
+                let from = x.mem.slice(0..dst.len());
+                self.dev
+                    .stream
+                    .memcpy_dtoh(&from, dst)
+                    .map_err(|e| driver_err("device-to-host copy", e))?;
+            }
+            Ok(())
+        })?;
         self.finish_error_check(check)
     }
 }

@@ -3,6 +3,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use cudarc::driver::{sys, CudaContext, CudaStream, DriverError};
 use markbase_core::{Error, Result};
@@ -15,8 +16,10 @@ pub struct Device {
     ordinal: usize,
     capability: (i32, i32),
     multiprocessors: i32,
-    /// Times the host has waited for the stream ([`Device::synchronize`]).
+    /// Times the host has waited for the stream ([`Device::wait`]).
     waits: AtomicU64,
+    /// Nanoseconds the host has spent in those waits.
+    wait_nanos: AtomicU64,
 }
 
 /// Wraps a driver error with what was being done.
@@ -73,12 +76,19 @@ impl Device {
             capability,
             multiprocessors,
             waits: AtomicU64::new(0),
+            wait_nanos: AtomicU64::new(0),
         })
     }
 
-    /// Host waits for the device so far (calls of [`Device::synchronize`]).
+    /// Host waits for the device so far (calls of [`Device::wait`]).
     pub fn host_waits(&self) -> u64 {
         self.waits.load(Ordering::Relaxed)
+    }
+
+    /// Time the host has spent waiting for the device so far: with a step's time, it tells a
+    /// step bound by the GPU (most of it waiting) from one bound by the host queueing work.
+    pub fn host_wait_time(&self) -> Duration {
+        Duration::from_nanos(self.wait_nanos.load(Ordering::Relaxed))
     }
 
     /// The GPU's name (e.g. "NVIDIA H200").
@@ -110,13 +120,26 @@ impl Device {
             .map_err(|e| driver_err("binding the context to a thread", e))
     }
 
-    /// Waits until every queued operation has finished. Every host wait of the backend goes
-    /// through here (a copy to pageable host memory, which blocks too, is always followed by
-    /// it), so [`Device::host_waits`] counts them.
+    /// Waits until every queued operation has finished.
     pub fn synchronize(&self) -> Result<()> {
-        self.waits.fetch_add(1, Ordering::Relaxed);
-        self.stream
+        self.wait(|| Ok(()))
+    }
+
+    /// Runs `copy` (a copy to host memory, which may block until the device gets to it), then
+    /// waits until every queued operation has finished. Every host wait of the backend goes
+    /// through here, so [`Device::host_waits`] counts them and [`Device::host_wait_time`]
+    /// sums their time.
+    pub(crate) fn wait<T>(&self, copy: impl FnOnce() -> Result<T>) -> Result<T> {
+        let start = Instant::now();
+        let out = copy();
+        let done = self
+            .stream
             .synchronize()
-            .map_err(|e| driver_err("synchronize", e))
+            .map_err(|e| driver_err("synchronize", e));
+        self.waits.fetch_add(1, Ordering::Relaxed);
+        let nanos = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        self.wait_nanos.fetch_add(nanos, Ordering::Relaxed);
+        done?;
+        out
     }
 }

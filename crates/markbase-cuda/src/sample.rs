@@ -38,12 +38,17 @@ impl CudaBackend {
     fn finish_picks(&self, picks: u64, rows: usize) -> Result<Vec<u32>> {
         let check = self.queue_error_check()?;
         let mut out = vec![0u32; rows];
-        // SAFETY: `picks` holds `rows` u32 written by the kernel just queued.
-        unsafe {
-            cudarc::driver::result::memcpy_dtoh_async(&mut out, picks, self.dev.stream.cu_stream())
-        }
-        .map_err(|e| driver_err("copying chosen tokens", e))?;
-        self.dev.synchronize()?;
+        self.dev.wait(|| {
+            // SAFETY: `picks` holds `rows` u32 written by the kernel just queued.
+            unsafe {
+                cudarc::driver::result::memcpy_dtoh_async(
+                    &mut out,
+                    picks,
+                    self.dev.stream.cu_stream(),
+                )
+            }
+            .map_err(|e| driver_err("copying chosen tokens", e))
+        })?;
         self.finish_error_check(check)?;
         Ok(out)
     }

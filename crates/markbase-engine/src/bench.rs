@@ -41,6 +41,35 @@ pub struct BenchResult {
     pub samples: Vec<f64>,
     /// Host waits for the device per forward step over the timed runs (0 on the CPU).
     pub host_waits_per_step: f64,
+    /// Milliseconds per forward step the host spent waiting for the device (0 on the CPU);
+    /// the rest of a step's time the host was queueing work.
+    pub host_wait_ms_per_step: f64,
+}
+
+/// Host waits and their time, read before and after timed runs.
+#[derive(Clone, Copy)]
+struct Waits {
+    count: u64,
+    time: std::time::Duration,
+}
+
+impl Waits {
+    fn now(model: &Model) -> Waits {
+        Waits {
+            count: model.host_waits(),
+            time: model.host_wait_time(),
+        }
+    }
+
+    /// (waits, wait milliseconds) per step since `self`, over `steps` steps.
+    fn per_step(self, model: &Model, steps: usize) -> (f64, f64) {
+        let now = Waits::now(model);
+        let steps = steps.max(1) as f64;
+        (
+            (now.count - self.count) as f64 / steps,
+            (now.time - self.time).as_secs_f64() * 1e3 / steps,
+        )
+    }
 }
 
 /// Mean and sample standard deviation.
@@ -98,11 +127,11 @@ pub fn bench(
             Ok(t.elapsed().as_secs_f64())
         };
         run(&mut cache)?;
-        let waits = model.host_waits();
+        let waits = Waits::now(model);
         let samples = (0..opts.repetitions)
             .map(|_| run(&mut cache).map(|s| prompt.len() as f64 / s))
             .collect::<Result<Vec<_>>>()?;
-        let waits = (model.host_waits() - waits) as f64 / opts.repetitions as f64;
+        let waits = waits.per_step(model, opts.repetitions);
         let test = format!("pp{}", prompt.len());
         results.push(result(test, prompt.len(), samples, waits));
         on_result(results.last().expect("just pushed"));
@@ -135,11 +164,11 @@ fn tg(model: &Model, gen: &[u32], b: usize, repetitions: usize) -> Result<BenchR
         Ok(t.elapsed().as_secs_f64())
     };
     run(&mut cache)?;
-    let waits = model.host_waits();
+    let waits = Waits::now(model);
     let samples = (0..repetitions)
         .map(|_| run(&mut cache).map(|s| (b * n) as f64 / s))
         .collect::<Result<Vec<_>>>()?;
-    let waits = (model.host_waits() - waits) as f64 / (repetitions * n) as f64;
+    let waits = waits.per_step(model, repetitions * n);
     let test = if b == 1 {
         format!("tg{n}")
     } else {
@@ -148,7 +177,8 @@ fn tg(model: &Model, gen: &[u32], b: usize, repetitions: usize) -> Result<BenchR
     Ok(result(test, b * n, samples, waits))
 }
 
-fn result(test: String, n_tokens: usize, samples: Vec<f64>, waits_per_step: f64) -> BenchResult {
+/// `waits`: host waits and wait milliseconds per step.
+fn result(test: String, n_tokens: usize, samples: Vec<f64>, waits: (f64, f64)) -> BenchResult {
     let (mean, std) = mean_std(&samples);
     BenchResult {
         test,
@@ -156,7 +186,8 @@ fn result(test: String, n_tokens: usize, samples: Vec<f64>, waits_per_step: f64)
         tokens_per_second: mean,
         std_tokens_per_second: std,
         samples,
-        host_waits_per_step: waits_per_step,
+        host_waits_per_step: waits.0,
+        host_wait_ms_per_step: waits.1,
     }
 }
 

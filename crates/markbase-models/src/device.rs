@@ -3,6 +3,7 @@
 
 use std::fmt;
 use std::str::FromStr;
+use std::time::Duration;
 
 use markbase_core::backend::Backend;
 use markbase_core::{Error, Result};
@@ -53,6 +54,8 @@ pub(crate) trait DeviceBackend: Backend + 'static {
     fn enter_thread(&self) -> Result<()>;
     /// Times the host has waited for the device so far (0 where the host computes itself).
     fn host_waits(&self) -> u64;
+    /// Time the host has spent in those waits.
+    fn host_wait_time(&self) -> Duration;
 }
 
 impl DeviceBackend for CpuBackend {
@@ -66,6 +69,10 @@ impl DeviceBackend for CpuBackend {
 
     fn host_waits(&self) -> u64 {
         0
+    }
+
+    fn host_wait_time(&self) -> Duration {
+        Duration::ZERO
     }
 }
 
@@ -81,6 +88,10 @@ impl DeviceBackend for CudaBackend {
 
     fn host_waits(&self) -> u64 {
         self.device().host_waits()
+    }
+
+    fn host_wait_time(&self) -> Duration {
+        self.device().host_wait_time()
     }
 }
 

@@ -435,6 +435,12 @@ impl Model {
         self.inner.host_waits()
     }
 
+    /// Time the host has spent waiting for the model's device since it was loaded (zero on
+    /// the CPU). A step much longer than its wait is bound by the host queueing work.
+    pub fn host_wait_time(&self) -> std::time::Duration {
+        self.inner.host_wait_time()
+    }
+
     /// Checks that the model can run every token id (an [`Error::Invalid`] naming the first
     /// that it cannot).
     pub fn check_tokens(&self, tokens: &[u32]) -> Result<()> {

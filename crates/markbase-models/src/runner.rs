@@ -2,6 +2,8 @@
 //! [`crate::KvPool`] need no backend parameter: a loaded model is a `Box<dyn Runner>`, its
 //! pools hold a [`PagedKv`] of the same backend behind `dyn Any`.
 
+use std::time::Duration;
+
 use markbase_core::config::LayerKind;
 use markbase_core::{Error, Result};
 
@@ -23,6 +25,8 @@ pub(crate) trait Runner: Send + Sync {
     fn step(&self, pool: &mut KvPool, seqs: &[SeqStep]) -> Result<StepOutput>;
     /// Times the host has waited for the model's device so far.
     fn host_waits(&self) -> u64;
+    /// Time the host has spent in those waits.
+    fn host_wait_time(&self) -> Duration;
 }
 
 impl<M> Runner for M
@@ -67,5 +71,9 @@ where
 
     fn host_waits(&self) -> u64 {
         self.backend().host_waits()
+    }
+
+    fn host_wait_time(&self) -> Duration {
+        self.backend().host_wait_time()
     }
 }

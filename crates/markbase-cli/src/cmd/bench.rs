@@ -30,7 +30,8 @@ pub struct Args {
     )]
     pub batch: Vec<usize>,
     /// Also print, per test, how many times the host waited for the device per forward step
-    /// (1 on a GPU: the step's one synchronisation; 0 on the CPU).
+    /// (1 on a GPU: the step's one synchronisation; 0 on the CPU) and how long those waits
+    /// took (a step's time minus its wait is the host queueing work).
     #[arg(short = 'v', long)]
     pub verbose: bool,
     /// Print {"results": [{"test": "pp512", "tokens_per_second": ...}, ...]}.
@@ -57,7 +58,7 @@ pub fn run(global: &Global, args: Args) -> Result<()> {
     let mut out = std::io::stdout().lock();
     if !args.json {
         let (head, rule) = if args.verbose {
-            (" host waits / step |", " ---: |")
+            (" host waits / step | wait ms / step |", " ---: | ---: |")
         } else {
             ("", "")
         };
@@ -70,7 +71,10 @@ pub fn run(global: &Global, args: Args) -> Result<()> {
             return;
         }
         let waits = if args.verbose {
-            format!(" {:.2} |", r.host_waits_per_step)
+            format!(
+                " {:.2} | {:.3} |",
+                r.host_waits_per_step, r.host_wait_ms_per_step
+            )
         } else {
             String::new()
         };
