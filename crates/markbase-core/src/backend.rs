@@ -89,6 +89,23 @@ impl HostMatrix {
     }
 }
 
+/// Where the rows of a [`Backend::copy_rows`] lie in a buffer: row `i` starts at
+/// `offset + i · stride`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Strided {
+    /// Start of row 0.
+    pub offset: usize,
+    /// Distance between row starts.
+    pub stride: usize,
+}
+
+impl Strided {
+    /// Start of row `i`.
+    pub fn at(&self, i: usize) -> usize {
+        self.offset + i * self.stride
+    }
+}
+
 /// Rotary position embedding parameters (half-split / NeoX pairing `(i, i + head_dim/2)`).
 ///
 /// Pair `i` turns by `pos · θ^(−2i/head_dim) / linear_factor` for `i < rotated_pairs`; the
@@ -390,6 +407,23 @@ pub trait Backend: Send + Sync {
         dst_off: usize,
         len: usize,
     ) -> Result<()>;
+    /// `rows` copies of `len` values, row `i` from `src[from.at(i)..]` to `dst[to.at(i)..]`
+    /// (e.g. one layer's slice of every token's per-layer inputs). The default copies row by
+    /// row; a device backend queues one operation.
+    fn copy_rows(
+        &self,
+        src: &Self::Buffer,
+        from: Strided,
+        dst: &mut Self::Buffer,
+        to: Strided,
+        rows: usize,
+        len: usize,
+    ) -> Result<()> {
+        for i in 0..rows {
+            self.copy(src, from.at(i), dst, to.at(i), len)?;
+        }
+        Ok(())
+    }
     /// `gate[i] = gelu_tanh(gate[i]) · up[i]` for `i < len`.
     fn gelu_tanh_mul(&self, gate: &mut Self::Buffer, up: &Self::Buffer, len: usize) -> Result<()>;
     /// `x[i] += y[i]` for `i < len`.

@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard};
 
 use cudarc::driver::{CudaFunction, PinnedHostSlice};
-use markbase_core::backend::{AttnSpec, Backend, HostMatrix, KvLayout, NormOut, Rope};
+use markbase_core::backend::{AttnSpec, Backend, HostMatrix, KvLayout, NormOut, Rope, Strided};
 use markbase_core::quant::GgmlType;
 use markbase_core::{Error, Result};
 
@@ -789,6 +789,52 @@ impl Backend for CudaBackend {
             .stream
             .memcpy_dtod(&from, &mut to)
             .map_err(|e| driver_err("device copy", e))
+    }
+
+    fn copy_rows(
+        &self,
+        src: &CudaBuffer,
+        from: Strided,
+        dst: &mut CudaBuffer,
+        to: Strided,
+        rows: usize,
+        len: usize,
+    ) -> Result<()> {
+        if rows == 0 || len == 0 {
+            return Ok(());
+        }
+        if from.stride < len || to.stride < len {
+            return Err(Error::Invalid(format!(
+                "cuda copy_rows: rows of {len} values {} and {} apart overlap",
+                from.stride, to.stride
+            )));
+        }
+        need("copy_rows source", src.len(), from.at(rows - 1) + len)?;
+        need("copy_rows destination", dst.len(), to.at(rows - 1) + len)?;
+        const F32: usize = std::mem::size_of::<f32>();
+        let copy = cudarc::driver::sys::CUDA_MEMCPY2D {
+            srcXInBytes: 0,
+            srcY: 0,
+            srcMemoryType: cudarc::driver::sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+            srcHost: std::ptr::null(),
+            srcDevice: src.ptr + (from.offset * F32) as u64,
+            srcArray: std::ptr::null_mut(),
+            srcPitch: from.stride * F32,
+            dstXInBytes: 0,
+            dstY: 0,
+            dstMemoryType: cudarc::driver::sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+            dstHost: std::ptr::null_mut(),
+            dstDevice: dst.ptr + (to.offset * F32) as u64,
+            dstArray: std::ptr::null_mut(),
+            dstPitch: to.stride * F32,
+            WidthInBytes: len * F32,
+            Height: rows,
+        };
+        // SAFETY: both regions lie inside live allocations (checked above) and the copy is
+        // queued on the backend's stream.
+        unsafe { cudarc::driver::sys::cuMemcpy2DAsync_v2(&copy, self.dev.stream.cu_stream()) }
+            .result()
+            .map_err(|e| driver_err("strided device copy", e))
     }
 
     fn gelu_tanh_mul(&self, gate: &mut CudaBuffer, up: &CudaBuffer, len: usize) -> Result<()> {

@@ -8,7 +8,9 @@
 use std::sync::{Arc, OnceLock};
 
 use half::{bf16, f16};
-use markbase_core::backend::{AttnSpec, Backend, HostBytes, HostMatrix, KvLayout, NormOut, Rope};
+use markbase_core::backend::{
+    AttnSpec, Backend, HostBytes, HostMatrix, KvLayout, NormOut, Rope, Strided,
+};
 use markbase_core::quant::GgmlType;
 use markbase_cpu::reference;
 use markbase_cuda::{CudaBackend, CudaBuffer, SampleParams};
@@ -498,6 +500,46 @@ fn elementwise_ops_match_reference() {
     want[7..507].copy_from_slice(&b[100..600]);
     assert_eq!(down(g, &x, n), want, "copy");
     assert!(g.copy(&up(g, &b), n - 10, &mut x, 0, 20).is_err());
+    // Strided rows (one queued 2-D copy) against the CPU backend's row-by-row default.
+    let cpu = markbase_cpu::CpuBackend::new(1).unwrap();
+    let (rows, len) = (r.random_range(1..40), r.random_range(1..90));
+    let from = Strided {
+        offset: r.random_range(0..50),
+        stride: len + r.random_range(0..30),
+    };
+    let to = Strided {
+        offset: r.random_range(0..50),
+        stride: len + r.random_range(0..30),
+    };
+    let mut x = up(g, &a);
+    g.copy_rows(&up(g, &b), from, &mut x, to, rows, len)
+        .unwrap();
+    let mut want = cpu.alloc(n).unwrap();
+    cpu.write(&a, &mut want).unwrap();
+    let mut src = cpu.alloc(n).unwrap();
+    cpu.write(&b, &mut src).unwrap();
+    cpu.copy_rows(&src, from, &mut want, to, rows, len).unwrap();
+    let mut want_host = vec![0f32; n];
+    cpu.read(&want, &mut want_host).unwrap();
+    assert_eq!(
+        down(g, &x, n),
+        want_host,
+        "copy_rows {rows} x {len} {from:?} -> {to:?}"
+    );
+    let past_end = Strided {
+        offset: n - len,
+        stride: len,
+    };
+    assert!(g
+        .copy_rows(&up(g, &b), past_end, &mut x, to, 2, len)
+        .is_err());
+    let overlapping = Strided {
+        offset: 0,
+        stride: len - 1,
+    };
+    assert!(g
+        .copy_rows(&up(g, &b), overlapping, &mut x, to, 2, len)
+        .is_err());
 }
 
 /// Host twin of the top-k / top-p sampler.

@@ -25,7 +25,7 @@
 
 use std::sync::Mutex;
 
-use markbase_core::backend::{AttnSpec, Backend, HostMatrix, NormOut, Rope};
+use markbase_core::backend::{AttnSpec, Backend, HostMatrix, NormOut, Rope, Strided};
 use markbase_core::config::LayerKind;
 use markbase_core::quant::GgmlType;
 use markbase_core::{Error, Result};
@@ -439,9 +439,15 @@ impl<B: Backend> Gemma4<B> {
             if let Some(ple) = &layer.ple {
                 let p = ple_width(cfg);
                 let stride = cfg.layers.len() * p;
-                for t in 0..n {
-                    be.copy(&w.ple_all, t * stride + li * p, &mut w.ple_l, t * p, p)?;
-                }
+                let from = Strided {
+                    offset: li * p,
+                    stride,
+                };
+                let to = Strided {
+                    offset: 0,
+                    stride: p,
+                };
+                be.copy_rows(&w.ple_all, from, &mut w.ple_l, to, n, p)?;
                 be.matmul(&w.h, n, &ple.gate, &mut w.ple_gate)?;
                 be.gelu_tanh_mul(&mut w.ple_gate, &w.ple_l, n * p)?;
                 be.matmul(&w.ple_gate, n, &ple.proj, &mut w.proj)?;

@@ -136,8 +136,16 @@ impl<B: Backend> LmHead<B> {
         let (d, nv) = (work.d, work.n_vocab);
         for (g, group) in rows.chunks(LOGIT_ROWS).enumerate() {
             let n = group.len();
-            for (i, &r) in group.iter().enumerate() {
-                backend.copy(h, r * d, &mut work.input, i * d, d)?;
+            // Runs of consecutive rows (all of a decode step's) move in one copy each.
+            let mut i = 0;
+            while i < n {
+                let run = 1 + group[i + 1..]
+                    .iter()
+                    .zip(&group[i..])
+                    .take_while(|(next, prev)| **next == **prev + 1)
+                    .count();
+                backend.copy(h, group[i] * d, &mut work.input, i * d, run * d)?;
+                i += run;
             }
             backend.rms_norm(
                 &work.input,
