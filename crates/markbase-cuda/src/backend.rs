@@ -23,6 +23,11 @@ use crate::upload::IndexCache;
 const GEMV_MAX_ROWS: usize = 8;
 /// Up to this many token rows a matmul uses GEMV launches; above it, dequantize + cuBLAS.
 const GEMV_UP_TO: usize = 16;
+/// Up to this many token rows a bf16 matmul uses GEMV launches; above it, the tensor cores
+/// (cuBLAS on the stored bf16 weights). Measured on the H200 (E4B bf16, `bench -b`, session
+/// 7): GEMVs give 271 / 386 / 503 / 547 t/s at 2 / 4 / 8 / 16 sequences, the tensor cores
+/// 210 / 412 / 841 / 1 729.
+pub const BF16_GEMV_UP_TO: usize = 2;
 /// Most f32 weights dequantized at once for a cuBLAS product (64 MiB of scratch).
 const DEQUANT_TILE: usize = 16 << 20;
 /// Threads per block of the dequant kernels: `DEQUANT_THREADS` in ops.cu, which sizes its
@@ -458,7 +463,9 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         match &self.blas {
-            Some(blas) if n > GEMV_UP_TO => self.gemm(blas, x.ptr, n, w, out.ptr),
+            Some(blas) if n > GEMV_UP_TO || (w.ty == GgmlType::BF16 && n > BF16_GEMV_UP_TO) => {
+                self.gemm(blas, x.ptr, n, w, out.ptr)
+            }
             _ => self.gemv(x.ptr, n, w, out.ptr),
         }
     }

@@ -21,6 +21,6 @@ mod sample;
 pub mod sources;
 mod upload;
 
-pub use backend::CudaBackend;
+pub use backend::{CudaBackend, BF16_GEMV_UP_TO};
 pub use buffer::{CudaBuffer, CudaMatrix};
 pub use sample::{SampleParams, MAX_TOP_K};

@@ -13,7 +13,7 @@ use markbase_core::backend::{
 };
 use markbase_core::quant::GgmlType;
 use markbase_cpu::reference;
-use markbase_cuda::{CudaBackend, CudaBuffer, SampleParams};
+use markbase_cuda::{CudaBackend, CudaBuffer, SampleParams, BF16_GEMV_UP_TO};
 use rand::rngs::StdRng;
 use rand::{Rng, RngCore, SeedableRng};
 
@@ -174,10 +174,11 @@ fn matmul_matches_reference_for_every_format_and_batch() {
             let m = random_matrix(&mut r, ty, rows, k);
             let w = g.load_matrix(&m).unwrap();
             // 1–8: one GEMV launch; 13: two; 40: cuBLAS (f32 weights as they are, bf16 ones on
-            // the tensor cores with bf16-rounded activations, others dequantized to f32).
-            for n in [1, 3, 8, 13, 40] {
+            // the tensor cores with bf16-rounded activations, others dequantized to f32); bf16
+            // weights take the tensor cores above BF16_GEMV_UP_TO rows.
+            for n in [1, 2, 3, 8, 13, 40] {
                 let x = uniform(&mut r, n * k, 1.0);
-                let tensor_cores = ty == GgmlType::BF16 && n > 16 && g.has_cublas();
+                let tensor_cores = ty == GgmlType::BF16 && n > BF16_GEMV_UP_TO && g.has_cublas();
                 let seen: Vec<f32> = if tensor_cores {
                     x.iter().map(|&v| bf16::from_f32(v).to_f32()).collect()
                 } else {
