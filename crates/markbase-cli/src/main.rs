@@ -34,8 +34,9 @@ struct Cli {
     )]
     threads: usize,
     /// LM head: `auto` screens a huge ≥ 8-bit head on the CPU (a 4-bit copy ranks the
-    /// vocabulary, the top 4096 logits are computed exactly); `exact` computes every logit
-    /// from the stored weights.
+    /// vocabulary, the top 4096 logits are computed exactly; a greedy pick stops after the
+    /// first 64–1024 when they leave no doubt); `exact` computes every logit from the stored
+    /// weights.
     #[arg(long, global = true, default_value = "auto", value_name = "MODE", value_parser = parse_lm_head)]
     lm_head: LmHeadMode,
     #[command(subcommand)]

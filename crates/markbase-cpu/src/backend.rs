@@ -210,6 +210,11 @@ impl Backend for CpuBackend {
         logits: &mut CpuBuffer,
     ) -> Result<Vec<u32>> {
         let (c, e) = screened_pair("argmax_screened", coarse, exact)?;
+        if top_k == 0 {
+            return Err(Error::Invalid(
+                "cpu argmax_screened: a pick needs at least one exact leader (top_k 0)".into(),
+            ));
+        }
         if n_vocab != e.rows {
             return Err(Error::Invalid(format!(
                 "cpu argmax_screened: {n_vocab} logits per row asked of a {}-row head",

@@ -363,3 +363,55 @@ fn elementwise_ops_match_reference() {
         )
         .is_err());
 }
+
+/// `argmax_screened` through the backend: the same picks as the argmax of the exact logits
+/// when one row per token stands out, and clear errors for a copy that is not one, a wrong
+/// vocabulary size and `top_k` 0.
+#[test]
+fn argmax_screened_picks_and_rejects_bad_input() {
+    let mut rng = rng();
+    let be = CpuBackend::new(2).unwrap();
+    let (rows, cols, n) = (3000, 64, 3);
+    let x = randn(&mut rng, n * cols, 1.0);
+    let mut w = randn(&mut rng, rows * cols, 1.0);
+    let want: Vec<u32> = (0..n).map(|_| rng.random_range(0..rows as u32)).collect();
+    for (t, &r) in want.iter().enumerate() {
+        for c in 0..cols {
+            w[r as usize * cols + c] = x[t * cols + c].signum();
+        }
+    }
+    let mut bytes = vec![0u8; rows * GgmlType::Q8_0.bytes_for(cols).unwrap()];
+    markbase_core::quant::quantize_row(GgmlType::Q8_0, &w, &mut bytes).unwrap();
+    let stored = HostMatrix {
+        name: "head".into(),
+        ty: GgmlType::Q8_0,
+        rows,
+        cols,
+        bytes: HostBytes::Owned(Arc::from(bytes)),
+    };
+    let exact = be.load_matrix(&stored).unwrap();
+    let coarse = be.load_screen(&stored).unwrap().expect("a screening copy");
+    let xb = buf(&be, &x, 0);
+    let mut scratch = be.alloc(n * rows).unwrap();
+    let got = be
+        .argmax_screened(&xb, n, &coarse, &exact, 4096, rows, &mut scratch)
+        .unwrap();
+    assert_eq!(got, want);
+    for (what, result) in [
+        (
+            "exact as copy",
+            be.argmax_screened(&xb, n, &exact, &exact, 4096, rows, &mut scratch),
+        ),
+        (
+            "vocabulary",
+            be.argmax_screened(&xb, n, &coarse, &exact, 4096, rows + 1, &mut scratch),
+        ),
+        (
+            "top_k 0",
+            be.argmax_screened(&xb, n, &coarse, &exact, 0, rows, &mut scratch),
+        ),
+    ] {
+        let err = result.expect_err(what).to_string();
+        assert!(err.contains("argmax_screened"), "{what}: {err}");
+    }
+}
