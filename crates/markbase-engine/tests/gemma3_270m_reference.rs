@@ -200,36 +200,45 @@ fn logits_match_transformers_prefill_and_decode() {
     eprintln!("worst relative error over all positions: {worst:.2e}");
 }
 
-#[test]
-fn greedy_continuations_match_transformers() {
-    let model = load_model(LmHeadMode::Auto);
+/// Checks that `continue_greedily(prompt, n)` (the `n` greedy tokens after `prompt`) equals
+/// transformers' greedy continuation on at least 7 of the 8 prompts of greedy.json; `how`
+/// names the decoding in messages.
+fn assert_greedy_continuations(how: &str, continue_greedily: impl Fn(&[u32], usize) -> Vec<u32>) {
     let meta: Value =
         serde_json::from_slice(&std::fs::read(fixture_dir().join("greedy.json")).unwrap()).unwrap();
     let prompts = meta["prompts"].as_array().unwrap();
     let mut equal = 0;
     for (i, p) in prompts.iter().enumerate() {
-        let prompt = ids_of(&p["prompt_ids"]);
         let want = ids_of(&p["continuation_ids"]);
-        let mut cache = model.new_cache(prompt.len() + want.len()).unwrap();
-        let mut logits = model.forward(&mut cache, &prompt, Logits::Last).unwrap();
-        let mut got = Vec::new();
-        while got.len() < want.len() {
-            let next = argmax(&logits) as u32;
-            got.push(next);
-            logits = model.forward(&mut cache, &[next], Logits::Last).unwrap();
-        }
+        let got = continue_greedily(&ids_of(&p["prompt_ids"]), want.len());
         if got == want {
             equal += 1;
         } else {
             let first = got.iter().zip(&want).position(|(a, b)| a != b).unwrap();
-            eprintln!("prompt {i}: continuation differs from token {first}");
+            eprintln!("prompt {i}: {how} continuation differs from token {first}");
         }
     }
     assert!(
         equal >= 7,
-        "greedy continuations equal on {equal} of {} prompts",
+        "{how} continuations equal on {equal} of {} prompts",
         prompts.len()
     );
+}
+
+#[test]
+fn greedy_continuations_match_transformers() {
+    let model = load_model(LmHeadMode::Auto);
+    assert_greedy_continuations("host-argmax", |prompt, n| {
+        let mut cache = model.new_cache(prompt.len() + n).unwrap();
+        let mut logits = model.forward(&mut cache, prompt, Logits::Last).unwrap();
+        let mut got = Vec::new();
+        while got.len() < n {
+            let next = argmax(&logits) as u32;
+            got.push(next);
+            logits = model.forward(&mut cache, &[next], Logits::Last).unwrap();
+        }
+        got
+    });
 }
 
 #[test]
@@ -325,41 +334,22 @@ fn greedy_step_picks_match_transformers() {
             }
         }
     }
-    let meta: Value =
-        serde_json::from_slice(&std::fs::read(fixture_dir().join("greedy.json")).unwrap()).unwrap();
-    let prompts = meta["prompts"].as_array().unwrap();
-    let mut equal = 0;
-    for (i, p) in prompts.iter().enumerate() {
-        let prompt = ids_of(&p["prompt_ids"]);
-        let want = ids_of(&p["continuation_ids"]);
-        let mut cache = model.new_batch_cache(1, prompt.len() + want.len()).unwrap();
-        let mut next = 0;
-        for &t in &prompt {
-            next = model
-                .forward_batch(&mut cache, &[t], Logits::Greedy)
-                .unwrap()
-                .ids[0];
+    let pick = |cache: &mut markbase_models::BatchCache, t: u32| {
+        model
+            .forward_batch(cache, &[t], Logits::Greedy)
+            .unwrap()
+            .ids[0]
+    };
+    assert_greedy_continuations("step-pick", |prompt, n| {
+        let mut cache = model.new_batch_cache(1, prompt.len() + n).unwrap();
+        let mut got = Vec::new();
+        for &t in prompt {
+            got = vec![pick(&mut cache, t)];
         }
-        let mut got = vec![next];
-        while got.len() < want.len() {
+        while got.len() < n {
             let t = *got.last().unwrap();
-            got.push(
-                model
-                    .forward_batch(&mut cache, &[t], Logits::Greedy)
-                    .unwrap()
-                    .ids[0],
-            );
+            got.push(pick(&mut cache, t));
         }
-        if got == want {
-            equal += 1;
-        } else {
-            let first = got.iter().zip(&want).position(|(a, b)| a != b).unwrap();
-            eprintln!("prompt {i}: greedy step continuation differs from token {first}");
-        }
-    }
-    assert!(
-        equal >= 7,
-        "greedy step continuations equal on {equal} of {} prompts",
-        prompts.len()
-    );
+        got
+    });
 }
