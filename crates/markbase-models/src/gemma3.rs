@@ -56,7 +56,6 @@ pub struct Gemma3<B: Backend> {
     backend: B,
     embed: B::Matrix,
     head: LmHead<B>,
-    final_norm: B::Vector,
     layers: Vec<Layer<B>>,
     work: Mutex<Workspace<B>>,
 }
@@ -110,16 +109,20 @@ impl<B: Backend> Gemma3<B> {
         let embed_m = store.matrix(embed_name, cfg.n_vocab, d)?;
         let embed = backend.load_matrix(&embed_m)?;
         tick(embed_name);
+        let final_norm = HeadNorm {
+            weight: norm(final_name, d)?,
+            eps: cfg.rms_eps as f32,
+            softcap: cfg.final_logit_softcap.map(|c| c as f32),
+        };
+        tick(final_name);
         let head = if lm_head_present {
             let head_m = store.matrix(out_name, cfg.n_vocab, d)?;
             let own = backend.load_matrix(&head_m)?;
             tick(out_name);
-            LmHead::load(&backend, &head_m, Some(own), lm_head)?
+            LmHead::load(&backend, &head_m, Some(own), final_norm, lm_head)?
         } else {
-            LmHead::load(&backend, &embed_m, None, lm_head)?
+            LmHead::load(&backend, &embed_m, None, final_norm, lm_head)?
         };
-        let final_norm = norm(final_name, d)?;
-        tick(final_name);
         let mut layers = Vec::with_capacity(cfg.n_layers);
         for i in 0..cfg.n_layers {
             let n = names.layer(i);
@@ -173,7 +176,6 @@ impl<B: Backend> Gemma3<B> {
             backend,
             embed,
             head,
-            final_norm,
             layers,
             work,
         })
@@ -199,25 +201,6 @@ impl<B: Backend> Gemma3<B> {
     /// One step over several sequences on this model's backend (as [`crate::Model::step`]).
     pub fn step(&self, pool: &mut PagedKv<B>, seqs: &[SeqStep]) -> Result<StepOutput> {
         crate::paged::step(self, pool, seqs)
-    }
-
-    /// Final norm + LM head (+ softcap) for hidden-state rows `rows`, into `out` (logits rows
-    /// or greedy picks).
-    fn lm_head(&self, w: &mut Workspace<B>, rows: &[usize], out: HeadOut) -> Result<()> {
-        let norm = HeadNorm {
-            weight: &self.final_norm,
-            eps: self.cfg.rms_eps as f32,
-            softcap: self.cfg.final_logit_softcap.map(|c| c as f32),
-        };
-        self.head.run(
-            &self.backend,
-            &self.embed,
-            &norm,
-            &w.h,
-            rows,
-            &mut w.head,
-            out,
-        )
     }
 
     /// Every decoder layer for one chunk of tokens; leaves the hidden state in `w.h`.
@@ -362,8 +345,14 @@ impl<B: Backend> StepModel for Gemma3<B> {
         // leaves nothing to distrust.
         let mut work = self.work.lock().unwrap_or_else(|e| e.into_inner());
         self.layers_forward(&mut work, kv, l)?;
-        self.lm_head(&mut work, &l.logit_rows, HeadOut::Logits(logits))?;
-        self.lm_head(&mut work, &l.greedy_rows, HeadOut::Ids(ids))
+        let w = &mut *work;
+        let (be, embed) = (&self.backend, &self.embed);
+        let logits = HeadOut::Logits(logits);
+        self.head
+            .run(be, embed, &w.h, &l.logit_rows, &mut w.head, logits)?;
+        let picks = HeadOut::Ids(ids);
+        self.head
+            .run(be, embed, &w.h, &l.greedy_rows, &mut w.head, picks)
     }
 }
 

@@ -138,7 +138,6 @@ pub struct Gemma4<B: Backend> {
     embed: B::Matrix,
     head: LmHead<B>,
     embed_scale: f32,
-    final_norm: B::Vector,
     ple: Option<PleGlobals<B>>,
     layers: Vec<Layer<B>>,
     /// Geometry of each cache: (kind, KV row width).
@@ -211,8 +210,12 @@ impl<B: Backend> Gemma4<B> {
         let embed_scale = round_to_dtype((d as f32).sqrt(), embed_m.ty);
         let embed = backend.load_matrix(&embed_m)?;
         tick(g.embed);
-        let head = LmHead::load(&backend, &embed_m, None, lm_head)?;
-        let final_norm = norm(g.final_norm, d)?;
+        let final_norm = HeadNorm {
+            weight: norm(g.final_norm, d)?,
+            eps: cfg.rms_eps as f32,
+            softcap: cfg.final_logit_softcap.map(|c| c as f32),
+        };
+        let head = LmHead::load(&backend, &embed_m, None, final_norm, lm_head)?;
         let ple = match cfg.ple {
             Some(p) => {
                 let table_m = store.matrix(g.ple_table, p.vocab, n_layers * p.dim)?;
@@ -345,7 +348,6 @@ impl<B: Backend> Gemma4<B> {
             embed,
             head,
             embed_scale,
-            final_norm,
             ple,
             layers,
             caches,
@@ -373,25 +375,6 @@ impl<B: Backend> Gemma4<B> {
     /// One step over several sequences on this model's backend (as [`crate::Model::step`]).
     pub fn step(&self, pool: &mut PagedKv<B>, seqs: &[SeqStep]) -> Result<StepOutput> {
         crate::paged::step(self, pool, seqs)
-    }
-
-    /// Final norm + LM head (+ softcap) for hidden-state rows `rows`, into `out` (logits rows
-    /// or greedy picks).
-    fn lm_head(&self, w: &mut Workspace<B>, rows: &[usize], out: HeadOut) -> Result<()> {
-        let norm = HeadNorm {
-            weight: &self.final_norm,
-            eps: self.cfg.rms_eps as f32,
-            softcap: self.cfg.final_logit_softcap.map(|c| c as f32),
-        };
-        self.head.run(
-            &self.backend,
-            &self.embed,
-            &norm,
-            &w.h,
-            rows,
-            &mut w.head,
-            out,
-        )
     }
 
     /// The per-layer inputs of every layer for `n` tokens into `w.ple_all` (`[n, L·P]`):
@@ -698,8 +681,14 @@ impl<B: Backend> StepModel for Gemma4<B> {
         // leaves nothing to distrust.
         let mut work = self.work.lock().unwrap_or_else(|e| e.into_inner());
         self.layers_forward(&mut work, kv, l)?;
-        self.lm_head(&mut work, &l.logit_rows, HeadOut::Logits(logits))?;
-        self.lm_head(&mut work, &l.greedy_rows, HeadOut::Ids(ids))
+        let w = &mut *work;
+        let (be, embed) = (&self.backend, &self.embed);
+        let logits = HeadOut::Logits(logits);
+        self.head
+            .run(be, embed, &w.h, &l.logit_rows, &mut w.head, logits)?;
+        let picks = HeadOut::Ids(ids);
+        self.head
+            .run(be, embed, &w.h, &l.greedy_rows, &mut w.head, picks)
     }
 }
 

@@ -28,9 +28,9 @@ pub(crate) enum HeadOut<'a> {
 }
 
 /// The final RMSNorm before the head and the logit softcap after it.
-pub(crate) struct HeadNorm<'a, B: Backend> {
+pub(crate) struct HeadNorm<B: Backend> {
     /// The final norm's weight.
-    pub weight: &'a B::Vector,
+    pub weight: B::Vector,
     /// Its epsilon.
     pub eps: f32,
     /// `cap · tanh(logit / cap)` when set.
@@ -75,17 +75,20 @@ pub enum LmHeadMode {
 pub struct LmHead<B: Backend> {
     /// A separate head matrix, or `None` when tied to the embedding.
     own: Option<B::Matrix>,
+    /// The final norm before it and the softcap after it.
+    norm: HeadNorm<B>,
     /// The backend's screening copy, when screening.
     coarse: Option<B::Matrix>,
 }
 
 impl<B: Backend> LmHead<B> {
     /// Prepares the head. `stored` is the head's matrix as stored (the embedding's when tied);
-    /// `own` is the backend matrix of a separate head.
-    pub fn load(
+    /// `own` is the backend matrix of a separate head; `norm` the final norm and softcap.
+    pub(crate) fn load(
         backend: &B,
         stored: &HostMatrix,
         own: Option<B::Matrix>,
+        norm: HeadNorm<B>,
         mode: LmHeadMode,
     ) -> Result<Self> {
         let screen = mode == LmHeadMode::Auto
@@ -99,7 +102,7 @@ impl<B: Backend> LmHead<B> {
         } else {
             None
         };
-        Ok(LmHead { own, coarse })
+        Ok(LmHead { own, norm, coarse })
     }
 
     /// `out = x · headᵀ` for `n` rows (`embed` is the tied embedding).
@@ -122,18 +125,16 @@ impl<B: Backend> LmHead<B> {
     /// `work.d`), [`LOGIT_ROWS`] at a time, into `out`. Greedy picks skip the softcap (it keeps
     /// the order) and, on a screening backend, ask for the picks alone
     /// ([`Backend::argmax_screened`]).
-    #[allow(clippy::too_many_arguments)]
     pub(crate) fn run(
         &self,
         backend: &B,
         embed: &B::Matrix,
-        norm: &HeadNorm<B>,
         h: &B::Buffer,
         rows: &[usize],
         work: &mut HeadWork<B>,
         mut out: HeadOut,
     ) -> Result<()> {
-        let (d, nv) = (work.d, work.n_vocab);
+        let (d, nv, norm) = (work.d, work.n_vocab, &self.norm);
         for (g, group) in rows.chunks(LOGIT_ROWS).enumerate() {
             let n = group.len();
             // Runs of consecutive rows (all of a decode step's) move in one copy each.
@@ -149,7 +150,7 @@ impl<B: Backend> LmHead<B> {
             }
             backend.rms_norm(
                 &work.input,
-                Some(norm.weight),
+                Some(&norm.weight),
                 norm.eps,
                 n,
                 d,
