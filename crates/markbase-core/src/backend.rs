@@ -424,6 +424,25 @@ pub trait Backend: Send + Sync {
         }
         Ok(())
     }
+    /// The gated feed-forward's first half for `n` rows of `x`: `gate_out = gelu_tanh(x ·
+    /// gateᵀ) ⊙ (x · upᵀ)`, `n × ff` values where `ff` is the rows of `gate` and `up`;
+    /// `up_out` (as large) is scratch. The default is two [`Backend::matmul`]s and
+    /// [`Backend::gelu_tanh_mul`]; a backend may fuse them.
+    #[allow(clippy::too_many_arguments)]
+    fn gelu_gated_matmul(
+        &self,
+        x: &Self::Buffer,
+        n: usize,
+        gate: &Self::Matrix,
+        up: &Self::Matrix,
+        ff: usize,
+        gate_out: &mut Self::Buffer,
+        up_out: &mut Self::Buffer,
+    ) -> Result<()> {
+        self.matmul(x, n, gate, gate_out)?;
+        self.matmul(x, n, up, up_out)?;
+        self.gelu_tanh_mul(gate_out, up_out, n * ff)
+    }
     /// `gate[i] = gelu_tanh(gate[i]) · up[i]` for `i < len`.
     fn gelu_tanh_mul(&self, gate: &mut Self::Buffer, up: &Self::Buffer, len: usize) -> Result<()>;
     /// `x[i] += y[i]` for `i < len`.

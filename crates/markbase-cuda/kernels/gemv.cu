@@ -1,12 +1,50 @@
 // Decode matmul: out[t, r] = Σ_k x[t, k] · w[r, k] for up to 8 token rows per launch, any
-// stored format. One warp per weight row (blocks of 256 threads, 8 rows); the row is read once
-// for all of the launch's tokens (weights dominate the bytes). Larger decode batches take
-// several launches.
+// stored format. Blocks of 256 threads (8 warps); the weights are read once for all of the
+// launch's tokens (weights dominate the bytes). Larger decode batches take several launches.
+//
+// Quantized rows: one warp per row (8 rows per block), the activations staged per block.
+// Plain-float rows (f32 / f16 / bf16, k a multiple of 8): `split` warps (1, 2, 4 or 8) share a
+// row, each taking every split-th 16-byte group of it with four loads in flight per lane, and
+// add their sums through shared memory: short matrices (a few hundred rows) then still fill
+// the GPU, and long rows keep enough bytes in flight to run at the memory's rate.
 // Needs common.cuh and quant.cuh.
 
 template <int FMT, int NT>
 __device__ void gemv_impl(const u8* w, u64 row_bytes, int rows, int k, const float* x, int nt,
-                          float* out) {
+                          float* out, int split) {
+    if ((FMT == F_F32 || FMT == F_F16 || FMT == F_BF16) && (k & 7) == 0) {
+        __shared__ float part_sums[8][NT];
+        int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+        int r = (blockIdx.x * 8 + warp) / split, part = warp % split;
+        float acc[NT];
+        if (r < rows && split == 1) {
+            float_row_part<FMT, NT, true>(w + (u64)r * row_bytes, x, k, nt, 0, 1, acc);
+        } else if (r < rows) {
+            float_row_part<FMT, NT, false>(w + (u64)r * row_bytes, x, k, nt, part, split, acc);
+        } else {
+#pragma unroll
+            for (int t = 0; t < NT; t++) acc[t] = 0.f;
+        }
+        if (split == 1) {
+            if (r < rows && lane == 0) {
+#pragma unroll
+                for (int t = 0; t < NT; t++)
+                    if (t < nt) out[(u64)t * rows + r] = acc[t];
+            }
+            return;
+        }
+        if (lane == 0) {
+#pragma unroll
+            for (int t = 0; t < NT; t++) part_sums[warp][t] = acc[t];
+        }
+        __syncthreads();
+        if (part == 0 && r < rows && lane < nt && lane < NT) {
+            float s = 0.f;
+            for (int p = 0; p < split; p++) s += part_sums[warp + p][lane];
+            out[(u64)lane * rows + r] = s;
+        }
+        return;
+    }
     int r = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     bool active = r < rows;
     float acc[NT];
@@ -18,14 +56,44 @@ __device__ void gemv_impl(const u8* w, u64 row_bytes, int rows, int k, const flo
     }
 }
 
+// The gated feed-forward's first half for up to 8 token rows: out[t, r] =
+// gelu_tanh(x_t · gate_r) · (x_t · up_r), one warp per row pair (gate and up share the
+// stored format and row length), so one launch replaces two GEMVs and the elementwise pass.
+template <int FMT, int NT>
+__device__ void gemv_gelu_impl(const u8* wg, const u8* wu, u64 row_bytes, int rows, int k,
+                               const float* x, int nt, float* out) {
+    int r = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    bool active = r < rows;
+    u64 off = (u64)(active ? r : 0) * row_bytes;
+    float g[NT], u[NT];
+    warp_row_dot<FMT, NT>(active, wg + off, x, k, nt, g);
+    warp_row_dot<FMT, NT>(active, wu + off, x, k, nt, u);
+    if (active && (threadIdx.x & 31) == 0) {
+#pragma unroll
+        for (int t = 0; t < NT; t++)
+            if (t < nt) out[(u64)t * rows + r] = gelu_tanh(g[t]) * u[t];
+    }
+}
+
 #define GEMV_KERNEL(S, F, NT)                                                                 \
     extern "C" __global__ void gemv_##S##_##NT(const u8* w, u64 row_bytes, int rows, int k,   \
-                                               const float* x, int nt, float* out) {          \
-        gemv_impl<F, NT>(w, row_bytes, rows, k, x, nt, out);                                  \
+                                               const float* x, int nt, float* out,            \
+                                               int split) {                                   \
+        gemv_impl<F, NT>(w, row_bytes, rows, k, x, nt, out, split);                           \
     }
-#define GEMV_KERNELS(S, F) \
-    GEMV_KERNEL(S, F, 1)   \
-    GEMV_KERNEL(S, F, 2)   \
-    GEMV_KERNEL(S, F, 4)   \
-    GEMV_KERNEL(S, F, 8)
+#define GEMV_GELU_KERNEL(S, F, NT)                                                            \
+    extern "C" __global__ void gemv_gelu_##S##_##NT(const u8* wg, const u8* wu, u64 row_bytes, \
+                                                    int rows, int k, const float* x, int nt,   \
+                                                    float* out) {                              \
+        gemv_gelu_impl<F, NT>(wg, wu, row_bytes, rows, k, x, nt, out);                         \
+    }
+#define GEMV_KERNELS(S, F)      \
+    GEMV_KERNEL(S, F, 1)        \
+    GEMV_KERNEL(S, F, 2)        \
+    GEMV_KERNEL(S, F, 4)        \
+    GEMV_KERNEL(S, F, 8)        \
+    GEMV_GELU_KERNEL(S, F, 1)   \
+    GEMV_GELU_KERNEL(S, F, 2)   \
+    GEMV_GELU_KERNEL(S, F, 4)   \
+    GEMV_GELU_KERNEL(S, F, 8)
 FOR_EACH_FORMAT(GEMV_KERNELS)

@@ -217,17 +217,22 @@ __device__ __forceinline__ float dot32(const float* w, const float* x, int kv, i
     return s;
 }
 
-// Plain-float rows (F32 / F16 / BF16) whose width is a multiple of 8: lane l takes weights
-// 8·(l + 32·i) .. +8, so each warp load instruction reads one contiguous span (512 bytes of
-// 16-bit weights) and the matching activations two float4 per token.
-template <int FMT, int NT>
-__device__ __forceinline__ void float_row_dot(const u8* row, const float* x, int k, int nt,
-                                              float* acc) {
+// Plain-float rows (F32 / F16 / BF16) whose width is a multiple of 8, in groups of 8 weights:
+// lane l of warp `part` (of `split` sharing the row) takes groups l + 32·(part + split·i), so
+// each warp load instruction reads one contiguous span (512 bytes of 16-bit weights) and the
+// matching activations two float4 per token. Returns this warp's partial sums. (Loading four
+// groups per lane before using any was tried: 10–20 % slower on the H200's large matrices.)
+// WHOLE: one warp per row (split 1, a constant stride the compiler pipelines; a runtime
+// stride made the largest matrices 10–30 % slower).
+template <int FMT, int NT, bool WHOLE>
+__device__ __forceinline__ void float_row_part(const u8* row, const float* x, int k, int nt,
+                                               int part, int split, float* acc) {
     int lane = threadIdx.x & 31;
 #pragma unroll
     for (int t = 0; t < NT; t++) acc[t] = 0.f;
     int groups = k >> 3;
-    for (int g = lane; g < groups; g += WARP) {
+    int stride = WHOLE ? WARP : WARP * split;
+    for (int g = (WHOLE ? 0 : part * WARP) + lane; g < groups; g += stride) {
         float w[8];
         if (FMT == F_F32) {
             float4 a = __ldg((const float4*)row + 2 * g);
@@ -260,6 +265,13 @@ __device__ __forceinline__ void float_row_dot(const u8* row, const float* x, int
     }
 #pragma unroll
     for (int t = 0; t < NT; t++) acc[t] = warp_sum(acc[t]);
+}
+
+// Dot products of one plain-float row (k a multiple of 8) with NT activation rows: one warp.
+template <int FMT, int NT>
+__device__ __forceinline__ void float_row_dot(const u8* row, const float* x, int k, int nt,
+                                              float* acc) {
+    float_row_part<FMT, NT, true>(row, x, k, nt, 0, 1, acc);
 }
 
 // Bytes of one block and 32-weight chunks per block of a quantized format.

@@ -33,16 +33,41 @@ __device__ void block_best(float& v, int& i, float* sv, int* si) {
 
 __device__ __forceinline__ float clean(float x) { return x == x ? x : NEG_INF; }
 
-// out[row] = argmax of row `blockIdx.x` (ties: lowest index).
-extern "C" __global__ void argmax_rows(const float* x, int n, u32* out) {
+// Greedy argmax in two passes, so one long row (262 144 logits) spreads over many blocks:
+// block (row, p) of `argmax_part` writes the best (value, index) of slice p of the row to
+// part[2·(row·parts + p)] (the index as float bits); one warp per row of `argmax_join` picks
+// the best of the row's slices into out[row] (ties: lowest index).
+extern "C" __global__ void argmax_part(const float* x, int n, int parts, float* part) {
     __shared__ float sv[32];
     __shared__ int si[32];
-    const float* r = x + (u64)blockIdx.x * n;
+    int row = blockIdx.x, p = blockIdx.y;
+    const float* r = x + (u64)row * n;
+    int span = (n + parts - 1) / parts;
+    int lo = p * span, hi = min(n, lo + span);
     float bv = NEG_INF;
     int bi = 0x7fffffff;
-    for (int j = threadIdx.x; j < n; j += blockDim.x) {
+    for (int j = lo + threadIdx.x; j < hi; j += blockDim.x) {
         float v = clean(r[j]);
         if (better(v, j, bv, bi)) { bv = v; bi = j; }
+    }
+    block_best(bv, bi, sv, si);
+    if (threadIdx.x == 0) {
+        u64 o = 2 * ((u64)row * parts + p);
+        part[o] = bv;
+        part[o + 1] = __int_as_float(bi);
+    }
+}
+
+extern "C" __global__ void argmax_join(const float* part, int parts, int n, u32* out) {
+    __shared__ float sv[32];
+    __shared__ int si[32];
+    const float* r = part + 2 * (u64)blockIdx.x * parts;
+    float bv = NEG_INF;
+    int bi = 0x7fffffff;
+    for (int p = threadIdx.x; p < parts; p += blockDim.x) {
+        float v = r[2 * p];
+        int i = __float_as_int(r[2 * p + 1]);
+        if (better(v, i, bv, bi)) { bv = v; bi = i; }
     }
     block_best(bv, bi, sv, si);
     if (threadIdx.x == 0) out[blockIdx.x] = bi < n ? (u32)bi : 0u;

@@ -21,6 +21,8 @@ use crate::upload::IndexCache;
 
 /// Token rows one GEMV launch reads each weight row for (the largest kernel variant).
 const GEMV_MAX_ROWS: usize = 8;
+/// Warps per multiprocessor a plain-float GEMV launch aims for (see `gemv_split`).
+const GEMV_WARPS_PER_SM: usize = 8;
 /// Up to this many token rows a matmul uses GEMV launches; above it, dequantize + cuBLAS.
 const GEMV_UP_TO: usize = 16;
 /// Up to this many token rows a bf16 matmul uses GEMV launches; above it, the tensor cores
@@ -73,6 +75,28 @@ fn need(what: &str, have: usize, want: usize) -> Result<()> {
         )));
     }
     Ok(())
+}
+
+/// Warps per weight row of a GEMV (gemv.cu): plain-float rows are shared by up to 8 warps
+/// until the launch has `GEMV_WARPS_PER_SM` warps per multiprocessor, so a matrix of a few
+/// hundred rows still keeps every multiprocessor reading; quantized rows take one warp each.
+fn gemv_split(w: &CudaMatrix, multiprocessors: usize) -> usize {
+    let plain = matches!(w.ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16);
+    if !plain || !w.cols.is_multiple_of(8) {
+        return 1;
+    }
+    let want = GEMV_WARPS_PER_SM * multiprocessors;
+    let mut split = 1;
+    while split < 8 && w.rows * split < want && w.cols / (8 * 32 * split) >= 2 {
+        split *= 2;
+    }
+    split
+}
+
+/// Whether a product of `n` token rows with `w` runs as GEMV launches (otherwise cuBLAS,
+/// where it is present).
+fn gemv_suits(n: usize, w: &CudaMatrix) -> bool {
+    n <= GEMV_UP_TO && !(w.ty == GgmlType::BF16 && n > BF16_GEMV_UP_TO)
 }
 
 fn blocks(n: usize, per: usize) -> u32 {
@@ -178,6 +202,7 @@ impl CudaBackend {
     /// Queues GEMV launches for `n` token rows (≤ GEMV_MAX_ROWS per launch).
     fn gemv(&self, x: u64, n: usize, w: &CudaMatrix, out: u64) -> Result<()> {
         let (rows, k) = (int("rows", w.rows)?, int("cols", w.cols)?);
+        let split = gemv_split(w, self.dev.multiprocessors() as usize);
         let mut t0 = 0;
         while t0 < n {
             let nt = (n - t0).min(GEMV_MAX_ROWS);
@@ -185,7 +210,7 @@ impl CudaBackend {
             let f = self.kernels.func_for(Module::Gemv, "gemv", w.ty, variant)?;
             self.launch_fn(
                 &f,
-                Grid::new((blocks(w.rows, 8), 1), 256),
+                Grid::new((blocks(w.rows * split, 8), 1), 256),
                 &[
                     Arg::U64(w.ptr),
                     Arg::U64(w.row_bytes as u64),
@@ -194,6 +219,7 @@ impl CudaBackend {
                     Arg::U64(x + 4 * (t0 * w.cols) as u64),
                     Arg::I32(nt as i32),
                     Arg::U64(out + 4 * (t0 * w.rows) as u64),
+                    Arg::I32(split as i32),
                 ],
             )?;
             t0 += nt;
@@ -463,11 +489,59 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         match &self.blas {
-            Some(blas) if n > GEMV_UP_TO || (w.ty == GgmlType::BF16 && n > BF16_GEMV_UP_TO) => {
-                self.gemm(blas, x.ptr, n, w, out.ptr)
-            }
+            Some(blas) if !gemv_suits(n, w) => self.gemm(blas, x.ptr, n, w, out.ptr),
             _ => self.gemv(x.ptr, n, w, out.ptr),
         }
+    }
+
+    fn gelu_gated_matmul(
+        &self,
+        x: &CudaBuffer,
+        n: usize,
+        gate: &CudaMatrix,
+        up: &CudaMatrix,
+        ff: usize,
+        gate_out: &mut CudaBuffer,
+        up_out: &mut CudaBuffer,
+    ) -> Result<()> {
+        if (gate.rows, gate.cols, gate.ty) != (ff, up.cols, up.ty) || up.rows != ff {
+            return Err(Error::Invalid(format!(
+                "cuda gated matmul: gate [{}, {}] {} and up [{}, {}] {} for {ff} outputs",
+                gate.rows, gate.cols, gate.ty, up.rows, up.cols, up.ty
+            )));
+        }
+        if self.blas.is_some() && !gemv_suits(n, gate) {
+            self.matmul(x, n, gate, gate_out)?;
+            self.matmul(x, n, up, up_out)?;
+            return self.gelu_tanh_mul(gate_out, up_out, n * ff);
+        }
+        need("gated matmul input", x.len(), n * gate.cols)?;
+        need("gated matmul output", gate_out.len(), n * ff)?;
+        let (rows, k) = (int("rows", ff)?, int("cols", gate.cols)?);
+        let mut t0 = 0;
+        while t0 < n {
+            let nt = (n - t0).min(GEMV_MAX_ROWS);
+            let variant = [1, 2, 4, 4, 8, 8, 8, 8][nt - 1];
+            let f = self
+                .kernels
+                .func_for(Module::Gemv, "gemv_gelu", gate.ty, variant)?;
+            self.launch_fn(
+                &f,
+                Grid::new((blocks(ff, 8), 1), 256),
+                &[
+                    Arg::U64(gate.ptr),
+                    Arg::U64(up.ptr),
+                    Arg::U64(gate.row_bytes as u64),
+                    Arg::I32(rows),
+                    Arg::I32(k),
+                    Arg::U64(x.ptr + 4 * (t0 * gate.cols) as u64),
+                    Arg::I32(nt as i32),
+                    Arg::U64(gate_out.ptr + 4 * (t0 * ff) as u64),
+                ],
+            )?;
+            t0 += nt;
+        }
+        Ok(())
     }
 
     fn head_norm_rope(

@@ -1,50 +1,212 @@
-//! cuBLAS for prefill-sized products: a handle bound to the backend's stream and a row-major
+//! cuBLASLt for prefill-sized and batched-decode products: a row-major
 //! `out[n, rows] = x[n, k] · w[rows, k]ᵀ`, in f32 (no TF32, so it matches the f32 reference) or,
 //! for bf16 weights, on the tensor cores with bf16 activations and f32 accumulation.
+//!
+//! Each product shape gets a plan once (descriptors and the heuristic's algorithm, kept for
+//! the backend's life), so a call is one `cublasLtMatmul`: a batch-64 decode step makes
+//! hundreds of these, and choosing the algorithm per call cost ≈ 12 µs of host time each.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex};
 
-use cudarc::cublas::{result as blas, sys};
-use cudarc::driver::CudaStream;
+use cudarc::cublaslt::{result as lt, sys};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use markbase_core::{Error, Result};
 
 use crate::nvrtc::ensure_library;
 
-/// A cuBLAS handle on the backend's stream.
-pub(crate) struct Blas {
-    handle: sys::cublasHandle_t,
-    _stream: Arc<CudaStream>,
+/// Device workspace cuBLASLt may use per product.
+const WORKSPACE_BYTES: usize = 32 << 20;
+/// `cublasOperation_t::CUBLAS_OP_T` (cublas_api.h): the weights are used transposed.
+const CUBLAS_OP_T: i32 = 1;
+/// Plans kept before the table is emptied (shapes vary with the tokens of a step).
+const MAX_PLANS: usize = 4096;
+
+/// Element type of a [`Blas::gemm_rows`] product's inputs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum GemmInput {
+    /// f32 weights and activations.
+    F32,
+    /// bf16 weights and activations (the tensor cores).
+    Bf16,
 }
 
-// SAFETY: the handle is only used under the backend's operations, which queue on one stream;
-// cuBLAS handles may be used from any thread as long as calls do not overlap, and the backend
-// serialises its calls through `&self` methods that each complete the enqueue before returning.
+/// One product: (inputs, rows, n, k, ldo, byte alignments of w, x and out).
+type Shape = (GemmInput, usize, usize, usize, usize, [u32; 3]);
+
+/// Descriptors and algorithm of one product shape.
+struct Plan {
+    desc: sys::cublasLtMatmulDesc_t,
+    layouts: Vec<sys::cublasLtMatrixLayout_t>,
+    algo: sys::cublasLtMatmulAlgo_t,
+}
+
+impl Drop for Plan {
+    fn drop(&mut self) {
+        // SAFETY: each descriptor was created by this plan and is destroyed once.
+        unsafe {
+            for &l in &self.layouts {
+                let _ = lt::destroy_matrix_layout(l);
+            }
+            let _ = lt::destroy_matmul_desc(self.desc);
+        }
+    }
+}
+
+/// The largest power of two (up to 256) dividing a device address: cuBLASLt's algorithms
+/// each need some alignment of A, B, C and D, which the heuristic is told.
+fn alignment(ptr: u64) -> u32 {
+    1 << ptr.trailing_zeros().min(8)
+}
+
+/// A cuBLASLt handle, its workspace and the plans made so far, on the backend's stream.
+pub(crate) struct Blas {
+    handle: sys::cublasLtHandle_t,
+    _workspace: CudaSlice<u8>,
+    workspace_ptr: u64,
+    plans: Mutex<HashMap<Shape, Plan>>,
+    stream: Arc<CudaStream>,
+}
+
+// SAFETY: the handle and plans are only used under the backend's operations, which queue on
+// one stream; cuBLASLt handles may be used from any thread, and plans are read-only once made
+// (the map is behind a mutex).
 unsafe impl Send for Blas {}
 unsafe impl Sync for Blas {}
 
+impl Drop for Blas {
+    fn drop(&mut self) {
+        if let Ok(mut plans) = self.plans.lock() {
+            plans.clear();
+        }
+        // SAFETY: the handle was created by `new` and is destroyed once, after its plans.
+        unsafe {
+            let _ = lt::destroy_handle(self.handle);
+        }
+    }
+}
+
+fn blas_err(what: &str, e: lt::CublasError) -> Error {
+    Error::Invalid(format!("cuBLASLt {what}: {e:?}"))
+}
+
 impl Blas {
-    /// A handle on `stream`, or `None` when cuBLAS 13 is not installed.
+    /// A handle on `stream`, or `None` when cuBLASLt 13 is not installed.
     pub(crate) fn new(stream: &Arc<CudaStream>) -> Result<Option<Blas>> {
-        if !ensure_library("libcublas.so.13", &["libcublasLt.so.13"], None)
+        if !ensure_library("libcublasLt.so.13", &[], None)
             // SAFETY: only probes for the library by name.
             || !unsafe { sys::is_culib_present() }
         {
             return Ok(None);
         }
-        let handle = blas::create_handle()
-            .map_err(|e| Error::Unsupported(format!("cuBLAS handle: {e:?}")))?;
-        // SAFETY: a live handle and stream.
-        unsafe { blas::set_stream(handle, stream.cu_stream() as _) }
-            .map_err(|e| Error::Unsupported(format!("cuBLAS stream: {e:?}")))?;
+        let handle =
+            lt::create_handle().map_err(|e| Error::Unsupported(format!("cuBLASLt: {e:?}")))?;
+        let workspace = stream
+            .alloc_zeros::<u8>(WORKSPACE_BYTES)
+            .map_err(|e| Error::Unsupported(format!("cuBLASLt workspace: {e:?}")))?;
+        let workspace_ptr = workspace.device_ptr(stream).0;
         Ok(Some(Blas {
             handle,
-            _stream: stream.clone(),
+            _workspace: workspace,
+            workspace_ptr,
+            plans: Mutex::new(HashMap::new()),
+            stream: stream.clone(),
         }))
     }
 
-    /// `out[t·ldo + r] = Σ_i x[t·k + i] · w[r·k + i]` for `t < n`, `r < rows`: column-major
-    /// `C(rows × n) = Wᵀ(rows × k) · X(k × n)` with leading dimension `ldo` for C; `w` and `x`
-    /// hold elements of `input`, C is f32, accumulation in f32 (no TF32).
+    /// The descriptors and algorithm for `shape`, made with the heuristic's first choice.
+    fn plan(&self, (input, rows, n, k, ldo, aligns): Shape) -> Result<Plan> {
+        let ty = match input {
+            GemmInput::F32 => sys::cudaDataType::CUDA_R_32F,
+            GemmInput::Bf16 => sys::cudaDataType::CUDA_R_16BF,
+        };
+        let f32_ty = sys::cudaDataType::CUDA_R_32F;
+        let mut plan = Plan {
+            desc: lt::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, f32_ty)
+                .map_err(|e| blas_err("matmul descriptor", e))?,
+            layouts: Vec::with_capacity(3),
+            algo: sys::cublasLtMatmulAlgo_t { data: [0; 8] },
+        };
+        // Column-major: C(rows × n) = Wᵀ(rows × k) · X(k × n); W is stored k × rows.
+        for (t, r, c, ld) in [(ty, k, rows, k), (ty, k, n, k), (f32_ty, rows, n, ldo)] {
+            let layout = lt::create_matrix_layout(t, r as u64, c as u64, ld as i64)
+                .map_err(|e| blas_err("matrix layout", e))?;
+            plan.layouts.push(layout);
+        }
+        // SAFETY: a live descriptor; the attribute value is a cublasOperation_t (a C int).
+        unsafe {
+            lt::set_matmul_desc_attribute(
+                plan.desc,
+                sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
+                (&CUBLAS_OP_T as *const i32).cast(),
+                std::mem::size_of::<i32>(),
+            )
+        }
+        .map_err(|e| blas_err("transpose attribute", e))?;
+        let pref = lt::create_matmul_pref().map_err(|e| blas_err("preference", e))?;
+        let workspace = WORKSPACE_BYTES as u64;
+        use sys::cublasLtMatmulPreferenceAttributes_t as Pref;
+        let [align_w, align_x, align_out] = aligns;
+        // SAFETY: live descriptors; each attribute value has the type the attribute takes
+        // (u64 for the workspace, u32 for alignments); the preference is destroyed after the
+        // query.
+        let found = unsafe {
+            let set =
+                |attr, v: *const c_void, size| lt::set_matmul_pref_attribute(pref, attr, v, size);
+            let u32_size = std::mem::size_of::<u32>();
+            let found = set(
+                Pref::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                (&workspace as *const u64).cast(),
+                std::mem::size_of::<u64>(),
+            )
+            .and_then(|()| {
+                set(
+                    Pref::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
+                    (&align_w as *const u32).cast(),
+                    u32_size,
+                )
+            })
+            .and_then(|()| {
+                set(
+                    Pref::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                    (&align_x as *const u32).cast(),
+                    u32_size,
+                )
+            })
+            .and_then(|()| {
+                set(
+                    Pref::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
+                    (&align_out as *const u32).cast(),
+                    u32_size,
+                )
+            })
+            .and_then(|()| {
+                set(
+                    Pref::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
+                    (&align_out as *const u32).cast(),
+                    u32_size,
+                )
+            })
+            .and_then(|()| {
+                let l = &plan.layouts;
+                lt::get_matmul_algo_heuristic(self.handle, plan.desc, l[0], l[1], l[2], l[2], pref)
+            });
+            let _ = lt::destroy_matmul_pref(pref);
+            found
+        }
+        .map_err(|e| {
+            blas_err(
+                &format!("no algorithm for {input:?} [{rows} × {k}] · [{n} × {k}]ᵀ"),
+                e,
+            )
+        })?;
+        plan.algo = found.algo;
+        Ok(plan)
+    }
+
+    /// `out[t·ldo + r] = Σ_i x[t·k + i] · w[r·k + i]` for `t < n`, `r < rows`: `w` and `x`
+    /// hold elements of `input`, `out` is f32, accumulation in f32 (no TF32).
     ///
     /// # Safety
     /// The pointers must be live device allocations of at least the sizes implied.
@@ -60,44 +222,39 @@ impl Blas {
         out: u64,
         ldo: usize,
     ) -> Result<()> {
+        let aligns = [alignment(w), alignment(x), alignment(out)];
+        let shape = (input, rows, n, k, ldo, aligns);
+        let mut plans = self
+            .plans
+            .lock()
+            .map_err(|_| Error::Invalid("cuBLASLt plans poisoned by an earlier panic".into()))?;
+        if !plans.contains_key(&shape) {
+            if plans.len() >= MAX_PLANS {
+                plans.clear();
+            }
+            let plan = self.plan(shape)?;
+            plans.insert(shape, plan);
+        }
+        let plan = &plans[&shape];
         let (alpha, beta) = (1f32, 0f32);
-        let int = |v: usize| {
-            i32::try_from(v).map_err(|_| Error::Invalid(format!("GEMM size {v} too large")))
-        };
-        let ty = match input {
-            GemmInput::F32 => sys::cudaDataType::CUDA_R_32F,
-            GemmInput::Bf16 => sys::cudaDataType::CUDA_R_16BF,
-        };
-        blas::gemm_ex(
+        lt::matmul(
             self.handle,
-            sys::cublasOperation_t::CUBLAS_OP_T,
-            sys::cublasOperation_t::CUBLAS_OP_N,
-            int(rows)?,
-            int(n)?,
-            int(k)?,
+            plan.desc,
             (&alpha as *const f32).cast(),
-            w as *const std::ffi::c_void,
-            ty,
-            int(k)?,
-            x as *const std::ffi::c_void,
-            ty,
-            int(k)?,
             (&beta as *const f32).cast(),
-            out as *mut std::ffi::c_void,
-            sys::cudaDataType::CUDA_R_32F,
-            int(ldo)?,
-            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-            sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            w as *const c_void,
+            plan.layouts[0],
+            x as *const c_void,
+            plan.layouts[1],
+            out as *const c_void,
+            plan.layouts[2],
+            out as *mut c_void,
+            plan.layouts[2],
+            &plan.algo,
+            self.workspace_ptr as *mut c_void,
+            WORKSPACE_BYTES,
+            self.stream.cu_stream() as _,
         )
-        .map_err(|e| Error::Invalid(format!("cuBLAS {input:?} gemm: {e:?}")))
+        .map_err(|e| blas_err(&format!("{input:?} product"), e))
     }
-}
-
-/// Element type of a [`Blas::gemm_rows`] product's inputs.
-#[derive(Clone, Copy, Debug)]
-pub(crate) enum GemmInput {
-    /// f32 weights and activations.
-    F32,
-    /// bf16 weights and activations (the tensor cores).
-    Bf16,
 }

@@ -9,6 +9,11 @@ use crate::device::driver_err;
 use crate::kernels::{Arg, Grid};
 use crate::sources::Module;
 
+/// Logits per block of the argmax's first pass (a row of 262 144 takes 64 blocks).
+const ARGMAX_SLICE: usize = 4096;
+/// Most blocks per row of the argmax's first pass.
+const ARGMAX_MAX_PARTS: usize = 64;
+
 /// Most candidates top-k sampling keeps (the kernel's shared-memory table).
 pub const MAX_TOP_K: usize = 256;
 
@@ -65,11 +70,29 @@ impl CudaBackend {
         // The scratch stays locked until the picks are back (another thread may sample too).
         let mut s = self.scratch()?;
         let picks = s.picks.get(&self.dev.stream, rows)?;
+        let parts = n.div_ceil(ARGMAX_SLICE).min(ARGMAX_MAX_PARTS);
+        let part = s.floats.get(&self.dev.stream, 2 * rows * parts)?;
         self.run(
             Module::Sample,
-            "argmax_rows",
-            Grid::new((rows as u32, 1), 1024),
-            &[Arg::U64(logits.ptr), Arg::I32(n as i32), Arg::U64(picks)],
+            "argmax_part",
+            Grid::new((rows as u32, parts as u32), 256),
+            &[
+                Arg::U64(logits.ptr),
+                Arg::I32(n as i32),
+                Arg::I32(parts as i32),
+                Arg::U64(part),
+            ],
+        )?;
+        self.run(
+            Module::Sample,
+            "argmax_join",
+            Grid::new((rows as u32, 1), 32),
+            &[
+                Arg::U64(part),
+                Arg::I32(parts as i32),
+                Arg::I32(n as i32),
+                Arg::U64(picks),
+            ],
         )?;
         let out = self.finish_picks(picks, rows);
         drop(s);

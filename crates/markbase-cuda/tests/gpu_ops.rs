@@ -155,10 +155,11 @@ fn random_matrix(r: &mut StdRng, ty: GgmlType, rows: usize, cols: usize) -> Host
     }
 }
 
-/// Row widths to try for a format: odd widths for the plain formats.
+/// Row widths to try for a format: odd widths for the plain formats, and long ones whose
+/// rows several GEMV warps share (split 4 at 2 056, split 8 at 4 104, a partial span last).
 fn widths(ty: GgmlType) -> Vec<usize> {
     match ty.block_size() {
-        1 => vec![8, 12, 40, 264],
+        1 => vec![8, 12, 40, 264, 2056, 4104],
         32 => vec![96, 512],
         _ => vec![256, 768],
     }
@@ -193,6 +194,48 @@ fn matmul_matches_reference_for_every_format_and_batch() {
             }
         }
     }
+}
+
+#[test]
+fn gelu_gated_matmul_matches_reference_for_every_format() {
+    let g = gpu_or_skip!();
+    let mut r = rng("gelu_gated_matmul");
+    for ty in GgmlType::SUPPORTED {
+        let k = *widths(ty).last().unwrap();
+        let ff = 45;
+        let (gm, um) = (
+            random_matrix(&mut r, ty, ff, k),
+            random_matrix(&mut r, ty, ff, k),
+        );
+        let (gw, uw) = (g.load_matrix(&gm).unwrap(), g.load_matrix(&um).unwrap());
+        // 1–8 rows: the fused GEMV (one warp per gate / up row pair); 13: two launches; 40:
+        // two cuBLAS products and the elementwise pass.
+        for n in [1, 3, 8, 13, 40] {
+            let x = uniform(&mut r, n * k, 1.0);
+            let tensor_cores = ty == GgmlType::BF16 && n > BF16_GEMV_UP_TO && g.has_cublas();
+            let seen: Vec<f32> = if tensor_cores {
+                x.iter().map(|&v| bf16::from_f32(v).to_f32()).collect()
+            } else {
+                x.clone()
+            };
+            let want = reference::gelu_tanh_mul(
+                &reference::matmul(&seen, n, &gm).unwrap(),
+                &reference::matmul(&seen, n, &um).unwrap(),
+            );
+            let (mut go, mut uo) = (poisoned(g, n * ff), poisoned(g, n * ff));
+            g.gelu_gated_matmul(&up(g, &x), n, &gw, &uw, ff, &mut go, &mut uo)
+                .unwrap();
+            let got = down(g, &go, n * ff);
+            assert_close(&format!("gated {ty} k={k} n={n}"), &got, &want, 2e-5);
+        }
+    }
+    let m = random_matrix(&mut r, GgmlType::F32, 8, 16);
+    let (a, b) = (g.load_matrix(&m).unwrap(), g.load_matrix(&m).unwrap());
+    let (mut go, mut uo) = (poisoned(g, 16), poisoned(g, 16));
+    let err = g
+        .gelu_gated_matmul(&up(g, &[0.0; 16]), 1, &a, &b, 9, &mut go, &mut uo)
+        .unwrap_err();
+    assert!(err.to_string().contains("9 outputs"), "{err}");
 }
 
 #[test]
@@ -601,6 +644,16 @@ fn argmax_and_sampling_match_host_twins() {
         .collect();
     assert_eq!(got, want, "argmax");
     assert_eq!(got[1], 500);
+    // Rows whose last slice of the first pass is partial, and rows shorter than one slice.
+    for (rows, n) in [(5, 4097), (2, 7)] {
+        let small = uniform(&mut r, rows * n, 10.0);
+        let got = g.argmax(&up(g, &small), rows, n).unwrap();
+        let want: Vec<u32> = small
+            .chunks(n)
+            .map(|row| (0..n).fold(0, |b, i| if row[i] > row[b] { i } else { b }) as u32)
+            .collect();
+        assert_eq!(got, want, "argmax of {rows} rows of {n}");
+    }
     let clean: Vec<f32> = logits
         .iter()
         .map(|v| if v.is_nan() { -1e30 } else { *v })

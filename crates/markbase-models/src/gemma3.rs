@@ -282,9 +282,7 @@ impl<B: Backend> Gemma3<B> {
                 &mut w.x,
                 NormOut::Write,
             )?;
-            be.matmul(&w.x, n, &layer.gate, &mut w.gate)?;
-            be.matmul(&w.x, n, &layer.up, &mut w.up)?;
-            be.gelu_tanh_mul(&mut w.gate, &w.up, n * ff)?;
+            be.gelu_gated_matmul(&w.x, n, &layer.gate, &layer.up, ff, &mut w.gate, &mut w.up)?;
             be.matmul(&w.gate, n, &layer.down, &mut w.proj)?;
             be.rms_norm(
                 &w.proj,
