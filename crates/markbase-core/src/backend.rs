@@ -285,6 +285,20 @@ pub trait Backend: Send + Sync {
         w: &Self::Matrix,
         out: &mut Self::Buffer,
     ) -> Result<()>;
+    /// Several products of the same activations, `out = x · wᵀ` for each `(w, out)` of
+    /// `products` (`n` rows; e.g. a layer's q, k and v projections). The default runs them one
+    /// by one; a backend may share work between them (one launch, one rounding of `x`).
+    fn matmul_many(
+        &self,
+        x: &Self::Buffer,
+        n: usize,
+        products: &mut [(&Self::Matrix, &mut Self::Buffer)],
+    ) -> Result<()> {
+        for (w, out) in products.iter_mut() {
+            self.matmul(x, n, w, out)?;
+        }
+        Ok(())
+    }
     /// A coarse copy of a large LM head (`head`, as stored) in this backend's screening format,
     /// for [`Backend::matmul_screened`]; `None` where the backend does not screen (the
     /// default) or the head's shape does not suit its format.

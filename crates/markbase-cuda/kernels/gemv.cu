@@ -75,6 +75,37 @@ __device__ void gemv_gelu_impl(const u8* wg, const u8* wu, u64 row_bytes, int ro
     }
 }
 
+// Up to 4 products of the same activations in one launch (a layer's q, k and v): the
+// matrices' rows are numbered one after another, one warp per row; every matrix has the same
+// stored format and row length. `MAX_PRODUCTS` in backend.rs.
+struct Products {
+    u64 w[4];
+    u64 out[4];
+    int rows[4];
+    int count;
+};
+
+template <int FMT, int NT>
+__device__ void gemv_many_impl(const Products& p, u64 row_bytes, int k, const float* x,
+                               int nt) {
+    int r = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    int m = 0;
+    while (m + 1 < p.count && r >= p.rows[m]) {
+        r -= p.rows[m];
+        m++;
+    }
+    bool active = r < p.rows[m];
+    float acc[NT];
+    const u8* w = (const u8*)p.w[m];
+    warp_row_dot<FMT, NT>(active, w + (u64)(active ? r : 0) * row_bytes, x, k, nt, acc);
+    if (active && (threadIdx.x & 31) == 0) {
+        float* out = (float*)p.out[m];
+#pragma unroll
+        for (int t = 0; t < NT; t++)
+            if (t < nt) out[(u64)t * p.rows[m] + r] = acc[t];
+    }
+}
+
 #define GEMV_KERNEL(S, F, NT)                                                                 \
     extern "C" __global__ void gemv_##S##_##NT(const u8* w, u64 row_bytes, int rows, int k,   \
                                                const float* x, int nt, float* out,            \
@@ -87,7 +118,16 @@ __device__ void gemv_gelu_impl(const u8* wg, const u8* wu, u64 row_bytes, int ro
                                                     float* out) {                              \
         gemv_gelu_impl<F, NT>(wg, wu, row_bytes, rows, k, x, nt, out);                         \
     }
+#define GEMV_MANY_KERNEL(S, F, NT)                                                          \
+    extern "C" __global__ void gemv_many_##S##_##NT(Products p, u64 row_bytes, int k,        \
+                                                    const float* x, int nt) {                \
+        gemv_many_impl<F, NT>(p, row_bytes, k, x, nt);                                       \
+    }
 #define GEMV_KERNELS(S, F)      \
+    GEMV_MANY_KERNEL(S, F, 1)   \
+    GEMV_MANY_KERNEL(S, F, 2)   \
+    GEMV_MANY_KERNEL(S, F, 4)   \
+    GEMV_MANY_KERNEL(S, F, 8)   \
     GEMV_KERNEL(S, F, 1)        \
     GEMV_KERNEL(S, F, 2)        \
     GEMV_KERNEL(S, F, 4)        \

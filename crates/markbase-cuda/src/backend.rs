@@ -15,7 +15,7 @@ use markbase_core::{Error, Result};
 use crate::blas::{Blas, GemmInput};
 use crate::buffer::{CudaBuffer, CudaMatrix, Growable};
 use crate::device::{driver_err, Device};
-use crate::kernels::{launch, Arg, AttnArgs, Grid, Kernels};
+use crate::kernels::{launch, Arg, AttnArgs, Grid, Kernels, ProductArgs, MAX_PRODUCTS};
 use crate::sources::Module;
 use crate::upload::IndexCache;
 
@@ -227,6 +227,80 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// A bf16 copy of the `len` floats at `x` in the float scratch (`len` even: they take
+    /// len / 2 float slots), for the tensor cores; returns its address.
+    fn round_to_bf16(&self, s: &mut Scratch, x: u64, len: usize) -> Result<u64> {
+        let xb = s.floats.get(&self.dev.stream, len / 2)?;
+        self.run(
+            Module::Ops,
+            "f32_to_bf16",
+            Grid::new((blocks(len, 256), 1), 256),
+            &[Arg::U64(x), Arg::U64(xb), Arg::U64(len as u64)],
+        )?;
+        Ok(xb)
+    }
+
+    /// Products of one activation block with several matrices of one format and width (all
+    /// checked by the caller): one `gemv_many` launch per ≤ 8 token rows where GEMVs suit,
+    /// else one bf16 rounding shared by the tensor-core products; `false` where neither
+    /// applies (the caller runs them one by one).
+    fn matmul_shared(&self, x: u64, n: usize, products: &[(&CudaMatrix, u64)]) -> Result<bool> {
+        let w0 = products[0].0;
+        let k = w0.cols;
+        match &self.blas {
+            Some(blas) if !gemv_suits(n, w0) => {
+                if w0.ty != GgmlType::BF16 || !k.is_multiple_of(2) {
+                    return Ok(false);
+                }
+                let mut s = self.scratch()?;
+                let xb = self.round_to_bf16(&mut s, x, n * k)?;
+                for &(w, out) in products {
+                    // SAFETY: `xb` holds n·k bf16 values, `w` rows·k; `out` rows·n (checked
+                    // by the caller).
+                    unsafe {
+                        blas.gemm_rows(GemmInput::Bf16, w.ptr, w.rows, k, xb, n, out, w.rows)?
+                    };
+                }
+                Ok(true)
+            }
+            _ => {
+                let mut args = ProductArgs {
+                    count: products.len() as i32,
+                    ..ProductArgs::default()
+                };
+                for (i, (w, _)) in products.iter().enumerate() {
+                    args.w[i] = w.ptr;
+                    args.rows[i] = int("rows", w.rows)?;
+                }
+                let total: usize = products.iter().map(|(w, _)| w.rows).sum();
+                let mut t0 = 0;
+                while t0 < n {
+                    let nt = (n - t0).min(GEMV_MAX_ROWS);
+                    let variant = [1, 2, 4, 4, 8, 8, 8, 8][nt - 1];
+                    for (i, &(w, out)) in products.iter().enumerate() {
+                        args.out[i] = out + 4 * (t0 * w.rows) as u64;
+                    }
+                    let f = self
+                        .kernels
+                        .func_for(Module::Gemv, "gemv_many", w0.ty, variant)?;
+                    self.launch_fn(
+                        &f,
+                        Grid::new((blocks(total, 8), 1), 256),
+                        &[
+                            Arg::Products(args),
+                            Arg::U64(w0.row_bytes as u64),
+                            Arg::I32(int("cols", k)?),
+                            Arg::U64(x + 4 * (t0 * k) as u64),
+                            Arg::I32(nt as i32),
+                        ],
+                    )?;
+                    t0 += nt;
+                }
+                Ok(true)
+            }
+        }
+    }
+
     /// Prefill-sized product through cuBLAS: f32 weights directly; bf16 weights as stored on
     /// the tensor cores, the activations rounded to bf16 first (as every bf16 engine runs them);
     /// other formats dequantized tile by tile into f32 scratch.
@@ -238,15 +312,7 @@ impl CudaBackend {
         }
         let mut s = self.scratch()?;
         if w.ty == GgmlType::BF16 && k.is_multiple_of(2) {
-            // n·k bf16 values in n·k/2 float slots of the scratch.
-            let xb = s.floats.get(&self.dev.stream, n * k / 2)?;
-            let len = (n * k) as u64;
-            self.run(
-                Module::Ops,
-                "f32_to_bf16",
-                Grid::new((blocks(n * k, 256), 1), 256),
-                &[Arg::U64(x), Arg::U64(xb), Arg::U64(len)],
-            )?;
+            let xb = self.round_to_bf16(&mut s, x, n * k)?;
             // SAFETY: `xb` holds n·k bf16 values, `w` rows·k; `out` rows·n (checked by the
             // caller).
             return unsafe {
@@ -494,6 +560,35 @@ impl Backend for CudaBackend {
         }
     }
 
+    fn matmul_many(
+        &self,
+        x: &CudaBuffer,
+        n: usize,
+        products: &mut [(&CudaMatrix, &mut CudaBuffer)],
+    ) -> Result<()> {
+        let Some(w0) = products.first().map(|(w, _)| *w) else {
+            return Ok(());
+        };
+        for (w, out) in products.iter() {
+            need("matmul input", x.len(), n * w.cols)?;
+            need("matmul output", out.len(), n * w.rows)?;
+        }
+        let shared = products.len() <= MAX_PRODUCTS
+            && products
+                .iter()
+                .all(|(w, _)| (w.ty, w.cols, w.row_bytes) == (w0.ty, w0.cols, w0.row_bytes));
+        if n > 0 && shared {
+            let ptrs: Vec<(&CudaMatrix, u64)> = products.iter().map(|(w, o)| (*w, o.ptr)).collect();
+            if self.matmul_shared(x.ptr, n, &ptrs)? {
+                return Ok(());
+            }
+        }
+        for (w, out) in products.iter_mut() {
+            self.matmul(x, n, w, out)?;
+        }
+        Ok(())
+    }
+
     fn gelu_gated_matmul(
         &self,
         x: &CudaBuffer,
@@ -511,8 +606,7 @@ impl Backend for CudaBackend {
             )));
         }
         if self.blas.is_some() && !gemv_suits(n, gate) {
-            self.matmul(x, n, gate, gate_out)?;
-            self.matmul(x, n, up, up_out)?;
+            self.matmul_many(x, n, &mut [(gate, &mut *gate_out), (up, &mut *up_out)])?;
             return self.gelu_tanh_mul(gate_out, up_out, n * ff);
         }
         need("gated matmul input", x.len(), n * gate.cols)?;

@@ -136,6 +136,23 @@ pub(crate) struct AttnArgs {
 // SAFETY: plain-old-data with the C layout the kernel expects.
 unsafe impl DeviceRepr for AttnArgs {}
 
+/// Most products one `gemv_many` launch takes (`Products` in gemv.cu).
+pub(crate) const MAX_PRODUCTS: usize = 4;
+
+/// The `Products` argument of the `gemv_many` kernels (same layout as the C struct): weight
+/// and output addresses and row counts of up to [`MAX_PRODUCTS`] matrices.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct ProductArgs {
+    pub w: [u64; MAX_PRODUCTS],
+    pub out: [u64; MAX_PRODUCTS],
+    pub rows: [i32; MAX_PRODUCTS],
+    pub count: i32,
+}
+
+// SAFETY: plain data with the C layout of gemv.cu's `Products`.
+unsafe impl DeviceRepr for ProductArgs {}
+
 /// One kernel argument, passed by value.
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum Arg {
@@ -147,6 +164,8 @@ pub(crate) enum Arg {
     F32(f32),
     /// The attention argument block.
     Attn(AttnArgs),
+    /// The matrices of a `gemv_many` launch.
+    Products(ProductArgs),
 }
 
 /// Launch geometry.
@@ -183,6 +202,7 @@ pub(crate) fn launch(
             Arg::I32(v) => v as *mut i32 as *mut c_void,
             Arg::F32(v) => v as *mut f32 as *mut c_void,
             Arg::Attn(v) => v as *mut AttnArgs as *mut c_void,
+            Arg::Products(v) => v as *mut ProductArgs as *mut c_void,
         })
         .collect();
     // SAFETY: the parameter pointers point into `store`, alive for the call; the kernel's

@@ -197,6 +197,47 @@ fn matmul_matches_reference_for_every_format_and_batch() {
 }
 
 #[test]
+fn matmul_many_matches_reference_for_every_format() {
+    let g = gpu_or_skip!();
+    let mut r = rng("matmul_many");
+    for ty in GgmlType::SUPPORTED {
+        let k = *widths(ty).last().unwrap();
+        // Three matrices (q, k, v-like): one launch or one shared rounding; a fourth of
+        // another format makes the call fall back to one product at a time.
+        let mut mats: Vec<HostMatrix> = [37, 9, 9]
+            .iter()
+            .map(|&rows| random_matrix(&mut r, ty, rows, k))
+            .collect();
+        for other in [None, Some(GgmlType::F32)] {
+            if let Some(o) = other {
+                mats.push(random_matrix(&mut r, o, 5, k));
+            }
+            let ws: Vec<_> = mats.iter().map(|m| g.load_matrix(m).unwrap()).collect();
+            for n in [1, 3, 13, 40] {
+                let x = uniform(&mut r, n * k, 1.0);
+                let mut outs: Vec<CudaBuffer> =
+                    mats.iter().map(|m| poisoned(g, n * m.rows)).collect();
+                let mut products: Vec<_> = ws.iter().zip(outs.iter_mut()).collect();
+                g.matmul_many(&up(g, &x), n, &mut products).unwrap();
+                for ((m, out), w_ty) in mats.iter().zip(&outs).zip(mats.iter().map(|m| m.ty)) {
+                    let tensor_cores =
+                        w_ty == GgmlType::BF16 && n > BF16_GEMV_UP_TO && g.has_cublas();
+                    let seen: Vec<f32> = if tensor_cores {
+                        x.iter().map(|&v| bf16::from_f32(v).to_f32()).collect()
+                    } else {
+                        x.clone()
+                    };
+                    let want = reference::matmul(&seen, n, m).unwrap();
+                    let got = down(g, out, n * m.rows);
+                    let what = format!("matmul_many {ty} ({}) rows {} n={n}", mats.len(), m.rows);
+                    assert_close(&what, &got, &want, 2e-5);
+                }
+            }
+        }
+    }
+}
+
+#[test]
 fn gelu_gated_matmul_matches_reference_for_every_format() {
     let g = gpu_or_skip!();
     let mut r = rng("gelu_gated_matmul");

@@ -231,9 +231,15 @@ impl<B: Backend> Gemma3<B> {
                 &mut w.x,
                 NormOut::Write,
             )?;
-            be.matmul(&w.x, n, &layer.q, &mut w.q)?;
-            be.matmul(&w.x, n, &layer.k, &mut w.k)?;
-            be.matmul(&w.x, n, &layer.v, &mut w.v)?;
+            be.matmul_many(
+                &w.x,
+                n,
+                &mut [
+                    (&layer.q, &mut w.q),
+                    (&layer.k, &mut w.k),
+                    (&layer.v, &mut w.v),
+                ],
+            )?;
             let positions = &l.positions;
             be.head_norm_rope(
                 &mut w.q,

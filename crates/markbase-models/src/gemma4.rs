@@ -475,7 +475,19 @@ impl<B: Backend> Gemma4<B> {
             &mut w.x,
             NormOut::Write,
         )?;
-        be.matmul(&w.x, n, &layer.q, &mut w.q)?;
+        // q, k and v (or q alone on a KV-shared layer) in one call: a backend may share the
+        // activations' rounding or a launch between them.
+        match layer.kv.as_ref().map(|kv| (&kv.k, kv.v.as_ref())) {
+            Some((k, Some(v))) => be.matmul_many(
+                &w.x,
+                n,
+                &mut [(&layer.q, &mut w.q), (k, &mut w.k), (v, &mut w.attn)],
+            )?,
+            Some((k, None)) => {
+                be.matmul_many(&w.x, n, &mut [(&layer.q, &mut w.q), (k, &mut w.k)])?
+            }
+            None => be.matmul(&w.x, n, &layer.q, &mut w.q)?,
+        }
         be.head_norm_rope(
             &mut w.q,
             cfg.n_heads,
@@ -486,15 +498,10 @@ impl<B: Backend> Gemma4<B> {
         )?;
         let (kc, vc, _) = &mut paged.layers[layer.cache];
         if let Some(kv) = &layer.kv {
-            be.matmul(&w.x, n, &kv.k, &mut w.k)?;
-            // v_norm: weightless RMSNorm of V — the raw K projection under k_eq_v.
-            match &kv.v {
-                Some(v) => {
-                    be.matmul(&w.x, n, v, &mut w.attn)?;
-                    be.rms_norm(&w.attn, None, eps, n * kvh, hd, &mut w.v, NormOut::Write)?;
-                }
-                None => be.rms_norm(&w.k, None, eps, n * kvh, hd, &mut w.v, NormOut::Write)?,
-            }
+            // v_norm: weightless RMSNorm of V (its raw projection is in `attn`) — the raw K
+            // projection under k_eq_v.
+            let raw_v = if kv.v.is_some() { &w.attn } else { &w.k };
+            be.rms_norm(raw_v, None, eps, n * kvh, hd, &mut w.v, NormOut::Write)?;
             be.head_norm_rope(
                 &mut w.k,
                 kvh,
