@@ -10,7 +10,7 @@ use markbase_core::backend::{AttnSpec, Backend, NormOut, Rope};
 use markbase_core::config::{Gemma3Config, LayerKind, RopeConfig};
 use markbase_core::{Error, Result};
 
-use crate::lm_head::{HeadNorm, HeadOut, HeadWork, LmHead, LmHeadMode};
+use crate::lm_head::{HeadNorm, HeadWork, LmHead, LmHeadMode};
 use crate::paged::{ChunkLayout, PagedKv, SeqStep, StepModel, StepOutput};
 use crate::weights::WeightStore;
 
@@ -350,13 +350,15 @@ impl<B: Backend> StepModel for Gemma3<B> {
         let mut work = self.work.lock().unwrap_or_else(|e| e.into_inner());
         self.layers_forward(&mut work, kv, l)?;
         let w = &mut *work;
-        let (be, embed) = (&self.backend, &self.embed);
-        let logits = HeadOut::Logits(logits);
-        self.head
-            .run(be, embed, &w.h, &l.logit_rows, &mut w.head, logits)?;
-        let picks = HeadOut::Ids(ids);
-        self.head
-            .run(be, embed, &w.h, &l.greedy_rows, &mut w.head, picks)
+        self.head.run_step(
+            &self.backend,
+            &self.embed,
+            &w.h,
+            l,
+            &mut w.head,
+            logits,
+            ids,
+        )
     }
 }
 

@@ -11,6 +11,8 @@ use markbase_core::backend::{Backend, HostMatrix, NormOut};
 use markbase_core::quant::GgmlType;
 use markbase_core::Result;
 
+use crate::paged::ChunkLayout;
+
 /// Logits per row computed from the stored head when screening.
 pub const SCREEN_TOP_K: usize = 4096;
 /// Heads with fewer rows are always exact (screening pays on huge vocabularies only).
@@ -119,6 +121,25 @@ impl<B: Backend> LmHead<B> {
             Some(coarse) => backend.matmul_screened(x, n, coarse, head, SCREEN_TOP_K, out),
             None => backend.matmul(x, n, head, out),
         }
+    }
+
+    /// A step's head work: the logits of `layout.logit_rows` into `logits` (row-major), then
+    /// the greedy picks of `layout.greedy_rows` appended to `ids`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn run_step(
+        &self,
+        backend: &B,
+        embed: &B::Matrix,
+        h: &B::Buffer,
+        layout: &ChunkLayout,
+        work: &mut HeadWork<B>,
+        logits: &mut [f32],
+        ids: &mut Vec<u32>,
+    ) -> Result<()> {
+        let rows = &layout.logit_rows;
+        self.run(backend, embed, h, rows, work, HeadOut::Logits(logits))?;
+        let rows = &layout.greedy_rows;
+        self.run(backend, embed, h, rows, work, HeadOut::Ids(ids))
     }
 
     /// Final norm, head and softcap for the hidden-state rows `rows` of `h` (rows of
