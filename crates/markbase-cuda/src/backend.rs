@@ -99,6 +99,15 @@ fn gemv_suits(n: usize, w: &CudaMatrix) -> bool {
     n <= GEMV_UP_TO && !(w.ty == GgmlType::BF16 && n > BF16_GEMV_UP_TO)
 }
 
+/// The launches a GEMV of `n` token rows takes: (first row, rows, kernel variant), at most
+/// `GEMV_MAX_ROWS` rows each (the variant is the smallest kernel that holds them).
+fn gemv_launches(n: usize) -> impl Iterator<Item = (usize, usize, u32)> {
+    (0..n).step_by(GEMV_MAX_ROWS).map(move |t0| {
+        let nt = (n - t0).min(GEMV_MAX_ROWS);
+        (t0, nt, [1, 2, 4, 4, 8, 8, 8, 8][nt - 1])
+    })
+}
+
 fn blocks(n: usize, per: usize) -> u32 {
     n.div_ceil(per) as u32
 }
@@ -203,10 +212,7 @@ impl CudaBackend {
     fn gemv(&self, x: u64, n: usize, w: &CudaMatrix, out: u64) -> Result<()> {
         let (rows, k) = (int("rows", w.rows)?, int("cols", w.cols)?);
         let split = gemv_split(w, self.dev.multiprocessors() as usize);
-        let mut t0 = 0;
-        while t0 < n {
-            let nt = (n - t0).min(GEMV_MAX_ROWS);
-            let variant = [1, 2, 4, 4, 8, 8, 8, 8][nt - 1];
+        for (t0, nt, variant) in gemv_launches(n) {
             let f = self.kernels.func_for(Module::Gemv, "gemv", w.ty, variant)?;
             self.launch_fn(
                 &f,
@@ -222,7 +228,6 @@ impl CudaBackend {
                     Arg::I32(split as i32),
                 ],
             )?;
-            t0 += nt;
         }
         Ok(())
     }
@@ -273,10 +278,7 @@ impl CudaBackend {
                     args.rows[i] = int("rows", w.rows)?;
                 }
                 let total: usize = products.iter().map(|(w, _)| w.rows).sum();
-                let mut t0 = 0;
-                while t0 < n {
-                    let nt = (n - t0).min(GEMV_MAX_ROWS);
-                    let variant = [1, 2, 4, 4, 8, 8, 8, 8][nt - 1];
+                for (t0, nt, variant) in gemv_launches(n) {
                     for (i, &(w, out)) in products.iter().enumerate() {
                         args.out[i] = out + 4 * (t0 * w.rows) as u64;
                     }
@@ -294,7 +296,6 @@ impl CudaBackend {
                             Arg::I32(nt as i32),
                         ],
                     )?;
-                    t0 += nt;
                 }
                 Ok(true)
             }
@@ -612,10 +613,7 @@ impl Backend for CudaBackend {
         need("gated matmul input", x.len(), n * gate.cols)?;
         need("gated matmul output", gate_out.len(), n * ff)?;
         let (rows, k) = (int("rows", ff)?, int("cols", gate.cols)?);
-        let mut t0 = 0;
-        while t0 < n {
-            let nt = (n - t0).min(GEMV_MAX_ROWS);
-            let variant = [1, 2, 4, 4, 8, 8, 8, 8][nt - 1];
+        for (t0, nt, variant) in gemv_launches(n) {
             let f = self
                 .kernels
                 .func_for(Module::Gemv, "gemv_gelu", gate.ty, variant)?;
@@ -633,7 +631,6 @@ impl Backend for CudaBackend {
                     Arg::U64(gate_out.ptr + 4 * (t0 * ff) as u64),
                 ],
             )?;
-            t0 += nt;
         }
         Ok(())
     }
@@ -1078,5 +1075,25 @@ impl Backend for CudaBackend {
             Ok(())
         })?;
         self.finish_error_check(check)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gemv_launches_cover_every_row_once_with_a_kernel_that_holds_them() {
+        assert_eq!(gemv_launches(0).count(), 0);
+        for n in 1..=40 {
+            let mut next = 0;
+            for (t0, nt, variant) in gemv_launches(n) {
+                assert_eq!(t0, next, "n = {n}");
+                assert!((1..=GEMV_MAX_ROWS).contains(&nt));
+                assert!(nt <= variant as usize && variant as usize <= 2 * nt.max(1));
+                next = t0 + nt;
+            }
+            assert_eq!(next, n);
+        }
     }
 }

@@ -155,6 +155,16 @@ fn random_matrix(r: &mut StdRng, ty: GgmlType, rows: usize, cols: usize) -> Host
     }
 }
 
+/// The activations `x` (`n` rows) as a product with `ty` weights sees them: rounded to bf16
+/// where bf16 weights take the tensor cores (above `BF16_GEMV_UP_TO` rows, with cuBLAS).
+fn as_seen(g: &CudaBackend, ty: GgmlType, n: usize, x: &[f32]) -> Vec<f32> {
+    if ty == GgmlType::BF16 && n > BF16_GEMV_UP_TO && g.has_cublas() {
+        x.iter().map(|&v| bf16::from_f32(v).to_f32()).collect()
+    } else {
+        x.to_vec()
+    }
+}
+
 /// Row widths to try for a format: odd widths for the plain formats, and long ones whose
 /// rows several GEMV warps share (split 4 at 2 056, split 8 at 4 104, a partial span last).
 fn widths(ty: GgmlType) -> Vec<usize> {
@@ -179,12 +189,7 @@ fn matmul_matches_reference_for_every_format_and_batch() {
             // weights take the tensor cores above BF16_GEMV_UP_TO rows.
             for n in [1, 2, 3, 8, 13, 40] {
                 let x = uniform(&mut r, n * k, 1.0);
-                let tensor_cores = ty == GgmlType::BF16 && n > BF16_GEMV_UP_TO && g.has_cublas();
-                let seen: Vec<f32> = if tensor_cores {
-                    x.iter().map(|&v| bf16::from_f32(v).to_f32()).collect()
-                } else {
-                    x.clone()
-                };
+                let seen = as_seen(g, ty, n, &x);
                 let want = reference::matmul(&seen, n, &m).unwrap();
                 let xb = up(g, &x);
                 let mut out = poisoned(g, n * rows);
@@ -219,14 +224,8 @@ fn matmul_many_matches_reference_for_every_format() {
                     mats.iter().map(|m| poisoned(g, n * m.rows)).collect();
                 let mut products: Vec<_> = ws.iter().zip(outs.iter_mut()).collect();
                 g.matmul_many(&up(g, &x), n, &mut products).unwrap();
-                for ((m, out), w_ty) in mats.iter().zip(&outs).zip(mats.iter().map(|m| m.ty)) {
-                    let tensor_cores =
-                        w_ty == GgmlType::BF16 && n > BF16_GEMV_UP_TO && g.has_cublas();
-                    let seen: Vec<f32> = if tensor_cores {
-                        x.iter().map(|&v| bf16::from_f32(v).to_f32()).collect()
-                    } else {
-                        x.clone()
-                    };
+                for (m, out) in mats.iter().zip(&outs) {
+                    let seen = as_seen(g, m.ty, n, &x);
                     let want = reference::matmul(&seen, n, m).unwrap();
                     let got = down(g, out, n * m.rows);
                     let what = format!("matmul_many {ty} ({}) rows {} n={n}", mats.len(), m.rows);
@@ -253,12 +252,7 @@ fn gelu_gated_matmul_matches_reference_for_every_format() {
         // two cuBLAS products and the elementwise pass.
         for n in [1, 3, 8, 13, 40] {
             let x = uniform(&mut r, n * k, 1.0);
-            let tensor_cores = ty == GgmlType::BF16 && n > BF16_GEMV_UP_TO && g.has_cublas();
-            let seen: Vec<f32> = if tensor_cores {
-                x.iter().map(|&v| bf16::from_f32(v).to_f32()).collect()
-            } else {
-                x.clone()
-            };
+            let seen = as_seen(g, ty, n, &x);
             let want = reference::gelu_tanh_mul(
                 &reference::matmul(&seen, n, &gm).unwrap(),
                 &reference::matmul(&seen, n, &um).unwrap(),
