@@ -276,6 +276,32 @@ pub trait Backend: Send + Sync {
         out: &mut Self::Buffer,
         mode: NormOut,
     ) -> Result<()>;
+    /// A block's closing residual and the next block's opening norm in one pass over `n` rows
+    /// of `dim`: `h = (h + rms_norm(y) · weight) · scale`, then with `next = Some((w, x))`
+    /// `x = rms_norm(h) · w` (a layer's post-norm, residual add and layer scalar, then the
+    /// following pre-norm). The default is [`Backend::rms_norm`] twice and [`Backend::scale`];
+    /// a backend may fuse them.
+    #[allow(clippy::too_many_arguments)]
+    fn residual_norm(
+        &self,
+        y: &Self::Buffer,
+        weight: &Self::Vector,
+        eps: f32,
+        n: usize,
+        dim: usize,
+        h: &mut Self::Buffer,
+        scale: f32,
+        next: Option<(&Self::Vector, &mut Self::Buffer)>,
+    ) -> Result<()> {
+        self.rms_norm(y, Some(weight), eps, n, dim, h, NormOut::AddTo)?;
+        if scale != 1.0 {
+            self.scale(h, scale, n * dim)?;
+        }
+        match next {
+            Some((w, x)) => self.rms_norm(h, Some(w), eps, n, dim, x, NormOut::Write),
+            None => Ok(()),
+        }
+    }
     /// `out[n, w.rows] = x[n, w.cols] · wᵀ`, any stored format (decode: one dot per weight row;
     /// prefill: each weight row is read once for all `n` tokens).
     fn matmul(
@@ -356,6 +382,31 @@ pub trait Backend: Send + Sync {
         rope: &Rope,
         positions: &[u32],
     ) -> Result<()>;
+    /// A layer's queries and new keys and values, between the q/k/v products and attention:
+    /// per-head RMSNorm of `q` and `k` (weights `norms.0`, `norms.1`, epsilon `norms.2`), then
+    /// RoPE at `positions[t]`, both in place; then `k` and `v` (stored as they are) written to
+    /// cache rows `slots[t]`. Head counts and width come from `spec`. The default is two
+    /// [`Backend::head_norm_rope`]s and [`Backend::write_kv`]; a backend may fuse them.
+    #[allow(clippy::too_many_arguments)]
+    fn rope_write_kv(
+        &self,
+        q: &mut Self::Buffer,
+        k: &mut Self::Buffer,
+        v: &Self::Buffer,
+        spec: &AttnSpec,
+        norms: (&Self::Vector, &Self::Vector, f32),
+        rope: &Rope,
+        positions: &[u32],
+        slots: &[u32],
+        k_cache: &mut Self::Buffer,
+        v_cache: &mut Self::Buffer,
+    ) -> Result<()> {
+        let (q_norm, k_norm, eps) = norms;
+        let (hd, kvh) = (spec.head_dim, spec.n_kv_heads);
+        self.head_norm_rope(q, spec.n_heads, hd, Some((q_norm, eps)), rope, positions)?;
+        self.head_norm_rope(k, kvh, hd, Some((k_norm, eps)), rope, positions)?;
+        self.write_kv(k, v, kvh * hd, slots, k_cache, v_cache)
+    }
     /// Copies `n = slots.len()` rows of `k` and `v` (width `row`) into cache rows `slots[t]`
     /// (with a paged cache: `block · block_size + offset`, see [`KvLayout`]).
     #[allow(clippy::too_many_arguments)]

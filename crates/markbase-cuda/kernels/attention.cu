@@ -165,3 +165,62 @@ extern "C" __global__ void attn_combine(const float* part, int rows, int splits,
         out[(u64)row * head_dim + i] = acc * inv;
     }
 }
+
+// Prefill attention through the tensor cores (the backend's `attention_gemm`): the keys and
+// values a sequence's rows see are gathered into contiguous rows, the scores of a KV head's
+// query heads come from one batched product, attn_softmax_rows turns them into probabilities
+// in place, and a second batched product weights the values.
+
+// kg[i, :] = k_cache[slot(k_lo + i), :] and likewise v, for key i = blockIdx.x; `row` floats
+// per key, the slot from the sequence's block table.
+extern "C" __global__ void kv_gather(const float* k_cache, const float* v_cache,
+                                     const u32* table, int block_size, int row, int k_lo,
+                                     float* kg, float* vg) {
+    int j = k_lo + blockIdx.x;
+    u64 slot = (u64)table[j / block_size] * (u64)block_size + (u64)(j % block_size);
+    const float* ks = k_cache + slot * row;
+    const float* vs = v_cache + slot * row;
+    float* kd = kg + (u64)blockIdx.x * row;
+    float* vd = vg + (u64)blockIdx.x * row;
+    for (int i = threadIdx.x; i < row; i += blockDim.x) {
+        kd[i] = ks[i];
+        vd[i] = vs[i];
+    }
+}
+
+// Softmax in place over row blockIdx.x of `s` (n_keys scores of keys at positions
+// k_lo .. k_lo + n_keys; rows are [heads][n_rows], row r of a head belonging to the query at
+// positions[r]): scores are scaled, soft-capped (softcap > 0) and masked to the query's
+// causal window [max(0, p − window + 1), p] (window 0: no window); masked keys get 0.
+extern "C" __global__ void attn_softmax_rows(float* s, int n_keys, int k_lo, const u32* positions,
+                                             int n_rows, int window, float scale,
+                                             float softcap) {
+    __shared__ float red[32];
+    float* row = s + (u64)blockIdx.x * n_keys;
+    int p = (int)positions[blockIdx.x % n_rows];
+    int lo = window > 0 ? max(0, p - window + 1) : 0;
+    int first = max(0, lo - k_lo), last = min(n_keys - 1, p - k_lo);
+    float mx = NEG_INF;
+    for (int i = threadIdx.x; i < n_keys; i += blockDim.x) {
+        float v = row[i] * scale;
+        if (softcap > 0.f) v = softcap * tanhf(v / softcap);
+        if (i < first || i > last) v = NEG_INF;
+        row[i] = v;
+        mx = fmaxf(mx, v);
+    }
+    // Block max through the sum helper's pattern: warp max, then across warps.
+    mx = warp_max(mx);
+    __syncthreads();
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+    if (lane == 0) red[w] = mx;
+    __syncthreads();
+    mx = warp_max(lane < nw ? red[lane] : NEG_INF);
+    float sum = 0.f;
+    for (int i = threadIdx.x; i < n_keys; i += blockDim.x) {
+        float e = i < first || i > last ? 0.f : expf(row[i] - mx);
+        row[i] = e;
+        sum += e;
+    }
+    float inv = 1.f / block_sum(sum, red);
+    for (int i = threadIdx.x; i < n_keys; i += blockDim.x) row[i] *= inv;
+}

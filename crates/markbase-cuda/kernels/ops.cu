@@ -116,19 +116,44 @@ extern "C" __global__ void rms_norm(const float* x, const float* weight, float e
     }
 }
 
-// In place on head blockIdx.x (of n_heads per token): optional RMSNorm with weight, then
-// half-split RoPE of the first `pairs` pairs (i, i + head_dim/2) at positions[token], pair i
-// turning by positions[token] · freqs[i] (frequencies computed on the host).
-// Block: 32 threads; dynamic shared memory: head_dim floats.
-extern "C" __global__ void head_norm_rope(float* x, int n_heads, int head_dim,
-                                          const float* norm_w, float eps, const float* freqs,
-                                          int pairs, const u32* positions) {
-    extern __shared__ float hv[];
-    int head = blockIdx.x, t = head / n_heads, lane = threadIdx.x;
-    float* p = x + (u64)head * head_dim;
+// Row blockIdx.x of dim values: h = (h + y · rsqrt(mean(y²) + eps) · w) · scale, then, when w2
+// is not null, x = h · rsqrt(mean(h²) + eps) · w2 — a layer's post-norm, residual add and
+// layer scalar with the next block's pre-norm. Each thread re-reads only the h values it
+// wrote itself.
+extern "C" __global__ void residual_norm(const float* y, const float* w, float eps, int dim,
+                                         float* h, float scale, const float* w2, float* x) {
+    __shared__ float red[32];
+    u64 base = (u64)blockIdx.x * dim;
+    const float* yr = y + base;
+    float* hr = h + base;
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) ss = fmaf(yr[i], yr[i], ss);
+    ss = block_sum(ss, red);
+    float inv = 1.f / sqrtf(ss / (float)dim + eps);
+    float hs = 0.f;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+        float v = (hr[i] + yr[i] * inv * w[i]) * scale;
+        hr[i] = v;
+        hs = fmaf(v, v, hs);
+    }
+    if (!w2) return;
+    hs = block_sum(hs, red);
+    float inv2 = 1.f / sqrtf(hs / (float)dim + eps);
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) x[base + i] = hr[i] * inv2 * w2[i];
+}
+
+// One head by one warp: optional RMSNorm with weight, then half-split RoPE of the first
+// `pairs` pairs (i, i + head_dim/2), pair i turning by pos · freqs[i] (frequencies computed on
+// the host). Reads `src`, writes `dst` (may be `src`) and, if not null, `dst2`. `hv`: head_dim
+// floats of shared memory.
+__device__ __forceinline__ void norm_rope_head(const float* src, float* hv, int head_dim,
+                                               const float* norm_w, float eps,
+                                               const float* freqs, int pairs, float pos,
+                                               float* dst, float* dst2) {
+    int lane = threadIdx.x & 31;
     float ss = 0.f;
     for (int i = lane; i < head_dim; i += WARP) {
-        float v = p[i];
+        float v = src[i];
         hv[i] = v;
         ss = fmaf(v, v, ss);
     }
@@ -139,7 +164,6 @@ extern "C" __global__ void head_norm_rope(float* x, int n_heads, int head_dim,
     }
     __syncwarp();
     int half = head_dim / 2;
-    float pos = (float)positions[t];
     for (int i = lane; i < half; i += WARP) {
         float a = hv[i], b = hv[i + half];
         if (i < pairs) {
@@ -147,13 +171,53 @@ extern "C" __global__ void head_norm_rope(float* x, int n_heads, int head_dim,
             double s, c;
             sincos((double)ang, &s, &c);
             float cf = (float)c, sf = (float)s;
-            p[i] = a * cf - b * sf;
-            p[i + half] = b * cf + a * sf;
-        } else {
-            p[i] = a;
-            p[i + half] = b;
+            float ra = a * cf - b * sf, rb = b * cf + a * sf;
+            a = ra;
+            b = rb;
+        }
+        dst[i] = a;
+        dst[i + half] = b;
+        if (dst2) {
+            dst2[i] = a;
+            dst2[i + half] = b;
         }
     }
+}
+
+// In place on head blockIdx.x (of n_heads per token): norm_rope_head at positions[token].
+// Block: 32 threads; dynamic shared memory: head_dim floats.
+extern "C" __global__ void head_norm_rope(float* x, int n_heads, int head_dim,
+                                          const float* norm_w, float eps, const float* freqs,
+                                          int pairs, const u32* positions) {
+    extern __shared__ float hv[];
+    int head = blockIdx.x, t = head / n_heads;
+    float* p = x + (u64)head * head_dim;
+    norm_rope_head(p, hv, head_dim, norm_w, eps, freqs, pairs, (float)positions[t], p, nullptr);
+}
+
+// A layer's queries and new keys / values in one launch: block blockIdx.x is head j of token
+// t (n_heads query heads, then n_kv_heads key heads per token). Query heads: norm_rope_head
+// in place. Key head g: norm_rope_head in place and into k_cache row slots[t]; its value head
+// is copied to v_cache row slots[t]. Block: 32 threads; dynamic shared memory: head_dim floats.
+extern "C" __global__ void rope_write_kv(float* q, float* k, const float* v, int n_heads,
+                                         int n_kv_heads, int head_dim, const float* q_norm,
+                                         const float* k_norm, float eps, const float* freqs,
+                                         int pairs, const u32* positions, const u32* slots,
+                                         float* k_cache, float* v_cache) {
+    extern __shared__ float hv[];
+    int per_token = n_heads + n_kv_heads;
+    int t = blockIdx.x / per_token, j = blockIdx.x % per_token;
+    float pos = (float)positions[t];
+    if (j < n_heads) {
+        float* p = q + ((u64)t * n_heads + j) * head_dim;
+        norm_rope_head(p, hv, head_dim, q_norm, eps, freqs, pairs, pos, p, nullptr);
+        return;
+    }
+    u64 row = (u64)n_kv_heads * head_dim, head = (u64)(j - n_heads) * head_dim;
+    u64 src = (u64)t * row + head, dst = (u64)slots[t] * row + head;
+    norm_rope_head(k + src, hv, head_dim, k_norm, eps, freqs, pairs, pos, k + src,
+                   k_cache + dst);
+    for (int i = threadIdx.x; i < head_dim; i += WARP) v_cache[dst + i] = v[src + i];
 }
 
 // k_cache[slots[t], :] = k[t, :] and likewise v, for token blockIdx.y.

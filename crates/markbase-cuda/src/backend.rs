@@ -12,6 +12,7 @@ use markbase_core::backend::{AttnSpec, Backend, HostMatrix, KvLayout, NormOut, R
 use markbase_core::quant::GgmlType;
 use markbase_core::{Error, Result};
 
+use crate::attention_gemm::attention_gemm_suits;
 use crate::blas::{Blas, GemmInput};
 use crate::buffer::{CudaBuffer, CudaMatrix, Growable};
 use crate::device::{driver_err, Device};
@@ -106,6 +107,34 @@ fn gemv_launches(n: usize) -> impl Iterator<Item = (usize, usize, u32)> {
         let nt = (n - t0).min(GEMV_MAX_ROWS);
         (t0, nt, [1, 2, 4, 4, 8, 8, 8, 8][nt - 1])
     })
+}
+
+/// Errors unless the RoPE kernels can turn heads of `head_dim` by `rope`.
+fn check_rope(rope: &Rope, head_dim: usize) -> Result<()> {
+    if !head_dim.is_multiple_of(2) || head_dim > MAX_HEAD_DIM || rope.rotated_pairs > head_dim / 2 {
+        return Err(Error::Invalid(format!(
+            "cuda rope: head_dim {head_dim} with {} rotated pairs",
+            rope.rotated_pairs
+        )));
+    }
+    Ok(())
+}
+
+/// Errors unless a cache holds row `slots.max()` of width `row`.
+fn check_slots(
+    slots: &[u32],
+    row: usize,
+    k_cache: &CudaBuffer,
+    v_cache: &CudaBuffer,
+) -> Result<()> {
+    match slots.iter().max() {
+        Some(&s) => need(
+            "kv cache",
+            k_cache.len().min(v_cache.len()),
+            (s as usize + 1) * row,
+        ),
+        None => Ok(()),
+    }
 }
 
 fn blocks(n: usize, per: usize) -> u32 {
@@ -549,6 +578,46 @@ impl Backend for CudaBackend {
         )
     }
 
+    fn residual_norm(
+        &self,
+        y: &CudaBuffer,
+        weight: &CudaBuffer,
+        eps: f32,
+        n: usize,
+        dim: usize,
+        h: &mut CudaBuffer,
+        scale: f32,
+        next: Option<(&CudaBuffer, &mut CudaBuffer)>,
+    ) -> Result<()> {
+        need("residual_norm input", y.len(), n * dim)?;
+        need("residual_norm residual", h.len(), n * dim)?;
+        need("residual_norm weight", weight.len(), dim)?;
+        if let Some((w2, x)) = &next {
+            need("residual_norm next weight", w2.len(), dim)?;
+            need("residual_norm output", x.len(), n * dim)?;
+        }
+        if n == 0 || dim == 0 {
+            return Ok(());
+        }
+        let threads = (dim.div_ceil(32) * 32).clamp(32, 1024) as u32;
+        let (w2, x) = next.map_or((0, 0), |(w2, x)| (w2.ptr, x.ptr));
+        self.run(
+            Module::Ops,
+            "residual_norm",
+            Grid::new((int("rows", n)? as u32, 1), threads),
+            &[
+                Arg::U64(y.ptr),
+                Arg::U64(weight.ptr),
+                Arg::F32(eps),
+                Arg::I32(int("dim", dim)?),
+                Arg::U64(h.ptr),
+                Arg::F32(scale),
+                Arg::U64(w2),
+                Arg::U64(x),
+            ],
+        )
+    }
+
     fn matmul(&self, x: &CudaBuffer, n: usize, w: &CudaMatrix, out: &mut CudaBuffer) -> Result<()> {
         need("matmul input", x.len(), n * w.cols)?;
         need("matmul output", out.len(), n * w.rows)?;
@@ -644,15 +713,7 @@ impl Backend for CudaBackend {
         rope: &Rope,
         positions: &[u32],
     ) -> Result<()> {
-        if !head_dim.is_multiple_of(2)
-            || head_dim > MAX_HEAD_DIM
-            || rope.rotated_pairs > head_dim / 2
-        {
-            return Err(Error::Invalid(format!(
-                "cuda rope: head_dim {head_dim} with {} rotated pairs",
-                rope.rotated_pairs
-            )));
-        }
+        check_rope(rope, head_dim)?;
         let heads = positions.len() * n_heads;
         need("rope", x.len(), heads * head_dim)?;
         if let Some((w, _)) = norm {
@@ -683,6 +744,70 @@ impl Backend for CudaBackend {
         )
     }
 
+    fn rope_write_kv(
+        &self,
+        q: &mut CudaBuffer,
+        k: &mut CudaBuffer,
+        v: &CudaBuffer,
+        spec: &AttnSpec,
+        norms: (&CudaBuffer, &CudaBuffer, f32),
+        rope: &Rope,
+        positions: &[u32],
+        slots: &[u32],
+        k_cache: &mut CudaBuffer,
+        v_cache: &mut CudaBuffer,
+    ) -> Result<()> {
+        let (q_norm, k_norm, eps) = norms;
+        let (hd, kvh, n) = (spec.head_dim, spec.n_kv_heads, positions.len());
+        check_rope(rope, hd)?;
+        need("rope_write_kv queries", q.len(), n * spec.n_heads * hd)?;
+        need("rope_write_kv keys", k.len().min(v.len()), n * kvh * hd)?;
+        need(
+            "rope_write_kv norm weights",
+            q_norm.len().min(k_norm.len()),
+            hd,
+        )?;
+        if slots.len() != n {
+            return Err(Error::Invalid(format!(
+                "rope_write_kv: {} cache slots for {n} tokens",
+                slots.len()
+            )));
+        }
+        check_slots(slots, kvh * hd, k_cache, v_cache)?;
+        let heads = n * (spec.n_heads + kvh);
+        if heads == 0 {
+            return Ok(());
+        }
+        let freqs = self.rope_table(rope, hd)?;
+        let mut s = self.scratch()?;
+        let pos = self.upload_idx(&mut s, positions)?;
+        let sl = self.upload_idx(&mut s, slots)?;
+        let mut grid = Grid::new((int("heads", heads)? as u32, 1), 32);
+        grid.shared = (hd * 4) as u32;
+        self.run(
+            Module::Ops,
+            "rope_write_kv",
+            grid,
+            &[
+                Arg::U64(q.ptr),
+                Arg::U64(k.ptr),
+                Arg::U64(v.ptr),
+                Arg::I32(spec.n_heads as i32),
+                Arg::I32(kvh as i32),
+                Arg::I32(hd as i32),
+                Arg::U64(q_norm.ptr),
+                Arg::U64(k_norm.ptr),
+                Arg::F32(eps),
+                Arg::U64(freqs),
+                Arg::I32(rope.rotated_pairs as i32),
+                Arg::U64(pos),
+                Arg::U64(sl),
+                Arg::U64(k_cache.ptr),
+                Arg::U64(v_cache.ptr),
+            ],
+        )
+    }
+
     fn write_kv(
         &self,
         k: &CudaBuffer,
@@ -693,13 +818,7 @@ impl Backend for CudaBackend {
         v_cache: &mut CudaBuffer,
     ) -> Result<()> {
         need("write_kv input", k.len().min(v.len()), slots.len() * row)?;
-        if let Some(&s) = slots.iter().max() {
-            need(
-                "kv cache",
-                k_cache.len().min(v_cache.len()),
-                (s as usize + 1) * row,
-            )?;
-        }
+        check_slots(slots, row, k_cache, v_cache)?;
         if slots.is_empty() || row == 0 {
             return Ok(());
         }
@@ -750,6 +869,11 @@ impl Backend for CudaBackend {
         layout.check(spec.window, n_blocks)?;
         if positions.is_empty() {
             return Ok(());
+        }
+        if let Some(blas) = &self.blas {
+            if attention_gemm_suits(layout) {
+                return self.attention_gemm(blas, q, k_cache, v_cache, spec, layout, out);
+            }
         }
         let window = spec.window.unwrap_or(0);
         let max_vis = positions

@@ -1,6 +1,7 @@
 //! cuBLASLt for prefill-sized and batched-decode products: a row-major
 //! `out[n, rows] = x[n, k] · w[rows, k]ᵀ`, in f32 (no TF32, so it matches the f32 reference) or,
-//! for bf16 weights, on the tensor cores with bf16 activations and f32 accumulation.
+//! for bf16 weights, on the tensor cores with bf16 activations and f32 accumulation; and the
+//! strided-batched f32 products of prefill attention on the TF32 tensor cores.
 //!
 //! Each product shape gets a plan once (descriptors and the heuristic's algorithm, kept for
 //! the backend's life), so a call is one `cublasLtMatmul`: a batch-64 decode step makes
@@ -32,8 +33,30 @@ pub(crate) enum GemmInput {
     Bf16,
 }
 
-/// One product: (inputs, rows, n, k, ldo, byte alignments of w, x and out).
-type Shape = (GemmInput, usize, usize, usize, usize, [u32; 3]);
+/// One column-major operand of a product: `rows × cols`, leading dimension `ld`, and the
+/// element stride between the matrices of a batch (0: one matrix shared by the batch).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct Operand {
+    pub(crate) rows: usize,
+    pub(crate) cols: usize,
+    pub(crate) ld: usize,
+    pub(crate) stride: usize,
+}
+
+/// One product shape, in cuBLASLt's column-major terms: `C = op(A) · B` (`op(A) = Aᵀ` with
+/// `transa`), `batch` times; f32 output; TF32 tensor cores for f32 inputs with `tf32`;
+/// byte alignments of A, B and C.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct Shape {
+    input: GemmInput,
+    tf32: bool,
+    transa: bool,
+    a: Operand,
+    b: Operand,
+    c: Operand,
+    batch: usize,
+    aligns: [u32; 3],
+}
 
 /// Descriptors and algorithm of one product shape.
 struct Plan {
@@ -116,38 +139,67 @@ impl Blas {
     }
 
     /// The descriptors and algorithm for `shape`, made with the heuristic's first choice.
-    fn plan(&self, (input, rows, n, k, ldo, aligns): Shape) -> Result<Plan> {
-        let ty = match input {
+    fn plan(&self, shape: Shape) -> Result<Plan> {
+        let ty = match shape.input {
             GemmInput::F32 => sys::cudaDataType::CUDA_R_32F,
             GemmInput::Bf16 => sys::cudaDataType::CUDA_R_16BF,
         };
         let f32_ty = sys::cudaDataType::CUDA_R_32F;
+        let compute = if shape.tf32 {
+            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32
+        } else {
+            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F
+        };
         let mut plan = Plan {
-            desc: lt::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, f32_ty)
+            desc: lt::create_matmul_desc(compute, f32_ty)
                 .map_err(|e| blas_err("matmul descriptor", e))?,
             layouts: Vec::with_capacity(3),
             algo: sys::cublasLtMatmulAlgo_t { data: [0; 8] },
         };
-        // Column-major: C(rows × n) = Wᵀ(rows × k) · X(k × n); W is stored k × rows.
-        for (t, r, c, ld) in [(ty, k, rows, k), (ty, k, n, k), (f32_ty, rows, n, ldo)] {
-            let layout = lt::create_matrix_layout(t, r as u64, c as u64, ld as i64)
+        for (t, op) in [(ty, shape.a), (ty, shape.b), (f32_ty, shape.c)] {
+            let layout = lt::create_matrix_layout(t, op.rows as u64, op.cols as u64, op.ld as i64)
                 .map_err(|e| blas_err("matrix layout", e))?;
             plan.layouts.push(layout);
+            if shape.batch > 1 {
+                let (count, stride) = (shape.batch as i32, op.stride as i64);
+                use sys::cublasLtMatrixLayoutAttribute_t as Attr;
+                // SAFETY: a live layout; the values are an i32 count and an i64 stride, as
+                // the attributes take.
+                unsafe {
+                    lt::set_matrix_layout_attribute(
+                        layout,
+                        Attr::CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT,
+                        (&count as *const i32).cast(),
+                        std::mem::size_of::<i32>(),
+                    )
+                    .and_then(|()| {
+                        lt::set_matrix_layout_attribute(
+                            layout,
+                            Attr::CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
+                            (&stride as *const i64).cast(),
+                            std::mem::size_of::<i64>(),
+                        )
+                    })
+                }
+                .map_err(|e| blas_err("batch attributes", e))?;
+            }
         }
-        // SAFETY: a live descriptor; the attribute value is a cublasOperation_t (a C int).
-        unsafe {
-            lt::set_matmul_desc_attribute(
-                plan.desc,
-                sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
-                (&CUBLAS_OP_T as *const i32).cast(),
-                std::mem::size_of::<i32>(),
-            )
+        if shape.transa {
+            // SAFETY: a live descriptor; the attribute value is a cublasOperation_t (a C int).
+            unsafe {
+                lt::set_matmul_desc_attribute(
+                    plan.desc,
+                    sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
+                    (&CUBLAS_OP_T as *const i32).cast(),
+                    std::mem::size_of::<i32>(),
+                )
+            }
+            .map_err(|e| blas_err("transpose attribute", e))?;
         }
-        .map_err(|e| blas_err("transpose attribute", e))?;
         let pref = lt::create_matmul_pref().map_err(|e| blas_err("preference", e))?;
         let workspace = WORKSPACE_BYTES as u64;
         use sys::cublasLtMatmulPreferenceAttributes_t as Pref;
-        let [align_w, align_x, align_out] = aligns;
+        let [align_w, align_x, align_out] = shape.aligns;
         // SAFETY: live descriptors; each attribute value has the type the attribute takes
         // (u64 for the workspace, u32 for alignments); the preference is destroyed after the
         // query.
@@ -195,12 +247,7 @@ impl Blas {
             let _ = lt::destroy_matmul_pref(pref);
             found
         }
-        .map_err(|e| {
-            blas_err(
-                &format!("no algorithm for {input:?} [{rows} × {k}] · [{n} × {k}]ᵀ"),
-                e,
-            )
-        })?;
+        .map_err(|e| blas_err(&format!("no algorithm for {shape:?}"), e))?;
         plan.algo = found.algo;
         Ok(plan)
     }
@@ -222,8 +269,57 @@ impl Blas {
         out: u64,
         ldo: usize,
     ) -> Result<()> {
-        let aligns = [alignment(w), alignment(x), alignment(out)];
-        let shape = (input, rows, n, k, ldo, aligns);
+        // Column-major: C(rows × n) = Wᵀ(rows × k) · X(k × n); W is stored k × rows.
+        let op = |rows, cols, ld| Operand {
+            rows,
+            cols,
+            ld,
+            stride: 0,
+        };
+        let shape = Shape {
+            input,
+            tf32: false,
+            transa: true,
+            a: op(k, rows, k),
+            b: op(k, n, k),
+            c: op(rows, n, ldo),
+            batch: 1,
+            aligns: [alignment(w), alignment(x), alignment(out)],
+        };
+        self.run(shape, [w, x, out])
+    }
+
+    /// `C_i = op(A_i) · B_i` for `i < batch` on f32 operands (column-major, see [`Operand`];
+    /// `op(A) = Aᵀ` with `transa`) through the TF32 tensor cores, accumulating in f32.
+    ///
+    /// # Safety
+    /// The pointers must be live device allocations holding every matrix of the batch.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) unsafe fn gemm_batched_tf32(
+        &self,
+        transa: bool,
+        (a, a_op): (u64, Operand),
+        (b, b_op): (u64, Operand),
+        (c, c_op): (u64, Operand),
+        batch: usize,
+    ) -> Result<()> {
+        // A batch's later matrices are aligned only as far as their stride allows.
+        let align = |p: u64, op: Operand| alignment(p | (4 * op.stride as u64) | (1 << 8));
+        let shape = Shape {
+            input: GemmInput::F32,
+            tf32: true,
+            transa,
+            a: a_op,
+            b: b_op,
+            c: c_op,
+            batch,
+            aligns: [align(a, a_op), align(b, b_op), align(c, c_op)],
+        };
+        self.run(shape, [a, b, c])
+    }
+
+    /// Runs the product of `shape` (planned on first use) on `[A, B, C]`.
+    unsafe fn run(&self, shape: Shape, [a, b, c]: [u64; 3]) -> Result<()> {
         let mut plans = self
             .plans
             .lock()
@@ -242,19 +338,19 @@ impl Blas {
             plan.desc,
             (&alpha as *const f32).cast(),
             (&beta as *const f32).cast(),
-            w as *const c_void,
+            a as *const c_void,
             plan.layouts[0],
-            x as *const c_void,
+            b as *const c_void,
             plan.layouts[1],
-            out as *const c_void,
+            c as *const c_void,
             plan.layouts[2],
-            out as *mut c_void,
+            c as *mut c_void,
             plan.layouts[2],
             &plan.algo,
             self.workspace_ptr as *mut c_void,
             WORKSPACE_BYTES,
             self.stream.cu_stream() as _,
         )
-        .map_err(|e| blas_err(&format!("{input:?} product"), e))
+        .map_err(|e| blas_err(&format!("{:?} product", shape.input), e))
     }
 }

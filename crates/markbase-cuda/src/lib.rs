@@ -9,8 +9,10 @@
 //!
 //! Weights stay in their stored format on the device (GGUF blocks, BF16, F16, F32); decode
 //! products are warp-per-row GEMVs that read each weight row once for up to 8 token rows;
-//! prefill products dequantize tiles and call cuBLAS. Activations are f32.
+//! prefill products dequantize tiles and call cuBLAS, and prefill attention runs as batched
+//! products. Activations are f32.
 
+mod attention_gemm;
 mod backend;
 mod blas;
 mod buffer;
@@ -21,6 +23,7 @@ mod sample;
 pub mod sources;
 mod upload;
 
+pub use attention_gemm::ATTN_GEMM_MIN_ROWS;
 pub use backend::{CudaBackend, BF16_GEMV_UP_TO};
 pub use buffer::{CudaBuffer, CudaMatrix};
 pub use sample::{SampleParams, MAX_TOP_K};

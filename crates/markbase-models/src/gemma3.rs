@@ -216,21 +216,23 @@ impl<B: Backend> Gemma3<B> {
         let (d, hd, ff) = (cfg.d_model, cfg.head_dim, cfg.n_ff);
         let eps = cfg.rms_eps as f32;
         be.embed(&self.embed, &l.tokens, (d as f32).sqrt(), &mut w.h)?;
-        for (layer, (kc, vc, _)) in self.layers.iter().zip(kv.layers.iter_mut()) {
-            let (rope, window) = match layer.kind {
-                LayerKind::Full => (rope_of(&cfg.rope_global, hd), None),
-                LayerKind::Sliding => (rope_of(&cfg.rope_local, hd), Some(cfg.sliding_window)),
-            };
-            // Attention block.
+        if let Some(first) = self.layers.first() {
             be.rms_norm(
                 &w.h,
-                Some(&layer.attn_norm),
+                Some(&first.attn_norm),
                 eps,
                 n,
                 d,
                 &mut w.x,
                 NormOut::Write,
             )?;
+        }
+        for (li, (layer, (kc, vc, _))) in self.layers.iter().zip(kv.layers.iter_mut()).enumerate() {
+            let (rope, window) = match layer.kind {
+                LayerKind::Full => (rope_of(&cfg.rope_global, hd), None),
+                LayerKind::Sliding => (rope_of(&cfg.rope_local, hd), Some(cfg.sliding_window)),
+            };
+            // Attention block on x = input_layernorm(h).
             be.matmul_many(
                 &w.x,
                 n,
@@ -240,25 +242,6 @@ impl<B: Backend> Gemma3<B> {
                     (&layer.v, &mut w.v),
                 ],
             )?;
-            let positions = &l.positions;
-            be.head_norm_rope(
-                &mut w.q,
-                cfg.n_heads,
-                hd,
-                Some((&layer.q_norm, eps)),
-                &rope,
-                positions,
-            )?;
-            be.head_norm_rope(
-                &mut w.k,
-                cfg.n_kv_heads,
-                hd,
-                Some((&layer.k_norm, eps)),
-                &rope,
-                positions,
-            )?;
-            let slots = l.slots(layer.kind);
-            be.write_kv(&w.k, &w.v, cfg.n_kv_heads * hd, slots, kc, vc)?;
             let spec = AttnSpec {
                 n_heads: cfg.n_heads,
                 n_kv_heads: cfg.n_kv_heads,
@@ -267,37 +250,44 @@ impl<B: Backend> Gemma3<B> {
                 window,
                 softcap: cfg.attn_logit_softcap.map(|c| c as f32),
             };
+            be.rope_write_kv(
+                &mut w.q,
+                &mut w.k,
+                &w.v,
+                &spec,
+                (&layer.q_norm, &layer.k_norm, eps),
+                &rope,
+                &l.positions,
+                l.slots(layer.kind),
+                kc,
+                vc,
+            )?;
             be.attention(&w.q, kc, vc, &spec, &l.kv(layer.kind), &mut w.attn)?;
             be.matmul(&w.attn, n, &layer.o, &mut w.proj)?;
-            be.rms_norm(
+            be.residual_norm(
                 &w.proj,
-                Some(&layer.post_attn_norm),
+                &layer.post_attn_norm,
                 eps,
                 n,
                 d,
                 &mut w.h,
-                NormOut::AddTo,
+                1.0,
+                Some((&layer.ffn_norm, &mut w.x)),
             )?;
-            // MLP block.
-            be.rms_norm(
-                &w.h,
-                Some(&layer.ffn_norm),
-                eps,
-                n,
-                d,
-                &mut w.x,
-                NormOut::Write,
-            )?;
+            // MLP block on x = pre_feedforward_layernorm(h); its residual add also norms h
+            // for the next layer.
             be.gelu_gated_matmul(&w.x, n, &layer.gate, &layer.up, ff, &mut w.gate, &mut w.up)?;
             be.matmul(&w.gate, n, &layer.down, &mut w.proj)?;
-            be.rms_norm(
+            let next = self.layers.get(li + 1).map(|l| (&l.attn_norm, &mut w.x));
+            be.residual_norm(
                 &w.proj,
-                Some(&layer.post_ffn_norm),
+                &layer.post_ffn_norm,
                 eps,
                 n,
                 d,
                 &mut w.h,
-                NormOut::AddTo,
+                1.0,
+                next,
             )?;
         }
         Ok(())

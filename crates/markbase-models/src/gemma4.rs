@@ -37,7 +37,7 @@ use crate::weights::WeightStore;
 
 /// Token rows run through the layers together; larger steps are processed in chunks of this
 /// size.
-pub const MAX_BATCH: usize = 64;
+pub const MAX_BATCH: usize = 512;
 
 /// K/V projections of a layer that owns a cache.
 struct KvWeights<B: Backend> {
@@ -416,40 +416,57 @@ impl<B: Backend> Gemma4<B> {
         let eps = cfg.rms_eps as f32;
         be.embed(&self.embed, &l.tokens, self.embed_scale, &mut w.h)?;
         self.per_layer_inputs(w, &l.tokens)?;
+        if let Some(first) = self.layers.first() {
+            be.rms_norm(
+                &w.h,
+                Some(&first.attn_norm),
+                eps,
+                n,
+                d,
+                &mut w.x,
+                NormOut::Write,
+            )?;
+        }
         for (li, layer) in self.layers.iter().enumerate() {
+            // Each layer's last residual add also scales by the layer scalar and norms `h`
+            // for the next layer's attention.
+            let next = self.layers.get(li + 1).map(|l| &l.attn_norm);
             self.attention_block(w, kv, l, layer)?;
-            self.ffn_block(w, layer, n)?;
-            if let Some(ple) = &layer.ple {
-                let p = ple_width(cfg);
-                let stride = cfg.layers.len() * p;
-                let from = Strided {
-                    offset: li * p,
-                    stride,
-                };
-                let to = Strided {
-                    offset: 0,
-                    stride: p,
-                };
-                be.copy_rows(&w.ple_all, from, &mut w.ple_l, to, n, p)?;
-                be.matmul(&w.h, n, &ple.gate, &mut w.ple_gate)?;
-                be.gelu_tanh_mul(&mut w.ple_gate, &w.ple_l, n * p)?;
-                be.matmul(&w.ple_gate, n, &ple.proj, &mut w.proj)?;
-                be.rms_norm(
-                    &w.proj,
-                    Some(&ple.post_norm),
-                    eps,
-                    n,
-                    d,
-                    &mut w.h,
-                    NormOut::AddTo,
-                )?;
-            }
-            be.scale(&mut w.h, layer.scalar, n * d)?;
+            let Some(ple) = &layer.ple else {
+                self.ffn_block(w, layer, n, layer.scalar, next)?;
+                continue;
+            };
+            self.ffn_block(w, layer, n, 1.0, None)?;
+            let p = ple_width(cfg);
+            let stride = cfg.layers.len() * p;
+            let from = Strided {
+                offset: li * p,
+                stride,
+            };
+            let to = Strided {
+                offset: 0,
+                stride: p,
+            };
+            be.copy_rows(&w.ple_all, from, &mut w.ple_l, to, n, p)?;
+            be.matmul(&w.h, n, &ple.gate, &mut w.ple_gate)?;
+            be.gelu_tanh_mul(&mut w.ple_gate, &w.ple_l, n * p)?;
+            be.matmul(&w.ple_gate, n, &ple.proj, &mut w.proj)?;
+            be.residual_norm(
+                &w.proj,
+                &ple.post_norm,
+                eps,
+                n,
+                d,
+                &mut w.h,
+                layer.scalar,
+                next.map(|v| (v, &mut w.x)),
+            )?;
         }
         Ok(())
     }
 
-    /// `h += post_attention_layernorm(attention(input_layernorm(h)))` for one layer.
+    /// `h += post_attention_layernorm(attention(x))` for one layer, `x` being
+    /// `input_layernorm(h)` on entry; leaves `x = pre_feedforward_layernorm(h)`.
     fn attention_block(
         &self,
         w: &mut Workspace<B>,
@@ -466,15 +483,6 @@ impl<B: Backend> Gemma4<B> {
             LayerKind::Full => (rope_of(&cfg.rope_full, hd), None),
             LayerKind::Sliding => (rope_of(&cfg.rope_sliding, hd), Some(cfg.sliding_window)),
         };
-        be.rms_norm(
-            &w.h,
-            Some(&layer.attn_norm),
-            eps,
-            n,
-            d,
-            &mut w.x,
-            NormOut::Write,
-        )?;
         // q, k and v (or q alone on a KV-shared layer) in one call: a backend may share the
         // activations' rounding or a launch between them.
         match layer.kv.as_ref().map(|kv| (&kv.k, kv.v.as_ref())) {
@@ -488,31 +496,6 @@ impl<B: Backend> Gemma4<B> {
             }
             None => be.matmul(&w.x, n, &layer.q, &mut w.q)?,
         }
-        be.head_norm_rope(
-            &mut w.q,
-            cfg.n_heads,
-            hd,
-            Some((&layer.q_norm, eps)),
-            &rope,
-            &l.positions,
-        )?;
-        let (kc, vc, _) = &mut paged.layers[layer.cache];
-        if let Some(kv) = &layer.kv {
-            // v_norm: weightless RMSNorm of V (its raw projection is in `attn`) — the raw K
-            // projection under k_eq_v.
-            let raw_v = if kv.v.is_some() { &w.attn } else { &w.k };
-            be.rms_norm(raw_v, None, eps, n * kvh, hd, &mut w.v, NormOut::Write)?;
-            be.head_norm_rope(
-                &mut w.k,
-                kvh,
-                hd,
-                Some((&kv.k_norm, eps)),
-                &rope,
-                &l.positions,
-            )?;
-            let slots = l.slots(layer.geo.kind);
-            be.write_kv(&w.k, &w.v, kvh * hd, slots, kc, vc)?;
-        }
         let spec = AttnSpec {
             n_heads: cfg.n_heads,
             n_kv_heads: kvh,
@@ -521,45 +504,75 @@ impl<B: Backend> Gemma4<B> {
             window,
             softcap: None,
         };
+        let (kc, vc, _) = &mut paged.layers[layer.cache];
+        match &layer.kv {
+            Some(kv) => {
+                // v_norm: weightless RMSNorm of V (its raw projection is in `attn`) — the raw
+                // K projection under k_eq_v.
+                let raw_v = if kv.v.is_some() { &w.attn } else { &w.k };
+                be.rms_norm(raw_v, None, eps, n * kvh, hd, &mut w.v, NormOut::Write)?;
+                be.rope_write_kv(
+                    &mut w.q,
+                    &mut w.k,
+                    &w.v,
+                    &spec,
+                    (&layer.q_norm, &kv.k_norm, eps),
+                    &rope,
+                    &l.positions,
+                    l.slots(layer.geo.kind),
+                    kc,
+                    vc,
+                )?;
+            }
+            None => be.head_norm_rope(
+                &mut w.q,
+                cfg.n_heads,
+                hd,
+                Some((&layer.q_norm, eps)),
+                &rope,
+                &l.positions,
+            )?,
+        }
         be.attention(&w.q, kc, vc, &spec, &l.kv(layer.geo.kind), &mut w.attn)?;
         be.matmul(&w.attn, n, &layer.o, &mut w.proj)?;
-        be.rms_norm(
+        be.residual_norm(
             &w.proj,
-            Some(&layer.post_attn_norm),
+            &layer.post_attn_norm,
             eps,
             n,
             d,
             &mut w.h,
-            NormOut::AddTo,
+            1.0,
+            Some((&layer.ffn_norm, &mut w.x)),
         )
     }
 
-    /// `h += post_feedforward_layernorm(mlp(…) [+ experts(…)])` for one layer.
-    fn ffn_block(&self, w: &mut Workspace<B>, layer: &Layer<B>, n: usize) -> Result<()> {
+    /// `h = (h + post_feedforward_layernorm(mlp(x) [+ experts(…)])) · scale` for one layer,
+    /// `x` being `pre_feedforward_layernorm(h)` on entry; with `next`, `x = next(h)` after.
+    fn ffn_block(
+        &self,
+        w: &mut Workspace<B>,
+        layer: &Layer<B>,
+        n: usize,
+        scale: f32,
+        next: Option<&B::Vector>,
+    ) -> Result<()> {
         let cfg = &self.cfg;
         let be = &self.backend;
         let (d, ff) = (cfg.d_model, layer.geo.n_ff);
         let eps = cfg.rms_eps as f32;
-        be.rms_norm(
-            &w.h,
-            Some(&layer.ffn_norm),
-            eps,
-            n,
-            d,
-            &mut w.x,
-            NormOut::Write,
-        )?;
         be.gelu_gated_matmul(&w.x, n, &layer.gate, &layer.up, ff, &mut w.gate, &mut w.up)?;
         be.matmul(&w.gate, n, &layer.down, &mut w.proj)?;
         let (Some(moe), Some(m)) = (&layer.moe, cfg.moe) else {
-            return be.rms_norm(
+            return be.residual_norm(
                 &w.proj,
-                Some(&layer.post_ffn_norm),
+                &layer.post_ffn_norm,
                 eps,
                 n,
                 d,
                 &mut w.h,
-                NormOut::AddTo,
+                scale,
+                next.map(|v| (v, &mut w.x)),
             );
         };
         be.rms_norm(
@@ -620,14 +633,15 @@ impl<B: Backend> Gemma4<B> {
             &mut w.mix,
             NormOut::AddTo,
         )?;
-        be.rms_norm(
+        be.residual_norm(
             &w.mix,
-            Some(&layer.post_ffn_norm),
+            &layer.post_ffn_norm,
             eps,
             n,
             d,
             &mut w.h,
-            NormOut::AddTo,
+            scale,
+            next.map(|v| (v, &mut w.x)),
         )
     }
 }

@@ -176,6 +176,8 @@ pub struct KvCache {
     sliding: Vec<u32>,
     /// Blocks in the sliding ring.
     ring: usize,
+    /// Most tokens [`Model::forward`] runs at once (the ring holds a chunk and its window).
+    chunk: usize,
     len: usize,
     capacity: usize,
     window: usize,
@@ -449,12 +451,22 @@ impl Model {
 
     /// A cache for up to `max_tokens` tokens (ContextOverflow beyond the context length).
     pub fn new_cache(&self, max_tokens: usize) -> Result<KvCache> {
-        let (blocks, ring) = self.cache_blocks(max_tokens)?;
+        self.new_cache_with_chunk(max_tokens, self.max_step_rows())
+    }
+
+    /// A cache for up to `max_tokens` tokens whose sliding ring holds chunks of up to
+    /// `chunk` tokens (at least 1) and their window: a smaller ring than
+    /// [`Model::new_cache`]'s when `chunk` is below [`Model::max_step_rows`], at the cost of
+    /// [`Model::forward`] running longer inputs in pieces of `chunk` tokens.
+    pub fn new_cache_with_chunk(&self, max_tokens: usize, chunk: usize) -> Result<KvCache> {
+        let chunk = chunk.clamp(1, self.max_step_rows());
+        let (blocks, ring) = self.cache_blocks(max_tokens, chunk)?;
         Ok(KvCache {
             pool: self.new_kv_pool(CACHE_BLOCK, blocks, ring)?,
             full: (0..blocks as u32).collect(),
             sliding: (0..blocks).map(|i| (i % ring) as u32).collect(),
             ring,
+            chunk,
             len: 0,
             capacity: max_tokens,
             window: self.info.sliding_window.max(1),
@@ -462,8 +474,9 @@ impl Model {
     }
 
     /// Blocks of full-attention layers and of the sliding ring for one sequence of up to
-    /// `max_tokens` tokens (ContextOverflow beyond the context length).
-    fn cache_blocks(&self, max_tokens: usize) -> Result<(usize, usize)> {
+    /// `max_tokens` tokens written in chunks of up to `chunk` (ContextOverflow beyond the
+    /// context length).
+    fn cache_blocks(&self, max_tokens: usize, chunk: usize) -> Result<(usize, usize)> {
         let limit = self.info.context_length;
         if max_tokens > limit {
             return Err(Error::ContextOverflow {
@@ -474,7 +487,7 @@ impl Model {
         let blocks = max_tokens.max(1).div_ceil(CACHE_BLOCK);
         let window = self.info.sliding_window.max(1);
         // Writing a chunk must not overwrite keys its first token still sees.
-        let ring = ((window - 1 + self.max_step_rows()).div_ceil(CACHE_BLOCK) + 1).min(blocks);
+        let ring = ((window - 1 + chunk).div_ceil(CACHE_BLOCK) + 1).min(blocks);
         Ok((blocks, ring))
     }
 
@@ -484,7 +497,7 @@ impl Model {
         if seqs == 0 {
             return Err(Error::Invalid("a batch needs at least one sequence".into()));
         }
-        let (blocks, ring) = self.cache_blocks(max_tokens)?;
+        let (blocks, ring) = self.cache_blocks(max_tokens, self.max_step_rows())?;
         let table = |s: usize, per: usize, n: usize| -> Vec<u32> {
             (0..n).map(|i| (s * per + i % per) as u32).collect()
         };
@@ -554,15 +567,26 @@ impl Model {
                 context: cache.capacity,
             });
         }
-        let seq = SeqStep {
-            tokens,
-            start: cache.len,
-            full_blocks: &cache.full,
-            sliding_blocks: &cache.sliding,
-            logits: Some(logits),
-        };
-        let out = self.step(&mut cache.pool, &[seq])?;
-        cache.len = end;
-        Ok(out.logits)
+        let mut out = Vec::new();
+        let pieces = tokens.chunks(cache.chunk);
+        let last = pieces.len() - 1;
+        for (i, piece) in pieces.enumerate() {
+            // Earlier pieces of a `Last` request give no logits.
+            let want = match logits {
+                Logits::Last if i < last => None,
+                l => Some(l),
+            };
+            let seq = SeqStep {
+                tokens: piece,
+                start: cache.len,
+                full_blocks: &cache.full,
+                sliding_blocks: &cache.sliding,
+                logits: want,
+            };
+            out.extend(self.step(&mut cache.pool, &[seq])?.logits);
+            cache.len += piece.len();
+        }
+        debug_assert_eq!(cache.len, end);
+        Ok(out)
     }
 }

@@ -186,12 +186,13 @@ fn gemma4_batched_step_matches_alone() {
 
 #[test]
 fn long_sequence_through_the_sliding_ring_matches_the_pool() {
-    // 200 tokens: KvCache's sliding ring (96 slots here) wraps; the pool keeps every block.
+    // 200 tokens: a KvCache for chunks of 64 tokens has a sliding ring of 96 slots here, which
+    // wraps (the 150-token prompt runs in three pieces); the pool keeps every block.
     let model = load("gemma4/e2b_like");
     let nv = model.info().n_vocab;
     let mut rng = Rng(7);
     let tokens: Vec<u32> = (0..200).map(|_| rng.below(nv) as u32).collect();
-    let mut cache = model.new_cache(200).unwrap();
+    let mut cache = model.new_cache_with_chunk(200, 64).unwrap();
     let mut ring = model
         .forward(&mut cache, &tokens[..150], Logits::All)
         .unwrap();
