@@ -189,14 +189,15 @@ extern "C" __global__ void kv_gather(const float* k_cache, const float* v_cache,
 }
 
 // Softmax in place over row blockIdx.x of `s` (n_keys scores of keys at positions
-// k_lo .. k_lo + n_keys; rows are [heads][n_rows], row r of a head belonging to the query at
-// positions[r]): scores are scaled, soft-capped (softcap > 0) and masked to the query's
-// causal window [max(0, p − window + 1), p] (window 0: no window); masked keys get 0.
-extern "C" __global__ void attn_softmax_rows(float* s, int n_keys, int k_lo, const u32* positions,
-                                             int n_rows, int window, float scale,
-                                             float softcap) {
+// k_lo .. k_lo + n_keys, rows `ld` floats apart; rows are [heads][n_rows], row r of a head
+// belonging to the query at positions[r]): scores are scaled, soft-capped (softcap > 0) and
+// masked to the query's causal window [max(0, p − window + 1), p] (window 0: no window);
+// masked keys get 0.
+extern "C" __global__ void attn_softmax_rows(float* s, int n_keys, int ld, int k_lo,
+                                             const u32* positions, int n_rows, int window,
+                                             float scale, float softcap) {
     __shared__ float red[32];
-    float* row = s + (u64)blockIdx.x * n_keys;
+    float* row = s + (u64)blockIdx.x * ld;
     int p = (int)positions[blockIdx.x % n_rows];
     int lo = window > 0 ? max(0, p - window + 1) : 0;
     int first = max(0, lo - k_lo), last = min(n_keys - 1, p - k_lo);

@@ -29,8 +29,34 @@ __device__ void embed_impl(const u8* table, u64 row_bytes, const u32* tokens, in
 // of 33 floats: no bank conflicts), then the block writes its span of the row with consecutive
 // threads on consecutive addresses — direct stores of 32 values per thread would scatter every
 // warp store over 32 separate segments.
-template <int FMT>
-__device__ void dequant_impl(const u8* w, u64 row_bytes, int r0, int k, float* dst) {
+// f32 to bf16, to nearest with ties to even (NaN stays NaN).
+__device__ __forceinline__ u16 to_bf16(float v) {
+    u32 b = __float_as_uint(v);
+    return (b & 0x7fffffffu) > 0x7f800000u ? (u16)((b >> 16) | 0x40u)
+                                           : (u16)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+}
+
+// f32 to f16, to nearest with ties to even; finite values beyond f16's range saturate to
+// ±65504 (NaN stays NaN).
+__device__ __forceinline__ u16 to_f16(float v) {
+    if (v == v) v = fminf(fmaxf(v, -65504.f), 65504.f);
+    u16 h;
+    asm("{ cvt.rn.f16.f32 %0, %1; }" : "=h"(h) : "f"(v));
+    return h;
+}
+
+// Output element types of the dequant kernels.
+#define OUT_F32 0
+#define OUT_F16 1
+
+template <int OUT>
+__device__ __forceinline__ void store(void* base, u64 i, float v) {
+    if (OUT == OUT_F32) ((float*)base)[i] = v;
+    else ((u16*)base)[i] = to_f16(v);
+}
+
+template <int FMT, int OUT>
+__device__ void dequant_impl(const u8* w, u64 row_bytes, int r0, int k, void* dst) {
     __shared__ float stage[DEQUANT_THREADS * 33];
     int r = blockIdx.y;
     int c0 = blockIdx.x * DEQUANT_THREADS;
@@ -45,10 +71,10 @@ __device__ void dequant_impl(const u8* w, u64 row_bytes, int r0, int k, float* d
     }
     __syncthreads();
     int begin = 32 * c0, end = min(k, 32 * (c0 + DEQUANT_THREADS));
-    float* o = dst + (u64)r * k;
+    u64 o = (u64)r * k;
     for (int e = begin + threadIdx.x; e < end; e += DEQUANT_THREADS) {
         int rel = e - begin;
-        o[e] = stage[(rel >> 5) * 33 + (rel & 31)];
+        store<OUT>(dst, o + e, stage[(rel >> 5) * 33 + (rel & 31)]);
     }
 }
 
@@ -59,7 +85,11 @@ __device__ void dequant_impl(const u8* w, u64 row_bytes, int r0, int k, float* d
     }                                                                                         \
     extern "C" __global__ void dequant_##S(const u8* w, u64 row_bytes, int r0, int k,         \
                                            float* dst) {                                      \
-        dequant_impl<F>(w, row_bytes, r0, k, dst);                                            \
+        dequant_impl<F, OUT_F32>(w, row_bytes, r0, k, dst);                                   \
+    }                                                                                         \
+    extern "C" __global__ void dequant_f16_##S(const u8* w, u64 row_bytes, int r0, int k,     \
+                                               u16* dst) {                                    \
+        dequant_impl<F, OUT_F16>(w, row_bytes, r0, k, dst);                                   \
     }
 FOR_EACH_FORMAT(OPS_FORMAT_KERNELS)
 
@@ -67,10 +97,14 @@ FOR_EACH_FORMAT(OPS_FORMAT_KERNELS)
 // tensor-core product with bf16 weights.
 extern "C" __global__ void f32_to_bf16(const float* x, u16* y, u64 n) {
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    u32 b = __float_as_uint(x[i]);
-    y[i] = (b & 0x7fffffffu) > 0x7f800000u ? (u16)((b >> 16) | 0x40u)
-                                           : (u16)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+    if (i < n) y[i] = to_bf16(x[i]);
+}
+
+// y[i] = x[i] rounded to f16 (see to_f16): the activations of a tensor-core product with
+// quantized weights dequantized to f16.
+extern "C" __global__ void f32_to_f16(const float* x, u16* y, u64 n) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = to_f16(x[i]);
 }
 
 // RMSNorm of row blockIdx.x (dim values): x · 1/sqrt(mean(x²) + eps) · weight (weight may be

@@ -84,11 +84,14 @@ impl CudaBackend {
             };
             let k_lo = first_visible(lo as usize, window);
             let n_keys = hi as usize + 1 - k_lo;
-            let tile = (MAX_SCORES / (group * n_keys)).clamp(1, r1 - r0);
+            // Score rows start 128-byte aligned: cuBLASLt picks its fast kernels only for
+            // aligned operands.
+            let ld = n_keys.div_ceil(32) * 32;
+            let tile = (MAX_SCORES / (group * ld)).clamp(1, r1 - r0);
             let keys = padded(n_keys * row);
             let base = s
                 .floats
-                .get(&self.dev.stream, 2 * keys + padded(group * tile * n_keys))?;
+                .get(&self.dev.stream, 2 * keys + group * tile * ld)?;
             let (kg, vg, scores) = (base, base + 4 * keys as u64, base + 8 * keys as u64);
             self.run(
                 Module::Attention,
@@ -124,8 +127,8 @@ impl CudaBackend {
                 let scores_op = Operand {
                     rows: n_keys,
                     cols: nt,
-                    ld: n_keys,
-                    stride: nt * n_keys,
+                    ld,
+                    stride: nt * ld,
                 };
                 for g in 0..kvh {
                     let first = 4 * ((t0 * nh + g * group) * hd) as u64;
@@ -149,6 +152,7 @@ impl CudaBackend {
                         &[
                             Arg::U64(scores),
                             Arg::I32(int("keys", n_keys)?),
+                            Arg::I32(int("score row stride", ld)?),
                             Arg::I32(int("first key", k_lo)?),
                             Arg::U64(positions + 4 * t0 as u64),
                             Arg::I32(int("rows", nt)?),

@@ -33,6 +33,13 @@ const GEMV_UP_TO: usize = 16;
 pub const BF16_GEMV_UP_TO: usize = 2;
 /// Most f32 weights dequantized at once for a cuBLAS product (64 MiB of scratch).
 const DEQUANT_TILE: usize = 16 << 20;
+/// Most weights dequantized to f16 at once for a tensor-core product (128 MiB of scratch:
+/// every matrix of E4B in one tile).
+const HALF_TILE: usize = 64 << 20;
+/// Rows of a dequantized tile (short of a whole matrix) are a multiple of this, so that the
+/// product of every tile keeps its output aligned: an odd tile height left the later tiles'
+/// output 4-byte aligned, and cuBLASLt chose a kernel ≈ 4× slower (H200, session 9).
+const TILE_ROW_MULTIPLE: usize = 128;
 /// Threads per block of the dequant kernels: `DEQUANT_THREADS` in ops.cu, which sizes its
 /// shared staging by it.
 const DEQUANT_THREADS: usize = 128;
@@ -50,6 +57,8 @@ pub(crate) struct Scratch {
     pub(crate) idx: IndexCache,
     /// Float scratch: dequantized weight tiles, attention partials, MoE intermediates.
     pub(crate) floats: Growable<f32>,
+    /// Weight tiles dequantized to f16 for the tensor cores.
+    pub(crate) tiles: Growable<u16>,
     /// Chosen tokens of the samplers.
     pub(crate) picks: Growable<u32>,
     /// Uniform draws of the sampler.
@@ -94,10 +103,37 @@ fn gemv_split(w: &CudaMatrix, multiprocessors: usize) -> usize {
     split
 }
 
-/// Whether a product of `n` token rows with `w` runs as GEMV launches (otherwise cuBLAS,
-/// where it is present).
-fn gemv_suits(n: usize, w: &CudaMatrix) -> bool {
-    n <= GEMV_UP_TO && !(w.ty == GgmlType::BF16 && n > BF16_GEMV_UP_TO)
+/// Whether a product of `n` token rows with weights stored as `ty` runs as GEMV launches
+/// (otherwise cuBLAS, where it is present).
+fn gemv_suits(n: usize, ty: GgmlType) -> bool {
+    n <= GEMV_UP_TO && !(ty == GgmlType::BF16 && n > BF16_GEMV_UP_TO)
+}
+
+/// The inputs of a product of `n` token rows with weights stored as `ty`, rows `cols` wide.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ProductInputs {
+    /// f32 activations and weights as stored (GEMVs; f32 and f16 weights under cuBLAS).
+    F32,
+    /// Activations rounded to bf16, weights as stored in bf16 (the tensor cores; how bf16
+    /// models run everywhere).
+    Bf16,
+    /// Activations rounded to f16 (saturating at ±65 504) and quantized weights dequantized
+    /// to f16 a tile at a time (the tensor cores; llama.cpp's cuBLAS path does the same).
+    F16,
+}
+
+/// How a product of `n` token rows with weights stored as `ty`, rows `cols` wide, takes its
+/// inputs when cuBLAS is present (without it, every product is an f32 GEMV).
+pub fn product_inputs(ty: GgmlType, cols: usize, n: usize) -> ProductInputs {
+    if gemv_suits(n, ty) || !cols.is_multiple_of(2) {
+        ProductInputs::F32
+    } else if ty == GgmlType::BF16 {
+        ProductInputs::Bf16
+    } else if ty.block_size() > 1 {
+        ProductInputs::F16
+    } else {
+        ProductInputs::F32
+    }
 }
 
 /// The launches a GEMV of `n` token rows takes: (first row, rows, kernel variant), at most
@@ -107,6 +143,17 @@ fn gemv_launches(n: usize) -> impl Iterator<Item = (usize, usize, u32)> {
         let nt = (n - t0).min(GEMV_MAX_ROWS);
         (t0, nt, [1, 2, 4, 4, 8, 8, 8, 8][nt - 1])
     })
+}
+
+/// Rows of `w` dequantized per tile within about `elements` weights: the whole matrix where it
+/// fits, else a multiple of `TILE_ROW_MULTIPLE` (at most 65 535, the launch grid's height).
+fn tile_rows(elements: usize, w: &CudaMatrix) -> usize {
+    let fit = (elements / w.cols.max(1)).min(65_535);
+    if fit >= w.rows {
+        w.rows
+    } else {
+        (fit / TILE_ROW_MULTIPLE).max(1) * TILE_ROW_MULTIPLE
+    }
 }
 
 /// Errors unless the RoPE kernels can turn heads of `head_dim` by `rope`.
@@ -190,6 +237,7 @@ impl CudaBackend {
             scratch: Mutex::new(Scratch {
                 idx: IndexCache::new(),
                 floats: Growable::new(),
+                tiles: Growable::new(),
                 picks: Growable::new(),
                 draws: Growable::new(),
             }),
@@ -261,17 +309,39 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// A bf16 copy of the `len` floats at `x` in the float scratch (`len` even: they take
-    /// len / 2 float slots), for the tensor cores; returns its address.
-    fn round_to_bf16(&self, s: &mut Scratch, x: u64, len: usize) -> Result<u64> {
+    /// A bf16 or f16 copy (`kernel`: `f32_to_bf16` / `f32_to_f16`) of the `len` floats at
+    /// `x` in the float scratch (`len` even: they take len / 2 float slots), for the tensor
+    /// cores; returns its address.
+    fn round_to_half(
+        &self,
+        s: &mut Scratch,
+        kernel: &'static str,
+        x: u64,
+        len: usize,
+    ) -> Result<u64> {
         let xb = s.floats.get(&self.dev.stream, len / 2)?;
         self.run(
             Module::Ops,
-            "f32_to_bf16",
+            kernel,
             Grid::new((blocks(len, 256), 1), 256),
             &[Arg::U64(x), Arg::U64(xb), Arg::U64(len as u64)],
         )?;
         Ok(xb)
+    }
+
+    /// The activations of a tensor-core product taking `inputs` (not `F32`), rounded.
+    fn round_inputs(
+        &self,
+        s: &mut Scratch,
+        inputs: ProductInputs,
+        x: u64,
+        len: usize,
+    ) -> Result<u64> {
+        let kernel = match inputs {
+            ProductInputs::F16 => "f32_to_f16",
+            _ => "f32_to_bf16",
+        };
+        self.round_to_half(s, kernel, x, len)
     }
 
     /// Products of one activation block with several matrices of one format and width (all
@@ -282,18 +352,15 @@ impl CudaBackend {
         let w0 = products[0].0;
         let k = w0.cols;
         match &self.blas {
-            Some(blas) if !gemv_suits(n, w0) => {
-                if w0.ty != GgmlType::BF16 || !k.is_multiple_of(2) {
+            Some(blas) if !gemv_suits(n, w0.ty) => {
+                let inputs = product_inputs(w0.ty, k, n);
+                if inputs == ProductInputs::F32 {
                     return Ok(false);
                 }
                 let mut s = self.scratch()?;
-                let xb = self.round_to_bf16(&mut s, x, n * k)?;
+                let xh = self.round_inputs(&mut s, inputs, x, n * k)?;
                 for &(w, out) in products {
-                    // SAFETY: `xb` holds n·k bf16 values, `w` rows·k; `out` rows·n (checked
-                    // by the caller).
-                    unsafe {
-                        blas.gemm_rows(GemmInput::Bf16, w.ptr, w.rows, k, xb, n, out, w.rows)?
-                    };
+                    self.gemm_half(blas, &mut s, xh, n, w, out)?;
                 }
                 Ok(true)
             }
@@ -331,9 +398,9 @@ impl CudaBackend {
         }
     }
 
-    /// Prefill-sized product through cuBLAS: f32 weights directly; bf16 weights as stored on
-    /// the tensor cores, the activations rounded to bf16 first (as every bf16 engine runs them);
-    /// other formats dequantized tile by tile into f32 scratch.
+    /// Prefill-sized product through cuBLAS, inputs per `product_inputs`: f32 weights directly;
+    /// bf16 and quantized weights on the tensor cores (`gemm_half`); f16 weights (and odd
+    /// widths) dequantized tile by tile into f32 scratch.
     fn gemm(&self, blas: &Blas, x: u64, n: usize, w: &CudaMatrix, out: u64) -> Result<()> {
         let k = w.cols;
         if w.ty == GgmlType::F32 {
@@ -341,35 +408,18 @@ impl CudaBackend {
             return unsafe { blas.gemm_rows(GemmInput::F32, w.ptr, w.rows, k, x, n, out, w.rows) };
         }
         let mut s = self.scratch()?;
-        if w.ty == GgmlType::BF16 && k.is_multiple_of(2) {
-            let xb = self.round_to_bf16(&mut s, x, n * k)?;
-            // SAFETY: `xb` holds n·k bf16 values, `w` rows·k; `out` rows·n (checked by the
-            // caller).
-            return unsafe {
-                blas.gemm_rows(GemmInput::Bf16, w.ptr, w.rows, k, xb, n, out, w.rows)
-            };
+        let inputs = product_inputs(w.ty, k, n);
+        if inputs != ProductInputs::F32 {
+            let xh = self.round_inputs(&mut s, inputs, x, n * k)?;
+            return self.gemm_half(blas, &mut s, xh, n, w, out);
         }
-        let tile = (DEQUANT_TILE / k.max(1)).clamp(1, 65_535).min(w.rows);
+        let tile = tile_rows(DEQUANT_TILE, w);
         let deq = s.floats.get(&self.dev.stream, tile * k)?;
         let f = self.kernels.func_for(Module::Ops, "dequant", w.ty, 0)?;
-        let chunks = k.div_ceil(32);
         let mut r0 = 0;
         while r0 < w.rows {
             let rt = tile.min(w.rows - r0);
-            self.launch_fn(
-                &f,
-                Grid::new(
-                    (blocks(chunks, DEQUANT_THREADS), rt as u32),
-                    DEQUANT_THREADS as u32,
-                ),
-                &[
-                    Arg::U64(w.ptr),
-                    Arg::U64(w.row_bytes as u64),
-                    Arg::I32(int("row", r0)?),
-                    Arg::I32(int("cols", k)?),
-                    Arg::U64(deq),
-                ],
-            )?;
+            self.dequant_rows(&f, w, r0, rt, deq)?;
             // SAFETY: `deq` holds rt·k floats; `out` rows·n (checked by the caller).
             unsafe {
                 blas.gemm_rows(
@@ -386,6 +436,76 @@ impl CudaBackend {
             r0 += rt;
         }
         Ok(())
+    }
+
+    /// `out = x · wᵀ` on the tensor cores from `xh`, the `n` activation rows already rounded
+    /// as `product_inputs` says: bf16 weights as stored, quantized ones dequantized to f16 a
+    /// tile of rows at a time (sizes checked by the caller).
+    fn gemm_half(
+        &self,
+        blas: &Blas,
+        s: &mut Scratch,
+        xh: u64,
+        n: usize,
+        w: &CudaMatrix,
+        out: u64,
+    ) -> Result<()> {
+        let k = w.cols;
+        if w.ty == GgmlType::BF16 {
+            // SAFETY: `xh` holds n·k bf16 values, `w` rows·k; `out` rows·n.
+            return unsafe {
+                blas.gemm_rows(GemmInput::Bf16, w.ptr, w.rows, k, xh, n, out, w.rows)
+            };
+        }
+        let tile = tile_rows(HALF_TILE, w);
+        let deq = s.tiles.get(&self.dev.stream, tile * k)?;
+        let f = self.kernels.func_for(Module::Ops, "dequant_f16", w.ty, 0)?;
+        let mut r0 = 0;
+        while r0 < w.rows {
+            let rt = tile.min(w.rows - r0);
+            self.dequant_rows(&f, w, r0, rt, deq)?;
+            // SAFETY: `deq` holds rt·k f16 values, `xh` n·k; `out` rows·n.
+            unsafe {
+                blas.gemm_rows(
+                    GemmInput::F16,
+                    deq,
+                    rt,
+                    k,
+                    xh,
+                    n,
+                    out + 4 * r0 as u64,
+                    w.rows,
+                )?
+            };
+            r0 += rt;
+        }
+        Ok(())
+    }
+
+    /// Queues dequant kernel `f` (f32 or f16 output) for rows `r0 .. r0 + rt` of `w` into
+    /// `dst`.
+    fn dequant_rows(
+        &self,
+        f: &CudaFunction,
+        w: &CudaMatrix,
+        r0: usize,
+        rt: usize,
+        dst: u64,
+    ) -> Result<()> {
+        self.launch_fn(
+            f,
+            Grid::new(
+                (blocks(w.cols.div_ceil(32), DEQUANT_THREADS), rt as u32),
+                DEQUANT_THREADS as u32,
+            ),
+            &[
+                Arg::U64(w.ptr),
+                Arg::U64(w.row_bytes as u64),
+                Arg::I32(int("row", r0)?),
+                Arg::I32(int("cols", w.cols)?),
+                Arg::U64(dst),
+            ],
+        )
     }
 
     /// Raises any error a kernel flagged since the last check (after a synchronisation).
@@ -625,7 +745,7 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         match &self.blas {
-            Some(blas) if !gemv_suits(n, w) => self.gemm(blas, x.ptr, n, w, out.ptr),
+            Some(blas) if !gemv_suits(n, w.ty) => self.gemm(blas, x.ptr, n, w, out.ptr),
             _ => self.gemv(x.ptr, n, w, out.ptr),
         }
     }
@@ -675,7 +795,7 @@ impl Backend for CudaBackend {
                 gate.rows, gate.cols, gate.ty, up.rows, up.cols, up.ty
             )));
         }
-        if self.blas.is_some() && !gemv_suits(n, gate) {
+        if self.blas.is_some() && !gemv_suits(n, gate.ty) {
             self.matmul_many(x, n, &mut [(gate, &mut *gate_out), (up, &mut *up_out)])?;
             return self.gelu_tanh_mul(gate_out, up_out, n * ff);
         }

@@ -1,6 +1,6 @@
 //! cuBLASLt for prefill-sized and batched-decode products: a row-major
-//! `out[n, rows] = x[n, k] · w[rows, k]ᵀ`, in f32 (no TF32, so it matches the f32 reference) or,
-//! for bf16 weights, on the tensor cores with bf16 activations and f32 accumulation; and the
+//! `out[n, rows] = x[n, k] · w[rows, k]ᵀ`, in f32 (no TF32, so it matches the f32 reference) or
+//! on the tensor cores with bf16 or f16 inputs and f32 accumulation; and the
 //! strided-batched f32 products of prefill attention on the TF32 tensor cores.
 //!
 //! Each product shape gets a plan once (descriptors and the heuristic's algorithm, kept for
@@ -31,6 +31,8 @@ pub(crate) enum GemmInput {
     F32,
     /// bf16 weights and activations (the tensor cores).
     Bf16,
+    /// f16 weights and activations (the tensor cores).
+    F16,
 }
 
 /// One column-major operand of a product: `rows × cols`, leading dimension `ld`, and the
@@ -143,6 +145,7 @@ impl Blas {
         let ty = match shape.input {
             GemmInput::F32 => sys::cudaDataType::CUDA_R_32F,
             GemmInput::Bf16 => sys::cudaDataType::CUDA_R_16BF,
+            GemmInput::F16 => sys::cudaDataType::CUDA_R_16F,
         };
         let f32_ty = sys::cudaDataType::CUDA_R_32F;
         let compute = if shape.tf32 {

@@ -24,6 +24,6 @@ pub mod sources;
 mod upload;
 
 pub use attention_gemm::ATTN_GEMM_MIN_ROWS;
-pub use backend::{CudaBackend, BF16_GEMV_UP_TO};
+pub use backend::{product_inputs, CudaBackend, ProductInputs, BF16_GEMV_UP_TO};
 pub use buffer::{CudaBuffer, CudaMatrix};
 pub use sample::{SampleParams, MAX_TOP_K};

@@ -14,9 +14,10 @@ use std::sync::Arc;
 use markbase_core::backend::Backend;
 use markbase_core::config::Gemma3Config;
 use markbase_core::gguf::GgufFile;
+use markbase_core::quant::GgmlType;
 use markbase_core::safetensors::SafetensorsDir;
 use markbase_cpu::CpuBackend;
-use markbase_cuda::CudaBackend;
+use markbase_cuda::{product_inputs, CudaBackend, ProductInputs};
 use markbase_models::gemma3::Gemma3;
 use markbase_models::gemma4::Gemma4;
 use markbase_models::gemma4_config::Gemma4Config;
@@ -32,6 +33,11 @@ const REL_TOL: f32 = 1e-4;
 /// 16-bit quantized activations, whose rounding alone moves logits by up to ≈ 1.8e-4 of their
 /// scale (markbase-cpu `kernels::act`); the GPU keeps f32 activations.
 const QUANT_ACT_TOL: f32 = 2e-4;
+
+/// GPU against the references where block-quantized products of more than 16 token rows take
+/// the tensor cores with activations and dequantized weights rounded to f16
+/// (`product_inputs`: `F16`): ≈ 1.3e-3 measured on the tiny Gemma 3 GGUF (Q8_0) in one run.
+const F16_PRODUCTS_TOL: f32 = 3e-3;
 
 fn gpu() -> Option<CudaBackend> {
     match CudaBackend::new(0) {
@@ -158,9 +164,16 @@ impl<B: Backend> Lm for Gemma4<B> {
 }
 
 /// Three sequences in shared pools, run as batched steps (a mixed prefill, then two decode
-/// steps of all three): the GPU's logits equal the CPU's, and its greedy picks are their
-/// argmax.
-fn batched_matches_cpu<G: Lm, C: Lm>(name: &str, gpu: &G, cpu: &C, ids: &[u32], vocab: usize) {
+/// steps of all three): the GPU's logits equal the CPU's to `tol` (the decode steps read the
+/// prefill's keys and values), and its greedy picks are their argmax.
+fn batched_matches_cpu<G: Lm, C: Lm>(
+    name: &str,
+    gpu: &G,
+    cpu: &C,
+    ids: &[u32],
+    vocab: usize,
+    tol: f32,
+) {
     let lens = [ids.len(), ids.len() / 2, 3];
     let per: Vec<usize> = lens.iter().map(|l| (l + 2).div_ceil(BLOCK)).collect();
     let total: usize = per.iter().sum();
@@ -192,7 +205,7 @@ fn batched_matches_cpu<G: Lm, C: Lm>(name: &str, gpu: &G, cpu: &C, ids: &[u32], 
         let want = cpu.run_step(&mut cp, &seqs).logits;
         let rel = worst_rel(&got, &want, vocab);
         eprintln!("{name} batched step {step}: vs CPU {rel:e}");
-        assert!(rel <= REL_TOL, "{name} batched step {step}: vs CPU {rel:e}");
+        assert!(rel <= tol, "{name} batched step {step}: vs CPU {rel:e}");
         if step > 0 {
             // The same step again (it rewrites the same keys and values), greedy: the device's
             // picks are the argmax of the logits it just returned.
@@ -230,19 +243,30 @@ fn run<M: Lm>(m: &M, ids: &[u32], split: Option<usize>) -> Vec<f32> {
     }
 }
 
-/// GPU vs transformers and GPU vs CPU, for each way of running the sequence.
-fn compare<G: Lm, C: Lm>(name: &str, gpu: &G, cpu: &C, ids: &[u32], want: &[f32], vocab: usize) {
+/// GPU vs transformers and GPU vs CPU, for each way of running the sequence: to `full_tol`
+/// when the whole sequence runs as one step, to `REL_TOL` when it runs as a short prefix then
+/// one token at a time (GEMV products in f32).
+fn compare<G: Lm, C: Lm>(
+    name: &str,
+    gpu: &G,
+    cpu: &C,
+    ids: &[u32],
+    want: &[f32],
+    vocab: usize,
+    full_tol: f32,
+) {
     for split in [None, Some(5), Some(13)] {
         let got = run(gpu, ids, split);
         let cpu_out = run(cpu, ids, split);
         let vs_ref = worst_rel(&got, want, vocab);
         let vs_cpu = worst_rel(&got, &cpu_out, vocab);
         eprintln!("{name} {split:?}: vs transformers {vs_ref:e}, vs CPU {vs_cpu:e}");
+        let tol = if split.is_none() { full_tol } else { REL_TOL };
         assert!(
-            vs_ref <= REL_TOL,
+            vs_ref <= tol,
             "{name} {split:?}: vs transformers {vs_ref:e}"
         );
-        assert!(vs_cpu <= REL_TOL, "{name} {split:?}: vs CPU {vs_cpu:e}");
+        assert!(vs_cpu <= tol, "{name} {split:?}: vs CPU {vs_cpu:e}");
     }
 }
 
@@ -289,6 +313,12 @@ fn gemma3_tiny_matches_transformers_and_cpu() {
             .collect();
         let g = load_g3(&dir, gguf, gpu().unwrap());
         let c = load_g3(&dir, gguf, CpuBackend::new(2).unwrap());
+        // The GGUF's Q8_0 products over the whole sequence (and over the batched prefill of
+        // more rows) run in f16 (even widths).
+        let full_tol = match product_inputs(GgmlType::Q8_0, 2, ids.len()) {
+            ProductInputs::F16 if gguf => F16_PRODUCTS_TOL,
+            _ => REL_TOL,
+        };
         compare(
             &format!("gemma3_tiny gguf={gguf}"),
             &g,
@@ -296,8 +326,16 @@ fn gemma3_tiny_matches_transformers_and_cpu() {
             &ids,
             &want,
             300,
+            full_tol,
         );
-        batched_matches_cpu(&format!("gemma3_tiny gguf={gguf}"), &g, &c, &ids, 300);
+        batched_matches_cpu(
+            &format!("gemma3_tiny gguf={gguf}"),
+            &g,
+            &c,
+            &ids,
+            300,
+            full_tol,
+        );
     }
 }
 
@@ -369,8 +407,8 @@ fn gemma4_fixtures_match_transformers_and_cpu() {
             let g = load_g4(&p, gpu().unwrap());
             let c = load_g4(&p, CpuBackend::new(2).unwrap());
             let label = format!("{name} {}", p.file_name().unwrap().to_string_lossy());
-            compare(&label, &g, &c, &ids, &want, vocab);
-            batched_matches_cpu(&label, &g, &c, &ids, vocab);
+            compare(&label, &g, &c, &ids, &want, vocab, REL_TOL);
+            batched_matches_cpu(&label, &g, &c, &ids, vocab, REL_TOL);
         }
     }
 }

@@ -13,7 +13,9 @@ use markbase_core::backend::{
 };
 use markbase_core::quant::GgmlType;
 use markbase_cpu::reference;
-use markbase_cuda::{CudaBackend, CudaBuffer, SampleParams, ATTN_GEMM_MIN_ROWS, BF16_GEMV_UP_TO};
+use markbase_cuda::{
+    product_inputs, CudaBackend, CudaBuffer, ProductInputs, SampleParams, ATTN_GEMM_MIN_ROWS,
+};
 use rand::rngs::StdRng;
 use rand::{Rng, RngCore, SeedableRng};
 
@@ -155,13 +157,37 @@ fn random_matrix(r: &mut StdRng, ty: GgmlType, rows: usize, cols: usize) -> Host
     }
 }
 
-/// The activations `x` (`n` rows) as a product with `ty` weights sees them: rounded to bf16
-/// where bf16 weights take the tensor cores (above `BF16_GEMV_UP_TO` rows, with cuBLAS).
-fn as_seen(g: &CudaBackend, ty: GgmlType, n: usize, x: &[f32]) -> Vec<f32> {
-    if ty == GgmlType::BF16 && n > BF16_GEMV_UP_TO && g.has_cublas() {
-        x.iter().map(|&v| bf16::from_f32(v).to_f32()).collect()
+/// The activations `x` (`n` rows) and the weights `m` as a product sees them
+/// (`product_inputs`, with cuBLAS): activations rounded to bf16 for bf16 weights; activations
+/// and dequantized weights rounded to f16 for quantized ones; otherwise as they are.
+fn as_seen(g: &CudaBackend, m: &HostMatrix, n: usize, x: &[f32]) -> (Vec<f32>, HostMatrix) {
+    let inputs = if g.has_cublas() {
+        product_inputs(m.ty, m.cols, n)
     } else {
-        x.to_vec()
+        ProductInputs::F32
+    };
+    match inputs {
+        ProductInputs::F32 => (x.to_vec(), m.clone()),
+        ProductInputs::Bf16 => {
+            let xs = x.iter().map(|&v| bf16::from_f32(v).to_f32()).collect();
+            (xs, m.clone())
+        }
+        ProductInputs::F16 => {
+            let xs = x.iter().map(|&v| f16::from_f32(v).to_f32()).collect();
+            let w = reference::dequantize_matrix(m).unwrap();
+            let bytes: Vec<u8> = w
+                .iter()
+                .flat_map(|&v| f16::from_f32(v).to_le_bytes())
+                .collect();
+            let seen = HostMatrix {
+                name: format!("{} as f16", m.name),
+                ty: GgmlType::F16,
+                rows: m.rows,
+                cols: m.cols,
+                bytes: HostBytes::Owned(Arc::from(bytes)),
+            };
+            (xs, seen)
+        }
     }
 }
 
@@ -184,13 +210,13 @@ fn matmul_matches_reference_for_every_format_and_batch() {
             let rows = 67;
             let m = random_matrix(&mut r, ty, rows, k);
             let w = g.load_matrix(&m).unwrap();
-            // 1–8: one GEMV launch; 13: two; 40: cuBLAS (f32 weights as they are, bf16 ones on
-            // the tensor cores with bf16-rounded activations, others dequantized to f32); bf16
-            // weights take the tensor cores above BF16_GEMV_UP_TO rows.
+            // 1–8: one GEMV launch; 13: two; 40: cuBLAS (f32 and f16 weights in f32, bf16 and
+            // quantized ones on the tensor cores, see `as_seen`); bf16 weights take the tensor
+            // cores from 3 rows.
             for n in [1, 2, 3, 8, 13, 40] {
                 let x = uniform(&mut r, n * k, 1.0);
-                let seen = as_seen(g, ty, n, &x);
-                let want = reference::matmul(&seen, n, &m).unwrap();
+                let (sx, sm) = as_seen(g, &m, n, &x);
+                let want = reference::matmul(&sx, n, &sm).unwrap();
                 let xb = up(g, &x);
                 let mut out = poisoned(g, n * rows);
                 g.matmul(&xb, n, &w, &mut out).unwrap();
@@ -225,8 +251,8 @@ fn matmul_many_matches_reference_for_every_format() {
                 let mut products: Vec<_> = ws.iter().zip(outs.iter_mut()).collect();
                 g.matmul_many(&up(g, &x), n, &mut products).unwrap();
                 for (m, out) in mats.iter().zip(&outs) {
-                    let seen = as_seen(g, m.ty, n, &x);
-                    let want = reference::matmul(&seen, n, m).unwrap();
+                    let (sx, sm) = as_seen(g, m, n, &x);
+                    let want = reference::matmul(&sx, n, &sm).unwrap();
                     let got = down(g, out, n * m.rows);
                     let what = format!("matmul_many {ty} ({}) rows {} n={n}", mats.len(), m.rows);
                     assert_close(&what, &got, &want, 2e-5);
@@ -252,10 +278,10 @@ fn gelu_gated_matmul_matches_reference_for_every_format() {
         // two cuBLAS products and the elementwise pass.
         for n in [1, 3, 8, 13, 40] {
             let x = uniform(&mut r, n * k, 1.0);
-            let seen = as_seen(g, ty, n, &x);
+            let ((sx, sg), (_, su)) = (as_seen(g, &gm, n, &x), as_seen(g, &um, n, &x));
             let want = reference::gelu_tanh_mul(
-                &reference::matmul(&seen, n, &gm).unwrap(),
-                &reference::matmul(&seen, n, &um).unwrap(),
+                &reference::matmul(&sx, n, &sg).unwrap(),
+                &reference::matmul(&sx, n, &su).unwrap(),
             );
             let (mut go, mut uo) = (poisoned(g, n * ff), poisoned(g, n * ff));
             g.gelu_gated_matmul(&up(g, &x), n, &gw, &uw, ff, &mut go, &mut uo)
