@@ -508,6 +508,25 @@ pub trait Backend: Send + Sync {
         self.matmul(x, n, up, up_out)?;
         self.gelu_tanh_mul(gate_out, up_out, n * ff)
     }
+    /// `out[t, r] = gelu_tanh(x_t · w_r) · other[from.offset + t·from.stride + r]` for `n`
+    /// token rows and the `rows` rows of `w` (Gemma 4's per-layer-input gate times the layer's
+    /// slice of the per-layer inputs). The default copies the slice into `scratch` (`n × rows`), runs
+    /// [`Backend::matmul`] and [`Backend::gelu_tanh_mul`]; a backend may read the slice in
+    /// place and fuse them (leaving `scratch` untouched).
+    #[allow(clippy::too_many_arguments)]
+    fn gelu_matmul_mul(
+        &self,
+        x: &Self::Buffer,
+        n: usize,
+        w: &Self::Matrix,
+        rows: usize,
+        other: &Self::Buffer,
+        from: Strided,
+        out: &mut Self::Buffer,
+        scratch: &mut Self::Buffer,
+    ) -> Result<()> {
+        gelu_matmul_mul_in_steps(self, x, n, w, rows, other, from, out, scratch)
+    }
     /// `gate[i] = gelu_tanh(gate[i]) · up[i]` for `i < len`.
     fn gelu_tanh_mul(&self, gate: &mut Self::Buffer, up: &Self::Buffer, len: usize) -> Result<()>;
     /// `x[i] += y[i]` for `i < len`.
@@ -524,4 +543,27 @@ pub trait Backend: Send + Sync {
     fn argmax(&self, x: &Self::Buffer, rows: usize, n: usize) -> Result<Vec<u32>>;
     /// Copies the first `dst.len()` values of `x` to the host — the step's one synchronisation.
     fn read(&self, x: &Self::Buffer, dst: &mut [f32]) -> Result<()>;
+}
+
+/// [`Backend::gelu_matmul_mul`] as three operations: the slice copied into `scratch`, the
+/// product into `out`, then [`Backend::gelu_tanh_mul`].
+#[allow(clippy::too_many_arguments)]
+pub fn gelu_matmul_mul_in_steps<B: Backend + ?Sized>(
+    be: &B,
+    x: &B::Buffer,
+    n: usize,
+    w: &B::Matrix,
+    rows: usize,
+    other: &B::Buffer,
+    from: Strided,
+    out: &mut B::Buffer,
+    scratch: &mut B::Buffer,
+) -> Result<()> {
+    let to = Strided {
+        offset: 0,
+        stride: rows,
+    };
+    be.copy_rows(other, from, scratch, to, n, rows)?;
+    be.matmul(x, n, w, out)?;
+    be.gelu_tanh_mul(out, scratch, n * rows)
 }

@@ -1,5 +1,6 @@
 // Decode matmul: out[t, r] = Σ_k x[t, k] · w[r, k] for up to 8 token rows per launch, any
-// stored format. Blocks of 256 threads (8 warps); the weights are read once for all of the
+// stored format; with `mul` (not null) out[t, r] = gelu_tanh(that) · mul[t · mul_stride + r]
+// (Gemma 4's per-layer-input gate). Blocks of 256 threads (8 warps); the weights are read once for all of the
 // launch's tokens (weights dominate the bytes). Larger decode batches take several launches.
 //
 // Quantized rows: one warp per row (8 rows per block), the activations staged per block.
@@ -9,9 +10,15 @@
 // the GPU, and long rows keep enough bytes in flight to run at the memory's rate.
 // Needs common.cuh and quant.cuh.
 
+// The value stored for token t, row r of a product whose dot is `acc`.
+__device__ __forceinline__ float gemv_result(float acc, const float* mul, u64 mul_stride, int t,
+                                             int r) {
+    return mul ? gelu_tanh(acc) * mul[(u64)t * mul_stride + r] : acc;
+}
+
 template <int FMT, int NT>
 __device__ void gemv_impl(const u8* w, u64 row_bytes, int rows, int k, const float* x, int nt,
-                          float* out, int split) {
+                          float* out, int split, const float* mul, u64 mul_stride) {
     if ((FMT == F_F32 || FMT == F_F16 || FMT == F_BF16) && (k & 7) == 0) {
         __shared__ float part_sums[8][NT];
         int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -29,7 +36,7 @@ __device__ void gemv_impl(const u8* w, u64 row_bytes, int rows, int k, const flo
             if (r < rows && lane == 0) {
 #pragma unroll
                 for (int t = 0; t < NT; t++)
-                    if (t < nt) out[(u64)t * rows + r] = acc[t];
+                    if (t < nt) out[(u64)t * rows + r] = gemv_result(acc[t], mul, mul_stride, t, r);
             }
             return;
         }
@@ -41,7 +48,7 @@ __device__ void gemv_impl(const u8* w, u64 row_bytes, int rows, int k, const flo
         if (part == 0 && r < rows && lane < nt && lane < NT) {
             float s = 0.f;
             for (int p = 0; p < split; p++) s += part_sums[warp + p][lane];
-            out[(u64)lane * rows + r] = s;
+            out[(u64)lane * rows + r] = gemv_result(s, mul, mul_stride, lane, r);
         }
         return;
     }
@@ -52,7 +59,7 @@ __device__ void gemv_impl(const u8* w, u64 row_bytes, int rows, int k, const flo
     if (active && (threadIdx.x & 31) == 0) {
 #pragma unroll
         for (int t = 0; t < NT; t++)
-            if (t < nt) out[(u64)t * rows + r] = acc[t];
+            if (t < nt) out[(u64)t * rows + r] = gemv_result(acc[t], mul, mul_stride, t, r);
     }
 }
 
@@ -108,9 +115,9 @@ __device__ void gemv_many_impl(const Products& p, u64 row_bytes, int k, const fl
 
 #define GEMV_KERNEL(S, F, NT)                                                                 \
     extern "C" __global__ void gemv_##S##_##NT(const u8* w, u64 row_bytes, int rows, int k,   \
-                                               const float* x, int nt, float* out,            \
-                                               int split) {                                   \
-        gemv_impl<F, NT>(w, row_bytes, rows, k, x, nt, out, split);                           \
+                                               const float* x, int nt, float* out, int split, \
+                                               const float* mul, u64 mul_stride) {            \
+        gemv_impl<F, NT>(w, row_bytes, rows, k, x, nt, out, split, mul, mul_stride);          \
     }
 #define GEMV_GELU_KERNEL(S, F, NT)                                                            \
     extern "C" __global__ void gemv_gelu_##S##_##NT(const u8* wg, const u8* wu, u64 row_bytes, \

@@ -8,7 +8,9 @@ use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard};
 
 use cudarc::driver::{CudaFunction, PinnedHostSlice};
-use markbase_core::backend::{AttnSpec, Backend, HostMatrix, KvLayout, NormOut, Rope, Strided};
+use markbase_core::backend::{
+    gelu_matmul_mul_in_steps, AttnSpec, Backend, HostMatrix, KvLayout, NormOut, Rope, Strided,
+};
 use markbase_core::quant::GgmlType;
 use markbase_core::{Error, Result};
 
@@ -285,10 +287,19 @@ impl CudaBackend {
         s.idx.upload(&self.dev.stream, v)
     }
 
-    /// Queues GEMV launches for `n` token rows (≤ GEMV_MAX_ROWS per launch).
-    fn gemv(&self, x: u64, n: usize, w: &CudaMatrix, out: u64) -> Result<()> {
+    /// Queues GEMV launches for `n` token rows (≤ GEMV_MAX_ROWS per launch); with
+    /// `mul = Some((m, stride))` each result becomes `gelu_tanh(result) · m[t·stride + r]`.
+    fn gemv(
+        &self,
+        x: u64,
+        n: usize,
+        w: &CudaMatrix,
+        out: u64,
+        mul: Option<(u64, usize)>,
+    ) -> Result<()> {
         let (rows, k) = (int("rows", w.rows)?, int("cols", w.cols)?);
         let split = gemv_split(w, self.dev.multiprocessors() as usize);
+        let (mul, mul_stride) = mul.unwrap_or((0, 0));
         for (t0, nt, variant) in gemv_launches(n) {
             let f = self.kernels.func_for(Module::Gemv, "gemv", w.ty, variant)?;
             self.launch_fn(
@@ -303,6 +314,12 @@ impl CudaBackend {
                     Arg::I32(nt as i32),
                     Arg::U64(out + 4 * (t0 * w.rows) as u64),
                     Arg::I32(split as i32),
+                    Arg::U64(if mul == 0 {
+                        0
+                    } else {
+                        mul + 4 * (t0 * mul_stride) as u64
+                    }),
+                    Arg::U64(mul_stride as u64),
                 ],
             )?;
         }
@@ -746,7 +763,7 @@ impl Backend for CudaBackend {
         }
         match &self.blas {
             Some(blas) if !gemv_suits(n, w.ty) => self.gemm(blas, x.ptr, n, w, out.ptr),
-            _ => self.gemv(x.ptr, n, w, out.ptr),
+            _ => self.gemv(x.ptr, n, w, out.ptr, None),
         }
     }
 
@@ -822,6 +839,35 @@ impl Backend for CudaBackend {
             )?;
         }
         Ok(())
+    }
+
+    fn gelu_matmul_mul(
+        &self,
+        x: &CudaBuffer,
+        n: usize,
+        w: &CudaMatrix,
+        rows: usize,
+        other: &CudaBuffer,
+        from: Strided,
+        out: &mut CudaBuffer,
+        scratch: &mut CudaBuffer,
+    ) -> Result<()> {
+        if rows != w.rows {
+            return Err(Error::Invalid(format!(
+                "cuda gated matmul: '{}' has {} rows, not {rows}",
+                w.name, w.rows
+            )));
+        }
+        if self.blas.is_some() && !gemv_suits(n, w.ty) {
+            return gelu_matmul_mul_in_steps(self, x, n, w, rows, other, from, out, scratch);
+        }
+        need("gated matmul input", x.len(), n * w.cols)?;
+        need("gated matmul output", out.len(), n * rows)?;
+        if n > 0 {
+            need("gated matmul gate", other.len(), from.at(n - 1) + rows)?;
+        }
+        let mul = other.ptr + 4 * from.offset as u64;
+        self.gemv(x.ptr, n, w, out.ptr, Some((mul, from.stride)))
     }
 
     fn head_norm_rope(

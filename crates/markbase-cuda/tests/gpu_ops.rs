@@ -300,6 +300,69 @@ fn gelu_gated_matmul_matches_reference_for_every_format() {
 }
 
 #[test]
+fn gelu_matmul_mul_matches_reference_for_every_format() {
+    let g = gpu_or_skip!();
+    let mut r = rng("gelu_matmul_mul");
+    for ty in GgmlType::SUPPORTED {
+        let k = *widths(ty).last().unwrap();
+        let rows = 37;
+        let m = random_matrix(&mut r, ty, rows, k);
+        let w = g.load_matrix(&m).unwrap();
+        // The gate's rows are a slice of wider rows (Gemma 4's per-layer inputs of one layer).
+        let from = Strided {
+            offset: 2 * rows + 3,
+            stride: 4 * rows,
+        };
+        // 1–8 rows: one GEMV launch reading the slice in place; 13: two; 40: the product, a
+        // copy of the slice and the elementwise pass.
+        for n in [1, 3, 8, 13, 40] {
+            let x = uniform(&mut r, n * k, 1.0);
+            let other = uniform(&mut r, from.at(n), 2.0);
+            let (sx, sm) = as_seen(g, &m, n, &x);
+            let slice: Vec<f32> = (0..n)
+                .flat_map(|t| other[from.at(t)..from.at(t) + rows].to_vec())
+                .collect();
+            let want = reference::gelu_tanh_mul(&reference::matmul(&sx, n, &sm).unwrap(), &slice);
+            let (mut out, mut scratch) = (poisoned(g, n * rows), poisoned(g, n * rows));
+            g.gelu_matmul_mul(
+                &up(g, &x),
+                n,
+                &w,
+                rows,
+                &up(g, &other),
+                from,
+                &mut out,
+                &mut scratch,
+            )
+            .unwrap();
+            let got = down(g, &out, n * rows);
+            assert_close(
+                &format!("gelu_matmul_mul {ty} k={k} n={n}"),
+                &got,
+                &want,
+                2e-5,
+            );
+        }
+        let mut out = poisoned(g, rows);
+        let mut scratch = poisoned(g, rows);
+        let err = g.gelu_matmul_mul(
+            &up(g, &vec![0.0; k]),
+            1,
+            &w,
+            rows + 1,
+            &up(g, &vec![0.0; 8 * rows]),
+            from,
+            &mut out,
+            &mut scratch,
+        );
+        assert!(
+            err.is_err(),
+            "a row count unlike the matrix's must be refused"
+        );
+    }
+}
+
+#[test]
 fn embed_matches_reference_for_every_format() {
     let g = gpu_or_skip!();
     let mut r = rng("embed");

@@ -443,13 +443,16 @@ impl<B: Backend> Gemma4<B> {
                 offset: li * p,
                 stride,
             };
-            let to = Strided {
-                offset: 0,
-                stride: p,
-            };
-            be.copy_rows(&w.ple_all, from, &mut w.ple_l, to, n, p)?;
-            be.matmul(&w.h, n, &ple.gate, &mut w.ple_gate)?;
-            be.gelu_tanh_mul(&mut w.ple_gate, &w.ple_l, n * p)?;
+            be.gelu_matmul_mul(
+                &w.h,
+                n,
+                &ple.gate,
+                p,
+                &w.ple_all,
+                from,
+                &mut w.ple_gate,
+                &mut w.ple_l,
+            )?;
             be.matmul(&w.ple_gate, n, &ple.proj, &mut w.proj)?;
             be.residual_norm(
                 &w.proj,
