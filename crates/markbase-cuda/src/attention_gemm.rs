@@ -7,9 +7,9 @@
 //! second batched product weights the values, writing the output rows in place.
 
 use markbase_core::backend::{AttnSpec, KvLayout};
-use markbase_core::{Error, Result};
+use markbase_core::Result;
 
-use crate::backend::CudaBackend;
+use crate::backend::{int, CudaBackend};
 use crate::blas::{Blas, Operand};
 use crate::buffer::CudaBuffer;
 use crate::kernels::{Arg, Grid};
@@ -67,9 +67,6 @@ impl CudaBackend {
         let (hd, nh, kvh) = (spec.head_dim, spec.n_heads, spec.n_kv_heads);
         let (group, row) = (nh / kvh, kvh * hd);
         let window = spec.window.unwrap_or(0);
-        let int = |what: &str, v: usize| {
-            i32::try_from(v).map_err(|_| Error::Invalid(format!("attention {what} {v}: too large")))
-        };
         let mut s = self.scratch()?;
         let positions = self.upload_idx(&mut s, layout.positions)?;
         let tables = self.upload_idx(&mut s, layout.block_tables)?;

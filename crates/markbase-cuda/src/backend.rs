@@ -191,7 +191,8 @@ fn blocks(n: usize, per: usize) -> u32 {
 }
 
 /// `v` as a C int, or an error naming it.
-fn int(what: &str, v: usize) -> Result<i32> {
+/// `v` as a kernel's `int` argument, or an error naming `what`.
+pub(crate) fn int(what: &str, v: usize) -> Result<i32> {
     i32::try_from(v).map_err(|_| Error::Invalid(format!("cuda {what}: {v} is too large")))
 }
 
@@ -432,27 +433,7 @@ impl CudaBackend {
         }
         let tile = tile_rows(DEQUANT_TILE, w);
         let deq = s.floats.get(&self.dev.stream, tile * k)?;
-        let f = self.kernels.func_for(Module::Ops, "dequant", w.ty, 0)?;
-        let mut r0 = 0;
-        while r0 < w.rows {
-            let rt = tile.min(w.rows - r0);
-            self.dequant_rows(&f, w, r0, rt, deq)?;
-            // SAFETY: `deq` holds rt·k floats; `out` rows·n (checked by the caller).
-            unsafe {
-                blas.gemm_rows(
-                    GemmInput::F32,
-                    deq,
-                    rt,
-                    k,
-                    x,
-                    n,
-                    out + 4 * r0 as u64,
-                    w.rows,
-                )?
-            };
-            r0 += rt;
-        }
-        Ok(())
+        self.gemm_dequantized(blas, GemmInput::F32, deq, tile, w, x, n, out)
     }
 
     /// `out = x · wᵀ` on the tensor cores from `xh`, the `n` activation rows already rounded
@@ -476,24 +457,35 @@ impl CudaBackend {
         }
         let tile = tile_rows(HALF_TILE, w);
         let deq = s.tiles.get(&self.dev.stream, tile * k)?;
-        let f = self.kernels.func_for(Module::Ops, "dequant_f16", w.ty, 0)?;
+        self.gemm_dequantized(blas, GemmInput::F16, deq, tile, w, xh, n, out)
+    }
+
+    /// `out = x · wᵀ` with `w` dequantized into `deq` (f32 or f16, as `input`; `x` holds the
+    /// activations in that type) `tile` rows at a time, one product per tile (sizes checked
+    /// by the caller; `deq` holds a tile).
+    #[allow(clippy::too_many_arguments)]
+    fn gemm_dequantized(
+        &self,
+        blas: &Blas,
+        input: GemmInput,
+        deq: u64,
+        tile: usize,
+        w: &CudaMatrix,
+        x: u64,
+        n: usize,
+        out: u64,
+    ) -> Result<()> {
+        let kernel = match input {
+            GemmInput::F16 => "dequant_f16",
+            _ => "dequant",
+        };
+        let f = self.kernels.func_for(Module::Ops, kernel, w.ty, 0)?;
         let mut r0 = 0;
         while r0 < w.rows {
             let rt = tile.min(w.rows - r0);
             self.dequant_rows(&f, w, r0, rt, deq)?;
-            // SAFETY: `deq` holds rt·k f16 values, `xh` n·k; `out` rows·n.
-            unsafe {
-                blas.gemm_rows(
-                    GemmInput::F16,
-                    deq,
-                    rt,
-                    k,
-                    xh,
-                    n,
-                    out + 4 * r0 as u64,
-                    w.rows,
-                )?
-            };
+            // SAFETY: `deq` holds rt·k values, `x` n·k; `out` rows·n.
+            unsafe { blas.gemm_rows(input, deq, rt, w.cols, x, n, out + 4 * r0 as u64, w.rows)? };
             r0 += rt;
         }
         Ok(())
