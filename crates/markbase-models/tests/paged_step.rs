@@ -228,6 +228,26 @@ fn long_sequence_through_the_sliding_ring_matches_the_pool() {
 }
 
 #[test]
+fn a_cache_for_small_chunks_runs_long_inputs_in_pieces() {
+    // 90 tokens through a cache for chunks of 16: six pieces, the last one's logits only
+    // (`Last`) or every piece's (`All`), as one step of the whole input gives them.
+    let model = load("gemma4/e2b_like");
+    let nv = model.info().n_vocab;
+    let mut rng = Rng(11);
+    let tokens: Vec<u32> = (0..90).map(|_| rng.below(nv) as u32).collect();
+    for logits in [Logits::Last, Logits::All] {
+        let mut whole = model.new_cache(100).unwrap();
+        let want = model.forward(&mut whole, &tokens, logits).unwrap();
+        let mut pieces = model.new_cache_with_chunk(100, 16).unwrap();
+        let got = model.forward(&mut pieces, &tokens, logits).unwrap();
+        assert_eq!(got.len(), want.len(), "{logits:?}");
+        let err = worst_rel(&got, &want);
+        assert!(err <= REL_TOL, "{logits:?}: {err}");
+        assert_eq!(pieces.len(), 90);
+    }
+}
+
+#[test]
 fn bad_steps_are_errors() {
     let model = load("gemma3_tiny");
     let mut pool = model.new_kv_pool(4, 4, 4).unwrap();
