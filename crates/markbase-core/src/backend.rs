@@ -141,6 +141,12 @@ pub struct AttnSpec {
     pub softcap: Option<f32>,
 }
 
+/// The first key position a query at position `p` sees: under a sliding `window` (the
+/// current key included) `p − window + 1`, at least 0; without one, 0.
+pub fn first_visible_key(p: usize, window: Option<usize>) -> usize {
+    window.map_or(0, |w| (p + 1).saturating_sub(w))
+}
+
 /// Where the query rows of one step and their keys live in a paged KV cache.
 ///
 /// A layer's cache is a run of blocks of `block_size` slots (`n_kv_heads · head_dim` values per
@@ -201,7 +207,7 @@ impl KvLayout<'_> {
             let rows = self.seq_start[s] as usize..self.seq_start[s + 1] as usize;
             for &p in &self.positions[rows] {
                 let p = p as usize;
-                let lo = window.map_or(0, |w| (p + 1).saturating_sub(w));
+                let lo = first_visible_key(p, window);
                 for b in lo / self.block_size..=p / self.block_size {
                     match table.get(b) {
                         Some(&id) if (id as usize) < n_blocks => {}
@@ -566,4 +572,17 @@ pub fn gelu_matmul_mul_in_steps<B: Backend + ?Sized>(
     be.copy_rows(other, from, scratch, to, n, rows)?;
     be.matmul(x, n, w, out)?;
     be.gelu_tanh_mul(out, scratch, n * rows)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_window_hides_keys_before_it() {
+        assert_eq!(first_visible_key(100, None), 0);
+        assert_eq!(first_visible_key(100, Some(8)), 93);
+        assert_eq!(first_visible_key(3, Some(8)), 0);
+        assert_eq!(first_visible_key(7, Some(1)), 7);
+    }
 }

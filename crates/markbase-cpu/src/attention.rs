@@ -11,7 +11,7 @@
 //! registers while the tile's values stream past. The portable path does one query at a time.
 //! A task's tokens belong to one sequence, whose block table maps key positions to cache slots.
 
-use markbase_core::backend::{AttnSpec, KvLayout};
+use markbase_core::backend::{first_visible_key, AttnSpec, KvLayout};
 
 use crate::kernels::Isa;
 use crate::pool::{Pool, SendPtr};
@@ -86,7 +86,7 @@ fn attention_with(
             let mut qs = Queries::default();
             for (t, &p) in positions.iter().enumerate().take(b).skip(a) {
                 let p = p as usize;
-                let lo = spec.window.map_or(0, |w| (p + 1).saturating_sub(w));
+                let lo = first_visible_key(p, spec.window);
                 for h in first..first + heads {
                     let at = (t * spec.n_heads + h) * hd;
                     // SAFETY: `at + hd` is inside `q` and `out` (sizes checked by the

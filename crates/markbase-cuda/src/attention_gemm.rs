@@ -6,7 +6,7 @@
 //! query heads, `attn_softmax_rows` scales, soft-caps, masks and normalises them in place, and a
 //! second batched product weights the values, writing the output rows in place.
 
-use markbase_core::backend::{AttnSpec, KvLayout};
+use markbase_core::backend::{first_visible_key, AttnSpec, KvLayout};
 use markbase_core::Result;
 
 use crate::backend::{int, CudaBackend};
@@ -34,15 +34,6 @@ pub(crate) fn attention_gemm_suits(layout: &KvLayout<'_>) -> bool {
         any = true;
     }
     any
-}
-
-/// The first key position row `p` sees under `window` (0: none).
-fn first_visible(p: usize, window: usize) -> usize {
-    if window > 0 {
-        (p + 1).saturating_sub(window)
-    } else {
-        0
-    }
 }
 
 /// Rounds a float count up to 64 (256-byte boundaries for the products' operands).
@@ -79,7 +70,7 @@ impl CudaBackend {
             let (Some(&hi), Some(&lo)) = (pos.iter().max(), pos.iter().min()) else {
                 continue;
             };
-            let k_lo = first_visible(lo as usize, window);
+            let k_lo = first_visible_key(lo as usize, spec.window);
             let n_keys = hi as usize + 1 - k_lo;
             // Score rows start 128-byte aligned: cuBLASLt picks its fast kernels only for
             // aligned operands.
@@ -105,15 +96,15 @@ impl CudaBackend {
                     Arg::U64(vg),
                 ],
             )?;
+            // A KV head's keys / values: hd × n_keys column-major, shared by the batch.
+            let kv_op = Operand {
+                rows: hd,
+                cols: n_keys,
+                ld: row,
+                stride: 0,
+            };
             for t0 in (r0..r1).step_by(tile) {
                 let nt = tile.min(r1 - t0);
-                // The KV head's keys / values: hd × n_keys column-major, shared by the batch.
-                let kv_op = Operand {
-                    rows: hd,
-                    cols: n_keys,
-                    ld: row,
-                    stride: 0,
-                };
                 // Query / output rows of the batch's heads: hd × nt, one head to the next.
                 let rows_op = Operand {
                     rows: hd,
@@ -197,12 +188,5 @@ mod tests {
         assert!(!attention_gemm_suits(&layout(&[0, m, m + 1])));
         assert!(!attention_gemm_suits(&layout(&[0, 0])));
         assert!(!attention_gemm_suits(&layout(&[0])));
-    }
-
-    #[test]
-    fn a_window_hides_keys_before_it() {
-        assert_eq!(first_visible(100, 0), 0);
-        assert_eq!(first_visible(100, 8), 93);
-        assert_eq!(first_visible(3, 8), 0);
     }
 }

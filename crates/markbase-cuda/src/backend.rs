@@ -9,7 +9,8 @@ use std::sync::{Mutex, MutexGuard};
 
 use cudarc::driver::{CudaFunction, PinnedHostSlice};
 use markbase_core::backend::{
-    gelu_matmul_mul_in_steps, AttnSpec, Backend, HostMatrix, KvLayout, NormOut, Rope, Strided,
+    first_visible_key, gelu_matmul_mul_in_steps, AttnSpec, Backend, HostMatrix, KvLayout, NormOut,
+    Rope, Strided,
 };
 use markbase_core::quant::GgmlType;
 use markbase_core::{Error, Result};
@@ -190,7 +191,6 @@ fn blocks(n: usize, per: usize) -> u32 {
     n.div_ceil(per) as u32
 }
 
-/// `v` as a C int, or an error naming it.
 /// `v` as a kernel's `int` argument, or an error naming `what`.
 pub(crate) fn int(what: &str, v: usize) -> Result<i32> {
     i32::try_from(v).map_err(|_| Error::Invalid(format!("cuda {what}: {v} is too large")))
@@ -327,27 +327,9 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// A bf16 or f16 copy (`kernel`: `f32_to_bf16` / `f32_to_f16`) of the `len` floats at
-    /// `x` in the float scratch (`len` even: they take len / 2 float slots), for the tensor
-    /// cores; returns its address.
-    fn round_to_half(
-        &self,
-        s: &mut Scratch,
-        kernel: &'static str,
-        x: u64,
-        len: usize,
-    ) -> Result<u64> {
-        let xb = s.floats.get(&self.dev.stream, len / 2)?;
-        self.run(
-            Module::Ops,
-            kernel,
-            Grid::new((blocks(len, 256), 1), 256),
-            &[Arg::U64(x), Arg::U64(xb), Arg::U64(len as u64)],
-        )?;
-        Ok(xb)
-    }
-
-    /// The activations of a tensor-core product taking `inputs` (not `F32`), rounded.
+    /// The `len` activations at `x` rounded for a tensor-core product taking `inputs` (bf16,
+    /// or f16 for `F16`) into the float scratch (`len` even: they take len / 2 float slots);
+    /// returns their address.
     fn round_inputs(
         &self,
         s: &mut Scratch,
@@ -359,7 +341,14 @@ impl CudaBackend {
             ProductInputs::F16 => "f32_to_f16",
             _ => "f32_to_bf16",
         };
-        self.round_to_half(s, kernel, x, len)
+        let xh = s.floats.get(&self.dev.stream, len / 2)?;
+        self.run(
+            Module::Ops,
+            kernel,
+            Grid::new((blocks(len, 256), 1), 256),
+            &[Arg::U64(x), Arg::U64(xh), Arg::U64(len as u64)],
+        )?;
+        Ok(xh)
     }
 
     /// Products of one activation block with several matrices of one format and width (all
@@ -483,38 +472,25 @@ impl CudaBackend {
         let mut r0 = 0;
         while r0 < w.rows {
             let rt = tile.min(w.rows - r0);
-            self.dequant_rows(&f, w, r0, rt, deq)?;
+            self.launch_fn(
+                &f,
+                Grid::new(
+                    (blocks(w.cols.div_ceil(32), DEQUANT_THREADS), rt as u32),
+                    DEQUANT_THREADS as u32,
+                ),
+                &[
+                    Arg::U64(w.ptr),
+                    Arg::U64(w.row_bytes as u64),
+                    Arg::I32(int("row", r0)?),
+                    Arg::I32(int("cols", w.cols)?),
+                    Arg::U64(deq),
+                ],
+            )?;
             // SAFETY: `deq` holds rt·k values, `x` n·k; `out` rows·n.
             unsafe { blas.gemm_rows(input, deq, rt, w.cols, x, n, out + 4 * r0 as u64, w.rows)? };
             r0 += rt;
         }
         Ok(())
-    }
-
-    /// Queues dequant kernel `f` (f32 or f16 output) for rows `r0 .. r0 + rt` of `w` into
-    /// `dst`.
-    fn dequant_rows(
-        &self,
-        f: &CudaFunction,
-        w: &CudaMatrix,
-        r0: usize,
-        rt: usize,
-        dst: u64,
-    ) -> Result<()> {
-        self.launch_fn(
-            f,
-            Grid::new(
-                (blocks(w.cols.div_ceil(32), DEQUANT_THREADS), rt as u32),
-                DEQUANT_THREADS as u32,
-            ),
-            &[
-                Arg::U64(w.ptr),
-                Arg::U64(w.row_bytes as u64),
-                Arg::I32(int("row", r0)?),
-                Arg::I32(int("cols", w.cols)?),
-                Arg::U64(dst),
-            ],
-        )
     }
 
     /// Raises any error a kernel flagged since the last check (after a synchronisation).
@@ -1038,12 +1014,7 @@ impl Backend for CudaBackend {
             .iter()
             .map(|&p| {
                 let p = p as usize;
-                let lo = if window > 0 {
-                    (p + 1).saturating_sub(window)
-                } else {
-                    0
-                };
-                p - lo + 1
+                p - first_visible_key(p, spec.window) + 1
             })
             .max()
             .unwrap_or(1);

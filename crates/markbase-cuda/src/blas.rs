@@ -297,7 +297,6 @@ impl Blas {
     ///
     /// # Safety
     /// The pointers must be live device allocations holding every matrix of the batch.
-    #[allow(clippy::too_many_arguments)]
     pub(crate) unsafe fn gemm_batched_tf32(
         &self,
         transa: bool,
@@ -307,7 +306,7 @@ impl Blas {
         batch: usize,
     ) -> Result<()> {
         // A batch's later matrices are aligned only as far as their stride allows.
-        let align = |p: u64, op: Operand| alignment(p | (4 * op.stride as u64) | (1 << 8));
+        let align = |p: u64, op: Operand| alignment(p | (4 * op.stride as u64));
         let shape = Shape {
             input: GemmInput::F32,
             tf32: true,
