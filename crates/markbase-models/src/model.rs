@@ -567,6 +567,7 @@ impl Model {
                 context: cache.capacity,
             });
         }
+        let start = cache.len;
         let mut out = Vec::new();
         let pieces = tokens.chunks(cache.chunk);
         let last = pieces.len() - 1;
@@ -583,7 +584,14 @@ impl Model {
                 sliding_blocks: &cache.sliding,
                 logits: want,
             };
-            out.extend(self.step(&mut cache.pool, &[seq])?.logits);
+            match self.step(&mut cache.pool, &[seq]) {
+                Ok(step) => out.extend(step.logits),
+                Err(e) => {
+                    // A failed call keeps none of its tokens, as a one-piece call does.
+                    cache.len = start;
+                    return Err(e);
+                }
+            }
             cache.len += piece.len();
         }
         debug_assert_eq!(cache.len, end);

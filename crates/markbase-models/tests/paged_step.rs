@@ -245,6 +245,12 @@ fn a_cache_for_small_chunks_runs_long_inputs_in_pieces() {
         assert!(err <= REL_TOL, "{logits:?}: {err}");
         assert_eq!(pieces.len(), 90);
     }
+    // A bad id in the last piece fails the call and keeps none of its tokens.
+    let mut bad = tokens.clone();
+    bad[85] = nv as u32;
+    let mut pieces = model.new_cache_with_chunk(100, 16).unwrap();
+    assert!(model.forward(&mut pieces, &bad, Logits::Last).is_err());
+    assert_eq!(pieces.len(), 0);
 }
 
 #[test]
