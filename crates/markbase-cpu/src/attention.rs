@@ -66,7 +66,7 @@ fn attention_with(
     while tokens > 1 && n.div_ceil(tokens) * spec.n_kv_heads * parts < 4 * pool.threads() {
         tokens /= 2;
     }
-    let fast = cfg!(target_arch = "x86_64") && isa == Isa::Avx2 && Isa::Avx2.available();
+    let fast = cfg!(target_arch = "x86_64") && isa.runs_avx2();
     let fast = fast && hd.is_multiple_of(16);
     let (qp, op) = (SendPtr(q.as_ptr().cast_mut()), SendPtr(out.as_mut_ptr()));
     let tasks = n.div_ceil(tokens) * spec.n_kv_heads * parts;

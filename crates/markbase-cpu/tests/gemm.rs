@@ -19,13 +19,17 @@ const REL_TOL: f64 = 1e-5;
 fn rows_matmul_matches_reference_for_every_format() {
     let (seed, mut rng) = seeded();
     for isa in kernel_sets() {
-        for ty in GgmlType::SUPPORTED {
+        for (i, ty) in GgmlType::SUPPORTED.into_iter().enumerate() {
             let k = match ty.block_size() {
                 1 => rng.random_range(1..600),
                 bs => bs * rng.random_range(1..2048 / bs + 1),
             };
-            let nr = rng.random_range(1..30);
-            let n = rng.random_range(1..40);
+            // The first format takes a shape that runs every tail of every kernel set (29 rows:
+            // 12 + 12 + 4 + 1, 24 + 5, 6 · 4 + 5; 40 tokens: a pair of tiles and a single one).
+            let (nr, n) = match i {
+                0 => (29, 40),
+                _ => (rng.random_range(1..30), rng.random_range(1..40)),
+            };
             let rows: Vec<Vec<u8>> = (0..nr).map(|_| random_row(ty, k, &mut rng)).collect();
             let bytes: Vec<u8> = rows.concat();
             let x = random_x(n * k, &mut rng);

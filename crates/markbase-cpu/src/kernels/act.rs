@@ -85,7 +85,7 @@ impl QuantAct {
             let (d, lo, hi) = match isa {
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: AVX2 was detected; both blocks hold 32 values.
-                Isa::Avx2 if Isa::detect() == Isa::Avx2 => unsafe { avx2::quantize_block(xb, qb) },
+                _ if isa.runs_avx2() => unsafe { avx2::quantize_block(xb, qb) },
                 _ => portable_block(xb, qb),
             };
             self.d[b] = d;

@@ -30,7 +30,7 @@ pub fn dot_row_with(isa: Isa, ty: GgmlType, row: &[u8], x: &[f32]) -> f32 {
     check_row(ty, row, x.len());
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 if Isa::detect() == Isa::Avx2 => {
+        _ if isa.runs_avx2() => {
             // SAFETY: AVX2, FMA and F16C were detected; sizes were checked above.
             unsafe { super::avx2::dot_row(ty, row, x) }
         }
@@ -61,7 +61,7 @@ pub fn dot_rows_with(isa: Isa, ty: GgmlType, row: &[u8], xs: &[f32], k: usize, o
     );
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 if Isa::detect() == Isa::Avx2 => {
+        _ if isa.runs_avx2() => {
             // SAFETY: AVX2, FMA and F16C were detected; sizes were checked above.
             unsafe { super::avx2::dot_rows(ty, row, xs, k, out) }
         }

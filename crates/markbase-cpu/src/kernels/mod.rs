@@ -41,13 +41,16 @@ use std::sync::OnceLock;
 
 use markbase_core::quant::{dequantize_row, GgmlType};
 
-/// The instruction sets the kernels are written for.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// The instruction sets the kernels are written for, each a superset of the ones before it.
+/// A kernel without code for a set runs the code of the largest set below it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Isa {
     /// Plain Rust, any CPU.
     Portable,
     /// x86-64 with AVX2, FMA and F16C.
     Avx2,
+    /// [`Isa::Avx2`] plus AVX-512 F (32 registers of 512 bits).
+    Avx512,
 }
 
 impl Isa {
@@ -55,11 +58,10 @@ impl Isa {
     pub fn detect() -> Isa {
         static DETECTED: OnceLock<Isa> = OnceLock::new();
         *DETECTED.get_or_init(|| {
-            if Isa::Avx2.available() {
-                Isa::Avx2
-            } else {
-                Isa::Portable
-            }
+            [Isa::Avx512, Isa::Avx2]
+                .into_iter()
+                .find(|isa| isa.available())
+                .unwrap_or(Isa::Portable)
         })
     }
 
@@ -73,9 +75,22 @@ impl Isa {
                     && is_x86_feature_detected!("fma")
                     && is_x86_feature_detected!("f16c")
             }
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => Isa::Avx2.available() && is_x86_feature_detected!("avx512f"),
             #[cfg(not(target_arch = "x86_64"))]
-            Isa::Avx2 => false,
+            Isa::Avx2 | Isa::Avx512 => false,
         }
+    }
+
+    /// Whether kernels asked to use `self` run their AVX2 code here: `self` includes AVX2 and
+    /// this CPU has it.
+    pub fn runs_avx2(self) -> bool {
+        self >= Isa::Avx2 && Isa::Avx2.available()
+    }
+
+    /// Whether kernels asked to use `self` run their AVX-512 code here.
+    pub fn runs_avx512(self) -> bool {
+        self >= Isa::Avx512 && Isa::Avx512.available()
     }
 }
 
@@ -112,7 +127,7 @@ fn f16_table() -> &'static [f32] {
 /// them.
 fn dequantize_row_fast(ty: GgmlType, src: &[u8], dst: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if Isa::detect() == Isa::Avx2 {
+    if Isa::detect().runs_avx2() {
         // SAFETY: AVX2, FMA and F16C were detected; the caller matched the sizes.
         unsafe { avx2::dequantize(ty, src, dst) };
         return;

@@ -87,7 +87,7 @@ pub fn qdot_tokens_with(
     );
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 if Isa::detect() == Isa::Avx2 => {
+        _ if isa.runs_avx2() => {
             // SAFETY: AVX2, FMA and F16C were detected; sizes were checked above.
             unsafe { super::qdot_avx2::qdot_rows(ty, rows, rb, xs, outs) }
         }
@@ -140,7 +140,7 @@ pub fn qdot_gather_with(
     );
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 if Isa::detect() == Isa::Avx2 => {
+        _ if isa.runs_avx2() => {
             // SAFETY: AVX2, FMA and F16C were detected; every index was checked above.
             unsafe { super::qdot_avx2::qdot_gather(ty, rows, rb, index, x, out) }
         }

@@ -148,7 +148,7 @@ pub fn screen_tokens_with(
     );
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 if Isa::detect() == Isa::Avx2 => {
+        _ if isa.runs_avx2() => {
             // SAFETY: AVX2 was detected; sizes were checked above.
             unsafe { avx2::screen_tokens(copy, r0, xs, outs) }
         }

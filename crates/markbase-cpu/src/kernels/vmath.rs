@@ -25,7 +25,7 @@ pub fn gelu_tanh_mul_with(isa: Isa, gate: &mut [f32], up: &[f32]) {
     );
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 if Isa::detect() == Isa::Avx2 => {
+        _ if isa.runs_avx2() => {
             // SAFETY: AVX2 and FMA were detected; `up` is long enough.
             unsafe { avx2::gelu_tanh_mul(gate, up) }
         }

@@ -75,13 +75,14 @@ pub fn random_x(n: usize, rng: &mut StdRng) -> Vec<f32> {
     (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
 }
 
-/// The kernel sets to test: portable always, AVX2 where this CPU has it.
+/// The kernel sets to test: portable always, AVX2 and AVX-512 where this CPU has them.
 pub fn kernel_sets() -> Vec<Isa> {
-    let mut sets = vec![Isa::Portable];
-    if Isa::Avx2.available() {
-        sets.push(Isa::Avx2);
-    } else {
-        eprintln!("this CPU lacks AVX2/FMA/F16C: only the portable kernels are tested");
+    let sets: Vec<Isa> = [Isa::Portable, Isa::Avx2, Isa::Avx512]
+        .into_iter()
+        .filter(|isa| isa.available())
+        .collect();
+    if sets.len() < 3 {
+        eprintln!("this CPU runs only {sets:?}: the other kernel sets are not tested");
     }
     sets
 }
