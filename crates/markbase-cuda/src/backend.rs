@@ -81,6 +81,12 @@ pub struct CudaBackend {
     rope_tables: Mutex<HashMap<(u32, u32, usize, usize), CudaBuffer>>,
 }
 
+/// Widest row `residual_norm` holds in registers: 1 024 threads of
+/// `RESIDUAL_NORM_PER_THREAD` (8) values (ops.cu).
+const RESIDUAL_NORM_MAX_DIM: usize = 8 * 1024;
+/// Row counts up to which `residual_norm` takes more threads a row (decode steps).
+const RESIDUAL_NORM_FEW_ROWS: usize = 64;
+
 fn need(what: &str, have: usize, want: usize) -> Result<()> {
     if have < want {
         return Err(Error::Invalid(format!(
@@ -701,10 +707,18 @@ impl Backend for CudaBackend {
             need("residual_norm next weight", w2.len(), dim)?;
             need("residual_norm output", x.len(), n * dim)?;
         }
+        if dim > RESIDUAL_NORM_MAX_DIM {
+            return Err(Error::Unsupported(format!(
+                "cuda residual_norm: rows of {dim} values (at most {RESIDUAL_NORM_MAX_DIM})"
+            )));
+        }
         if n == 0 || dim == 0 {
             return Ok(());
         }
-        let threads = (dim.div_ceil(32) * 32).clamp(32, 1024) as u32;
+        // A few rows (decode): about four values a thread, the row's latency being the cost;
+        // many rows (prefill): about eight, so more blocks share a multiprocessor.
+        let per_thread = if n <= RESIDUAL_NORM_FEW_ROWS { 4 } else { 8 };
+        let threads = (dim.div_ceil(per_thread).div_ceil(32) * 32).clamp(32, 1024) as u32;
         let (w2, x) = next.map_or((0, 0), |(w2, x)| (w2.ptr, x.ptr));
         self.run(
             Module::Ops,

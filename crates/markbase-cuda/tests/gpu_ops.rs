@@ -423,8 +423,16 @@ fn rms_norm_matches_reference() {
 fn residual_norm_matches_reference() {
     let g = gpu_or_skip!();
     let mut r = rng("residual_norm");
-    for dim in [8, 640, 1000, 2560, 5376] {
-        let n = 3;
+    // Few rows (decode: four values a thread) and many (prefill: eight).
+    for (dim, n) in [
+        (8, 3),
+        (640, 3),
+        (1000, 70),
+        (2560, 3),
+        (2560, 70),
+        (5376, 3),
+        (8192, 70),
+    ] {
         let y = uniform(&mut r, n * dim, 3.0);
         let h = uniform(&mut r, n * dim, 2.0);
         let w: Vec<f32> = uniform(&mut r, dim, 1.0).iter().map(|v| v + 1.0).collect();
@@ -461,6 +469,17 @@ fn residual_norm_matches_reference() {
     assert!(
         err.is_err(),
         "a residual shorter than the rows must be refused"
+    );
+    let wide = 8 * 1024 + 1;
+    let (yb, wb) = (
+        up(g, &vec![1.0; wide]),
+        g.load_vector(&vec![1.0; wide]).unwrap(),
+    );
+    let mut hb = up(g, &vec![0.0; wide]);
+    let err = g.residual_norm(&yb, &wb, 1e-6, 1, wide, &mut hb, 1.0, None);
+    assert!(
+        err.is_err(),
+        "a row wider than the kernel holds must be refused"
     );
 }
 
