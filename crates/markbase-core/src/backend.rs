@@ -230,6 +230,21 @@ impl KvLayout<'_> {
     }
 }
 
+/// The value rows [`Backend::rope_write_kv`] writes to the cache.
+pub enum ValueRows<'a, Buf> {
+    /// Stored as they are.
+    AsIs(&'a Buf),
+    /// Each value head through a weightless RMSNorm first (Gemma 4's `v_norm`, with the
+    /// norms' epsilon). `scratch` (as large as `raw`) may receive the normed rows on the way;
+    /// a backend that norms them straight into the cache leaves it as it was.
+    Normed {
+        /// The value projection's rows.
+        raw: &'a Buf,
+        /// Room for the normed rows.
+        scratch: &'a mut Buf,
+    },
+}
+
 /// What [`Backend::rms_norm`] does with its result.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum NormOut {
@@ -390,15 +405,16 @@ pub trait Backend: Send + Sync {
     ) -> Result<()>;
     /// A layer's queries and new keys and values, between the q/k/v products and attention:
     /// per-head RMSNorm of `q` and `k` (weights `norms.0`, `norms.1`, epsilon `norms.2`), then
-    /// RoPE at `positions[t]`, both in place; then `k` and `v` (stored as they are) written to
+    /// RoPE at `positions[t]`, both in place; then `k` and `v` (see [`ValueRows`]) written to
     /// cache rows `slots[t]`. Head counts and width come from `spec`. The default is two
-    /// [`Backend::head_norm_rope`]s and [`Backend::write_kv`]; a backend may fuse them.
+    /// [`Backend::head_norm_rope`]s, the value norm (if any) and [`Backend::write_kv`]; a
+    /// backend may fuse them.
     #[allow(clippy::too_many_arguments)]
     fn rope_write_kv(
         &self,
         q: &mut Self::Buffer,
         k: &mut Self::Buffer,
-        v: &Self::Buffer,
+        v: ValueRows<'_, Self::Buffer>,
         spec: &AttnSpec,
         norms: (&Self::Vector, &Self::Vector, f32),
         rope: &Rope,
@@ -411,6 +427,14 @@ pub trait Backend: Send + Sync {
         let (hd, kvh) = (spec.head_dim, spec.n_kv_heads);
         self.head_norm_rope(q, spec.n_heads, hd, Some((q_norm, eps)), rope, positions)?;
         self.head_norm_rope(k, kvh, hd, Some((k_norm, eps)), rope, positions)?;
+        let v = match v {
+            ValueRows::AsIs(v) => v,
+            ValueRows::Normed { raw, scratch } => {
+                let rows = positions.len() * kvh;
+                self.rms_norm(raw, None, eps, rows, hd, scratch, NormOut::Write)?;
+                &*scratch
+            }
+        };
         self.write_kv(k, v, kvh * hd, slots, k_cache, v_cache)
     }
     /// Copies `n = slots.len()` rows of `k` and `v` (width `row`) into cache rows `slots[t]`

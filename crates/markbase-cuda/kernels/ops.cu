@@ -252,13 +252,15 @@ extern "C" __global__ void head_norm_rope(float* x, int n_heads, int head_dim,
 
 // A layer's queries and new keys / values in one launch: block blockIdx.x is head j of token
 // t (n_heads query heads, then n_kv_heads key heads per token). Query heads: norm_rope_head
-// in place. Key head g: norm_rope_head in place and into k_cache row slots[t]; its value head
-// is copied to v_cache row slots[t]. Block: 32 threads; dynamic shared memory: head_dim floats.
+// in place. Key head g: its value head is copied to v_cache row slots[t] first (through a
+// weightless RMSNorm when v_norm is set; its loads do not wait on the key's), then
+// norm_rope_head in place and into k_cache row slots[t]. Block: 32 threads; dynamic shared
+// memory: head_dim floats.
 extern "C" __global__ void rope_write_kv(float* q, float* k, const float* v, int n_heads,
                                          int n_kv_heads, int head_dim, const float* q_norm,
                                          const float* k_norm, float eps, const float* freqs,
                                          int pairs, const u32* positions, const u32* slots,
-                                         float* k_cache, float* v_cache) {
+                                         float* k_cache, float* v_cache, int v_norm) {
     extern __shared__ float hv[];
     int per_token = n_heads + n_kv_heads;
     int t = blockIdx.x / per_token, j = blockIdx.x % per_token;
@@ -270,9 +272,15 @@ extern "C" __global__ void rope_write_kv(float* q, float* k, const float* v, int
     }
     u64 row = (u64)n_kv_heads * head_dim, head = (u64)(j - n_heads) * head_dim;
     u64 src = (u64)t * row + head, dst = (u64)slots[t] * row + head;
+    float inv = 1.f;
+    if (v_norm) {
+        float ss = 0.f;
+        for (int i = threadIdx.x; i < head_dim; i += WARP) ss = fmaf(v[src + i], v[src + i], ss);
+        inv = 1.f / sqrtf(warp_sum(ss) / (float)head_dim + eps);
+    }
+    for (int i = threadIdx.x; i < head_dim; i += WARP) v_cache[dst + i] = v[src + i] * inv;
     norm_rope_head(k + src, hv, head_dim, k_norm, eps, freqs, pairs, pos, k + src,
                    k_cache + dst);
-    for (int i = threadIdx.x; i < head_dim; i += WARP) v_cache[dst + i] = v[src + i];
 }
 
 // k_cache[slots[t], :] = k[t, :] and likewise v, for token blockIdx.y.

@@ -10,7 +10,7 @@ use std::sync::{Mutex, MutexGuard};
 use cudarc::driver::{CudaFunction, PinnedHostSlice};
 use markbase_core::backend::{
     first_visible_key, gelu_matmul_mul_in_steps, AttnSpec, Backend, HostMatrix, KvLayout, NormOut,
-    Rope, Strided,
+    Rope, Strided, ValueRows,
 };
 use markbase_core::quant::GgmlType;
 use markbase_core::{Error, Result};
@@ -896,7 +896,7 @@ impl Backend for CudaBackend {
         &self,
         q: &mut CudaBuffer,
         k: &mut CudaBuffer,
-        v: &CudaBuffer,
+        v: ValueRows<'_, CudaBuffer>,
         spec: &AttnSpec,
         norms: (&CudaBuffer, &CudaBuffer, f32),
         rope: &Rope,
@@ -906,6 +906,11 @@ impl Backend for CudaBackend {
         v_cache: &mut CudaBuffer,
     ) -> Result<()> {
         let (q_norm, k_norm, eps) = norms;
+        // Normed values go from the raw rows straight to the cache (the scratch is not used).
+        let (v, v_norm) = match v {
+            ValueRows::AsIs(v) => (v, 0),
+            ValueRows::Normed { raw, .. } => (raw, 1),
+        };
         let (hd, kvh, n) = (spec.head_dim, spec.n_kv_heads, positions.len());
         check_rope(rope, hd)?;
         need("rope_write_kv queries", q.len(), n * spec.n_heads * hd)?;
@@ -952,6 +957,7 @@ impl Backend for CudaBackend {
                 Arg::U64(sl),
                 Arg::U64(k_cache.ptr),
                 Arg::U64(v_cache.ptr),
+                Arg::I32(v_norm),
             ],
         )
     }

@@ -9,7 +9,7 @@ use std::sync::{Arc, OnceLock};
 
 use half::{bf16, f16};
 use markbase_core::backend::{
-    AttnSpec, Backend, HostBytes, HostMatrix, KvLayout, NormOut, Rope, Strided,
+    AttnSpec, Backend, HostBytes, HostMatrix, KvLayout, NormOut, Rope, Strided, ValueRows,
 };
 use markbase_core::quant::GgmlType;
 use markbase_cpu::reference;
@@ -488,7 +488,13 @@ fn rope_write_kv_matches_reference() {
     let g = gpu_or_skip!();
     let mut r = rng("rope_write_kv");
     // (head_dim, rotated pairs, query heads, kv heads): Gemma 3 270M, Gemma 4 sliding, full.
-    for (hd, pairs, heads, kvh) in [(256, 128, 4, 1), (256, 128, 8, 2), (512, 64, 8, 1)] {
+    // Values stored as they are (Gemma 3) and through v_norm (Gemma 4).
+    for ((hd, pairs, heads, kvh), v_norm) in [
+        ((256, 128, 4, 1), false),
+        ((256, 128, 8, 2), true),
+        ((512, 64, 8, 1), true),
+        ((512, 64, 8, 1), false),
+    ] {
         let n = 3;
         let row = kvh * hd;
         let positions: Vec<u32> = (0..n).map(|_| r.random_range(0..8192)).collect();
@@ -509,7 +515,23 @@ fn rope_write_kv_matches_reference() {
         };
         let want_q = reference::head_norm_rope(&q, heads, hd, Some((&qn, 1e-6)), &rope, &positions);
         let want_k = reference::head_norm_rope(&k, kvh, hd, Some((&kn, 1e-6)), &rope, &positions);
+        let want_v = if v_norm {
+            reference::rms_norm(&v, None, 1e-6, hd)
+        } else {
+            v.clone()
+        };
         let (mut qb, mut kb, vb) = (up(g, &q), up(g, &k), up(g, &v));
+        let mut scratch = g.alloc(v.len()).unwrap();
+        fn value_rows<'a>(
+            v_norm: bool,
+            raw: &'a CudaBuffer,
+            scratch: &'a mut CudaBuffer,
+        ) -> ValueRows<'a, CudaBuffer> {
+            match v_norm {
+                true => ValueRows::Normed { raw, scratch },
+                false => ValueRows::AsIs(raw),
+            }
+        }
         let mut kc = poisoned(g, slots_total * row);
         let mut vc = poisoned(g, slots_total * row);
         let spec = AttnSpec {
@@ -524,7 +546,7 @@ fn rope_write_kv_matches_reference() {
         g.rope_write_kv(
             &mut qb,
             &mut kb,
-            &vb,
+            value_rows(v_norm, &vb, &mut scratch),
             &spec,
             (&qnb, &knb, 1e-6),
             &rope,
@@ -534,7 +556,7 @@ fn rope_write_kv_matches_reference() {
             &mut vc,
         )
         .unwrap();
-        let what = format!("rope_write_kv hd={hd} heads={heads}/{kvh}");
+        let what = format!("rope_write_kv hd={hd} heads={heads}/{kvh} v_norm={v_norm}");
         assert_close(&what, &down(g, &qb, q.len()), &want_q, 1e-5);
         assert_close(&what, &down(g, &kb, k.len()), &want_k, 1e-5);
         let (kc, vc) = (
@@ -550,10 +572,7 @@ fn rope_write_kv_matches_reference() {
                 &want_k[token_row.clone()],
                 1e-5,
             );
-            assert_eq!(
-                &vc[cache_row], &v[token_row],
-                "{what}: values stored as they are"
-            );
+            assert_close(&what, &vc[cache_row], &want_v[token_row], 1e-5);
         }
         // A slot past the cache is refused.
         let mut bad = slots.clone();
@@ -563,7 +582,7 @@ fn rope_write_kv_matches_reference() {
         let err = g.rope_write_kv(
             &mut qb,
             &mut kb,
-            &vb,
+            value_rows(v_norm, &vb, &mut scratch),
             &spec,
             (&qnb, &knb, 1e-6),
             &rope,

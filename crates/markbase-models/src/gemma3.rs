@@ -6,7 +6,7 @@
 
 use std::sync::Mutex;
 
-use markbase_core::backend::{AttnSpec, Backend, NormOut, Rope};
+use markbase_core::backend::{AttnSpec, Backend, NormOut, Rope, ValueRows};
 use markbase_core::config::{Gemma3Config, LayerKind, RopeConfig};
 use markbase_core::{Error, Result};
 
@@ -253,7 +253,7 @@ impl<B: Backend> Gemma3<B> {
             be.rope_write_kv(
                 &mut w.q,
                 &mut w.k,
-                &w.v,
+                ValueRows::AsIs(&w.v),
                 &spec,
                 (&layer.q_norm, &layer.k_norm, eps),
                 &rope,

@@ -25,7 +25,7 @@
 
 use std::sync::Mutex;
 
-use markbase_core::backend::{AttnSpec, Backend, HostMatrix, NormOut, Rope, Strided};
+use markbase_core::backend::{AttnSpec, Backend, HostMatrix, NormOut, Rope, Strided, ValueRows};
 use markbase_core::config::LayerKind;
 use markbase_core::quant::GgmlType;
 use markbase_core::{Error, Result};
@@ -510,14 +510,22 @@ impl<B: Backend> Gemma4<B> {
         let (kc, vc, _) = &mut paged.layers[layer.cache];
         match &layer.kv {
             Some(kv) => {
-                // v_norm: weightless RMSNorm of V (its raw projection is in `attn`) — the raw
-                // K projection under k_eq_v.
-                let raw_v = if kv.v.is_some() { &w.attn } else { &w.k };
-                be.rms_norm(raw_v, None, eps, n * kvh, hd, &mut w.v, NormOut::Write)?;
+                // v_norm: weightless RMSNorm of V (its raw projection is in `attn`), on the
+                // way to the cache; under k_eq_v V is the raw K projection, normed here
+                // before `k` is normed and turned in place.
+                let v = if kv.v.is_some() {
+                    ValueRows::Normed {
+                        raw: &w.attn,
+                        scratch: &mut w.v,
+                    }
+                } else {
+                    be.rms_norm(&w.k, None, eps, n * kvh, hd, &mut w.v, NormOut::Write)?;
+                    ValueRows::AsIs(&w.v)
+                };
                 be.rope_write_kv(
                     &mut w.q,
                     &mut w.k,
-                    &w.v,
+                    v,
                     &spec,
                     (&layer.q_norm, &kv.k_norm, eps),
                     &rope,
