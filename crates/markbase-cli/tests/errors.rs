@@ -92,6 +92,28 @@ fn unknown_architecture() {
 }
 
 #[test]
+fn bad_tokenizer_metadata() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut w = tiny_gemma3(64);
+    w.kv("tokenizer.ggml.model", Value::Str("wordpiece".into()));
+    let m = write(dir.path(), "wordpiece.gguf", &w);
+    let out = markbase(&["-m", &m, "run", "hi"], dir.path());
+    assert_one_line_error(&out, &["tokenizer model 'wordpiece'", "gemma4"]);
+    // A merge-rank BPE vocabulary without merges, or with a merge that is not two pieces.
+    w.kv("tokenizer.ggml.model", Value::Str("gemma4".into()));
+    let m = write(dir.path(), "no_merges.gguf", &w);
+    let out = markbase(&["-m", &m, "run", "hi"], dir.path());
+    assert_one_line_error(&out, &["no tokenizer.ggml.merges"]);
+    w.kv(
+        "tokenizer.ggml.merges",
+        Value::StrArray(vec!["a b".into(), "ab".into()]),
+    );
+    let m = write(dir.path(), "bad_merge.gguf", &w);
+    let out = markbase(&["-m", &m, "run", "hi"], dir.path());
+    assert_one_line_error(&out, &["tokenizer.ggml.merges[1]", "\"ab\""]);
+}
+
+#[test]
 fn unsupported_tensor_type() {
     let dir = tempfile::tempdir().unwrap();
     let mut w = tiny_gemma3(64);

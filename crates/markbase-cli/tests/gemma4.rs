@@ -69,9 +69,10 @@ fn perplexity_nll_matches_transformers() {
     }
 }
 
-/// `markbase run` on a Gemma 4 directory: the prompt is the chat template's rendering (ids as
-/// transformers tokenizes it; thinking off and, with `--think`, on) and the stop tokens are EOS, `<turn|>` and `<|tool_response>`
-/// (generation_config.json's [1, 106, 50]).
+/// `markbase run` on a Gemma 4 directory (and its GGUF twin): the prompt is the chat
+/// template's rendering (ids as transformers tokenizes it; thinking off and, with `--think`,
+/// on) and the stop tokens are EOS, `<turn|>` and `<|tool_response>` (generation_config.json's
+/// [1, 106, 50]).
 #[test]
 fn run_applies_the_chat_template_and_gemma4_stop_tokens() {
     let home = tempfile::tempdir().unwrap();
@@ -105,6 +106,30 @@ fn run_applies_the_chat_template_and_gemma4_stop_tokens() {
         .unwrap();
     assert_eq!(v["prompt_token_ids"], user_only["ids"]);
     assert!(v["output_token_ids"].as_array().unwrap().len() <= 4);
+
+    // The GGUF twin carries the same tokenizer and template in its metadata.
+    let gguf = dir.join("model.gguf");
+    let out = markbase(
+        &[
+            "-m",
+            gguf.to_str().unwrap(),
+            "run",
+            "--temperature",
+            "0",
+            "--max-tokens",
+            "1",
+            "--json",
+            "Hello",
+        ],
+        home.path(),
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["prompt_token_ids"], user_only["ids"]);
 
     // `--think` turns the template's thinking mode on (a system turn with `<|think|>`).
     let out = markbase(

@@ -1,5 +1,6 @@
 //! HF `tokenizer.json` through the `tokenizers` crate, with BOS/EOS read from the
-//! `tokenizer_config.json` next to it when there is one.
+//! `tokenizer_config.json` next to it when there is one (or, for a GGUF BPE vocabulary, from
+//! the GGUF).
 
 use std::path::Path;
 
@@ -20,26 +21,9 @@ impl HfModel {
     pub(super) fn from_file(path: &Path) -> Result<Self> {
         let inner = tokenizers::Tokenizer::from_file(path)
             .map_err(|e| Error::Tokenizer(format!("{}: {e}", path.display())))?;
-        let n = inner.get_vocab_size(true);
-        let mut texts = vec![String::new(); n];
-        for (text, id) in inner.get_vocab(true) {
-            match texts.get_mut(id as usize) {
-                Some(slot) => *slot = text,
-                None => {
-                    return Err(Error::Tokenizer(format!(
-                        "{}: token {text:?} has id {id}, outside the vocabulary of {n}",
-                        path.display()
-                    )))
-                }
-            }
-        }
-        let mut special = vec![false; n];
-        for (id, tok) in inner.get_added_tokens_decoder() {
-            if let Some(s) = special.get_mut(id as usize) {
-                *s = tok.special;
-            }
-        }
+        let mut model = Self::new(inner, &path.display().to_string())?;
         let config = read_config(path)?;
+        let inner = &model.inner;
         let named = |key: &str, fallbacks: &[&str]| -> Option<u32> {
             match config.as_ref().and_then(|c| token_name(c.get(key)?)) {
                 Some(name) => inner.token_to_id(&name),
@@ -61,13 +45,37 @@ impl HfModel {
             }
             None => false,
         };
+        (model.bos, model.eos, model.add_bos) = (bos, eos, add_bos);
+        Ok(model)
+    }
+
+    /// Wraps `inner` (read from `source`), with no BOS or EOS yet.
+    pub(super) fn new(inner: tokenizers::Tokenizer, source: &str) -> Result<Self> {
+        let n = inner.get_vocab_size(true);
+        let mut texts = vec![String::new(); n];
+        for (text, id) in inner.get_vocab(true) {
+            match texts.get_mut(id as usize) {
+                Some(slot) => *slot = text,
+                None => {
+                    return Err(Error::Tokenizer(format!(
+                        "{source}: token {text:?} has id {id}, outside the vocabulary of {n}"
+                    )))
+                }
+            }
+        }
+        let mut special = vec![false; n];
+        for (id, tok) in inner.get_added_tokens_decoder() {
+            if let Some(s) = special.get_mut(id as usize) {
+                *s = tok.special;
+            }
+        }
         Ok(HfModel {
             inner,
             texts,
             special,
-            bos,
-            eos,
-            add_bos,
+            bos: None,
+            eos: None,
+            add_bos: false,
         })
     }
 

@@ -2,6 +2,7 @@
 //! `tokenizer.json` through the `tokenizers` crate, a streaming detokenizer that never splits a
 //! UTF-8 character, and the model's chat template rendered with minijinja.
 
+mod gguf_bpe;
 mod hf;
 mod special;
 mod spm;
@@ -58,41 +59,50 @@ enum Backend {
 }
 
 impl Tokenizer {
-    /// Builds the tokenizer a GGUF file describes in its `tokenizer.ggml.*` metadata
-    /// (SentencePiece-BPE, `tokenizer.ggml.model == "llama"`).
+    /// Builds the tokenizer a GGUF file describes in its `tokenizer.ggml.*` metadata:
+    /// score-based SentencePiece (`tokenizer.ggml.model == "llama"`, Gemma 3) or merge-rank
+    /// BPE (`"gemma4"`, see [`gguf_bpe`]).
     pub fn from_gguf(gguf: &GgufFile) -> Result<Self> {
         let path = gguf.path().display();
         let model = gguf.get_str("tokenizer.ggml.model")?.ok_or_else(|| {
             Error::Tokenizer(format!("{path}: no tokenizer.ggml.model in the metadata"))
         })?;
-        if model != "llama" {
-            return Err(Error::Unsupported(format!(
-                "{path}: tokenizer model '{model}' (only SentencePiece 'llama' is supported)"
-            )));
-        }
-        let spm = spm::SpmModel::from_gguf(gguf)?;
+        let backend = match model {
+            "llama" => Backend::Spm(spm::SpmModel::from_gguf(gguf)?),
+            "gemma4" => Backend::Hf(Box::new(hf::HfModel::new(
+                gguf_bpe::tokenizer(gguf)?,
+                &path.to_string(),
+            )?)),
+            other => {
+                return Err(Error::Unsupported(format!(
+                    "{path}: tokenizer model '{other}' (supported: SentencePiece 'llama', BPE \
+                     'gemma4')"
+                )))
+            }
+        };
+        let mut tokenizer = Tokenizer {
+            backend,
+            bos: None,
+            eos: None,
+            add_bos: false,
+        };
+        let n = tokenizer.vocab_size() as u64;
         let id = |key: &str| -> Result<Option<u32>> {
             match gguf.get_u64(key)? {
-                Some(v) if v < spm.len() as u64 => Ok(Some(v as u32)),
+                Some(v) if v < n => Ok(Some(v as u32)),
                 Some(v) => Err(Error::Tokenizer(format!(
-                    "{path}: {key} = {v} is outside the vocabulary of {}",
-                    spm.len()
+                    "{path}: {key} = {v} is outside the vocabulary of {n}"
                 ))),
                 None => Ok(None),
             }
         };
-        let bos = id("tokenizer.ggml.bos_token_id")?;
-        let eos = id("tokenizer.ggml.eos_token_id")?;
-        let add_bos = gguf
+        tokenizer.bos = id("tokenizer.ggml.bos_token_id")?;
+        tokenizer.eos = id("tokenizer.ggml.eos_token_id")?;
+        tokenizer.add_bos = gguf
             .get_bool("tokenizer.ggml.add_bos_token")?
             .unwrap_or(true)
-            && bos.is_some();
-        Ok(Tokenizer {
-            backend: Backend::Spm(spm),
-            bos,
-            eos,
-            add_bos,
-        })
+            && tokenizer.bos.is_some();
+        Ok(tokenizer)
     }
 
     /// Loads an HF `tokenizer.json` (BOS/EOS from a `tokenizer_config.json` beside it, else

@@ -86,21 +86,7 @@ impl SpmModel {
     /// Reads `tokenizer.ggml.{tokens,scores,token_type,unknown_token_id,add_space_prefix}`.
     pub(super) fn from_gguf(gguf: &GgufFile) -> Result<Self> {
         let where_ = gguf.path().display();
-        let tokens = gguf
-            .get_array("tokenizer.ggml.tokens")?
-            .ok_or_else(|| Error::Tokenizer(format!("{where_}: no tokenizer.ggml.tokens")))?;
-        let pieces = tokens
-            .iter()
-            .enumerate()
-            .map(|(i, v)| {
-                v.as_str().map(str::to_owned).ok_or_else(|| {
-                    Error::Tokenizer(format!(
-                        "{where_}: tokenizer.ggml.tokens[{i}] is a {}, not a string",
-                        v.type_name()
-                    ))
-                })
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let pieces = gguf_pieces(gguf)?;
         let scores = match gguf.get_array("tokenizer.ggml.scores")? {
             Some(a) => a
                 .iter()
@@ -116,18 +102,7 @@ impl SpmModel {
                 .collect::<Result<Vec<_>>>()?,
             None => vec![0.0; pieces.len()],
         };
-        let kinds = match gguf.get_array("tokenizer.ggml.token_type")? {
-            Some(a) => a
-                .iter()
-                .enumerate()
-                .map(|(i, v)| {
-                    kind_from_meta(v).map_err(|e| {
-                        Error::Tokenizer(format!("{where_}: tokenizer.ggml.token_type[{i}]: {e}"))
-                    })
-                })
-                .collect::<Result<Vec<_>>>()?,
-            None => vec![TokenKind::Normal; pieces.len()],
-        };
+        let kinds = gguf_kinds(gguf, pieces.len())?;
         let unk = gguf
             .get_u64("tokenizer.ggml.unknown_token_id")?
             .map(|u| u as u32);
@@ -339,6 +314,43 @@ fn parse_byte_piece(piece: &str) -> Option<u8> {
 }
 
 /// A GGUF token type (llama.cpp numbering; 0 = undefined is read as normal).
+/// `tokenizer.ggml.tokens`: the vocabulary's strings, by id.
+pub(super) fn gguf_pieces(gguf: &GgufFile) -> Result<Vec<String>> {
+    let where_ = gguf.path().display();
+    let tokens = gguf
+        .get_array("tokenizer.ggml.tokens")?
+        .ok_or_else(|| Error::Tokenizer(format!("{where_}: no tokenizer.ggml.tokens")))?;
+    tokens
+        .iter()
+        .enumerate()
+        .map(|(i, v)| {
+            v.as_str().map(str::to_owned).ok_or_else(|| {
+                Error::Tokenizer(format!(
+                    "{where_}: tokenizer.ggml.tokens[{i}] is a {}, not a string",
+                    v.type_name()
+                ))
+            })
+        })
+        .collect()
+}
+
+/// `tokenizer.ggml.token_type` for `n` tokens (all normal when absent).
+pub(super) fn gguf_kinds(gguf: &GgufFile, n: usize) -> Result<Vec<TokenKind>> {
+    let where_ = gguf.path().display();
+    match gguf.get_array("tokenizer.ggml.token_type")? {
+        Some(a) => a
+            .iter()
+            .enumerate()
+            .map(|(i, v)| {
+                kind_from_meta(v).map_err(|e| {
+                    Error::Tokenizer(format!("{where_}: tokenizer.ggml.token_type[{i}]: {e}"))
+                })
+            })
+            .collect(),
+        None => Ok(vec![TokenKind::Normal; n]),
+    }
+}
+
 fn kind_from_meta(v: &MetaValue) -> std::result::Result<TokenKind, String> {
     match v.as_i64() {
         Some(0 | 1) => Ok(TokenKind::Normal),
