@@ -50,13 +50,15 @@ __device__ __forceinline__ void attn_keys(const AttnArgs& a, const u32* table, i
                                           float* acc) {
     u64 kv_w = (u64)a.n_kv_heads * a.head_dim;
     float s[KB];
-    u64 slots[KB];
+    // The values are loaded with the keys, before the scores' reductions: a decode row is a
+    // chain of these groups, and their latency is its cost.
+    float vr[KB][V];
 #pragma unroll
     for (int b = 0; b < KB; b++) {
-        u64 slot = kv_slot(a, table, j + b);
-        slots[b] = slot;
+        u64 base = kv_slot(a, table, j + b) * kv_w + (u64)kvh * a.head_dim + lane * V;
         float kr[V];
-        load_v<V>(a.k_cache + slot * kv_w + (u64)kvh * a.head_dim + lane * V, kr);
+        load_v<V>(a.k_cache + base, kr);
+        load_v<V>(a.v_cache + base, vr[b]);
         float d = 0.f;
 #pragma unroll
         for (int i = 0; i < V; i++) d = fmaf(qv[i], kr[i], d);
@@ -82,10 +84,8 @@ __device__ __forceinline__ void attn_keys(const AttnArgs& a, const u32* table, i
     for (int b = 0; b < KB; b++) {
         float e = expf(s[b] - mn);
         l += e;
-        float vr[V];
-        load_v<V>(a.v_cache + slots[b] * kv_w + (u64)kvh * a.head_dim + lane * V, vr);
 #pragma unroll
-        for (int i = 0; i < V; i++) acc[i] = fmaf(e, vr[i], acc[i]);
+        for (int i = 0; i < V; i++) acc[i] = fmaf(e, vr[b][i], acc[i]);
     }
     m = mn;
 }

@@ -197,6 +197,9 @@ extern "C" __global__ void residual_norm(const float* y, const float* w, float e
     }
 }
 
+// Values of a head one lane of norm_rope_head holds (head dims up to MAX_HEAD_DIM = 512).
+#define ROPE_PER_LANE 16
+
 // One head by one warp: optional RMSNorm with weight, then half-split RoPE of the first
 // `pairs` pairs (i, i + head_dim/2), pair i turning by pos · freqs[i] (frequencies computed on
 // the host). Reads `src`, writes `dst` (may be `src`) and, if not null, `dst2`. `hv`: head_dim
@@ -206,23 +209,43 @@ __device__ __forceinline__ void norm_rope_head(const float* src, float* hv, int 
                                                const float* freqs, int pairs, float pos,
                                                float* dst, float* dst2) {
     int lane = threadIdx.x & 31;
+    int half = head_dim / 2;
+    // Every load first — the head, its norm weights, the pairs' frequencies — so a head costs
+    // one memory round trip, not three in a chain (decode steps are latency-bound here).
+    float wv[ROPE_PER_LANE], fv[ROPE_PER_LANE / 2];
     float ss = 0.f;
-    for (int i = lane; i < head_dim; i += WARP) {
-        float v = src[i];
-        hv[i] = v;
-        ss = fmaf(v, v, ss);
+#pragma unroll
+    for (int r = 0; r < ROPE_PER_LANE; r++) {
+        int i = lane + r * WARP;
+        if (i < head_dim) {
+            float v = src[i];
+            hv[i] = v;
+            ss = fmaf(v, v, ss);
+            wv[r] = norm_w ? norm_w[i] : 1.f;
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < ROPE_PER_LANE / 2; r++) {
+        int i = lane + r * WARP;
+        fv[r] = i < pairs ? freqs[i] : 0.f;
     }
     ss = warp_sum(ss);
     if (norm_w) {
         float inv = 1.f / sqrtf(ss / (float)head_dim + eps);
-        for (int i = lane; i < head_dim; i += WARP) hv[i] = hv[i] * inv * norm_w[i];
+#pragma unroll
+        for (int r = 0; r < ROPE_PER_LANE; r++) {
+            int i = lane + r * WARP;
+            if (i < head_dim) hv[i] = hv[i] * inv * wv[r];
+        }
     }
     __syncwarp();
-    int half = head_dim / 2;
-    for (int i = lane; i < half; i += WARP) {
+#pragma unroll
+    for (int r = 0; r < ROPE_PER_LANE / 2; r++) {
+        int i = lane + r * WARP;
+        if (i >= half) continue;
         float a = hv[i], b = hv[i + half];
         if (i < pairs) {
-            float ang = pos * freqs[i];
+            float ang = pos * fv[r];
             double s, c;
             sincos((double)ang, &s, &c);
             float cf = (float)c, sf = (float)s;
