@@ -77,89 +77,27 @@ fn perplexity_nll_matches_transformers() {
 fn run_applies_the_chat_template_and_gemma4_stop_tokens() {
     let home = tempfile::tempdir().unwrap();
     let dir = fixture("e4b_like");
-    let out = markbase(
-        &[
-            "-m",
-            dir.to_str().unwrap(),
-            "run",
-            "--temperature",
-            "0",
-            "--max-tokens",
-            "4",
-            "--json",
-            "Hello",
-        ],
-        home.path(),
-    );
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
     let reference = json_file(dir.join("tokenizer_reference.json"));
-    let user_only = reference["chat"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|c| c["name"] == "user_only")
-        .unwrap();
-    assert_eq!(v["prompt_token_ids"], user_only["ids"]);
+    let chat_ids = |name: &str| {
+        reference["chat"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["name"] == name)
+            .unwrap()["ids"]
+            .clone()
+    };
+    let v = run_hello(&dir, &["--max-tokens", "4"], home.path());
+    assert_eq!(v["prompt_token_ids"], chat_ids("user_only"));
     assert!(v["output_token_ids"].as_array().unwrap().len() <= 4);
 
     // The GGUF twin carries the same tokenizer and template in its metadata.
-    let gguf = dir.join("model.gguf");
-    let out = markbase(
-        &[
-            "-m",
-            gguf.to_str().unwrap(),
-            "run",
-            "--temperature",
-            "0",
-            "--max-tokens",
-            "1",
-            "--json",
-            "Hello",
-        ],
-        home.path(),
-    );
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(v["prompt_token_ids"], user_only["ids"]);
+    let v = run_hello(&dir.join("model.gguf"), &["--max-tokens", "1"], home.path());
+    assert_eq!(v["prompt_token_ids"], chat_ids("user_only"));
 
     // `--think` turns the template's thinking mode on (a system turn with `<|think|>`).
-    let out = markbase(
-        &[
-            "-m",
-            dir.to_str().unwrap(),
-            "run",
-            "--think",
-            "--temperature",
-            "0",
-            "--max-tokens",
-            "1",
-            "--json",
-            "Hello",
-        ],
-        home.path(),
-    );
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
-    let thinking = reference["chat"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|c| c["name"] == "thinking_no_system")
-        .unwrap();
-    assert_eq!(v["prompt_token_ids"], thinking["ids"]);
+    let v = run_hello(&dir, &["--max-tokens", "1", "--think"], home.path());
+    assert_eq!(v["prompt_token_ids"], chat_ids("thinking_no_system"));
 
     let out = markbase(&["-m", dir.to_str().unwrap(), "inspect"], home.path());
     assert!(
@@ -170,6 +108,20 @@ fn run_applies_the_chat_template_and_gemma4_stop_tokens() {
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("stop tokens [1, 106, 50]"), "{text}");
     assert!(text.contains("architecture: gemma4"), "{text}");
+}
+
+/// `markbase -m MODEL run --temperature 0 EXTRA --json Hello`, which must succeed: its JSON.
+fn run_hello(model: &std::path::Path, extra: &[&str], home: &std::path::Path) -> Value {
+    let mut args = vec!["-m", model.to_str().unwrap(), "run", "--temperature", "0"];
+    args.extend_from_slice(extra);
+    args.extend_from_slice(&["--json", "Hello"]);
+    let out = markbase(&args, home);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
 }
 
 /// `--synthetic` inspect reports the variant's tensors and bytes without generating them (a
