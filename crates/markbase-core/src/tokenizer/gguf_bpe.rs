@@ -13,8 +13,9 @@ use super::TokenKind;
 use crate::gguf::GgufFile;
 use crate::{Error, Result};
 
-/// The `tokenizers` tokenizer of a GGUF whose vocabulary is merge-rank BPE.
-pub(super) fn tokenizer(gguf: &GgufFile) -> Result<tokenizers::Tokenizer> {
+/// The `tokenizers` tokenizer of a GGUF whose vocabulary is merge-rank BPE, and the text of
+/// every id (the GGUF's token list).
+pub(super) fn tokenizer(gguf: &GgufFile) -> Result<(tokenizers::Tokenizer, Vec<String>)> {
     let where_ = gguf.path().display();
     let bad = |what: String| Error::Tokenizer(format!("{where_}: {what}"));
     let pieces = gguf_pieces(gguf)?;
@@ -89,9 +90,11 @@ pub(super) fn tokenizer(gguf: &GgufFile) -> Result<tokenizers::Tokenizer> {
                   "fuse_unk": true, "byte_fallback": true, "ignore_merges": false,
                   "vocab": vocab, "merges": merges}
     });
-    spec.to_string()
+    let tokenizer = spec
+        .to_string()
         .parse::<tokenizers::Tokenizer>()
-        .map_err(|e| bad(format!("BPE vocabulary: {e}")))
+        .map_err(|e| bad(format!("BPE vocabulary: {e}")))?;
+    Ok((tokenizer, pieces))
 }
 
 /// The two pieces of a GGUF merge `"a b"`: split at the first space after the first

@@ -21,7 +21,7 @@ impl HfModel {
     pub(super) fn from_file(path: &Path) -> Result<Self> {
         let inner = tokenizers::Tokenizer::from_file(path)
             .map_err(|e| Error::Tokenizer(format!("{}: {e}", path.display())))?;
-        let mut model = Self::new(inner, &path.display().to_string())?;
+        let mut model = Self::new(inner);
         let config = read_config(path)?;
         let inner = &model.inner;
         let named = |key: &str, fallbacks: &[&str]| -> Option<u32> {
@@ -49,34 +49,35 @@ impl HfModel {
         Ok(model)
     }
 
-    /// Wraps `inner` (read from `source`), with no BOS or EOS yet.
-    pub(super) fn new(inner: tokenizers::Tokenizer, source: &str) -> Result<Self> {
-        let n = inner.get_vocab_size(true);
+    /// Wraps `inner`, with no BOS or EOS yet; each id's text is the string the vocabulary
+    /// maps to it (empty for an id no string maps to).
+    pub(super) fn new(inner: tokenizers::Tokenizer) -> Self {
+        let vocab = inner.get_vocab(true);
+        let n = vocab.values().map(|&id| id as usize + 1).max().unwrap_or(0);
         let mut texts = vec![String::new(); n];
-        for (text, id) in inner.get_vocab(true) {
-            match texts.get_mut(id as usize) {
-                Some(slot) => *slot = text,
-                None => {
-                    return Err(Error::Tokenizer(format!(
-                        "{source}: token {text:?} has id {id}, outside the vocabulary of {n}"
-                    )))
-                }
-            }
+        for (text, id) in vocab {
+            texts[id as usize] = text;
         }
-        let mut special = vec![false; n];
+        Self::with_texts(inner, texts)
+    }
+
+    /// Wraps `inner` whose ids have the texts `texts` (a GGUF's token list, where a string
+    /// stored twice maps to its later id but both ids keep their text), with no BOS or EOS yet.
+    pub(super) fn with_texts(inner: tokenizers::Tokenizer, texts: Vec<String>) -> Self {
+        let mut special = vec![false; texts.len()];
         for (id, tok) in inner.get_added_tokens_decoder() {
             if let Some(s) = special.get_mut(id as usize) {
                 *s = tok.special;
             }
         }
-        Ok(HfModel {
+        HfModel {
             inner,
             texts,
             special,
             bos: None,
             eos: None,
             add_bos: false,
-        })
+        }
     }
 
     /// Number of ids, added tokens included.

@@ -69,10 +69,10 @@ impl Tokenizer {
         })?;
         let backend = match model {
             "llama" => Backend::Spm(spm::SpmModel::from_gguf(gguf)?),
-            "gemma4" => Backend::Hf(Box::new(hf::HfModel::new(
-                gguf_bpe::tokenizer(gguf)?,
-                &path.to_string(),
-            )?)),
+            "gemma4" => {
+                let (bpe, texts) = gguf_bpe::tokenizer(gguf)?;
+                Backend::Hf(Box::new(hf::HfModel::with_texts(bpe, texts)))
+            }
             other => {
                 return Err(Error::Unsupported(format!(
                     "{path}: tokenizer model '{other}' (supported: SentencePiece 'llama', BPE \
