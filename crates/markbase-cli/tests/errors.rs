@@ -99,6 +99,12 @@ fn bad_tokenizer_metadata() {
     let m = write(dir.path(), "wordpiece.gguf", &w);
     let out = markbase(&["-m", &m, "run", "hi"], dir.path());
     assert_one_line_error(&out, &["tokenizer model 'wordpiece'", "gemma4"]);
+    // Token types that do not match the token list.
+    let mut short = tiny_gemma3(64);
+    short.kv("tokenizer.ggml.token_type", Value::I32Array(vec![3, 3, 3]));
+    let m = write(dir.path(), "short_types.gguf", &short);
+    let out = markbase(&["-m", &m, "run", "hi"], dir.path());
+    assert_one_line_error(&out, &["3 token types for 267 tokens"]);
     // A merge-rank BPE vocabulary without merges, or with a merge that is not two pieces.
     w.kv("tokenizer.ggml.model", Value::Str("gemma4".into()));
     let m = write(dir.path(), "no_merges.gguf", &w);

@@ -5,32 +5,16 @@
 mod common;
 
 use common::gguf_writer::Value;
-use common::{markbase, tiny_gemma3};
+use common::{markbase, tiny_gemma3, tiny_vocab};
 
 #[test]
 fn bpe_vocabulary_with_a_duplicated_string() {
     let dir = tempfile::tempdir().unwrap();
     let mut w = tiny_gemma3(64);
-    // tiny_gemma3: 6 specials, 256 byte tokens (6..=261), then "▁" 262, "a" 263, "b" 264,
-    // "ab" 265, "▁a" 266; "ab" is stored again as 267.
-    let specials = [
-        "<pad>",
-        "<eos>",
-        "<bos>",
-        "<unk>",
-        "<start_of_turn>",
-        "<end_of_turn>",
-    ];
-    let mut tokens: Vec<String> = specials.iter().map(|s| s.to_string()).collect();
-    let mut types = vec![3, 3, 3, 2, 3, 3];
-    for b in 0..=255u32 {
-        tokens.push(format!("<0x{b:02X}>"));
-        types.push(6);
-    }
-    for piece in ["▁", "a", "b", "ab", "▁a", "ab"] {
-        tokens.push(piece.to_string());
-        types.push(1);
-    }
+    // tiny_vocab, then "ab" (265) stored again as 267.
+    let (mut tokens, mut types) = tiny_vocab();
+    tokens.push("ab".into());
+    types.push(1);
     w.kv("tokenizer.ggml.model", Value::Str("gemma4".into()))
         .kv("tokenizer.ggml.tokens", Value::StrArray(tokens))
         .kv("tokenizer.ggml.token_type", Value::I32Array(types))

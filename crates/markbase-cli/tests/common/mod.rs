@@ -60,21 +60,19 @@ const KV_HEADS: u64 = 1;
 const HEAD_DIM: u64 = 8;
 const FF: u64 = 32;
 
-/// A complete, valid tiny Gemma 3 model (2 layers, F32 weights, byte-level vocabulary with
-/// Gemma's special tokens) whose context holds `context` tokens.
-pub fn tiny_gemma3(context: u32) -> GgufWriter {
-    let mut w = GgufWriter::default();
-    let mut tokens: Vec<String> = [
+/// The tiny model's vocabulary and GGUF token types: 6 specials (`<pad>` 0, `<eos>` 1,
+/// `<bos>` 2, `<unk>` 3, `<start_of_turn>` 4, `<end_of_turn>` 5), the 256 byte tokens (6..=261),
+/// then `▁` 262, `a` 263, `b` 264, `ab` 265, `▁a` 266.
+pub fn tiny_vocab() -> (Vec<String>, Vec<i32>) {
+    let specials = [
         "<pad>",
         "<eos>",
         "<bos>",
         "<unk>",
         "<start_of_turn>",
         "<end_of_turn>",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
+    ];
+    let mut tokens: Vec<String> = specials.iter().map(|s| s.to_string()).collect();
     let mut types = vec![3, 3, 3, 2, 3, 3];
     for b in 0..=255u32 {
         tokens.push(format!("<0x{b:02X}>"));
@@ -84,6 +82,14 @@ pub fn tiny_gemma3(context: u32) -> GgufWriter {
         tokens.push(piece.to_string());
         types.push(1);
     }
+    (tokens, types)
+}
+
+/// A complete, valid tiny Gemma 3 model (2 layers, F32 weights, byte-level vocabulary with
+/// Gemma's special tokens) whose context holds `context` tokens.
+pub fn tiny_gemma3(context: u32) -> GgufWriter {
+    let mut w = GgufWriter::default();
+    let (tokens, types) = tiny_vocab();
     let n_vocab = tokens.len() as u64;
     let scores: Vec<f32> = (0..tokens.len()).map(|i| -(i as f32)).collect();
     w.kv("general.architecture", Value::Str("gemma3".into()))

@@ -20,13 +20,6 @@ pub(super) fn tokenizer(gguf: &GgufFile) -> Result<(tokenizers::Tokenizer, Vec<S
     let bad = |what: String| Error::Tokenizer(format!("{where_}: {what}"));
     let pieces = gguf_pieces(gguf)?;
     let kinds = gguf_kinds(gguf, pieces.len())?;
-    if kinds.len() != pieces.len() {
-        return Err(bad(format!(
-            "{} token types for {} tokens",
-            kinds.len(),
-            pieces.len()
-        )));
-    }
     let merges = gguf
         .get_array("tokenizer.ggml.merges")?
         .ok_or_else(|| bad("no tokenizer.ggml.merges (a BPE vocabulary needs them)".into()))?

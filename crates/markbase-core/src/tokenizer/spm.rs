@@ -313,7 +313,6 @@ fn parse_byte_piece(piece: &str) -> Option<u8> {
     u8::from_str_radix(hex, 16).ok()
 }
 
-/// A GGUF token type (llama.cpp numbering; 0 = undefined is read as normal).
 /// `tokenizer.ggml.tokens`: the vocabulary's strings, by id.
 pub(super) fn gguf_pieces(gguf: &GgufFile) -> Result<Vec<String>> {
     let where_ = gguf.path().display();
@@ -334,23 +333,30 @@ pub(super) fn gguf_pieces(gguf: &GgufFile) -> Result<Vec<String>> {
         .collect()
 }
 
-/// `tokenizer.ggml.token_type` for `n` tokens (all normal when absent).
+/// `tokenizer.ggml.token_type` for `n` tokens (all normal when absent); an array of another
+/// length is an error.
 pub(super) fn gguf_kinds(gguf: &GgufFile, n: usize) -> Result<Vec<TokenKind>> {
     let where_ = gguf.path().display();
-    match gguf.get_array("tokenizer.ggml.token_type")? {
-        Some(a) => a
-            .iter()
-            .enumerate()
-            .map(|(i, v)| {
-                kind_from_meta(v).map_err(|e| {
-                    Error::Tokenizer(format!("{where_}: tokenizer.ggml.token_type[{i}]: {e}"))
-                })
-            })
-            .collect(),
-        None => Ok(vec![TokenKind::Normal; n]),
+    let Some(a) = gguf.get_array("tokenizer.ggml.token_type")? else {
+        return Ok(vec![TokenKind::Normal; n]);
+    };
+    if a.len() != n {
+        return Err(Error::Tokenizer(format!(
+            "{where_}: {} token types for {n} tokens",
+            a.len()
+        )));
     }
+    a.iter()
+        .enumerate()
+        .map(|(i, v)| {
+            kind_from_meta(v).map_err(|e| {
+                Error::Tokenizer(format!("{where_}: tokenizer.ggml.token_type[{i}]: {e}"))
+            })
+        })
+        .collect()
 }
 
+/// A GGUF token type (llama.cpp numbering; 0 = undefined is read as normal).
 fn kind_from_meta(v: &MetaValue) -> std::result::Result<TokenKind, String> {
     match v.as_i64() {
         Some(0 | 1) => Ok(TokenKind::Normal),
