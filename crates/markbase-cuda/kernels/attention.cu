@@ -133,7 +133,10 @@ __device__ void attn_partial_impl(const AttnArgs& a) {
 }
 
 #define ATTN_KERNEL(V) \
-    extern "C" __global__ void attn_partial_##V(AttnArgs a) { attn_partial_impl<V>(a); }
+    extern "C" __global__ void attn_partial_##V(AttnArgs a) { \
+        wait_prior_grid();                                     \
+        attn_partial_impl<V>(a);                               \
+    }
 ATTN_KERNEL(1)
 ATTN_KERNEL(2)
 ATTN_KERNEL(4)
@@ -143,6 +146,7 @@ ATTN_KERNEL(16)
 // Merges the `splits` partial results of each (token, head) row: one warp per row.
 extern "C" __global__ void attn_combine(const float* part, int rows, int splits, int head_dim,
                                         float* out) {
+    wait_prior_grid();
     int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     int lane = threadIdx.x & 31;
     if (row >= rows) return;
@@ -176,6 +180,7 @@ extern "C" __global__ void attn_combine(const float* part, int rows, int splits,
 extern "C" __global__ void kv_gather(const float* k_cache, const float* v_cache,
                                      const u32* table, int block_size, int row, int k_lo,
                                      float* kg, float* vg) {
+    wait_prior_grid();
     int j = k_lo + blockIdx.x;
     u64 slot = (u64)table[j / block_size] * (u64)block_size + (u64)(j % block_size);
     const float* ks = k_cache + slot * row;
@@ -196,6 +201,7 @@ extern "C" __global__ void kv_gather(const float* k_cache, const float* v_cache,
 extern "C" __global__ void attn_softmax_rows(float* s, int n_keys, int ld, int k_lo,
                                              const u32* positions, int n_rows, int window,
                                              float scale, float softcap) {
+    wait_prior_grid();
     __shared__ float red[32];
     float* row = s + (u64)blockIdx.x * ld;
     int p = (int)positions[blockIdx.x % n_rows];

@@ -13,6 +13,19 @@ typedef unsigned long long u64;
 // Error codes a kernel can raise into the backend's error word (checked at the next read).
 #define MB_ERR_EXPERT_ID 1
 
+// Programmatic dependent launch (compute capability 9.0 and newer; the backend launches every
+// kernel with it there): a kernel may start while the one ahead of it in the stream is still
+// running. Every kernel calls this before it reads or writes anything another operation
+// touches (only loads of weights, which nothing writes, may come before): it waits until the
+// kernel ahead has finished and its writes are visible, then lets the next kernel launch, so
+// its blocks are resident and waiting when this one ends. No-op elsewhere.
+__device__ __forceinline__ void wait_prior_grid() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ float bf16_to_f32(u16 h) { return __uint_as_float(((u32)h) << 16); }
 
 __device__ __forceinline__ float f16_to_f32(u16 h) {

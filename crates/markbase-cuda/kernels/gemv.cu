@@ -10,6 +10,24 @@
 // the GPU, and long rows keep enough bytes in flight to run at the memory's rate.
 // Needs common.cuh and quant.cuh.
 
+// Weight bytes a warp asks L2 for before it waits for the kernel ahead (see wait_prior_grid):
+// the kernel's blocks start while the previous kernel runs, so the first loads of each row
+// hit L2 when the activations are ready. Lanes take one 128-byte line each.
+#define GEMV_PREFETCH_LINES 16
+
+// Prefetches up to GEMV_PREFETCH_LINES lines of `row` into L2: the `span`-byte spans at
+// offsets (first + stride · i) · span, the lanes of a span its consecutive lines.
+__device__ __forceinline__ void prefetch_row(const u8* row, u64 row_bytes, int first, int stride,
+                                             int span) {
+#if __CUDA_ARCH__ >= 900
+    int lane = threadIdx.x & 31, per_span = span >> 7;
+    if (lane < GEMV_PREFETCH_LINES) {
+        u64 off = (u64)(first + stride * (lane / per_span)) * span + 128 * (lane % per_span);
+        if (off < row_bytes) asm volatile("prefetch.global.L2 [%0];" ::"l"(row + off));
+    }
+#endif
+}
+
 // The value stored for token t, row r of a product whose dot is `acc`.
 __device__ __forceinline__ float gemv_result(float acc, const float* mul, u64 mul_stride, int t,
                                              int r) {
@@ -23,6 +41,8 @@ __device__ void gemv_impl(const u8* w, u64 row_bytes, int rows, int k, const flo
         __shared__ float part_sums[8][NT];
         int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
         int r = (blockIdx.x * 8 + warp) / split, part = warp % split;
+        if (r < rows) prefetch_row(w + (u64)r * row_bytes, row_bytes, part, split, 512);
+        wait_prior_grid();
         float acc[NT];
         if (r < rows && split == 1) {
             float_row_part<FMT, NT, true>(w + (u64)r * row_bytes, x, k, nt, 0, 1, acc);
@@ -54,6 +74,8 @@ __device__ void gemv_impl(const u8* w, u64 row_bytes, int rows, int k, const flo
     }
     int r = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     bool active = r < rows;
+    if (active) prefetch_row(w + (u64)r * row_bytes, row_bytes, 0, 1, 2048);
+    wait_prior_grid();
     float acc[NT];
     warp_row_dot<FMT, NT>(active, w + (u64)(active ? r : 0) * row_bytes, x, k, nt, acc);
     if (active && (threadIdx.x & 31) == 0) {
@@ -72,6 +94,11 @@ __device__ void gemv_gelu_impl(const u8* wg, const u8* wu, u64 row_bytes, int ro
     int r = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     bool active = r < rows;
     u64 off = (u64)(active ? r : 0) * row_bytes;
+    if (active) {
+        prefetch_row(wg + off, row_bytes, 0, 1, 2048);
+        prefetch_row(wu + off, row_bytes, 0, 1, 2048);
+    }
+    wait_prior_grid();
     float g[NT], u[NT];
     warp_row_dot<FMT, NT>(active, wg + off, x, k, nt, g);
     warp_row_dot<FMT, NT>(active, wu + off, x, k, nt, u);
@@ -102,8 +129,10 @@ __device__ void gemv_many_impl(const Products& p, u64 row_bytes, int k, const fl
         m++;
     }
     bool active = r < p.rows[m];
-    float acc[NT];
     const u8* w = (const u8*)p.w[m];
+    if (active) prefetch_row(w + (u64)r * row_bytes, row_bytes, 0, 1, 2048);
+    wait_prior_grid();
+    float acc[NT];
     warp_row_dot<FMT, NT>(active, w + (u64)(active ? r : 0) * row_bytes, x, k, nt, acc);
     if (active && (threadIdx.x & 31) == 0) {
         float* out = (float*)p.out[m];

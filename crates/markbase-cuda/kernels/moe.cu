@@ -8,6 +8,7 @@
 // One warp per token row of n_experts router logits.
 extern "C" __global__ void moe_route(const float* logits, int n, int n_experts, int top_k,
                                      const float* expert_scale, float* weights, float* ids) {
+    wait_prior_grid();
     int t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     int lane = threadIdx.x & 31;
     if (t >= n) return;
@@ -123,18 +124,21 @@ __device__ void moe_down_impl(const u8* w, u64 row_bytes, int d, int f, const fl
     extern "C" __global__ void moe_gate_up_##S(const u8* w, u64 row_bytes, int d, int f2,       \
                                                const float* x, int top_k, int n_experts,        \
                                                const float* ids, float* gu, u32* err) {         \
+        wait_prior_grid();                                                                      \
         moe_gate_up_impl<F>(w, row_bytes, d, f2, x, top_k, n_experts, ids, gu, err);            \
     }                                                                                           \
     extern "C" __global__ void moe_down_##S(const u8* w, u64 row_bytes, int d, int f,           \
                                             const float* h, int top_k, int n_experts,           \
                                             const float* weights, const float* ids, float* out, \
                                             u32* err) {                                         \
+        wait_prior_grid();                                                                      \
         moe_down_impl<F>(w, row_bytes, d, f, h, top_k, n_experts, weights, ids, out, err);      \
     }
 FOR_EACH_FORMAT(MOE_KERNELS)
 
 // h[pair, i] = gelu_tanh(gu[pair, i]) · gu[pair, F + i] for i < F. Grid: (ceil(F / block), pairs).
 extern "C" __global__ void moe_act(const float* gu, int f, float* h) {
+    wait_prior_grid();
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     u64 pair = blockIdx.y;
     if (i >= f) return;

@@ -81,14 +81,17 @@ __device__ void dequant_impl(const u8* w, u64 row_bytes, int r0, int k, void* ds
 #define OPS_FORMAT_KERNELS(S, F)                                                              \
     extern "C" __global__ void embed_##S(const u8* table, u64 row_bytes, const u32* tokens,   \
                                          int k, float scale, float* out) {                    \
+        wait_prior_grid();                                                                    \
         embed_impl<F>(table, row_bytes, tokens, k, scale, out);                               \
     }                                                                                         \
     extern "C" __global__ void dequant_##S(const u8* w, u64 row_bytes, int r0, int k,         \
                                            float* dst) {                                      \
+        wait_prior_grid();                                                                    \
         dequant_impl<F, OUT_F32>(w, row_bytes, r0, k, dst);                                   \
     }                                                                                         \
     extern "C" __global__ void dequant_f16_##S(const u8* w, u64 row_bytes, int r0, int k,     \
                                                u16* dst) {                                    \
+        wait_prior_grid();                                                                    \
         dequant_impl<F, OUT_F16>(w, row_bytes, r0, k, dst);                                   \
     }
 FOR_EACH_FORMAT(OPS_FORMAT_KERNELS)
@@ -96,6 +99,7 @@ FOR_EACH_FORMAT(OPS_FORMAT_KERNELS)
 // y[i] = x[i] rounded to bf16 (to nearest, ties to even; NaN stays NaN): the activations of a
 // tensor-core product with bf16 weights.
 extern "C" __global__ void f32_to_bf16(const float* x, u16* y, u64 n) {
+    wait_prior_grid();
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) y[i] = to_bf16(x[i]);
 }
@@ -103,6 +107,7 @@ extern "C" __global__ void f32_to_bf16(const float* x, u16* y, u64 n) {
 // y[i] = x[i] rounded to f16 (see to_f16): the activations of a tensor-core product with
 // quantized weights dequantized to f16.
 extern "C" __global__ void f32_to_f16(const float* x, u16* y, u64 n) {
+    wait_prior_grid();
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) y[i] = to_f16(x[i]);
 }
@@ -113,6 +118,7 @@ extern "C" __global__ void f32_to_f16(const float* x, u16* y, u64 n) {
 // touches few values: the kernel is latency-bound).
 extern "C" __global__ void rms_norm(const float* x, const float* weight, float eps, int dim,
                                     float* out, int add) {
+    wait_prior_grid();
     __shared__ float red[32];
     const float* xr = x + (u64)blockIdx.x * dim;
     float* o = out + (u64)blockIdx.x * dim;
@@ -161,6 +167,7 @@ extern "C" __global__ void rms_norm(const float* x, const float* weight, float e
 // Needs blockDim.x · RESIDUAL_NORM_PER_THREAD >= dim (checked by the host).
 extern "C" __global__ void residual_norm(const float* y, const float* w, float eps, int dim,
                                          float* h, float scale, const float* w2, float* x) {
+    wait_prior_grid();
     __shared__ float red[32];
     u64 base = (u64)blockIdx.x * dim;
     float yv[RESIDUAL_NORM_PER_THREAD], hv[RESIDUAL_NORM_PER_THREAD];
@@ -267,6 +274,7 @@ __device__ __forceinline__ void norm_rope_head(const float* src, float* hv, int 
 extern "C" __global__ void head_norm_rope(float* x, int n_heads, int head_dim,
                                           const float* norm_w, float eps, const float* freqs,
                                           int pairs, const u32* positions) {
+    wait_prior_grid();
     extern __shared__ float hv[];
     int head = blockIdx.x, t = head / n_heads;
     float* p = x + (u64)head * head_dim;
@@ -284,6 +292,7 @@ extern "C" __global__ void rope_write_kv(float* q, float* k, const float* v, int
                                          const float* k_norm, float eps, const float* freqs,
                                          int pairs, const u32* positions, const u32* slots,
                                          float* k_cache, float* v_cache, int v_norm) {
+    wait_prior_grid();
     extern __shared__ float hv[];
     int per_token = n_heads + n_kv_heads;
     int t = blockIdx.x / per_token, j = blockIdx.x % per_token;
@@ -309,6 +318,7 @@ extern "C" __global__ void rope_write_kv(float* q, float* k, const float* v, int
 // k_cache[slots[t], :] = k[t, :] and likewise v, for token blockIdx.y.
 extern "C" __global__ void write_kv(const float* k, const float* v, int row, const u32* slots,
                                     float* k_cache, float* v_cache) {
+    wait_prior_grid();
     int t = blockIdx.y;
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= row) return;
@@ -318,21 +328,25 @@ extern "C" __global__ void write_kv(const float* k, const float* v, int row, con
 }
 
 extern "C" __global__ void gelu_tanh_mul(float* gate, const float* up, u64 n) {
+    wait_prior_grid();
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) gate[i] = gelu_tanh(gate[i]) * up[i];
 }
 
 extern "C" __global__ void add(float* x, const float* y, u64 n) {
+    wait_prior_grid();
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] += y[i];
 }
 
 extern "C" __global__ void scale(float* x, float s, u64 n) {
+    wait_prior_grid();
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] *= s;
 }
 
 extern "C" __global__ void softcap(float* x, float cap, u64 n) {
+    wait_prior_grid();
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] = cap * tanhf(x[i] / cap);
 }

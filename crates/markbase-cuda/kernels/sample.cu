@@ -38,6 +38,7 @@ __device__ __forceinline__ float clean(float x) { return x == x ? x : NEG_INF; }
 // part[2·(row·parts + p)] (the index as float bits); one warp per row of `argmax_join` picks
 // the best of the row's slices into out[row] (ties: lowest index).
 extern "C" __global__ void argmax_part(const float* x, int n, int parts, float* part) {
+    wait_prior_grid();
     __shared__ float sv[32];
     __shared__ int si[32];
     int row = blockIdx.x, p = blockIdx.y;
@@ -59,6 +60,7 @@ extern "C" __global__ void argmax_part(const float* x, int n, int parts, float* 
 }
 
 extern "C" __global__ void argmax_join(const float* part, int parts, int n, u32* out) {
+    wait_prior_grid();
     __shared__ float sv[32];
     __shared__ int si[32];
     const float* r = part + 2 * (u64)blockIdx.x * parts;
@@ -79,6 +81,7 @@ extern "C" __global__ void argmax_join(const float* part, int parts, int n, u32*
 // is kept, and the token where u · mass falls in that prefix's cumulative sum is chosen.
 extern "C" __global__ void sample_top_k_p(const float* x, int n, int top_k, float top_p,
                                           float temperature, const float* u, u32* out) {
+    wait_prior_grid();
     __shared__ float sv[32];
     __shared__ int si[32];
     __shared__ float cand_v[SAMPLE_MAX_K];

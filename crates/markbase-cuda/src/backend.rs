@@ -274,7 +274,7 @@ impl CudaBackend {
 
     /// Queues kernel `f`.
     fn launch_fn(&self, f: &CudaFunction, grid: Grid, args: &[Arg]) -> Result<()> {
-        launch(&self.dev.stream, f, grid, args)
+        launch(&self.dev.stream, f, grid, args, self.dev.early_launch())
     }
 
     /// Queues kernel `name` of module `m`.
@@ -286,7 +286,7 @@ impl CudaBackend {
         args: &[Arg],
     ) -> Result<()> {
         let f = self.kernels.func(m, name)?;
-        launch(&self.dev.stream, &f, grid, args)
+        launch(&self.dev.stream, &f, grid, args, self.dev.early_launch())
     }
 
     /// Copies `v` into the index scratch; returns its device address.

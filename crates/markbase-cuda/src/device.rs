@@ -106,6 +106,12 @@ impl Device {
         self.capability
     }
 
+    /// Whether kernels launch early (programmatic dependent launch, compute capability 9.0
+    /// and newer): each may start while the previous one finishes, and waits for it inside.
+    pub(crate) fn early_launch(&self) -> bool {
+        self.capability.0 >= 9
+    }
+
     /// Streaming multiprocessors.
     pub fn multiprocessors(&self) -> i32 {
         self.multiprocessors

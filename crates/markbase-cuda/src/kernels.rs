@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream, DeviceRepr};
+use cudarc::driver::{sys, CudaContext, CudaFunction, CudaModule, CudaStream, DeviceRepr};
 use cudarc::nvrtc::Ptx;
 use markbase_core::quant::GgmlType;
 use markbase_core::{Error, Result};
@@ -187,12 +187,16 @@ impl Grid {
     }
 }
 
-/// Queues kernel `f` on `stream`.
+/// Queues kernel `f` on `stream`. With `early` (Hopper and newer), the launch allows
+/// programmatic dependent launch: the kernel may start while the one ahead of it in the stream
+/// is still running, and waits for it inside (`grid_dependency_wait` in common.cuh, which every
+/// kernel calls before it reads anything an earlier operation wrote).
 pub(crate) fn launch(
     stream: &CudaStream,
     f: &CudaFunction,
     grid: Grid,
     args: &[Arg],
+    early: bool,
 ) -> Result<()> {
     let mut store: Vec<Arg> = args.to_vec();
     let mut params: Vec<*mut c_void> = store
@@ -205,17 +209,40 @@ pub(crate) fn launch(
             Arg::Products(v) => v as *mut ProductArgs as *mut c_void,
         })
         .collect();
-    // SAFETY: the parameter pointers point into `store`, alive for the call; the kernel's
-    // signature matches the argument list at every call site (checked by the GPU tests).
+    let mut attr = sys::CUlaunchAttribute {
+        id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+        pad: [0; 4],
+        value: sys::CUlaunchAttributeValue {
+            programmaticStreamSerializationAllowed: 1,
+        },
+    };
+    let config = sys::CUlaunchConfig {
+        gridDimX: grid.blocks.0,
+        gridDimY: grid.blocks.1,
+        gridDimZ: grid.blocks.2,
+        blockDimX: grid.threads,
+        blockDimY: 1,
+        blockDimZ: 1,
+        sharedMemBytes: grid.shared,
+        hStream: stream.cu_stream(),
+        attrs: if early {
+            &mut attr
+        } else {
+            std::ptr::null_mut()
+        },
+        numAttrs: u32::from(early),
+    };
+    // SAFETY: the parameter pointers point into `store` and the attribute into `attr`, both
+    // alive for the call; the kernel's signature matches the argument list at every call site
+    // (checked by the GPU tests).
     unsafe {
-        cudarc::driver::result::launch_kernel(
+        sys::cuLaunchKernelEx(
+            &config,
             f.cu_function(),
-            grid.blocks,
-            (grid.threads, 1, 1),
-            grid.shared,
-            stream.cu_stream(),
-            &mut params,
+            params.as_mut_ptr(),
+            std::ptr::null_mut(),
         )
     }
+    .result()
     .map_err(|e| driver_err("kernel launch", e))
 }

@@ -74,6 +74,17 @@ fn every_kernel_module_compiles_to_ptx_for_compute_90() {
             m.name()
         );
         assert!(entries > 0, "{}: no kernels", m.name());
+        // Every kernel launches early on Hopper, so every kernel must wait for the one ahead
+        // of it (`wait_prior_grid`) — a kernel without the wait would race its inputs.
+        for body in text.split(".entry").skip(1) {
+            let name = body.split('(').next().unwrap_or("").trim();
+            assert!(
+                body.contains("griddepcontrol.wait")
+                    && body.contains("griddepcontrol.launch_dependents"),
+                "{}: kernel {name} does not call wait_prior_grid",
+                m.name()
+            );
+        }
     }
     // A broken source is reported with NVRTC's log, not a panic.
     let err = nvrtc::compile(
