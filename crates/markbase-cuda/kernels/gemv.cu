@@ -3,7 +3,8 @@
 // (Gemma 4's per-layer-input gate). Blocks of 256 threads (8 warps); the weights are read once for all of the
 // launch's tokens (weights dominate the bytes). Larger decode batches take several launches.
 //
-// Quantized rows: one warp per row (8 rows per block), the activations staged per block.
+// Quantized rows: one warp per row (8 rows per block), the activations staged per block;
+// Q4_K rows may be shared by `split` warps (1, 2 or 4) like plain rows below.
 // Plain-float rows (f32 / f16 / bf16, k a multiple of 8): `split` warps (1, 2, 4 or 8) share a
 // row, each taking every split-th 16-byte group of it with four loads in flight per lane, and
 // add their sums through shared memory: short matrices (a few hundred rows) then still fill
@@ -37,14 +38,20 @@ __device__ __forceinline__ float gemv_result(float acc, const float* mul, u64 mu
 template <int FMT, int NT>
 __device__ void gemv_impl(const u8* w, u64 row_bytes, int rows, int k, const float* x, int nt,
                           float* out, int split, const float* mul, u64 mul_stride) {
-    if ((FMT == F_F32 || FMT == F_F16 || FMT == F_BF16) && (k & 7) == 0) {
+    if (((FMT == F_F32 || FMT == F_F16 || FMT == F_BF16) && (k & 7) == 0) || FMT == F_Q4_K) {
         __shared__ float part_sums[8][NT];
         int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
         int r = (blockIdx.x * 8 + warp) / split, part = warp % split;
         if (r < rows) prefetch_row(w + (u64)r * row_bytes, row_bytes, part, split, 512);
         wait_prior_grid();
         float acc[NT];
-        if (r < rows && split == 1) {
+        if (FMT == F_Q4_K) {
+            const u8* row = w + (u64)(r < rows ? r : 0) * row_bytes;
+            float a[1][NT];
+            q4k_rows_dot<NT, 1>(r < rows, &row, x, k, nt, part, split, a);
+#pragma unroll
+            for (int t = 0; t < NT; t++) acc[t] = a[0][t];
+        } else if (r < rows && split == 1) {
             float_row_part<FMT, NT, true>(w + (u64)r * row_bytes, x, k, nt, 0, 1, acc);
         } else if (r < rows) {
             float_row_part<FMT, NT, false>(w + (u64)r * row_bytes, x, k, nt, part, split, acc);
@@ -100,8 +107,7 @@ __device__ void gemv_gelu_impl(const u8* wg, const u8* wu, u64 row_bytes, int ro
     }
     wait_prior_grid();
     float g[NT], u[NT];
-    warp_row_dot<FMT, NT>(active, wg + off, x, k, nt, g);
-    warp_row_dot<FMT, NT>(active, wu + off, x, k, nt, u);
+    warp_row_pair_dot<FMT, NT>(active, wg + off, wu + off, x, k, nt, g, u);
     if (active && (threadIdx.x & 31) == 0) {
 #pragma unroll
         for (int t = 0; t < NT; t++)

@@ -355,79 +355,144 @@ __device__ __forceinline__ void staged_row_dot(bool active, const u8* row, const
     for (int t = 0; t < NT; t++) acc[t] = warp_sum(acc[t]);
 }
 
-// Q4_K rows, specialised: per tile of 4 super-blocks (32 chunks), eight lanes share a
-// 144-byte super-block, each loading one 16-byte slice of its quants (the warp reads 576
-// contiguous bytes) and the header words; with w = d·sc·q − dmin·m per 32-weight sub-block a
-// lane needs only Σ q·x and Σ x, taken from the block's activation tile. Synchronises the
-// block like staged_row_dot.
-template <int NT>
-__device__ __forceinline__ void q4k_row_dot(bool active, const u8* row, const float* x, int k,
-                                            int nt, float* acc) {
-    __shared__ __align__(16) float xst[32 * STAGE_X_STRIDE];
+// Four 4-bit values (bytes of `v`, each 0..15) as exact floats, without the conversion unit:
+// each byte goes under the exponent of 2^23 (one byte permute), and 2^23 is subtracted.
+__device__ __forceinline__ void nibbles_to_f32(u32 v, float* f) {
+#pragma unroll
+    for (int j = 0; j < 4; j++)
+        f[j] = __int_as_float(__byte_perm(v, 0x4B000000u, 0x7440 + j)) - 8388608.f;
+}
+
+// The 6-bit (scale, min) pair of sub-block j of a Q4_K super-block whose 16-byte header is
+// `h` (d and dmin in h.x, the 12 scale bytes in h.y .. h.w), with shifts only (a runtime index
+// into a byte array would go through local memory).
+__device__ __forceinline__ void q4k_scale_min(uint4 h, int j, float* s, float* m) {
+    int sh = 8 * (j & 3);
+    u32 a = (h.y >> sh) & 0xff, b = (h.z >> sh) & 0xff, c = (h.w >> sh) & 0xff;
+    bool low = j < 4;
+    *s = (float)(low ? a & 63 : (c & 15) | ((a >> 6) << 4));
+    *m = (float)(low ? b & 63 : (c >> 4) | ((b >> 6) << 4));
+}
+
+// Copies token t's activations of chunks c0 .. c0 + nch (at most 32 · tiles) into the block's
+// tile, and the sums of each 16-value half chunk into xsum.
+__device__ __forceinline__ void stage_x_sums(const float* x, int k, int t, int c0, int nch,
+                                             int tiles, float* xs, float* xsum) {
+    const float4* xg = (const float4*)(x + (u64)t * k + 32 * c0);
+    __syncthreads();
+    for (int j = threadIdx.x; j < 256 * tiles; j += blockDim.x) {
+        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+        if ((j >> 3) < nch) v = __ldg(xg + j);
+        *(float4*)(xs + (j >> 3) * STAGE_X_STRIDE + 4 * (j & 7)) = v;
+        float s = (v.x + v.y) + (v.z + v.w);
+        s += __shfl_xor_sync(0xffffffffu, s, 1);
+        s += __shfl_xor_sync(0xffffffffu, s, 2);
+        if ((j & 3) == 0) xsum[j >> 2] = s;
+    }
+    __syncthreads();
+}
+
+// Most warps sharing one Q4_K row (`split`, see gemv.cu).
+#define Q4K_MAX_SPLIT 4
+
+// Q4_K rows, specialised: R rows of one warp share the activation reads (R = 2: the gate and
+// up rows of a gated feed-forward), and `split` warps (1, 2 or 4) may share a row, each
+// taking every split-th pass (the caller adds their sums). A pass is 4 super-blocks: eight
+// lanes share a 144-byte super-block, each loading one 16-byte slice of its quants and the
+// 16-byte header. The block stages the activations of `split` passes per token at once, with
+// the sums of each 16-value half chunk; with w = d·sc·q − dmin·m per 32-weight sub-block a
+// lane needs only Σ q·x (the 4-bit values become floats by byte permutes, nibbles_to_f32) and
+// the staged Σ x. Synchronises the block like staged_row_dot (every warp of the block must
+// pass the same `split`).
+template <int NT, int R>
+__device__ __forceinline__ void q4k_rows_dot(bool active, const u8* const* rows, const float* x,
+                                             int k, int nt, int part, int split,
+                                             float (*acc)[NT]) {
+    __shared__ __align__(16) float xst[Q4K_MAX_SPLIT * 32 * STAGE_X_STRIDE];
+    __shared__ float xsum[Q4K_MAX_SPLIT * 64];
     int lane = threadIdx.x & 31, sub = lane & 7;
-    int n = sub >> 1, l0 = 16 * (sub & 1);
+    int n = sub >> 1, half = sub & 1;
 #pragma unroll
-    for (int t = 0; t < NT; t++) acc[t] = 0.f;
+    for (int r = 0; r < R; r++)
+#pragma unroll
+        for (int t = 0; t < NT; t++) acc[r][t] = 0.f;
     int nb = k >> 8;
-    for (int b0 = 0; b0 < nb; b0 += 4) {
-        int b = b0 + (lane >> 3);
+    for (int b0 = 0; b0 < nb; b0 += 4 * split) {
+        int tb = 4 * part + (lane >> 3);  // super-block within the staged tile
+        int b = b0 + tb;
         bool mine = active && b < nb;
-        float d0 = 0.f, c0 = 0.f, d1 = 0.f, c1 = 0.f;
-        u32 qw[4] = {0, 0, 0, 0};
-        if (mine) {
-            const u8* blk = row + (u64)b * 144;
-            uint4 q = __ldg((const uint4*)(blk + 16) + sub);
-            u32 h = __ldg((const u32*)blk);
-            u32 w0 = __ldg((const u32*)(blk + 4)), w1 = __ldg((const u32*)(blk + 8)),
-                w2 = __ldg((const u32*)(blk + 12));
-            u8 sc[12];
+        float d0[R], c0[R], d1[R], c1[R];
+        u32 qw[R][4];
 #pragma unroll
-            for (int i = 0; i < 4; i++) {
-                sc[i] = (u8)(w0 >> (8 * i));
-                sc[4 + i] = (u8)(w1 >> (8 * i));
-                sc[8 + i] = (u8)(w2 >> (8 * i));
+        for (int r = 0; r < R; r++) {
+            d0[r] = c0[r] = d1[r] = c1[r] = 0.f;
+            qw[r][0] = qw[r][1] = qw[r][2] = qw[r][3] = 0;
+            if (mine) {
+                const u8* blk = rows[r] + (u64)b * 144;
+                uint4 q = __ldg((const uint4*)(blk + 16) + sub);
+                uint4 h = __ldg((const uint4*)blk);
+                float d = f16_to_f32((u16)(h.x & 0xffff)), dmin = f16_to_f32((u16)(h.x >> 16));
+                float sc, mn;
+                q4k_scale_min(h, 2 * n, &sc, &mn);
+                d0[r] = d * sc; c0[r] = dmin * mn;
+                q4k_scale_min(h, 2 * n + 1, &sc, &mn);
+                d1[r] = d * sc; c1[r] = dmin * mn;
+                qw[r][0] = q.x; qw[r][1] = q.y; qw[r][2] = q.z; qw[r][3] = q.w;
             }
-            float d = f16_to_f32((u16)(h & 0xffff)), dmin = f16_to_f32((u16)(h >> 16));
-            int s0, m0, s1, m1;
-            k_scale_min(sc, 2 * n, &s0, &m0);
-            k_scale_min(sc, 2 * n + 1, &s1, &m1);
-            d0 = d * (float)s0; c0 = dmin * (float)m0;
-            d1 = d * (float)s1; c1 = dmin * (float)m1;
-            qw[0] = q.x; qw[1] = q.y; qw[2] = q.z; qw[3] = q.w;
         }
-        int nch = min(32, 8 * (nb - b0));
+        int nch = min(32 * split, 8 * (nb - b0));
 #pragma unroll
         for (int t = 0; t < NT; t++) {
             if (t < nt) {
-                stage_x(x, k, t, 8 * b0, nch, xst);
+                stage_x_sums(x, k, t, 8 * b0, nch, split, xst, xsum);
                 if (mine) {
-                    // Chunks 8 (b − b0) + 2n (low nibbles) and + 1 (high), offset l0.
-                    const float* xa_p = xst + (8 * (lane >> 3) + 2 * n) * STAGE_X_STRIDE + l0;
+                    // Chunks 2n (low nibbles) and 2n + 1 (high) of super-block b, offset 16·half.
+                    int ca = 8 * tb + 2 * n;
+                    const float* xa_p = xst + ca * STAGE_X_STRIDE + 16 * half;
                     const float* xh_p = xa_p + STAGE_X_STRIDE;
-                    float sq0 = 0.f, sx0 = 0.f, sq1 = 0.f, sx1 = 0.f;
+                    float sx0 = xsum[2 * ca + half], sx1 = xsum[2 * ca + 2 + half];
+                    float sq0[R], sq1[R];
+#pragma unroll
+                    for (int r = 0; r < R; r++) sq0[r] = sq1[r] = 0.f;
 #pragma unroll
                     for (int i = 0; i < 4; i++) {
                         float4 xa = ((const float4*)xa_p)[i];
                         float4 xh = ((const float4*)xh_p)[i];
-                        u32 v = qw[i];
-                        sq0 = fmaf((float)(v & 15), xa.x, sq0);
-                        sq0 = fmaf((float)((v >> 8) & 15), xa.y, sq0);
-                        sq0 = fmaf((float)((v >> 16) & 15), xa.z, sq0);
-                        sq0 = fmaf((float)((v >> 24) & 15), xa.w, sq0);
-                        sq1 = fmaf((float)((v >> 4) & 15), xh.x, sq1);
-                        sq1 = fmaf((float)((v >> 12) & 15), xh.y, sq1);
-                        sq1 = fmaf((float)((v >> 20) & 15), xh.z, sq1);
-                        sq1 = fmaf((float)((v >> 28) & 15), xh.w, sq1);
-                        sx0 += (xa.x + xa.y) + (xa.z + xa.w);
-                        sx1 += (xh.x + xh.y) + (xh.z + xh.w);
+#pragma unroll
+                        for (int r = 0; r < R; r++) {
+                            float lo[4], hi[4];
+                            nibbles_to_f32(qw[r][i] & 0x0F0F0F0Fu, lo);
+                            nibbles_to_f32((qw[r][i] >> 4) & 0x0F0F0F0Fu, hi);
+                            sq0[r] = fmaf(lo[0], xa.x, sq0[r]);
+                            sq0[r] = fmaf(lo[1], xa.y, sq0[r]);
+                            sq0[r] = fmaf(lo[2], xa.z, sq0[r]);
+                            sq0[r] = fmaf(lo[3], xa.w, sq0[r]);
+                            sq1[r] = fmaf(hi[0], xh.x, sq1[r]);
+                            sq1[r] = fmaf(hi[1], xh.y, sq1[r]);
+                            sq1[r] = fmaf(hi[2], xh.z, sq1[r]);
+                            sq1[r] = fmaf(hi[3], xh.w, sq1[r]);
+                        }
                     }
-                    acc[t] += (d0 * sq0 - c0 * sx0) + (d1 * sq1 - c1 * sx1);
+#pragma unroll
+                    for (int r = 0; r < R; r++)
+                        acc[r][t] += (d0[r] * sq0[r] - c0[r] * sx0) + (d1[r] * sq1[r] - c1[r] * sx1);
                 }
             }
         }
     }
 #pragma unroll
-    for (int t = 0; t < NT; t++) acc[t] = warp_sum(acc[t]);
+    for (int r = 0; r < R; r++)
+#pragma unroll
+        for (int t = 0; t < NT; t++) acc[r][t] = warp_sum(acc[r][t]);
+}
+
+template <int NT>
+__device__ __forceinline__ void q4k_row_dot(bool active, const u8* row, const float* x, int k,
+                                            int nt, float* acc) {
+    float a[1][NT];
+    q4k_rows_dot<NT, 1>(active, &row, x, k, nt, 0, 1, a);
+#pragma unroll
+    for (int t = 0; t < NT; t++) acc[t] = a[0][t];
 }
 
 // Dot products of one stored row (k weights) with NT activation rows x[t·k ..] (t < nt),
@@ -462,6 +527,27 @@ __device__ __forceinline__ void warp_row_dot(bool active, const u8* row, const f
         q4k_row_dot<NT>(active, row, x, k, nt, acc);
     } else {
         staged_row_dot<FMT, NT>(active, row, x, k, nt, acc);
+    }
+}
+
+// warp_row_dot of two rows of the same format and width (a gated feed-forward's gate and up
+// rows): Q4_K rows share their activation reads, other formats take two passes.
+template <int FMT, int NT>
+__device__ __forceinline__ void warp_row_pair_dot(bool active, const u8* row_a, const u8* row_b,
+                                                  const float* x, int k, int nt, float* a,
+                                                  float* b) {
+    if (FMT == F_Q4_K) {
+        const u8* rows[2] = {row_a, row_b};
+        float ab[2][NT];
+        q4k_rows_dot<NT, 2>(active, rows, x, k, nt, 0, 1, ab);
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            a[t] = ab[0][t];
+            b[t] = ab[1][t];
+        }
+    } else {
+        warp_row_dot<FMT, NT>(active, row_a, x, k, nt, a);
+        warp_row_dot<FMT, NT>(active, row_b, x, k, nt, b);
     }
 }
 

@@ -197,7 +197,8 @@ fn widths(ty: GgmlType) -> Vec<usize> {
     match ty.block_size() {
         1 => vec![8, 12, 40, 264, 2056, 4104],
         32 => vec![96, 512],
-        _ => vec![256, 768],
+        // 17 and 33 super-blocks: Q4_K rows shared by 2 and 4 warps, a last pass part-filled.
+        _ => vec![256, 768, 4352, 8448],
     }
 }
 
