@@ -98,9 +98,9 @@ fn need(what: &str, have: usize, want: usize) -> Result<()> {
 
 /// Warps per weight row of a GEMV (gemv.cu): plain-float rows are shared by up to 8 warps
 /// until the launch has `GEMV_WARPS_PER_SM` warps per multiprocessor, so a matrix of a few
-/// hundred rows still keeps every multiprocessor reading; Q4_K rows of 16 or more super-blocks
-/// by 2 and of 32 or more by 4 (`Q4K_MAX_SPLIT`), so a long row is not one warp's serial walk
-/// through its passes; other quantized rows take one warp each.
+/// hundred rows still keeps every multiprocessor reading; Q4_K rows of 16 or more
+/// super-blocks by 2 and of 32 or more by 4 (`Q4K_MAX_SPLIT` in quant.cuh), so a long row is
+/// not one warp's serial walk through its passes; other quantized rows take one warp each.
 fn gemv_split(w: &CudaMatrix, multiprocessors: usize) -> usize {
     if w.ty == GgmlType::Q4_K {
         let super_blocks = w.cols / 256;

@@ -189,7 +189,7 @@ impl Grid {
 
 /// Queues kernel `f` on `stream`. With `early` (Hopper and newer), the launch allows
 /// programmatic dependent launch: the kernel may start while the one ahead of it in the stream
-/// is still running, and waits for it inside (`grid_dependency_wait` in common.cuh, which every
+/// is still running, and waits for it inside (`wait_prior_grid` in common.cuh, which every
 /// kernel calls before it reads anything an earlier operation wrote).
 pub(crate) fn launch(
     stream: &CudaStream,
