@@ -45,6 +45,13 @@ __device__ __forceinline__ u16 to_f16(float v) {
     return h;
 }
 
+// v rounded into r[i] as `kind` says: 0 not at all, 1 bf16, 2 f16 — the rounded copy of an
+// activation that a tensor-core product reads next (rounded.rs).
+__device__ __forceinline__ void store_rounded(u16* r, int kind, u64 i, float v) {
+    if (kind == 1) r[i] = to_bf16(v);
+    else if (kind == 2) r[i] = to_f16(v);
+}
+
 // Output element types of the dequant kernels.
 #define OUT_F32 0
 #define OUT_F16 1
@@ -164,9 +171,12 @@ extern "C" __global__ void rms_norm(const float* x, const float* weight, float e
 // the next block's pre-norm. Every load (y, h, w, w2) is issued before the first reduction
 // and the row stays in registers, so a row costs one memory round trip instead of three: at
 // batch 1 this kernel runs three times a layer on one block and its latency is the cost.
-// Needs blockDim.x · RESIDUAL_NORM_PER_THREAD >= dim (checked by the host).
+// The row's final output (x, or h without w2) is also stored rounded into `rounded` as
+// `round_kind` says (store_rounded). Needs blockDim.x · RESIDUAL_NORM_PER_THREAD >= dim
+// (checked by the host).
 extern "C" __global__ void residual_norm(const float* y, const float* w, float eps, int dim,
-                                         float* h, float scale, const float* w2, float* x) {
+                                         float* h, float scale, const float* w2, float* x,
+                                         u16* rounded, int round_kind) {
     wait_prior_grid();
     __shared__ float red[32];
     u64 base = (u64)blockIdx.x * dim;
@@ -191,7 +201,10 @@ extern "C" __global__ void residual_norm(const float* y, const float* w, float e
         int i = threadIdx.x + r * blockDim.x;
         float v = (hv[r] + yv[r] * inv * wv[r]) * scale;
         hv[r] = v;
-        if (i < dim) h[base + i] = v;
+        if (i < dim) {
+            h[base + i] = v;
+            if (!w2) store_rounded(rounded, round_kind, base + i, v);
+        }
         hs = fmaf(v, v, hs);
     }
     if (!w2) return;
@@ -200,7 +213,11 @@ extern "C" __global__ void residual_norm(const float* y, const float* w, float e
 #pragma unroll
     for (int r = 0; r < RESIDUAL_NORM_PER_THREAD; r++) {
         int i = threadIdx.x + r * blockDim.x;
-        if (i < dim) x[base + i] = hv[r] * inv2 * w2v[r];
+        if (i < dim) {
+            float v = hv[r] * inv2 * w2v[r];
+            x[base + i] = v;
+            store_rounded(rounded, round_kind, base + i, v);
+        }
     }
 }
 
@@ -327,10 +344,16 @@ extern "C" __global__ void write_kv(const float* k, const float* v, int row, con
     v_cache[s * row + i] = v[(u64)t * row + i];
 }
 
-extern "C" __global__ void gelu_tanh_mul(float* gate, const float* up, u64 n) {
+// gate[i] = gelu_tanh(gate[i]) · up[(i / rows) · stride + i % rows] for i < n (rows of `rows`
+// values; `up`'s rows `stride` apart), also stored rounded as `round_kind` says.
+extern "C" __global__ void gelu_tanh_mul(float* gate, const float* up, u64 n, u64 rows,
+                                         u64 stride, u16* rounded, int round_kind) {
     wait_prior_grid();
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) gate[i] = gelu_tanh(gate[i]) * up[i];
+    if (i >= n) return;
+    float v = gelu_tanh(gate[i]) * up[(i / rows) * stride + i % rows];
+    gate[i] = v;
+    store_rounded(rounded, round_kind, i, v);
 }
 
 extern "C" __global__ void add(float* x, const float* y, u64 n) {

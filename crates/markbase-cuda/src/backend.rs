@@ -9,8 +9,7 @@ use std::sync::{Mutex, MutexGuard};
 
 use cudarc::driver::{CudaFunction, PinnedHostSlice};
 use markbase_core::backend::{
-    first_visible_key, gelu_matmul_mul_in_steps, AttnSpec, Backend, HostMatrix, KvLayout, NormOut,
-    Rope, Strided, ValueRows,
+    first_visible_key, AttnSpec, Backend, HostMatrix, KvLayout, NormOut, Rope, Strided, ValueRows,
 };
 use markbase_core::quant::GgmlType;
 use markbase_core::{Error, Result};
@@ -20,6 +19,7 @@ use crate::blas::{Blas, GemmInput};
 use crate::buffer::{CudaBuffer, CudaMatrix, Growable};
 use crate::device::{driver_err, Device};
 use crate::kernels::{launch, Arg, AttnArgs, Grid, Kernels, ProductArgs, MAX_PRODUCTS};
+use crate::rounded::{QueueCount, RoundTarget, RoundedTwin};
 use crate::sources::Module;
 use crate::upload::IndexCache;
 
@@ -74,6 +74,10 @@ pub struct CudaBackend {
     pub(crate) kernels: Kernels,
     blas: Option<Blas>,
     pub(crate) scratch: Mutex<Scratch>,
+    /// Work items queued on the stream (see `rounded`).
+    pub(crate) queue: QueueCount,
+    /// The rounded copy of the activations a producer kernel made for the next product.
+    rounded: RoundedTwin,
     /// Error word raised by kernels (see common.cuh), checked at each `read`.
     err: CudaBuffer,
     err_host: Mutex<PinnedHostSlice<u32>>,
@@ -126,6 +130,16 @@ fn gemv_split(w: &CudaMatrix, multiprocessors: usize) -> usize {
 /// (otherwise cuBLAS, where it is present).
 fn gemv_suits(n: usize, ty: GgmlType) -> bool {
     n <= GEMV_UP_TO && !(ty == GgmlType::BF16 && n > BF16_GEMV_UP_TO)
+}
+
+/// Whether a product of `n` token rows that takes its inputs as `inputs` under cuBLAS rounds
+/// them (it runs on the tensor cores, not as GEMVs).
+fn rounds_rows(inputs: ProductInputs, n: usize) -> bool {
+    match inputs {
+        ProductInputs::Bf16 => !gemv_suits(n, GgmlType::BF16),
+        ProductInputs::F16 => !gemv_suits(n, GgmlType::Q8_0),
+        ProductInputs::F32 => false,
+    }
 }
 
 /// The inputs of a product of `n` token rows with weights stored as `ty`, rows `cols` wide.
@@ -244,7 +258,8 @@ impl CudaBackend {
         let dev = Device::open(ordinal)?;
         let (major, minor) = dev.capability();
         let kernels = Kernels::load(&dev.ctx, (major * 10 + minor) as u32)?;
-        let blas = Blas::new(&dev.stream)?;
+        let queue = QueueCount::default();
+        let blas = Blas::new(&dev.stream, queue.clone())?;
         let err = CudaBuffer::zeroed(&dev.stream, 1)?;
         // SAFETY: plain page-locked host memory, written only by copies from the device.
         let err_host = unsafe { dev.ctx.alloc_pinned_with_flags::<u32>(1, 0) }
@@ -260,10 +275,18 @@ impl CudaBackend {
                 picks: Growable::new(),
                 draws: Growable::new(),
             }),
+            rounded: RoundedTwin::new(queue.clone()),
+            queue,
             err,
             err_host: Mutex::new(err_host),
             rope_tables: Mutex::new(HashMap::new()),
         })
+    }
+
+    /// How many products have taken the rounded copy of their activations that the kernel
+    /// before them wrote, instead of rounding them in a pass of their own.
+    pub fn rounded_copies_used(&self) -> u64 {
+        self.rounded.used()
     }
 
     /// The opened device.
@@ -284,6 +307,7 @@ impl CudaBackend {
 
     /// Queues kernel `f`.
     fn launch_fn(&self, f: &CudaFunction, grid: Grid, args: &[Arg]) -> Result<()> {
+        self.queue.bump();
         launch(&self.dev.stream, f, grid, args, self.dev.early_launch())
     }
 
@@ -296,11 +320,13 @@ impl CudaBackend {
         args: &[Arg],
     ) -> Result<()> {
         let f = self.kernels.func(m, name)?;
+        self.queue.bump();
         launch(&self.dev.stream, &f, grid, args, self.dev.early_launch())
     }
 
     /// Copies `v` into the index scratch; returns its device address.
     pub(crate) fn upload_idx(&self, s: &mut Scratch, v: &[u32]) -> Result<u64> {
+        self.queue.bump();
         s.idx.upload(&self.dev.stream, v)
     }
 
@@ -353,6 +379,9 @@ impl CudaBackend {
         x: u64,
         len: usize,
     ) -> Result<u64> {
+        if let Some(at) = self.rounded.take(x, len, inputs)? {
+            return Ok(at);
+        }
         let kernel = match inputs {
             ProductInputs::F16 => "f32_to_f16",
             _ => "f32_to_bf16",
@@ -583,6 +612,57 @@ impl CudaBackend {
         Ok(p)
     }
 
+    /// Where a producer of `len` values in `n` token rows writes their rounded copy for the
+    /// next product (see `rounded`).
+    fn round_target(&self, n: usize, len: usize) -> Result<RoundTarget> {
+        self.rounded.target(&self.dev.stream, n, len, rounds_rows)
+    }
+
+    /// `gate[t, r] = gelu_tanh(gate[t, r]) · up[up_rows.at(t) + r]` for `n` rows of `rows`
+    /// values, with the rounded copy for the next product.
+    fn gelu_mul_rows(
+        &self,
+        gate: &mut CudaBuffer,
+        up: &CudaBuffer,
+        up_rows: Strided,
+        n: usize,
+        rows: usize,
+    ) -> Result<()> {
+        need("gelu_tanh_mul", gate.len(), n * rows)?;
+        if n > 0 {
+            need("gelu_tanh_mul", up.len(), up_rows.at(n - 1) + rows)?;
+        }
+        let round = self.round_target(n, n * rows)?;
+        self.gelu_mul_launch(gate, up, up_rows, n * rows, rows, round)?;
+        self.rounded.hold(round, gate.ptr, n * rows)
+    }
+
+    /// Queues `gelu_tanh_mul` over `len` values in rows of `rows` (sizes checked by the
+    /// caller).
+    fn gelu_mul_launch(
+        &self,
+        gate: &mut CudaBuffer,
+        up: &CudaBuffer,
+        up_rows: Strided,
+        len: usize,
+        rows: usize,
+        round: RoundTarget,
+    ) -> Result<()> {
+        self.elementwise(
+            "gelu_tanh_mul",
+            &[
+                Arg::U64(gate.ptr),
+                Arg::U64(up.ptr + 4 * up_rows.offset as u64),
+                Arg::U64(len as u64),
+                Arg::U64(rows.max(1) as u64),
+                Arg::U64(up_rows.stride as u64),
+                Arg::U64(round.at),
+                Arg::I32(round.kind),
+            ],
+            len,
+        )
+    }
+
     fn elementwise(&self, name: &'static str, args: &[Arg], len: usize) -> Result<()> {
         if len == 0 {
             return Ok(());
@@ -625,6 +705,8 @@ impl Backend for CudaBackend {
     }
 
     fn alloc(&self, len: usize) -> Result<CudaBuffer> {
+        // A new buffer may reuse the address of a freed one that a rounded copy was made of.
+        self.queue.bump();
         CudaBuffer::zeroed(&self.dev.stream, len)
     }
 
@@ -730,6 +812,8 @@ impl Backend for CudaBackend {
         let per_thread = if n <= RESIDUAL_NORM_FEW_ROWS { 4 } else { 8 };
         let threads = (dim.div_ceil(per_thread).div_ceil(32) * 32).clamp(32, 1024) as u32;
         let (w2, x) = next.map_or((0, 0), |(w2, x)| (w2.ptr, x.ptr));
+        let out = if w2 == 0 { h.ptr } else { x };
+        let round = self.round_target(n, n * dim)?;
         self.run(
             Module::Ops,
             "residual_norm",
@@ -743,8 +827,11 @@ impl Backend for CudaBackend {
                 Arg::F32(scale),
                 Arg::U64(w2),
                 Arg::U64(x),
+                Arg::U64(round.at),
+                Arg::I32(round.kind),
             ],
-        )
+        )?;
+        self.rounded.hold(round, out, n * dim)
     }
 
     fn matmul(&self, x: &CudaBuffer, n: usize, w: &CudaMatrix, out: &mut CudaBuffer) -> Result<()> {
@@ -806,7 +893,11 @@ impl Backend for CudaBackend {
         }
         if self.blas.is_some() && !gemv_suits(n, gate.ty) {
             self.matmul_many(x, n, &mut [(gate, &mut *gate_out), (up, &mut *up_out)])?;
-            return self.gelu_tanh_mul(gate_out, up_out, n * ff);
+            let all = Strided {
+                offset: 0,
+                stride: ff,
+            };
+            return self.gelu_mul_rows(gate_out, up_out, all, n, ff);
         }
         need("gated matmul input", x.len(), n * gate.cols)?;
         need("gated matmul output", gate_out.len(), n * ff)?;
@@ -842,7 +933,7 @@ impl Backend for CudaBackend {
         other: &CudaBuffer,
         from: Strided,
         out: &mut CudaBuffer,
-        scratch: &mut CudaBuffer,
+        _scratch: &mut CudaBuffer,
     ) -> Result<()> {
         if rows != w.rows {
             return Err(Error::Invalid(format!(
@@ -850,13 +941,15 @@ impl Backend for CudaBackend {
                 w.name, w.rows
             )));
         }
-        if self.blas.is_some() && !gemv_suits(n, w.ty) {
-            return gelu_matmul_mul_in_steps(self, x, n, w, rows, other, from, out, scratch);
-        }
         need("gated matmul input", x.len(), n * w.cols)?;
         need("gated matmul output", out.len(), n * rows)?;
         if n > 0 {
             need("gated matmul gate", other.len(), from.at(n - 1) + rows)?;
+        }
+        if self.blas.is_some() && !gemv_suits(n, w.ty) {
+            // The product, then the gate read in place, rounded for the next product.
+            self.matmul(x, n, w, out)?;
+            return self.gelu_mul_rows(out, other, from, n, rows);
         }
         let mul = other.ptr + 4 * from.offset as u64;
         self.gemv(x.ptr, n, w, out.ptr, Some((mul, from.stride)))
@@ -1243,6 +1336,7 @@ impl Backend for CudaBackend {
         self.dev
             .stream
             .memcpy_dtod(&from, &mut to)
+            .inspect(|_| self.queue.bump())
             .map_err(|e| driver_err("device copy", e))
     }
 
@@ -1285,6 +1379,7 @@ impl Backend for CudaBackend {
             WidthInBytes: len * F32,
             Height: rows,
         };
+        self.queue.bump();
         // SAFETY: both regions lie inside live allocations (checked above) and the copy is
         // queued on the backend's stream.
         unsafe { cudarc::driver::sys::cuMemcpy2DAsync_v2(&copy, self.dev.stream.cu_stream()) }
@@ -1294,11 +1389,11 @@ impl Backend for CudaBackend {
 
     fn gelu_tanh_mul(&self, gate: &mut CudaBuffer, up: &CudaBuffer, len: usize) -> Result<()> {
         need("gelu_tanh_mul", gate.len().min(up.len()), len)?;
-        self.elementwise(
-            "gelu_tanh_mul",
-            &[Arg::U64(gate.ptr), Arg::U64(up.ptr), Arg::U64(len as u64)],
-            len,
-        )
+        let all = Strided {
+            offset: 0,
+            stride: len,
+        };
+        self.gelu_mul_launch(gate, up, all, len, len, RoundTarget::NONE)
     }
 
     fn add(&self, x: &mut CudaBuffer, y: &CudaBuffer, len: usize) -> Result<()> {
@@ -1337,6 +1432,7 @@ impl Backend for CudaBackend {
         self.dev
             .stream
             .memcpy_htod(src, &mut to)
+            .inspect(|_| self.queue.bump())
             .map_err(|e| driver_err("host-to-device copy", e))
     }
 

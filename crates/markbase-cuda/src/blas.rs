@@ -16,6 +16,7 @@ use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use markbase_core::{Error, Result};
 
 use crate::nvrtc::ensure_library;
+use crate::rounded::QueueCount;
 
 /// Device workspace cuBLASLt may use per product.
 const WORKSPACE_BYTES: usize = 32 << 20;
@@ -92,6 +93,7 @@ pub(crate) struct Blas {
     workspace_ptr: u64,
     plans: Mutex<HashMap<Shape, Plan>>,
     stream: Arc<CudaStream>,
+    queue: QueueCount,
 }
 
 // SAFETY: the handle and plans are only used under the backend's operations, which queue on
@@ -118,7 +120,7 @@ fn blas_err(what: &str, e: lt::CublasError) -> Error {
 
 impl Blas {
     /// A handle on `stream`, or `None` when cuBLASLt 13 is not installed.
-    pub(crate) fn new(stream: &Arc<CudaStream>) -> Result<Option<Blas>> {
+    pub(crate) fn new(stream: &Arc<CudaStream>, queue: QueueCount) -> Result<Option<Blas>> {
         if !ensure_library("libcublasLt.so.13", &[], None)
             // SAFETY: only probes for the library by name.
             || !unsafe { sys::is_culib_present() }
@@ -137,6 +139,7 @@ impl Blas {
             workspace_ptr,
             plans: Mutex::new(HashMap::new()),
             stream: stream.clone(),
+            queue,
         }))
     }
 
@@ -335,6 +338,7 @@ impl Blas {
         }
         let plan = &plans[&shape];
         let (alpha, beta) = (1f32, 0f32);
+        self.queue.bump();
         lt::matmul(
             self.handle,
             plan.desc,

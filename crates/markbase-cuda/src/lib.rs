@@ -19,6 +19,7 @@ mod buffer;
 pub mod device;
 mod kernels;
 pub mod nvrtc;
+mod rounded;
 mod sample;
 pub mod sources;
 mod upload;

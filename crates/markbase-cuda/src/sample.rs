@@ -134,6 +134,7 @@ impl CudaBackend {
                 .stream
                 .memcpy_htod(draws, &mut view)
                 .map_err(|e| driver_err("uploading draws", e))?;
+            self.queue.bump();
         }
         self.run(
             Module::Sample,

@@ -1016,3 +1016,81 @@ fn argmax_and_sampling_match_host_twins() {
     };
     assert!(g.sample(&lb, rows, n, &bad, &[0.5; 3]).is_err());
 }
+
+/// Runs `attempt` (a producer, then a product of its output; returns the product's result)
+/// until the product took the producer's rounded copy: other tests queue work on the shared
+/// backend in between, and the copy is then rightly ignored.
+fn with_rounded_copy(g: &CudaBackend, mut attempt: impl FnMut() -> Vec<f32>) -> Vec<f32> {
+    for _ in 0..50 {
+        let before = g.rounded_copies_used();
+        let got = attempt();
+        if g.rounded_copies_used() > before {
+            return got;
+        }
+    }
+    panic!("the product never took the producer's rounded copy");
+}
+
+#[test]
+fn rounded_copies_feed_the_next_product_exactly_and_only_while_fresh() {
+    let g = gpu_or_skip!();
+    if !g.has_cublas() {
+        eprintln!("skipped: no cuBLAS, so no product rounds its activations");
+        return;
+    }
+    let mut r = rng("rounded_copies");
+    let (d, ff) = (256, 96);
+    // bf16 weights at 8 rows (tensor cores from 3) and Q8_0 at 20 (f16 from 17).
+    for (ty, n) in [(GgmlType::BF16, 8), (GgmlType::Q8_0, 20)] {
+        let wo = g.load_matrix(&random_matrix(&mut r, ty, ff, d)).unwrap();
+        let gate = g.load_matrix(&random_matrix(&mut r, ty, ff, d)).unwrap();
+        let upm = g.load_matrix(&random_matrix(&mut r, ty, ff, d)).unwrap();
+        let down_m = g.load_matrix(&random_matrix(&mut r, ty, d, ff)).unwrap();
+        let y = up(g, &uniform(&mut r, n * d, 3.0));
+        let h0 = uniform(&mut r, n * d, 2.0);
+        let w = g.load_vector(&vec![1.5; d]).unwrap();
+        let mut h = up(g, &h0);
+        let mut x = g.alloc(n * d).unwrap();
+        let mut out = g.alloc(n * ff).unwrap();
+        let mut product = |src: &CudaBuffer| {
+            g.matmul(src, n, &wo, &mut out).unwrap();
+            down(g, &out, n * ff)
+        };
+        // A product of this kind first, so producers know how the next one rounds.
+        product(&y);
+
+        // residual_norm's x, then its h (no next norm): the product equals one that rounds
+        // the same values itself, bit for bit.
+        for with_next in [true, false] {
+            let taken = with_rounded_copy(g, || {
+                g.write(&h0, &mut h).unwrap();
+                let next = with_next.then_some((&w, &mut x));
+                g.residual_norm(&y, &w, 1e-6, n, d, &mut h, 1.0, next)
+                    .unwrap();
+                product(if with_next { &x } else { &h })
+            });
+            let again = product(if with_next { &x } else { &h });
+            assert_eq!(taken, again, "{ty} residual_norm next={with_next}");
+        }
+
+        // Written between producer and product: the copy is stale and must not be used.
+        g.write(&h0, &mut h).unwrap();
+        g.residual_norm(&y, &w, 1e-6, n, d, &mut h, 1.0, Some((&w, &mut x)))
+            .unwrap();
+        g.scale(&mut x, -2.0, n * d).unwrap();
+        let after_write = product(&x);
+        assert_eq!(after_write, product(&x), "{ty}: a stale copy was used");
+
+        // The gated feed-forward's activations feed the down projection.
+        let (mut g_out, mut u_out) = (g.alloc(n * ff).unwrap(), g.alloc(n * ff).unwrap());
+        let mut dn = g.alloc(n * d).unwrap();
+        let taken = with_rounded_copy(g, || {
+            g.gelu_gated_matmul(&x, n, &gate, &upm, ff, &mut g_out, &mut u_out)
+                .unwrap();
+            g.matmul(&g_out, n, &down_m, &mut dn).unwrap();
+            down(g, &dn, n * d)
+        });
+        g.matmul(&g_out, n, &down_m, &mut dn).unwrap();
+        assert_eq!(taken, down(g, &dn, n * d), "{ty} gelu_gated_matmul");
+    }
+}

@@ -1,0 +1,165 @@
+//! Activations written twice by the kernel that makes them: in f32 and rounded the way the
+//! next tensor-core product reads them (bf16 or f16), so that product skips its own rounding
+//! pass. In a batch-64 decode step of E4B the rounding passes were 254 launches and 0.73 of
+//! 6.4 ms (Nsight Compute, session 12).
+//!
+//! A producer (a norm, the gated activation) asks [`RoundedTwin::target`] where to write the
+//! rounded copy, queues its kernel and [`RoundedTwin::hold`]s the copy. A product's rounding
+//! ([`RoundedTwin::take`]) uses it only if it rounds the same values the same way and nothing
+//! at all was queued on the stream in between — any kernel, copy or cuBLAS product counts
+//! ([`QueueCount`]), so a copy can never be stale; otherwise the product rounds as before.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::CudaStream;
+use markbase_core::{Error, Result};
+
+use crate::backend::ProductInputs;
+use crate::buffer::Growable;
+
+/// Work items (kernels, copies, cuBLAS products) queued on the backend's stream so far.
+#[derive(Clone, Default)]
+pub(crate) struct QueueCount(Arc<AtomicU64>);
+
+impl QueueCount {
+    /// Counts one more queued item; call it for every item that may write device memory.
+    pub(crate) fn bump(&self) {
+        self.0.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn now(&self) -> u64 {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+/// The rounded copy of `len` values at `src`, stored at `at`, made when the queue count was
+/// `queued`.
+struct Held {
+    src: u64,
+    len: usize,
+    inputs: ProductInputs,
+    at: u64,
+    queued: u64,
+}
+
+struct State {
+    /// How the last product that rounded its activations took them (what a producer writes).
+    last: Option<ProductInputs>,
+    held: Option<Held>,
+    mem: Growable<u16>,
+}
+
+/// The one rounded copy the backend holds (see the module's comment).
+pub(crate) struct RoundedTwin {
+    queue: QueueCount,
+    state: Mutex<State>,
+    /// Products that took a held copy.
+    used: AtomicU64,
+}
+
+/// A producer kernel's extra output: where to write the rounded values and how (`kind`:
+/// 0 none, 1 bf16, 2 f16 — `store_rounded` in ops.cu).
+#[derive(Clone, Copy)]
+pub(crate) struct RoundTarget {
+    /// Device address of the rounded values (0 with kind 0).
+    pub(crate) at: u64,
+    /// Rounding the kernel applies.
+    pub(crate) kind: i32,
+    inputs: Option<ProductInputs>,
+}
+
+impl RoundTarget {
+    /// No rounded copy.
+    pub(crate) const NONE: RoundTarget = RoundTarget {
+        at: 0,
+        kind: 0,
+        inputs: None,
+    };
+}
+
+impl RoundedTwin {
+    /// A twin counting the queue through `queue`.
+    pub(crate) fn new(queue: QueueCount) -> RoundedTwin {
+        RoundedTwin {
+            queue,
+            state: Mutex::new(State {
+                last: None,
+                held: None,
+                mem: Growable::new(),
+            }),
+            used: AtomicU64::new(0),
+        }
+    }
+
+    /// Products that took a held copy so far.
+    pub(crate) fn used(&self) -> u64 {
+        self.used.load(Ordering::Relaxed)
+    }
+
+    fn state(&self) -> Result<std::sync::MutexGuard<'_, State>> {
+        self.state
+            .lock()
+            .map_err(|_| Error::Invalid("CUDA rounded activations poisoned by a panic".into()))
+    }
+
+    /// Where a producer of `len` values in `rows` token rows writes their rounded copy: the
+    /// way the last rounding product took its inputs, if a product of that many rows would
+    /// round them too (`rounds(inputs, rows)`); else nowhere (kind 0).
+    pub(crate) fn target(
+        &self,
+        stream: &Arc<CudaStream>,
+        rows: usize,
+        len: usize,
+        rounds: impl Fn(ProductInputs, usize) -> bool,
+    ) -> Result<RoundTarget> {
+        let mut s = self.state()?;
+        s.held = None;
+        let Some(inputs) = s.last.filter(|&i| rounds(i, rows)) else {
+            return Ok(RoundTarget::NONE);
+        };
+        let kind = match inputs {
+            ProductInputs::Bf16 => 1,
+            ProductInputs::F16 => 2,
+            ProductInputs::F32 => return Ok(RoundTarget::NONE),
+        };
+        let at = s.mem.get(stream, len)?;
+        Ok(RoundTarget {
+            at,
+            kind,
+            inputs: Some(inputs),
+        })
+    }
+
+    /// Records that the kernel just queued wrote `t`'s rounded copy of the `len` values at
+    /// `src`.
+    pub(crate) fn hold(&self, t: RoundTarget, src: u64, len: usize) -> Result<()> {
+        let Some(inputs) = t.inputs else {
+            return Ok(());
+        };
+        self.state()?.held = Some(Held {
+            src,
+            len,
+            inputs,
+            at: t.at,
+            queued: self.queue.now(),
+        });
+        Ok(())
+    }
+
+    /// For a product about to round the `len` values at `src` as `inputs`: the address of
+    /// the held copy if it is exactly that and nothing was queued since it was made. Forgets
+    /// the held copy either way and remembers `inputs` for the next producer.
+    pub(crate) fn take(&self, src: u64, len: usize, inputs: ProductInputs) -> Result<Option<u64>> {
+        let mut s = self.state()?;
+        s.last = Some(inputs);
+        let held = s.held.take();
+        let at = held
+            .filter(|h| (h.src, h.len, h.inputs, h.queued) == (src, len, inputs, self.queue.now()))
+            .map(|h| h.at);
+        if at.is_some() {
+            self.used.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(at)
+    }
+}
