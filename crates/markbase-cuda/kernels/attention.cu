@@ -4,10 +4,10 @@
 // j in [max(0, p − window + 1), p] of its sequence, key j living in cache slot
 // block_tables[s · table_width + j / block_size] · block_size + j % block_size.
 //
-// attn_partial_V: one warp per (token, query head, key split); lane l holds head dims
-// [l·V, l·V + V) (V = head_dim / 32). Keys are visited four at a time with an online softmax.
-// With one split the result is written straight to `out`; otherwise (m, l, acc[head_dim]) go
-// to `part` and attn_combine merges them. Needs common.cuh.
+// attn_partial_V: one block per (token, query head, key split), its warps sharing the split's
+// keys; lane l holds head dims [l·V, l·V + V) (V = head_dim / 32). Keys are visited four at a
+// time with an online softmax. With one split the result is written straight to `out`;
+// otherwise (m, l, acc[head_dim]) go to `part` and attn_combine merges them. Needs common.cuh.
 
 struct AttnArgs {
     const float* q;
@@ -90,11 +90,16 @@ __device__ __forceinline__ void attn_keys(const AttnArgs& a, const u32* table, i
     m = mn;
 }
 
+// Warps of an attn_partial block (ATTN_ROW_WARPS in backend.rs): they share one row's key
+// chunk, groups of four keys dealt round-robin, so a short decode row is a chain of one or two
+// groups instead of all of them; the block merges their softmax states in shared memory.
+#define ATTN_ROW_WARPS 8
+
 template <int V>
 __device__ void attn_partial_impl(const AttnArgs& a) {
-    int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    int lane = threadIdx.x & 31;
-    if (row >= a.n_tokens * a.n_heads) return;
+    __shared__ float merge[ATTN_ROW_WARPS][2 + 32 * V];
+    int row = blockIdx.x;
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int t = row / a.n_heads, h = row % a.n_heads;
     int kvh = h / (a.n_heads / a.n_kv_heads);
     // The row's sequence: the last s with seq_start[s] <= t (empty sequences are skipped).
@@ -113,22 +118,40 @@ __device__ void attn_partial_impl(const AttnArgs& a) {
 #pragma unroll
     for (int i = 0; i < V; i++) acc[i] = 0.f;
     float m = NEG_INF, l = 0.f;
-    int j = j0;
-    for (; j + 3 <= j1; j += 4) attn_keys<V, 4>(a, table, j, kvh, lane, qv, m, l, acc);
-    for (; j <= j1; j++) attn_keys<V, 1>(a, table, j, kvh, lane, qv, m, l, acc);
-    if (a.splits == 1) {
-        float inv = 1.f / l;
-        float* o = a.out + (u64)row * a.head_dim + lane * V;
+    int groups = (j1 - j0 + 1) >> 2;  // negative chunks (past the row's keys) give none
+    for (int g = warp; g < groups; g += ATTN_ROW_WARPS)
+        attn_keys<V, 4>(a, table, j0 + 4 * g, kvh, lane, qv, m, l, acc);
+    int tail = j0 + 4 * max(groups, 0) + warp;  // at most three keys: one a warp
+    if (warp < 3 && tail <= j1) attn_keys<V, 1>(a, table, tail, kvh, lane, qv, m, l, acc);
+    if (lane == 0) {
+        merge[warp][0] = m;
+        merge[warp][1] = l;
+    }
 #pragma unroll
-        for (int i = 0; i < V; i++) o[i] = acc[i] * inv;
-    } else {
-        float* pp = a.part + ((u64)row * a.splits + blockIdx.y) * (a.head_dim + 2);
-        if (lane == 0) {
-            pp[0] = m;
-            pp[1] = l;
-        }
+    for (int i = 0; i < V; i++) merge[warp][2 + lane * V + i] = acc[i];
+    __syncthreads();
+    // The block's softmax state: warps without keys (m = −inf, l = 0) weigh nothing.
+    float mx = NEG_INF;
 #pragma unroll
-        for (int i = 0; i < V; i++) pp[2 + lane * V + i] = acc[i];
+    for (int w = 0; w < ATTN_ROW_WARPS; w++)
+        if (merge[w][1] > 0.f) mx = fmaxf(mx, merge[w][0]);
+    float f[ATTN_ROW_WARPS], total = 0.f;
+#pragma unroll
+    for (int w = 0; w < ATTN_ROW_WARPS; w++) {
+        f[w] = merge[w][1] > 0.f ? expf(merge[w][0] - mx) : 0.f;
+        total = fmaf(f[w], merge[w][1], total);
+    }
+    float* pp = a.part + ((u64)row * a.splits + blockIdx.y) * (a.head_dim + 2);
+    if (a.splits > 1 && threadIdx.x == 0) {
+        pp[0] = mx;
+        pp[1] = total;
+    }
+    for (int d = threadIdx.x; d < a.head_dim; d += blockDim.x) {
+        float v = 0.f;
+#pragma unroll
+        for (int w = 0; w < ATTN_ROW_WARPS; w++) v = fmaf(f[w], merge[w][2 + d], v);
+        if (a.splits == 1) a.out[(u64)row * a.head_dim + d] = v / total;
+        else pp[2 + d] = v;
     }
 }
 

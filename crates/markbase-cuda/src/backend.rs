@@ -19,7 +19,7 @@ use crate::blas::{Blas, GemmInput};
 use crate::buffer::{CudaBuffer, CudaMatrix, Growable};
 use crate::device::{driver_err, Device};
 use crate::kernels::{launch, Arg, AttnArgs, Grid, Kernels, ProductArgs, MAX_PRODUCTS};
-use crate::rounded::{QueueCount, RoundTarget, RoundedTwin};
+use crate::rounded::{QueueCount, RoundTarget, RoundedCopy};
 use crate::sources::Module;
 use crate::upload::IndexCache;
 
@@ -46,8 +46,14 @@ const TILE_ROW_MULTIPLE: usize = 128;
 /// Threads per block of the dequant kernels: `DEQUANT_THREADS` in ops.cu, which sizes its
 /// shared staging by it.
 const DEQUANT_THREADS: usize = 128;
-/// Query rows × key splits the attention kernel aims to keep busy.
+/// Warps the attention kernel aims to keep busy (query rows × key splits × warps a block).
 const ATTN_TARGET_WARPS: usize = 1024;
+/// Warps of an attention block, sharing one query row's keys: `ATTN_ROW_WARPS` in
+/// attention.cu.
+const ATTN_ROW_WARPS: usize = 8;
+/// Fewest keys a split of a row takes (four a warp of its block, eight times over) before the
+/// row is split across blocks, which costs a second kernel merging their results.
+const ATTN_MIN_CHUNK: usize = 4 * ATTN_ROW_WARPS * 8;
 /// Largest head dimension (lanes hold head_dim / 32 ≤ 16 values).
 const MAX_HEAD_DIM: usize = 512;
 /// Most experts `moe_route` handles (8 per lane).
@@ -66,6 +72,8 @@ pub(crate) struct Scratch {
     pub(crate) picks: Growable<u32>,
     /// Uniform draws of the sampler.
     pub(crate) draws: Growable<f32>,
+    /// The rounded copy of the activations a producer kernel made for the next product.
+    pub(crate) rounded: RoundedCopy,
 }
 
 /// The CUDA backend: one GPU, one stream.
@@ -76,8 +84,6 @@ pub struct CudaBackend {
     pub(crate) scratch: Mutex<Scratch>,
     /// Work items queued on the stream (see `rounded`).
     pub(crate) queue: QueueCount,
-    /// The rounded copy of the activations a producer kernel made for the next product.
-    rounded: RoundedTwin,
     /// Error word raised by kernels (see common.cuh), checked at each `read`.
     err: CudaBuffer,
     err_host: Mutex<PinnedHostSlice<u32>>,
@@ -274,8 +280,8 @@ impl CudaBackend {
                 tiles: Growable::new(),
                 picks: Growable::new(),
                 draws: Growable::new(),
+                rounded: RoundedCopy::new(),
             }),
-            rounded: RoundedTwin::new(queue.clone()),
             queue,
             err,
             err_host: Mutex::new(err_host),
@@ -285,8 +291,8 @@ impl CudaBackend {
 
     /// How many products have taken the rounded copy of their activations that the kernel
     /// before them wrote, instead of rounding them in a pass of their own.
-    pub fn rounded_copies_used(&self) -> u64 {
-        self.rounded.used()
+    pub fn rounded_copies_used(&self) -> Result<u64> {
+        Ok(self.scratch()?.rounded.used())
     }
 
     /// The opened device.
@@ -379,7 +385,7 @@ impl CudaBackend {
         x: u64,
         len: usize,
     ) -> Result<u64> {
-        if let Some(at) = self.rounded.take(x, len, inputs)? {
+        if let Some(at) = s.rounded.take(x, len, inputs, &self.queue) {
             return Ok(at);
         }
         let kernel = match inputs {
@@ -614,8 +620,8 @@ impl CudaBackend {
 
     /// Where a producer of `len` values in `n` token rows writes their rounded copy for the
     /// next product (see `rounded`).
-    fn round_target(&self, n: usize, len: usize) -> Result<RoundTarget> {
-        self.rounded.target(&self.dev.stream, n, len, rounds_rows)
+    fn round_target(&self, s: &mut Scratch, n: usize, len: usize) -> Result<RoundTarget> {
+        s.rounded.target(&self.dev.stream, n, len, rounds_rows)
     }
 
     /// `gate[t, r] = gelu_tanh(gate[t, r]) · up[up_rows.at(t) + r]` for `n` rows of `rows`
@@ -632,9 +638,11 @@ impl CudaBackend {
         if n > 0 {
             need("gelu_tanh_mul", up.len(), up_rows.at(n - 1) + rows)?;
         }
-        let round = self.round_target(n, n * rows)?;
+        let mut s = self.scratch()?;
+        let round = self.round_target(&mut s, n, n * rows)?;
         self.gelu_mul_launch(gate, up, up_rows, n * rows, rows, round)?;
-        self.rounded.hold(round, gate.ptr, n * rows)
+        s.rounded.hold(round, gate.ptr, n * rows, &self.queue);
+        Ok(())
     }
 
     /// Queues `gelu_tanh_mul` over `len` values in rows of `rows` (sizes checked by the
@@ -813,7 +821,8 @@ impl Backend for CudaBackend {
         let threads = (dim.div_ceil(per_thread).div_ceil(32) * 32).clamp(32, 1024) as u32;
         let (w2, x) = next.map_or((0, 0), |(w2, x)| (w2.ptr, x.ptr));
         let out = if w2 == 0 { h.ptr } else { x };
-        let round = self.round_target(n, n * dim)?;
+        let mut s = self.scratch()?;
+        let round = self.round_target(&mut s, n, n * dim)?;
         self.run(
             Module::Ops,
             "residual_norm",
@@ -831,7 +840,8 @@ impl Backend for CudaBackend {
                 Arg::I32(round.kind),
             ],
         )?;
-        self.rounded.hold(round, out, n * dim)
+        s.rounded.hold(round, out, n * dim, &self.queue);
+        Ok(())
     }
 
     fn matmul(&self, x: &CudaBuffer, n: usize, w: &CudaMatrix, out: &mut CudaBuffer) -> Result<()> {
@@ -1142,8 +1152,8 @@ impl Backend for CudaBackend {
             .max()
             .unwrap_or(1);
         let rows = positions.len() * spec.n_heads;
-        let want = ATTN_TARGET_WARPS.div_ceil(rows).max(1);
-        let chunk = max_vis.div_ceil(want).max(32);
+        let want = ATTN_TARGET_WARPS.div_ceil(rows * ATTN_ROW_WARPS).max(1);
+        let chunk = max_vis.div_ceil(want).max(ATTN_MIN_CHUNK);
         let splits = max_vis.div_ceil(chunk);
         let mut s = self.scratch()?;
         let pos = self.upload_idx(&mut s, positions)?;
@@ -1186,7 +1196,10 @@ impl Backend for CudaBackend {
         self.run(
             Module::Attention,
             name,
-            Grid::new((blocks(rows, 4), splits as u32), 128),
+            Grid::new(
+                (int("attention rows", rows)? as u32, splits as u32),
+                32 * ATTN_ROW_WARPS as u32,
+            ),
             &[Arg::Attn(args)],
         )?;
         if splits > 1 {

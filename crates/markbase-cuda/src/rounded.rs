@@ -3,22 +3,26 @@
 //! pass. In a batch-64 decode step of E4B the rounding passes were 254 launches and 0.73 of
 //! 6.4 ms (Nsight Compute, session 12).
 //!
-//! A producer (a norm, the gated activation) asks [`RoundedTwin::target`] where to write the
-//! rounded copy, queues its kernel and [`RoundedTwin::hold`]s the copy. A product's rounding
-//! ([`RoundedTwin::take`]) uses it only if it rounds the same values the same way and nothing
-//! at all was queued on the stream in between — any kernel, copy or cuBLAS product counts
-//! ([`QueueCount`]), so a copy can never be stale; otherwise the product rounds as before.
+//! A producer (a norm, the gated activation) asks [`RoundedCopy::target`] where to write the
+//! rounded copy, queues its kernel and [`RoundedCopy::hold`]s the copy. A product's rounding
+//! ([`RoundedCopy::take`]) uses it only if it rounds the same values the same way and nothing
+//! at all was queued on the stream in between — any kernel, copy, allocation or cuBLAS product
+//! counts ([`QueueCount`]), so a copy is never stale; otherwise the product rounds as before.
+//! The state lives in the backend's scratch, whose lock both sides hold from asking to
+//! queueing: another thread's producer cannot overwrite the copy between a product's take and
+//! its launch.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use cudarc::driver::CudaStream;
-use markbase_core::{Error, Result};
+use markbase_core::Result;
 
 use crate::backend::ProductInputs;
 use crate::buffer::Growable;
 
-/// Work items (kernels, copies, cuBLAS products) queued on the backend's stream so far.
+/// Work items (kernels, copies, allocations, cuBLAS products) queued on the backend's stream
+/// so far.
 #[derive(Clone, Default)]
 pub(crate) struct QueueCount(Arc<AtomicU64>);
 
@@ -43,21 +47,6 @@ struct Held {
     queued: u64,
 }
 
-struct State {
-    /// How the last product that rounded its activations took them (what a producer writes).
-    last: Option<ProductInputs>,
-    held: Option<Held>,
-    mem: Growable<u16>,
-}
-
-/// The one rounded copy the backend holds (see the module's comment).
-pub(crate) struct RoundedTwin {
-    queue: QueueCount,
-    state: Mutex<State>,
-    /// Products that took a held copy.
-    used: AtomicU64,
-}
-
 /// A producer kernel's extra output: where to write the rounded values and how (`kind`:
 /// 0 none, 1 bf16, 2 f16 — `store_rounded` in ops.cu).
 #[derive(Clone, Copy)]
@@ -78,44 +67,44 @@ impl RoundTarget {
     };
 }
 
-impl RoundedTwin {
-    /// A twin counting the queue through `queue`.
-    pub(crate) fn new(queue: QueueCount) -> RoundedTwin {
-        RoundedTwin {
-            queue,
-            state: Mutex::new(State {
-                last: None,
-                held: None,
-                mem: Growable::new(),
-            }),
-            used: AtomicU64::new(0),
+/// The one rounded copy the backend holds (see the module's comment).
+pub(crate) struct RoundedCopy {
+    /// How the last product that rounded its activations took them (what a producer writes).
+    last: Option<ProductInputs>,
+    held: Option<Held>,
+    mem: Growable<u16>,
+    /// Products that took a held copy.
+    used: u64,
+}
+
+impl RoundedCopy {
+    /// No copy held, no rounding seen yet.
+    pub(crate) fn new() -> RoundedCopy {
+        RoundedCopy {
+            last: None,
+            held: None,
+            mem: Growable::new(),
+            used: 0,
         }
     }
 
     /// Products that took a held copy so far.
     pub(crate) fn used(&self) -> u64 {
-        self.used.load(Ordering::Relaxed)
-    }
-
-    fn state(&self) -> Result<std::sync::MutexGuard<'_, State>> {
-        self.state
-            .lock()
-            .map_err(|_| Error::Invalid("CUDA rounded activations poisoned by a panic".into()))
+        self.used
     }
 
     /// Where a producer of `len` values in `rows` token rows writes their rounded copy: the
     /// way the last rounding product took its inputs, if a product of that many rows would
     /// round them too (`rounds(inputs, rows)`); else nowhere (kind 0).
     pub(crate) fn target(
-        &self,
+        &mut self,
         stream: &Arc<CudaStream>,
         rows: usize,
         len: usize,
         rounds: impl Fn(ProductInputs, usize) -> bool,
     ) -> Result<RoundTarget> {
-        let mut s = self.state()?;
-        s.held = None;
-        let Some(inputs) = s.last.filter(|&i| rounds(i, rows)) else {
+        self.held = None;
+        let Some(inputs) = self.last.filter(|&i| rounds(i, rows)) else {
             return Ok(RoundTarget::NONE);
         };
         let kind = match inputs {
@@ -123,7 +112,7 @@ impl RoundedTwin {
             ProductInputs::F16 => 2,
             ProductInputs::F32 => return Ok(RoundTarget::NONE),
         };
-        let at = s.mem.get(stream, len)?;
+        let at = self.mem.get(stream, len)?;
         Ok(RoundTarget {
             at,
             kind,
@@ -133,33 +122,35 @@ impl RoundedTwin {
 
     /// Records that the kernel just queued wrote `t`'s rounded copy of the `len` values at
     /// `src`.
-    pub(crate) fn hold(&self, t: RoundTarget, src: u64, len: usize) -> Result<()> {
-        let Some(inputs) = t.inputs else {
-            return Ok(());
-        };
-        self.state()?.held = Some(Held {
-            src,
-            len,
-            inputs,
-            at: t.at,
-            queued: self.queue.now(),
-        });
-        Ok(())
+    pub(crate) fn hold(&mut self, t: RoundTarget, src: u64, len: usize, queue: &QueueCount) {
+        if let Some(inputs) = t.inputs {
+            self.held = Some(Held {
+                src,
+                len,
+                inputs,
+                at: t.at,
+                queued: queue.now(),
+            });
+        }
     }
 
     /// For a product about to round the `len` values at `src` as `inputs`: the address of
     /// the held copy if it is exactly that and nothing was queued since it was made. Forgets
     /// the held copy either way and remembers `inputs` for the next producer.
-    pub(crate) fn take(&self, src: u64, len: usize, inputs: ProductInputs) -> Result<Option<u64>> {
-        let mut s = self.state()?;
-        s.last = Some(inputs);
-        let held = s.held.take();
-        let at = held
-            .filter(|h| (h.src, h.len, h.inputs, h.queued) == (src, len, inputs, self.queue.now()))
+    pub(crate) fn take(
+        &mut self,
+        src: u64,
+        len: usize,
+        inputs: ProductInputs,
+        queue: &QueueCount,
+    ) -> Option<u64> {
+        self.last = Some(inputs);
+        let at = self
+            .held
+            .take()
+            .filter(|h| (h.src, h.len, h.inputs, h.queued) == (src, len, inputs, queue.now()))
             .map(|h| h.at);
-        if at.is_some() {
-            self.used.fetch_add(1, Ordering::Relaxed);
-        }
-        Ok(at)
+        self.used += at.is_some() as u64;
+        at
     }
 }
