@@ -1,6 +1,7 @@
 //! Timing harness for the CUDA backend: the device's copy bandwidth (the roofline's ceiling),
-//! single-token GEMV bandwidth per weight format, and whole-model decode steps (one host wait
-//! each) of a synthetic Gemma 4 (random weights at a released variant's shapes) or a GGUF.
+//! single-token decode products at E4B's shapes per weight format (`--gemv`), and
+//! whole-model decode steps (one host wait each) of a synthetic Gemma 4 (random weights at a
+//! released variant's shapes) or a GGUF.
 //!
 //! ```sh
 //! cargo run --release -p markbase-cuda --example cuda_bench -- --synthetic e4b:q4_k --steps 32
@@ -118,46 +119,80 @@ fn random_matrix(ty: GgmlType, rows: usize, cols: usize, seed: &mut u64) -> Host
     }
 }
 
-/// One-token GEMV over a 16384 × 4096 matrix of each format: GB/s of weight bytes.
+/// One-token decode products at Gemma 4 E4B's shapes, per weight format: µs a product and
+/// GB/s of weight bytes (back-to-back launches, as in a step without the kernels between).
 fn gemv_bandwidth(be: &CudaBackend) {
-    let (rows, cols) = (16384, 4096);
+    let (d, ff, q, kv, ple) = (2560, 10240, 2048, 512, 256);
     let mut seed = 7u64;
-    let x = be.alloc(8 * cols).unwrap();
-    let mut out = be.alloc(8 * rows).unwrap();
-    println!("| format | tokens | µs | weight GB/s |");
-    println!("| --- | ---: | ---: | ---: |");
-    for ty in [
-        GgmlType::BF16,
-        GgmlType::Q8_0,
-        GgmlType::Q6_K,
-        GgmlType::Q5_0,
-        GgmlType::Q4_K,
-        GgmlType::Q4_0,
-    ] {
-        // Several copies so repeated launches do not run from L2.
-        let ms: Vec<_> = (0..4)
+    let x = be.alloc(ff).unwrap();
+    let (mut a, mut b, mut c) = (
+        be.alloc(ff).unwrap(),
+        be.alloc(ff).unwrap(),
+        be.alloc(ff).unwrap(),
+    );
+    println!("| format | product | µs | weight GB/s |");
+    println!("| --- | --- | ---: | ---: |");
+    for ty in [GgmlType::BF16, GgmlType::Q4_K] {
+        let mut load = |rows, cols| {
+            be.load_matrix(&random_matrix(ty, rows, cols, &mut seed))
+                .unwrap()
+        };
+        // Four copies of each layer so that repeated launches do not run from L2.
+        let layers: Vec<_> = (0..4)
             .map(|_| {
-                be.load_matrix(&random_matrix(ty, rows, cols, &mut seed))
-                    .unwrap()
+                [
+                    load(q, d),
+                    load(kv, d),
+                    load(kv, d),
+                    load(d, q),
+                    load(ff, d),
+                    load(ff, d),
+                    load(d, ff),
+                    load(ple, d),
+                    load(d, ple),
+                ]
             })
             .collect();
-        let bytes = ty.bytes_for(cols).unwrap() * rows;
-        for n in [1, 8] {
-            for m in &ms {
-                be.matmul(&x, n, m, &mut out).unwrap();
-            }
+        let bytes = |rows: usize, cols: usize| (ty.bytes_for(cols).unwrap() * rows) as f64;
+        let products: [(&str, f64); 6] = [
+            ("q, k, v", bytes(q + 2 * kv, d)),
+            ("o", bytes(d, q)),
+            ("gate + up", 2.0 * bytes(ff, d)),
+            ("down", bytes(d, ff)),
+            ("PLE gate", bytes(ple, d)),
+            ("PLE projection", bytes(d, ple)),
+        ];
+        for (which, (name, weight_bytes)) in products.iter().enumerate() {
+            let mut run = |i: usize| {
+                let m = &layers[i % layers.len()];
+                match which {
+                    0 => be
+                        .matmul_many(
+                            &x,
+                            1,
+                            &mut [(&m[0], &mut a), (&m[1], &mut b), (&m[2], &mut c)],
+                        )
+                        .unwrap(),
+                    1 => be.matmul(&x, 1, &m[3], &mut a).unwrap(),
+                    2 => be
+                        .gelu_gated_matmul(&x, 1, &m[4], &m[5], ff, &mut a, &mut b)
+                        .unwrap(),
+                    3 => be.matmul(&x, 1, &m[6], &mut a).unwrap(),
+                    4 => be.matmul(&x, 1, &m[7], &mut a).unwrap(),
+                    _ => be.matmul(&x, 1, &m[8], &mut a).unwrap(),
+                }
+            };
+            (0..4).for_each(&mut run);
             be.device().synchronize().unwrap();
-            let reps = 50;
+            let reps = 200;
             let t = Instant::now();
-            for i in 0..reps {
-                be.matmul(&x, n, &ms[i % ms.len()], &mut out).unwrap();
-            }
+            (0..reps).for_each(&mut run);
             be.device().synchronize().unwrap();
             let s = t.elapsed().as_secs_f64() / reps as f64;
             println!(
-                "| {ty} | {n} | {:.1} | {:.0} |",
+                "| {ty} | {name} | {:.1} | {:.0} |",
                 s * 1e6,
-                bytes as f64 / s / 1e9
+                weight_bytes / s / 1e9
             );
         }
     }

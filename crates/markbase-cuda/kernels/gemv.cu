@@ -41,7 +41,7 @@ __device__ void gemv_impl(const u8* w, u64 row_bytes, int rows, int k, const flo
     if (((FMT == F_F32 || FMT == F_F16 || FMT == F_BF16) && (k & 7) == 0) || FMT == F_Q4_K) {
         __shared__ float part_sums[8][NT];
         int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-        int r = (blockIdx.x * 8 + warp) / split, part = warp % split;
+        int r = (blockIdx.x * (blockDim.x >> 5) + warp) / split, part = warp % split;
         if (r < rows) prefetch_row(w + (u64)r * row_bytes, row_bytes, part, split, 512);
         wait_prior_grid();
         float acc[NT];

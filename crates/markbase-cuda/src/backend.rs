@@ -132,6 +132,19 @@ fn gemv_split(w: &CudaMatrix, multiprocessors: usize) -> usize {
     split
 }
 
+/// Warps of a GEMV block for weights stored as `ty` whose rows `split` warps share:
+/// plain-float rows take blocks of 4 warps, so a matrix of a few thousand rows spreads evenly
+/// over the multiprocessors (E4B's down projection, 2 560 rows in blocks of 8, gave 56 of the
+/// 132 three blocks and the rest two); quantized rows stage their activations per block of 8.
+fn gemv_block_warps(ty: GgmlType, split: usize) -> usize {
+    let plain = matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16);
+    if plain && split <= 4 {
+        4
+    } else {
+        8
+    }
+}
+
 /// Whether a product of `n` token rows with weights stored as `ty` runs as GEMV launches
 /// (otherwise cuBLAS, where it is present).
 fn gemv_suits(n: usize, ty: GgmlType) -> bool {
@@ -348,12 +361,13 @@ impl CudaBackend {
     ) -> Result<()> {
         let (rows, k) = (int("rows", w.rows)?, int("cols", w.cols)?);
         let split = gemv_split(w, self.dev.multiprocessors() as usize);
+        let warps = gemv_block_warps(w.ty, split);
         let (mul, mul_stride) = mul.unwrap_or((0, 0));
         for (t0, nt, variant) in gemv_launches(n) {
             let f = self.kernels.func_for(Module::Gemv, "gemv", w.ty, variant)?;
             self.launch_fn(
                 &f,
-                Grid::new((blocks(w.rows * split, 8), 1), 256),
+                Grid::new((blocks(w.rows * split, warps), 1), 32 * warps as u32),
                 &[
                     Arg::U64(w.ptr),
                     Arg::U64(w.row_bytes as u64),
@@ -439,9 +453,10 @@ impl CudaBackend {
                     let f = self
                         .kernels
                         .func_for(Module::Gemv, "gemv_many", w0.ty, variant)?;
+                    let warps = gemv_block_warps(w0.ty, 1);
                     self.launch_fn(
                         &f,
-                        Grid::new((blocks(total, 8), 1), 256),
+                        Grid::new((blocks(total, warps), 1), 32 * warps as u32),
                         &[
                             Arg::Products(args),
                             Arg::U64(w0.row_bytes as u64),
@@ -912,13 +927,14 @@ impl Backend for CudaBackend {
         need("gated matmul input", x.len(), n * gate.cols)?;
         need("gated matmul output", gate_out.len(), n * ff)?;
         let (rows, k) = (int("rows", ff)?, int("cols", gate.cols)?);
+        let warps = gemv_block_warps(gate.ty, 1);
         for (t0, nt, variant) in gemv_launches(n) {
             let f = self
                 .kernels
                 .func_for(Module::Gemv, "gemv_gelu", gate.ty, variant)?;
             self.launch_fn(
                 &f,
-                Grid::new((blocks(ff, 8), 1), 256),
+                Grid::new((blocks(ff, warps), 1), 32 * warps as u32),
                 &[
                     Arg::U64(gate.ptr),
                     Arg::U64(up.ptr),
