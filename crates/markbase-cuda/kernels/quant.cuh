@@ -486,13 +486,149 @@ __device__ __forceinline__ void q4k_rows_dot(bool active, const u8* const* rows,
         for (int t = 0; t < NT; t++) acc[r][t] = warp_sum(acc[r][t]);
 }
 
+// One token's Q4_K products on 16-bit activations (the CPU path's scheme, act.rs). The block
+// stages the activations a tile of up to Q4K_I16_TILE super-blocks at a time, each 32 values as
+// 16-bit integers q with a scale d = max|x| / 32767 (x ≈ d·q) and the sums d·Σq of each
+// 16-value half; a lane's 4-bit weights times 16-bit values are then exact integer dot
+// products, two a `dp2a` instruction, scaled once per 32-weight sub-block.
+#define Q4K_I16_TILE 48
+
+// c + a.lo16 · b.byte0 + a.hi16 · b.byte1 (signed): `dp2a.lo`.
+__device__ __forceinline__ int dp2a_lo(u32 a, u32 b, int c) {
+    int d;
+    asm("dp2a.lo.s32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+// c + a.lo16 · b.byte2 + a.hi16 · b.byte3 (signed): `dp2a.hi`.
+__device__ __forceinline__ int dp2a_hi(u32 a, u32 b, int c) {
+    int d;
+    asm("dp2a.hi.s32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+// Stages super-blocks s0 .. s0 + ntb of the activations x as 16-bit values for
+// q4k_rows_i16, four threads a 32-value chunk. Super-block b's 256 values take 32 slots of 16
+// bytes, ordered as its readers load them: slot 8·i + sub holds the 8 values lane `sub` (of the
+// super-block's 8 lanes) needs for its i-th load — i = 0, 1 the low-nibble chunk 2·(sub/2),
+// values 16·(sub%2) + 8·i ..; i = 2, 3 the high-nibble chunk after it — so 8 lanes read 128
+// consecutive bytes. xm[2·c + half] = (d, d·Σq) of chunk c's half. Synchronises the block.
+__device__ __forceinline__ void stage_x_i16(const float* x, int s0, int ntb, uint4* xq,
+                                            float2* xm) {
+    __syncthreads();
+    const float4* xg = (const float4*)(x + 256 * (u64)s0);
+    for (int j = threadIdx.x; j < 32 * ntb; j += blockDim.x) {
+        float4 a = __ldg(xg + 2 * j), b = __ldg(xg + 2 * j + 1);
+        float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+        float m = 0.f;
+#pragma unroll
+        for (int i = 0; i < 8; i++) m = fmaxf(m, fabsf(v[i]));
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+        float inv = m > 0.f ? 32767.f / m : 0.f;
+        // v·inv + 1.5·2^23 rounds to an integer whose low 16 bits are q in two's complement.
+        u32 h[8];
+        float qs = 0.f;
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            float f = fmaf(v[i], inv, 12582912.f);
+            qs += f - 12582912.f;
+            h[i] = __float_as_uint(f);
+        }
+        qs += __shfl_xor_sync(0xffffffffu, qs, 1);
+        int c = j >> 2, p = j & 3, sb = c >> 3, jj = c & 7;
+        int sub = 2 * (jj >> 1) + (p >> 1), slot = 8 * (2 * (jj & 1) + (p & 1)) + sub;
+        xq[32 * sb + slot] =
+            make_uint4(__byte_perm(h[0], h[1], 0x5410), __byte_perm(h[2], h[3], 0x5410),
+                       __byte_perm(h[4], h[5], 0x5410), __byte_perm(h[6], h[7], 0x5410));
+        float d = m * (1.f / 32767.f);
+        if ((p & 1) == 0) xm[2 * c + (p >> 1)] = make_float2(d, d * qs);
+    }
+    __syncthreads();
+}
+
+// Adds to acc[r] the products of R Q4_K rows' super-block b of the staged tile (its 16-byte
+// quant slice q[r] and header h[r] as lane `sub` of the super-block's 8 loaded them) with the
+// staged activations.
+template <int R>
+__device__ __forceinline__ void q4k_i16_block(const uint4* q, const uint4* h, const uint4* xq,
+                                              const float2* xm, int b, int sub, float* acc) {
+    int n = sub >> 1, half = sub & 1;
+    const uint4* xl = xq + 32 * b + sub;
+    uint4 x0 = xl[0], x1 = xl[8], x2 = xl[16], x3 = xl[24];
+    float2 m0 = xm[2 * (8 * b + 2 * n) + half], m1 = xm[2 * (8 * b + 2 * n + 1) + half];
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        u32 w[4] = {q[r].x, q[r].y, q[r].z, q[r].w};
+        u32 xa[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+        u32 xb[8] = {x2.x, x2.y, x2.z, x2.w, x3.x, x3.y, x3.z, x3.w};
+        int sl = 0, sh = 0;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            u32 lo = w[i] & 0x0F0F0F0Fu, hi = (w[i] >> 4) & 0x0F0F0F0Fu;
+            sl = dp2a_hi(xa[2 * i + 1], lo, dp2a_lo(xa[2 * i], lo, sl));
+            sh = dp2a_hi(xb[2 * i + 1], hi, dp2a_lo(xb[2 * i], hi, sh));
+        }
+        float d = f16_to_f32((u16)(h[r].x & 0xffff)), dmin = f16_to_f32((u16)(h[r].x >> 16));
+        float sc, mn;
+        q4k_scale_min(h[r], 2 * n, &sc, &mn);
+        acc[r] += (d * sc) * m0.x * (float)sl - (dmin * mn) * m0.y;
+        q4k_scale_min(h[r], 2 * n + 1, &sc, &mn);
+        acc[r] += (d * sc) * m1.x * (float)sh - (dmin * mn) * m1.y;
+    }
+}
+
+// Dot products of R Q4_K rows (k weights each) with one token's activations x, on 16-bit
+// activations (see Q4K_I16_TILE); `split` warps may share the rows, each taking every split-th
+// pass of 4 super-blocks (the caller adds their sums); a lane loads two passes' weights before
+// it uses them. Every warp of the block must call it (active = false where it has no row):
+// it synchronises the block once per tile.
+template <int R>
+__device__ __forceinline__ void q4k_rows_i16(bool active, const u8* const* rows, const float* x,
+                                             int k, int part, int split, float* acc) {
+    __shared__ uint4 xq[Q4K_I16_TILE * 32];
+    __shared__ float2 xm[Q4K_I16_TILE * 16];
+    int lane = threadIdx.x & 31, sub = lane & 7;
+#pragma unroll
+    for (int r = 0; r < R; r++) acc[r] = 0.f;
+    int nb = k >> 8;
+    for (int s0 = 0; s0 < nb; s0 += Q4K_I16_TILE) {
+        int ntb = min(Q4K_I16_TILE, nb - s0);
+        stage_x_i16(x, s0, ntb, xq, xm);
+        if (!active) continue;
+        for (int b0 = 4 * part + (lane >> 3); b0 < ntb; b0 += 8 * split) {
+            int b1 = b0 + 4 * split;
+            uint4 q[2][R], h[2][R];
+#pragma unroll
+            for (int r = 0; r < R; r++) {
+                const u8* blk = rows[r] + (u64)(s0 + b0) * 144;
+                q[0][r] = __ldg((const uint4*)(blk + 16) + sub);
+                h[0][r] = __ldg((const uint4*)blk);
+                if (b1 < ntb) {
+                    blk = rows[r] + (u64)(s0 + b1) * 144;
+                    q[1][r] = __ldg((const uint4*)(blk + 16) + sub);
+                    h[1][r] = __ldg((const uint4*)blk);
+                }
+            }
+            q4k_i16_block<R>(q[0], h[0], xq, xm, b0, sub, acc);
+            if (b1 < ntb) q4k_i16_block<R>(q[1], h[1], xq, xm, b1, sub, acc);
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < R; r++) acc[r] = warp_sum(acc[r]);
+}
+
 template <int NT>
 __device__ __forceinline__ void q4k_row_dot(bool active, const u8* row, const float* x, int k,
                                             int nt, float* acc) {
-    float a[1][NT];
-    q4k_rows_dot<NT, 1>(active, &row, x, k, nt, 0, 1, a);
+    if constexpr (NT == 1) {
+        q4k_rows_i16<1>(active, &row, x, k, 0, 1, acc);
+    } else {
+        float a[1][NT];
+        q4k_rows_dot<NT, 1>(active, &row, x, k, nt, 0, 1, a);
 #pragma unroll
-    for (int t = 0; t < NT; t++) acc[t] = a[0][t];
+        for (int t = 0; t < NT; t++) acc[t] = a[0][t];
+    }
 }
 
 // Dot products of one stored row (k weights) with NT activation rows x[t·k ..] (t < nt),
@@ -538,12 +674,19 @@ __device__ __forceinline__ void warp_row_pair_dot(bool active, const u8* row_a, 
                                                   float* b) {
     if (FMT == F_Q4_K) {
         const u8* rows[2] = {row_a, row_b};
-        float ab[2][NT];
-        q4k_rows_dot<NT, 2>(active, rows, x, k, nt, 0, 1, ab);
+        if constexpr (NT == 1) {
+            float ab[2];
+            q4k_rows_i16<2>(active, rows, x, k, 0, 1, ab);
+            a[0] = ab[0];
+            b[0] = ab[1];
+        } else {
+            float ab[2][NT];
+            q4k_rows_dot<NT, 2>(active, rows, x, k, nt, 0, 1, ab);
 #pragma unroll
-        for (int t = 0; t < NT; t++) {
-            a[t] = ab[0][t];
-            b[t] = ab[1][t];
+            for (int t = 0; t < NT; t++) {
+                a[t] = ab[0][t];
+                b[t] = ab[1][t];
+            }
         }
     } else {
         warp_row_dot<FMT, NT>(active, row_a, x, k, nt, a);

@@ -110,9 +110,14 @@ fn need(what: &str, have: usize, want: usize) -> Result<()> {
 /// until the launch has `GEMV_WARPS_PER_SM` warps per multiprocessor, so a matrix of a few
 /// hundred rows still keeps every multiprocessor reading; Q4_K rows of 16 or more
 /// super-blocks by 2 and of 32 or more by 4 (`Q4K_MAX_SPLIT` in quant.cuh), so a long row is
-/// not one warp's serial walk through its passes; other quantized rows take one warp each.
-fn gemv_split(w: &CudaMatrix, multiprocessors: usize) -> usize {
+/// not one warp's serial walk through its passes — except one token's products of 2 blocks'
+/// rows or more per multiprocessor, whose blocks each stage all the activations (quant.cuh,
+/// `q4k_rows_i16`) and so take a row a warp; other quantized rows take one warp each.
+fn gemv_split(w: &CudaMatrix, n: usize, multiprocessors: usize) -> usize {
     if w.ty == GgmlType::Q4_K {
+        if n == 1 && w.rows >= 2 * 8 * multiprocessors {
+            return 1;
+        }
         let super_blocks = w.cols / 256;
         return match super_blocks {
             32.. => 4,
@@ -172,6 +177,14 @@ pub enum ProductInputs {
     /// Activations rounded to f16 (saturating at ±65 504) and quantized weights dequantized
     /// to f16 a tile at a time (the tensor cores; llama.cpp's cuBLAS path does the same).
     F16,
+}
+
+/// Whether token row `t` of a product of `n` rows with weights stored as `ty` that runs as
+/// GEMV launches (`ProductInputs::F32`) takes its activations quantized to 16 bits (each 32
+/// values as integers times max|x| / 32767, the CPU path's scheme): the Q4_K launches of one
+/// row (quant.cuh, `q4k_rows_i16`).
+pub fn gemv_takes_16_bit_row(ty: GgmlType, n: usize, t: usize) -> bool {
+    ty == GgmlType::Q4_K && gemv_launches(n).any(|(t0, nt, _)| nt == 1 && t0 == t)
 }
 
 /// How a product of `n` token rows with weights stored as `ty`, rows `cols` wide, takes its
@@ -360,7 +373,7 @@ impl CudaBackend {
         mul: Option<(u64, usize)>,
     ) -> Result<()> {
         let (rows, k) = (int("rows", w.rows)?, int("cols", w.cols)?);
-        let split = gemv_split(w, self.dev.multiprocessors() as usize);
+        let split = gemv_split(w, n, self.dev.multiprocessors() as usize);
         let warps = gemv_block_warps(w.ty, split);
         let (mul, mul_stride) = mul.unwrap_or((0, 0));
         for (t0, nt, variant) in gemv_launches(n) {

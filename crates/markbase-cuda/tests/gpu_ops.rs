@@ -14,7 +14,8 @@ use markbase_core::backend::{
 use markbase_core::quant::GgmlType;
 use markbase_cpu::reference;
 use markbase_cuda::{
-    product_inputs, CudaBackend, CudaBuffer, ProductInputs, SampleParams, ATTN_GEMM_MIN_ROWS,
+    gemv_takes_16_bit_row, product_inputs, CudaBackend, CudaBuffer, ProductInputs, SampleParams,
+    ATTN_GEMM_MIN_ROWS,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, RngCore, SeedableRng};
@@ -167,7 +168,21 @@ fn as_seen(g: &CudaBackend, m: &HostMatrix, n: usize, x: &[f32]) -> (Vec<f32>, H
         ProductInputs::F32
     };
     match inputs {
-        ProductInputs::F32 => (x.to_vec(), m.clone()),
+        ProductInputs::F32 => {
+            let k = m.cols;
+            let xs = x
+                .chunks(k)
+                .enumerate()
+                .flat_map(|(t, row)| {
+                    if gemv_takes_16_bit_row(m.ty, n, t) {
+                        as_16_bit(row)
+                    } else {
+                        row.to_vec()
+                    }
+                })
+                .collect();
+            (xs, m.clone())
+        }
         ProductInputs::Bf16 => {
             let xs = x.iter().map(|&v| bf16::from_f32(v).to_f32()).collect();
             (xs, m.clone())
@@ -191,14 +206,31 @@ fn as_seen(g: &CudaBackend, m: &HostMatrix, n: usize, x: &[f32]) -> (Vec<f32>, H
     }
 }
 
+/// `x` as 16-bit activations: each 32 values integers times max|x| / 32767, to nearest.
+fn as_16_bit(x: &[f32]) -> Vec<f32> {
+    x.chunks(32)
+        .flat_map(|c| {
+            let m = c.iter().fold(0f32, |m, v| m.max(v.abs()));
+            c.iter().map(move |&v| {
+                if m > 0.0 {
+                    (v * (32767.0 / m)).round_ties_even() * (m / 32767.0)
+                } else {
+                    0.0
+                }
+            })
+        })
+        .collect()
+}
+
 /// Row widths to try for a format: odd widths for the plain formats, and long ones whose
 /// rows several GEMV warps share (split 4 at 2 056, split 8 at 4 104, a partial span last).
 fn widths(ty: GgmlType) -> Vec<usize> {
     match ty.block_size() {
         1 => vec![8, 12, 40, 264, 2056, 4104],
         32 => vec![96, 512],
-        // 17 and 33 super-blocks: Q4_K rows shared by 2 and 4 warps, a last pass part-filled.
-        _ => vec![256, 768, 4352, 8448],
+        // 17 and 33 super-blocks: Q4_K rows shared by 2 and 4 warps, a last pass part-filled;
+        // 50: one token's Q4_K activations staged in two tiles (48 + 2 super-blocks).
+        _ => vec![256, 768, 4352, 8448, 12800],
     }
 }
 
