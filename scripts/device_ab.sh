@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# On the GPU machine, in one call: the GPU tests, then an A/B of markbase builds, alternating.
+# Binaries come staged in DIR (each optionally gzipped, to fit the device tool's carry limit):
+#   gpu_ops, gpu_models     test binaries of markbase-cuda (`cargo test --release -p
+#                           markbase-cuda --no-run`, then copied out of target/release/deps);
+#   cb_NAME                 cuda_bench examples: `--gemv` runs once per build;
+#   m_NAME                  markbase CLIs: each bench line below runs once per build per round.
+#   cut.gguf                the Gemma 3 270M cut (scripts/make_gemma3_270m_cut.py), if present.
+# Usage: scripts/device_ab.sh DIR [ROUNDS] [BENCH ...], where each BENCH is one quoted argument
+# list for `markbase --device cuda bench`, e.g. "--synthetic e4b:q4_k -p 0 -n 64 -b 1,8 -r 1 -v".
+# Steps that are missing are skipped; each step is bounded by `timeout`.
+set -u
+dir=${1:?usage: scripts/device_ab.sh DIR [ROUNDS] [BENCH ...]}
+rounds=${2:-2}
+shift $(($# < 2 ? $# : 2))
+benches=("$@")
+[ ${#benches[@]} -eq 0 ] && benches=("--synthetic e4b:bf16 -p 0 -n 64 -b 1,8 -r 1 -v")
+cd "$(dirname "$0")/.."
+for f in "$dir"/*.gz; do [ -e "$f" ] && gunzip -f "$f"; done
+chmod +x "$dir"/* 2>/dev/null
+export MARKBASE_FIXTURES=$PWD/tests/fixtures
+[ -f "$dir/cut.gguf" ] && export MARKBASE_GEMMA3_CUT=$PWD/$dir/cut.gguf
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
+for t in gpu_ops gpu_models; do
+    [ -x "$dir/$t" ] || continue
+    echo "== $t"
+    timeout 300 "$dir/$t" --test-threads 1 2>&1 | grep -E "^test |test result|panicked|assert" | tail -40
+done
+for cb in "$dir"/cb_*; do
+    [ -x "$cb" ] || continue
+    echo "== $(basename "$cb") --gemv"
+    timeout 90 "$cb" --gemv 2>&1 | tail -16
+done
+builds=()
+for m in "$dir"/m_*; do [ -x "$m" ] && builds+=("$m"); done
+for ((r = 1; r <= rounds; r++)); do
+    for b in "${benches[@]}"; do
+        for m in "${builds[@]}"; do
+            echo "== $(basename "$m") round $r: bench $b"
+            # shellcheck disable=SC2086 # each BENCH is a word list on purpose
+            timeout 150 "$m" --device cuda bench $b 2>&1 | grep -E "^\| " | grep -v -- "---" | tail -6
+        done
+    done
+done
