@@ -395,6 +395,86 @@ fn gelu_matmul_mul_matches_reference_for_every_format() {
     }
 }
 
+/// Rows `r0 .. r0 + count` of `m`, as stored.
+fn rows_of(m: &HostMatrix, r0: usize, count: usize) -> HostMatrix {
+    let rb = m.row_bytes();
+    HostMatrix {
+        name: format!("{} rows {r0}..{}", m.name, r0 + count),
+        ty: m.ty,
+        rows: count,
+        cols: m.cols,
+        bytes: HostBytes::Owned(Arc::from(&m.bytes.as_slice()[r0 * rb..(r0 + count) * rb])),
+    }
+}
+
+#[test]
+fn moe_ffn_matches_reference_for_every_format() {
+    let g = gpu_or_skip!();
+    let mut r = rng("moe_ffn");
+    let (n, n_experts, top_k) = (3, 4, 2);
+    for ty in GgmlType::SUPPORTED {
+        // Row widths of whole blocks: d for the gate/up rows, f for the down rows.
+        let (d, f) = match ty.block_size() {
+            1 => (264, 40),
+            32 => (96, 64),
+            _ => (768, 512),
+        };
+        let gate_up = random_matrix(&mut r, ty, n_experts * 2 * f, d);
+        let down_m = random_matrix(&mut r, ty, n_experts * d, f);
+        let (gw, dw) = (
+            g.load_matrix(&gate_up).unwrap(),
+            g.load_matrix(&down_m).unwrap(),
+        );
+        let x = uniform(&mut r, n * d, 1.0);
+        // Each token's top_k distinct experts and their weights.
+        let mut route = Vec::new();
+        for _ in 0..n {
+            let first = r.random_range(0..n_experts);
+            for j in 0..top_k {
+                route.push((r.random_range(0.1f32..1.0), (first + j) % n_experts));
+            }
+        }
+        let weights: Vec<f32> = route.iter().map(|&(w, _)| w).collect();
+        let ids: Vec<f32> = route.iter().map(|&(_, e)| e as f32).collect();
+        let mut out = poisoned(g, n * d);
+        g.moe_ffn(
+            &up(g, &x),
+            n,
+            &gw,
+            &dw,
+            n_experts,
+            top_k,
+            &up(g, &weights),
+            &up(g, &ids),
+            &mut out,
+        )
+        .unwrap();
+        let got = down(g, &out, n * d);
+        // The expert products are one-row GEMVs: their inputs as such a product sees them.
+        let seen = |v: &[f32]| {
+            if gemv_takes_16_bit_row(ty, 1, 0) {
+                as_16_bit(v)
+            } else {
+                v.to_vec()
+            }
+        };
+        let mut want = vec![0f32; n * d];
+        for t in 0..n {
+            let xt = seen(&x[t * d..(t + 1) * d]);
+            for &(w, e) in &route[t * top_k..(t + 1) * top_k] {
+                let gate = reference::matmul(&xt, 1, &rows_of(&gate_up, e * 2 * f, f)).unwrap();
+                let upv = reference::matmul(&xt, 1, &rows_of(&gate_up, e * 2 * f + f, f)).unwrap();
+                let h = seen(&reference::gelu_tanh_mul(&gate, &upv));
+                let y = reference::matmul(&h, 1, &rows_of(&down_m, e * d, d)).unwrap();
+                for (o, v) in want[t * d..(t + 1) * d].iter_mut().zip(y) {
+                    *o += w * v;
+                }
+            }
+        }
+        assert_close(&format!("moe_ffn {ty}"), &got, &want, 5e-5);
+    }
+}
+
 #[test]
 fn embed_matches_reference_for_every_format() {
     let g = gpu_or_skip!();
