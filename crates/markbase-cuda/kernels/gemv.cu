@@ -48,14 +48,10 @@ __device__ void gemv_impl(const u8* w, u64 row_bytes, int rows, int k, const flo
         float acc[NT];
         if constexpr (FMT == F_Q4_K) {
             const u8* row = w + (u64)(r < rows ? r : 0) * row_bytes;
-            if constexpr (NT == 1) {
-                q4k_rows_i16<1>(r < rows, &row, x, k, part, split, acc);
-            } else {
-                float a[1][NT];
-                q4k_rows_dot<NT, 1>(r < rows, &row, x, k, nt, part, split, a);
+            float a[1][NT];
+            q4k_rows<NT, 1>(r < rows, &row, x, k, nt, part, split, a);
 #pragma unroll
-                for (int t = 0; t < NT; t++) acc[t] = a[0][t];
-            }
+            for (int t = 0; t < NT; t++) acc[t] = a[0][t];
         } else if (r < rows && split == 1) {
             float_row_part<FMT, NT, true>(w + (u64)r * row_bytes, x, k, nt, 0, 1, acc);
         } else if (r < rows) {

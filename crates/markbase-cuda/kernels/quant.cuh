@@ -618,17 +618,28 @@ __device__ __forceinline__ void q4k_rows_i16(bool active, const u8* const* rows,
     for (int r = 0; r < R; r++) acc[r] = warp_sum(acc[r]);
 }
 
+// R Q4_K rows' dot products with NT activation rows: one token's on 16-bit activations
+// (q4k_rows_i16), several tokens' on f32 (q4k_rows_dot); arguments as there.
+template <int NT, int R>
+__device__ __forceinline__ void q4k_rows(bool active, const u8* const* rows, const float* x,
+                                         int k, int nt, int part, int split, float (*acc)[NT]) {
+    if constexpr (NT == 1) {
+        float a[R];
+        q4k_rows_i16<R>(active, rows, x, k, part, split, a);
+#pragma unroll
+        for (int r = 0; r < R; r++) acc[r][0] = a[r];
+    } else {
+        q4k_rows_dot<NT, R>(active, rows, x, k, nt, part, split, acc);
+    }
+}
+
 template <int NT>
 __device__ __forceinline__ void q4k_row_dot(bool active, const u8* row, const float* x, int k,
                                             int nt, float* acc) {
-    if constexpr (NT == 1) {
-        q4k_rows_i16<1>(active, &row, x, k, 0, 1, acc);
-    } else {
-        float a[1][NT];
-        q4k_rows_dot<NT, 1>(active, &row, x, k, nt, 0, 1, a);
+    float a[1][NT];
+    q4k_rows<NT, 1>(active, &row, x, k, nt, 0, 1, a);
 #pragma unroll
-        for (int t = 0; t < NT; t++) acc[t] = a[0][t];
-    }
+    for (int t = 0; t < NT; t++) acc[t] = a[0][t];
 }
 
 // Dot products of one stored row (k weights) with NT activation rows x[t·k ..] (t < nt),
@@ -674,19 +685,12 @@ __device__ __forceinline__ void warp_row_pair_dot(bool active, const u8* row_a, 
                                                   float* b) {
     if (FMT == F_Q4_K) {
         const u8* rows[2] = {row_a, row_b};
-        if constexpr (NT == 1) {
-            float ab[2];
-            q4k_rows_i16<2>(active, rows, x, k, 0, 1, ab);
-            a[0] = ab[0];
-            b[0] = ab[1];
-        } else {
-            float ab[2][NT];
-            q4k_rows_dot<NT, 2>(active, rows, x, k, nt, 0, 1, ab);
+        float ab[2][NT];
+        q4k_rows<NT, 2>(active, rows, x, k, nt, 0, 1, ab);
 #pragma unroll
-            for (int t = 0; t < NT; t++) {
-                a[t] = ab[0][t];
-                b[t] = ab[1][t];
-            }
+        for (int t = 0; t < NT; t++) {
+            a[t] = ab[0][t];
+            b[t] = ab[1][t];
         }
     } else {
         warp_row_dot<FMT, NT>(active, row_a, x, k, nt, a);
