@@ -351,9 +351,7 @@ impl CudaBackend {
         grid: Grid,
         args: &[Arg],
     ) -> Result<()> {
-        let f = self.kernels.func(m, name)?;
-        self.queue.bump();
-        launch(&self.dev.stream, &f, grid, args, self.dev.early_launch())
+        self.launch_fn(&self.kernels.func(m, name)?, grid, args)
     }
 
     /// Copies `v` into the index scratch; returns its device address.
