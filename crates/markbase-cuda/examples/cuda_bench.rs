@@ -76,13 +76,13 @@ fn copy_bandwidth(be: &CudaBackend) -> f64 {
     let src = be.alloc(n).unwrap();
     let mut dst = be.alloc(n).unwrap();
     be.copy(&src, 0, &mut dst, 0, n).unwrap();
-    be.device().synchronize().unwrap();
+    be.synchronize().unwrap();
     let reps = 10;
     let t = Instant::now();
     for _ in 0..reps {
         be.copy(&src, 0, &mut dst, 0, n).unwrap();
     }
-    be.device().synchronize().unwrap();
+    be.synchronize().unwrap();
     (2 * 4 * n * reps) as f64 / t.elapsed().as_secs_f64()
 }
 
@@ -183,11 +183,11 @@ fn gemv_bandwidth(be: &CudaBackend) {
                 }
             };
             (0..4).for_each(&mut run);
-            be.device().synchronize().unwrap();
+            be.synchronize().unwrap();
             let reps = 200;
             let t = Instant::now();
             (0..reps).for_each(&mut run);
-            be.device().synchronize().unwrap();
+            be.synchronize().unwrap();
             let s = t.elapsed().as_secs_f64() / reps as f64;
             println!(
                 "| {ty} | {name} | {:.1} | {:.0} |",

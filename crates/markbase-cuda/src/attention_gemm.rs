@@ -59,8 +59,8 @@ impl CudaBackend {
         let (group, row) = (nh / kvh, kvh * hd);
         let window = spec.window.unwrap_or(0);
         let mut s = self.scratch()?;
-        let positions = self.upload_idx(&mut s, layout.positions)?;
-        let tables = self.upload_idx(&mut s, layout.block_tables)?;
+        let positions = self.upload_idx(layout.positions)?;
+        let tables = self.upload_idx(layout.block_tables)?;
         for seq in 0..layout.n_seqs() {
             let (r0, r1) = (
                 layout.seq_start[seq] as usize,
@@ -124,15 +124,15 @@ impl CudaBackend {
                     // SAFETY: every operand lies inside its buffer: the caller checked q and
                     // out against the rows, the scratch holds the gathered keys and a tile's
                     // scores.
-                    unsafe {
+                    self.queue_gemm(unsafe {
                         blas.gemm_batched_tf32(
                             true,
                             (kg + head, kv_op),
                             (q.ptr + first, rows_op),
                             (scores, scores_op),
                             group,
-                        )?;
-                    }
+                        )
+                    })?;
                     self.run(
                         Module::Attention,
                         "attn_softmax_rows",
@@ -150,15 +150,15 @@ impl CudaBackend {
                         ],
                     )?;
                     // SAFETY: as above.
-                    unsafe {
+                    self.queue_gemm(unsafe {
                         blas.gemm_batched_tf32(
                             false,
                             (vg + head, kv_op),
                             (scores, scores_op),
                             (out.ptr + first, rows_op),
                             group,
-                        )?;
-                    }
+                        )
+                    })?;
                 }
             }
         }

@@ -5,7 +5,7 @@
 //! reads them.
 
 use std::collections::HashMap;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use cudarc::driver::{CudaFunction, PinnedHostSlice};
 use markbase_core::backend::{
@@ -15,13 +15,13 @@ use markbase_core::quant::GgmlType;
 use markbase_core::{Error, Result};
 
 use crate::attention_gemm::attention_gemm_suits;
-use crate::blas::{Blas, GemmInput};
+use crate::blas::{Blas, GemmCall, GemmInput};
 use crate::buffer::{CudaBuffer, CudaMatrix, Growable};
 use crate::device::{driver_err, Device};
-use crate::kernels::{launch, Arg, AttnArgs, Grid, Kernels, ProductArgs, MAX_PRODUCTS};
+use crate::graph::{DeviceCopy, Op, Steps};
+use crate::kernels::{Arg, AttnArgs, Grid, Kernels, Launch, ProductArgs, MAX_PRODUCTS};
 use crate::rounded::{QueueCount, RoundTarget, RoundedCopy};
 use crate::sources::Module;
-use crate::upload::IndexCache;
 
 /// Token rows one GEMV launch reads each weight row for (the largest kernel variant).
 const GEMV_MAX_ROWS: usize = 8;
@@ -62,16 +62,12 @@ const MAX_EXPERTS: usize = 256;
 /// Scratch space shared by operations (one operation uses it at a time; stream order makes
 /// reuse safe).
 pub(crate) struct Scratch {
-    /// Uploaded token ids / positions / slots.
-    pub(crate) idx: IndexCache,
     /// Float scratch: dequantized weight tiles, attention partials, MoE intermediates.
     pub(crate) floats: Growable<f32>,
     /// Weight tiles dequantized to f16 for the tensor cores.
     pub(crate) tiles: Growable<u16>,
     /// Chosen tokens of the samplers.
     pub(crate) picks: Growable<u32>,
-    /// Uniform draws of the sampler.
-    pub(crate) draws: Growable<f32>,
     /// The rounded copy of the activations a producer kernel made for the next product.
     pub(crate) rounded: RoundedCopy,
 }
@@ -79,8 +75,11 @@ pub(crate) struct Scratch {
 /// The CUDA backend: one GPU, one stream.
 pub struct CudaBackend {
     pub(crate) dev: Device,
+    /// Every stream operation goes through it (steps replayed as CUDA graphs, `graph`); it
+    /// drops its graphs before the kernels they launch are unloaded.
+    pub(crate) steps: Steps,
     pub(crate) kernels: Kernels,
-    blas: Option<Blas>,
+    blas: Option<Arc<Blas>>,
     pub(crate) scratch: Mutex<Scratch>,
     /// Work items queued on the stream (see `rounded`).
     pub(crate) queue: QueueCount,
@@ -291,8 +290,10 @@ impl CudaBackend {
         let (major, minor) = dev.capability();
         let kernels = Kernels::load(&dev.ctx, (major * 10 + minor) as u32)?;
         let queue = QueueCount::default();
-        let blas = Blas::new(&dev.stream, queue.clone())?;
-        let err = CudaBuffer::zeroed(&dev.stream, 1)?;
+        let blas = Blas::new(&dev.stream, queue.clone())?.map(Arc::new);
+        let graphs = std::env::var("MARKBASE_CUDA_GRAPHS").map_or(true, |v| v != "0");
+        let steps = Steps::new(&dev.stream, blas.clone(), graphs)?;
+        let err = CudaBuffer::zeroed(&dev.stream, &steps, 1)?;
         // SAFETY: plain page-locked host memory, written only by copies from the device.
         let err_host = unsafe { dev.ctx.alloc_pinned_with_flags::<u32>(1, 0) }
             .map_err(|e| driver_err("pinned allocation", e))?;
@@ -301,13 +302,12 @@ impl CudaBackend {
             kernels,
             blas,
             scratch: Mutex::new(Scratch {
-                idx: IndexCache::new(),
-                floats: Growable::new(),
-                tiles: Growable::new(),
-                picks: Growable::new(),
-                draws: Growable::new(),
-                rounded: RoundedCopy::new(),
+                floats: Growable::new(&steps),
+                tiles: Growable::new(&steps),
+                picks: Growable::new(&steps),
+                rounded: RoundedCopy::new(&steps),
             }),
+            steps,
             queue,
             err,
             err_host: Mutex::new(err_host),
@@ -340,7 +340,65 @@ impl CudaBackend {
     /// Queues kernel `f`.
     fn launch_fn(&self, f: &CudaFunction, grid: Grid, args: &[Arg]) -> Result<()> {
         self.queue.bump();
-        launch(&self.dev.stream, f, grid, args, self.dev.early_launch())
+        let launch = Launch::new(f, grid, args, self.dev.early_launch());
+        self.steps.lock()?.queue(Op::Kernel(launch))
+    }
+
+    /// Queues the cuBLASLt product `call`.
+    pub(crate) fn queue_gemm(&self, call: Result<GemmCall>) -> Result<()> {
+        self.steps.lock()?.queue(Op::Gemm(call?))
+    }
+
+    /// Queues a device-to-device copy.
+    fn queue_copy(&self, copy: DeviceCopy) -> Result<()> {
+        self.queue.bump();
+        self.steps.lock()?.queue(Op::Copy(copy))
+    }
+
+    /// Runs `f`, which queues work that steps do not record (host copies, memsets,
+    /// allocations), after any operations held back for a graph.
+    pub(crate) fn foreign<T>(&self, f: impl FnOnce() -> Result<T>) -> Result<T> {
+        self.steps.lock()?.foreign(f)
+    }
+
+    /// Before a host wait: the step's operations go to the device (as one graph launch where
+    /// the step repeats a recorded one).
+    pub(crate) fn finish_queueing(&self) -> Result<()> {
+        self.steps.lock()?.finish_queueing()
+    }
+
+    /// After a host wait: the next step starts (a step that repeated the one before is
+    /// captured as a graph now).
+    pub(crate) fn start_next_step(&self) -> Result<()> {
+        self.steps.lock()?.start_next_step()
+    }
+
+    /// Steps run as one CUDA graph launch so far.
+    pub fn graph_replays(&self) -> Result<u64> {
+        Ok(self.steps.lock()?.replays())
+    }
+
+    /// CUDA graphs made so far (one per distinct repeated step).
+    pub fn graph_captures(&self) -> Result<u64> {
+        Ok(self.steps.lock()?.captures())
+    }
+
+    /// Turns replaying steps as CUDA graphs on or off (on by default; off with the
+    /// environment variable `MARKBASE_CUDA_GRAPHS=0`).
+    pub fn set_graphs(&self, on: bool) -> Result<()> {
+        self.steps.lock()?.set_enabled(on)
+    }
+
+    /// Whether steps are replayed as CUDA graphs.
+    pub fn graphs_enabled(&self) -> Result<bool> {
+        Ok(self.steps.lock()?.enabled())
+    }
+
+    /// Waits until everything queued has run.
+    pub fn synchronize(&self) -> Result<()> {
+        self.finish_queueing()?;
+        self.dev.wait(|| Ok(()))?;
+        self.start_next_step()
     }
 
     /// Queues kernel `name` of module `m`.
@@ -354,10 +412,10 @@ impl CudaBackend {
         self.launch_fn(&self.kernels.func(m, name)?, grid, args)
     }
 
-    /// Copies `v` into the index scratch; returns its device address.
-    pub(crate) fn upload_idx(&self, s: &mut Scratch, v: &[u32]) -> Result<u64> {
+    /// Copies `v` into the step's index arena; returns its device address.
+    pub(crate) fn upload_idx(&self, v: &[u32]) -> Result<u64> {
         self.queue.bump();
-        s.idx.upload(&self.dev.stream, v)
+        self.steps.lock()?.upload(v)
     }
 
     /// Queues GEMV launches for `n` token rows (≤ GEMV_MAX_ROWS per launch); with
@@ -489,7 +547,9 @@ impl CudaBackend {
         let k = w.cols;
         if w.ty == GgmlType::F32 {
             // SAFETY: sizes checked by the caller.
-            return unsafe { blas.gemm_rows(GemmInput::F32, w.ptr, w.rows, k, x, n, out, w.rows) };
+            return self.queue_gemm(unsafe {
+                blas.gemm_rows(GemmInput::F32, w.ptr, w.rows, k, x, n, out, w.rows)
+            });
         }
         let mut s = self.scratch()?;
         let inputs = product_inputs(w.ty, k, n);
@@ -517,9 +577,9 @@ impl CudaBackend {
         let k = w.cols;
         if w.ty == GgmlType::BF16 {
             // SAFETY: `xh` holds n·k bf16 values, `w` rows·k; `out` rows·n.
-            return unsafe {
+            return self.queue_gemm(unsafe {
                 blas.gemm_rows(GemmInput::Bf16, w.ptr, w.rows, k, xh, n, out, w.rows)
-            };
+            });
         }
         let tile = tile_rows(HALF_TILE, w);
         let deq = s.tiles.get(&self.dev.stream, tile * k)?;
@@ -564,7 +624,9 @@ impl CudaBackend {
                 ],
             )?;
             // SAFETY: `deq` holds rt·k values, `x` n·k; `out` rows·n.
-            unsafe { blas.gemm_rows(input, deq, rt, w.cols, x, n, out + 4 * r0 as u64, w.rows)? };
+            self.queue_gemm(unsafe {
+                blas.gemm_rows(input, deq, rt, w.cols, x, n, out + 4 * r0 as u64, w.rows)
+            })?;
             r0 += rt;
         }
         Ok(())
@@ -576,10 +638,17 @@ impl CudaBackend {
             return Ok(());
         }
         // SAFETY: the error word is a live 4-byte device allocation.
-        unsafe {
-            cudarc::driver::result::memset_d8_async(self.err.ptr, 0, 4, self.dev.stream.cu_stream())
-        }
-        .map_err(|e| driver_err("error word reset", e))?;
+        self.foreign(|| {
+            unsafe {
+                cudarc::driver::result::memset_d8_async(
+                    self.err.ptr,
+                    0,
+                    4,
+                    self.dev.stream.cu_stream(),
+                )
+            }
+            .map_err(|e| driver_err("error word reset", e))
+        })?;
         Err(Error::Invalid(if flag & 1 != 0 {
             "cuda moe_ffn: an expert id was not a whole number below the expert count".into()
         } else {
@@ -587,8 +656,10 @@ impl CudaBackend {
         }))
     }
 
-    /// Queues a copy of the kernel error word into pinned host memory.
+    /// Queues the step (see `finish_queueing`), then a copy of the kernel error word into
+    /// pinned host memory: what every host wait starts with.
     pub(crate) fn queue_error_check(&self) -> Result<MutexGuard<'_, PinnedHostSlice<u32>>> {
+        self.finish_queueing()?;
         let mut host = self
             .err_host
             .lock()
@@ -603,7 +674,8 @@ impl CudaBackend {
         Ok(host)
     }
 
-    /// After a synchronisation: the error word copied by `queue_error_check`.
+    /// After a synchronisation: starts the next step, then raises the error word copied by
+    /// `queue_error_check`.
     pub(crate) fn finish_error_check(
         &self,
         host: MutexGuard<'_, PinnedHostSlice<u32>>,
@@ -612,6 +684,7 @@ impl CudaBackend {
             .as_slice()
             .map_err(|e| driver_err("error word read", e))?[0];
         drop(host);
+        self.start_next_step()?;
         self.take_kernel_error(flag)
     }
 
@@ -722,18 +795,21 @@ impl Backend for CudaBackend {
     fn load_matrix(&self, m: &HostMatrix) -> Result<CudaMatrix> {
         m.check()?;
         format_suffix(m.ty)?;
-        CudaMatrix::upload(
-            &self.dev.stream,
-            m.bytes.as_slice(),
-            m.ty,
-            m.rows,
-            m.cols,
-            &m.name,
-        )
+        self.foreign(|| {
+            CudaMatrix::upload(
+                &self.dev.stream,
+                &self.steps,
+                m.bytes.as_slice(),
+                m.ty,
+                m.rows,
+                m.cols,
+                &m.name,
+            )
+        })
     }
 
     fn load_vector(&self, v: &[f32]) -> Result<CudaBuffer> {
-        let mut b = CudaBuffer::zeroed(&self.dev.stream, v.len())?;
+        let mut b = self.alloc(v.len())?;
         self.write(v, &mut b)?;
         Ok(b)
     }
@@ -741,7 +817,7 @@ impl Backend for CudaBackend {
     fn alloc(&self, len: usize) -> Result<CudaBuffer> {
         // A new buffer may reuse the address of a freed one that a rounded copy was made of.
         self.queue.bump();
-        CudaBuffer::zeroed(&self.dev.stream, len)
+        self.foreign(|| CudaBuffer::zeroed(&self.dev.stream, &self.steps, len))
     }
 
     fn embed(
@@ -761,8 +837,7 @@ impl Backend for CudaBackend {
         if tokens.is_empty() {
             return Ok(());
         }
-        let mut s = self.scratch()?;
-        let ids = self.upload_idx(&mut s, tokens)?;
+        let ids = self.upload_idx(tokens)?;
         let chunks = table.cols.div_ceil(32);
         let threads = (chunks.div_ceil(32) * 32).clamp(32, 256) as u32;
         self.launch_fn(
@@ -1011,8 +1086,7 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         let freqs = self.rope_table(rope, head_dim)?;
-        let mut s = self.scratch()?;
-        let pos = self.upload_idx(&mut s, positions)?;
+        let pos = self.upload_idx(positions)?;
         let mut grid = Grid::new((int("heads", heads)? as u32, 1), 32);
         grid.shared = (head_dim * 4) as u32;
         self.run(
@@ -1072,9 +1146,8 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         let freqs = self.rope_table(rope, hd)?;
-        let mut s = self.scratch()?;
-        let pos = self.upload_idx(&mut s, positions)?;
-        let sl = self.upload_idx(&mut s, slots)?;
+        let pos = self.upload_idx(positions)?;
+        let sl = self.upload_idx(slots)?;
         let mut grid = Grid::new((int("heads", heads)? as u32, 1), 32);
         grid.shared = (hd * 4) as u32;
         self.run(
@@ -1116,8 +1189,7 @@ impl Backend for CudaBackend {
         if slots.is_empty() || row == 0 {
             return Ok(());
         }
-        let mut s = self.scratch()?;
-        let sl = self.upload_idx(&mut s, slots)?;
+        let sl = self.upload_idx(slots)?;
         self.run(
             Module::Ops,
             "write_kv",
@@ -1183,9 +1255,9 @@ impl Backend for CudaBackend {
         let chunk = max_vis.div_ceil(want).max(ATTN_MIN_CHUNK);
         let splits = max_vis.div_ceil(chunk);
         let mut s = self.scratch()?;
-        let pos = self.upload_idx(&mut s, positions)?;
-        let seq_start = self.upload_idx(&mut s, layout.seq_start)?;
-        let tables = self.upload_idx(&mut s, layout.block_tables)?;
+        let pos = self.upload_idx(positions)?;
+        let seq_start = self.upload_idx(layout.seq_start)?;
+        let tables = self.upload_idx(layout.block_tables)?;
         let part = if splits > 1 {
             s.floats.get(&self.dev.stream, rows * splits * (hd + 2))?
         } else {
@@ -1371,13 +1443,15 @@ impl Backend for CudaBackend {
         if len == 0 {
             return Ok(());
         }
-        let from = src.mem.slice(src_off..src_off + len);
-        let mut to = dst.mem.slice_mut(dst_off..dst_off + len);
-        self.dev
-            .stream
-            .memcpy_dtod(&from, &mut to)
-            .inspect(|_| self.queue.bump())
-            .map_err(|e| driver_err("device copy", e))
+        const F32: usize = std::mem::size_of::<f32>();
+        self.queue_copy(DeviceCopy {
+            src: src.ptr + (src_off * F32) as u64,
+            dst: dst.ptr + (dst_off * F32) as u64,
+            src_pitch: len * F32,
+            dst_pitch: len * F32,
+            width: len * F32,
+            height: 1,
+        })
     }
 
     fn copy_rows(
@@ -1401,30 +1475,14 @@ impl Backend for CudaBackend {
         need("copy_rows source", src.len(), from.at(rows - 1) + len)?;
         need("copy_rows destination", dst.len(), to.at(rows - 1) + len)?;
         const F32: usize = std::mem::size_of::<f32>();
-        let copy = cudarc::driver::sys::CUDA_MEMCPY2D {
-            srcXInBytes: 0,
-            srcY: 0,
-            srcMemoryType: cudarc::driver::sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
-            srcHost: std::ptr::null(),
-            srcDevice: src.ptr + (from.offset * F32) as u64,
-            srcArray: std::ptr::null_mut(),
-            srcPitch: from.stride * F32,
-            dstXInBytes: 0,
-            dstY: 0,
-            dstMemoryType: cudarc::driver::sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
-            dstHost: std::ptr::null_mut(),
-            dstDevice: dst.ptr + (to.offset * F32) as u64,
-            dstArray: std::ptr::null_mut(),
-            dstPitch: to.stride * F32,
-            WidthInBytes: len * F32,
-            Height: rows,
-        };
-        self.queue.bump();
-        // SAFETY: both regions lie inside live allocations (checked above) and the copy is
-        // queued on the backend's stream.
-        unsafe { cudarc::driver::sys::cuMemcpy2DAsync_v2(&copy, self.dev.stream.cu_stream()) }
-            .result()
-            .map_err(|e| driver_err("strided device copy", e))
+        self.queue_copy(DeviceCopy {
+            src: src.ptr + (from.offset * F32) as u64,
+            dst: dst.ptr + (to.offset * F32) as u64,
+            src_pitch: from.stride * F32,
+            dst_pitch: to.stride * F32,
+            width: len * F32,
+            height: rows,
+        })
     }
 
     fn gelu_tanh_mul(&self, gate: &mut CudaBuffer, up: &CudaBuffer, len: usize) -> Result<()> {
@@ -1469,11 +1527,13 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         let mut to = dst.mem.slice_mut(0..src.len());
-        self.dev
-            .stream
-            .memcpy_htod(src, &mut to)
-            .inspect(|_| self.queue.bump())
-            .map_err(|e| driver_err("host-to-device copy", e))
+        self.queue.bump();
+        self.foreign(|| {
+            self.dev
+                .stream
+                .memcpy_htod(src, &mut to)
+                .map_err(|e| driver_err("host-to-device copy", e))
+        })
     }
 
     fn argmax(&self, x: &CudaBuffer, rows: usize, n: usize) -> Result<Vec<u32>> {

@@ -61,6 +61,36 @@ struct Shape {
     aligns: [u32; 3],
 }
 
+/// One product to queue: its shape (planned) and the addresses of A, B and C.
+pub(crate) struct GemmCall {
+    shape: Shape,
+    ptrs: [u64; 3],
+}
+
+impl Operand {
+    fn key(&self, out: &mut Vec<u64>) {
+        out.extend([self.rows, self.cols, self.ld, self.stride].map(|v| v as u64));
+    }
+}
+
+impl GemmCall {
+    /// Appends the words that identify the product: shape, alignments and addresses.
+    pub(crate) fn key(&self, out: &mut Vec<u64>) {
+        let s = &self.shape;
+        out.extend([
+            s.input as u64,
+            u64::from(s.tf32),
+            u64::from(s.transa),
+            s.batch as u64,
+        ]);
+        for op in [s.a, s.b, s.c] {
+            op.key(out);
+        }
+        out.extend(s.aligns.map(u64::from));
+        out.extend(self.ptrs);
+    }
+}
+
 /// Descriptors and algorithm of one product shape.
 struct Plan {
     desc: sys::cublasLtMatmulDesc_t,
@@ -258,11 +288,12 @@ impl Blas {
         Ok(plan)
     }
 
-    /// `out[t·ldo + r] = Σ_i x[t·k + i] · w[r·k + i]` for `t < n`, `r < rows`: `w` and `x`
-    /// hold elements of `input`, `out` is f32, accumulation in f32 (no TF32).
+    /// The product `out[t·ldo + r] = Σ_i x[t·k + i] · w[r·k + i]` for `t < n`, `r < rows`:
+    /// `w` and `x` hold elements of `input`, `out` is f32, accumulation in f32 (no TF32).
     ///
     /// # Safety
-    /// The pointers must be live device allocations of at least the sizes implied.
+    /// The pointers must be live device allocations of at least the sizes implied when the
+    /// call is issued.
     #[allow(clippy::too_many_arguments)]
     pub(crate) unsafe fn gemm_rows(
         &self,
@@ -274,7 +305,7 @@ impl Blas {
         n: usize,
         out: u64,
         ldo: usize,
-    ) -> Result<()> {
+    ) -> Result<GemmCall> {
         // Column-major: C(rows × n) = Wᵀ(rows × k) · X(k × n); W is stored k × rows.
         let op = |rows, cols, ld| Operand {
             rows,
@@ -292,14 +323,15 @@ impl Blas {
             batch: 1,
             aligns: [alignment(w), alignment(x), alignment(out)],
         };
-        self.run(shape, [w, x, out])
+        self.call(shape, [w, x, out])
     }
 
-    /// `C_i = op(A_i) · B_i` for `i < batch` on f32 operands (column-major, see [`Operand`];
+    /// The product `C_i = op(A_i) · B_i` for `i < batch` on f32 operands (column-major, see [`Operand`];
     /// `op(A) = Aᵀ` with `transa`) through the TF32 tensor cores, accumulating in f32.
     ///
     /// # Safety
-    /// The pointers must be live device allocations holding every matrix of the batch.
+    /// The pointers must be live device allocations holding every matrix of the batch when
+    /// the call is issued.
     pub(crate) unsafe fn gemm_batched_tf32(
         &self,
         transa: bool,
@@ -307,7 +339,7 @@ impl Blas {
         (b, b_op): (u64, Operand),
         (c, c_op): (u64, Operand),
         batch: usize,
-    ) -> Result<()> {
+    ) -> Result<GemmCall> {
         // A batch's later matrices are aligned only as far as their stride allows.
         let align = |p: u64, op: Operand| alignment(p | (4 * op.stride as u64));
         let shape = Shape {
@@ -320,15 +352,37 @@ impl Blas {
             batch,
             aligns: [align(a, a_op), align(b, b_op), align(c, c_op)],
         };
-        self.run(shape, [a, b, c])
+        self.call(shape, [a, b, c])
     }
 
-    /// Runs the product of `shape` (planned on first use) on `[A, B, C]`.
-    unsafe fn run(&self, shape: Shape, [a, b, c]: [u64; 3]) -> Result<()> {
-        let mut plans = self
-            .plans
+    /// The product of `shape` on `[A, B, C]`, planned now if it is the shape's first.
+    fn call(&self, shape: Shape, ptrs: [u64; 3]) -> Result<GemmCall> {
+        let mut plans = self.plans()?;
+        if !plans.contains_key(&shape) {
+            if plans.len() >= MAX_PLANS {
+                plans.clear();
+            }
+            let plan = self.plan(shape)?;
+            plans.insert(shape, plan);
+        }
+        // Counted when asked for (it may be issued later, or again under capture).
+        self.queue.bump();
+        Ok(GemmCall { shape, ptrs })
+    }
+
+    fn plans(&self) -> Result<std::sync::MutexGuard<'_, HashMap<Shape, Plan>>> {
+        self.plans
             .lock()
-            .map_err(|_| Error::Invalid("cuBLASLt plans poisoned by an earlier panic".into()))?;
+            .map_err(|_| Error::Invalid("cuBLASLt plans poisoned by an earlier panic".into()))
+    }
+
+    /// Queues `call` (planned again if its plan was dropped since).
+    ///
+    /// # Safety
+    /// The call's pointers must be live device allocations of the sizes its maker implied.
+    pub(crate) unsafe fn issue(&self, call: &GemmCall) -> Result<()> {
+        let (shape, [a, b, c]) = (call.shape, call.ptrs);
+        let mut plans = self.plans()?;
         if !plans.contains_key(&shape) {
             if plans.len() >= MAX_PLANS {
                 plans.clear();
@@ -338,7 +392,6 @@ impl Blas {
         }
         let plan = &plans[&shape];
         let (alpha, beta) = (1f32, 0f32);
-        self.queue.bump();
         lt::matmul(
             self.handle,
             plan.desc,

@@ -8,9 +8,10 @@ use markbase_core::quant::GgmlType;
 use markbase_core::Result;
 
 use crate::device::driver_err;
+use crate::graph::Steps;
 
 /// The raw address of a device allocation.
-fn addr<T>(s: &CudaSlice<T>, stream: &CudaStream) -> u64 {
+pub(crate) fn addr<T>(s: &CudaSlice<T>, stream: &CudaStream) -> u64 {
     let (p, _sync) = s.device_ptr(stream);
     p
 }
@@ -20,16 +21,34 @@ pub struct CudaBuffer {
     pub(crate) mem: CudaSlice<f32>,
     pub(crate) ptr: u64,
     len: usize,
+    steps: Steps,
+}
+
+impl Drop for CudaBuffer {
+    fn drop(&mut self) {
+        // Operations held back for a graph may read the buffer: they go first (the memory is
+        // freed in stream order after them).
+        self.steps.release_on_drop();
+    }
 }
 
 impl CudaBuffer {
     /// A zeroed buffer of `len` values (at least one element is allocated).
-    pub(crate) fn zeroed(stream: &Arc<CudaStream>, len: usize) -> Result<CudaBuffer> {
+    pub(crate) fn zeroed(
+        stream: &Arc<CudaStream>,
+        steps: &Steps,
+        len: usize,
+    ) -> Result<CudaBuffer> {
         let mem = stream
             .alloc_zeros::<f32>(len.max(1))
             .map_err(|e| driver_err(&format!("allocating {len} floats"), e))?;
         let ptr = addr(&mem, stream);
-        Ok(CudaBuffer { mem, ptr, len })
+        Ok(CudaBuffer {
+            mem,
+            ptr,
+            len,
+            steps: steps.clone(),
+        })
     }
 
     /// Values held.
@@ -57,12 +76,21 @@ pub struct CudaMatrix {
     pub row_bytes: usize,
     /// Name, for messages.
     pub name: String,
+    steps: Steps,
+}
+
+impl Drop for CudaMatrix {
+    fn drop(&mut self) {
+        // As for `CudaBuffer`: held operations that read the weights go first.
+        self.steps.release_on_drop();
+    }
 }
 
 impl CudaMatrix {
     /// Copies `bytes` (rows × row_bytes, as stored) to the device.
     pub(crate) fn upload(
         stream: &Arc<CudaStream>,
+        steps: &Steps,
         bytes: &[u8],
         ty: GgmlType,
         rows: usize,
@@ -81,6 +109,7 @@ impl CudaMatrix {
             cols,
             row_bytes: bytes.len() / rows.max(1),
             name: name.to_string(),
+            steps: steps.clone(),
         })
     }
 }
@@ -90,20 +119,24 @@ pub(crate) struct Growable<T> {
     mem: Option<CudaSlice<T>>,
     ptr: u64,
     cap: usize,
+    steps: Steps,
 }
 
 impl<T: cudarc::driver::DeviceRepr> Growable<T> {
-    pub(crate) fn new() -> Self {
+    pub(crate) fn new(steps: &Steps) -> Self {
         Growable {
             mem: None,
             ptr: 0,
             cap: 0,
+            steps: steps.clone(),
         }
     }
 
     /// The address of at least `n` elements (contents unspecified).
     pub(crate) fn get(&mut self, stream: &Arc<CudaStream>, n: usize) -> Result<u64> {
         if n > self.cap || self.mem.is_none() {
+            // Operations held back for a graph may use the old allocation: they go first.
+            self.steps.release()?;
             let cap = n.max(self.cap * 2).max(256);
             // SAFETY: the contents are written by the kernels before they are read.
             let mem = unsafe { stream.alloc::<T>(cap) }
@@ -114,10 +147,5 @@ impl<T: cudarc::driver::DeviceRepr> Growable<T> {
             self.cap = cap;
         }
         Ok(self.ptr)
-    }
-
-    /// The allocation, once `get` has made one.
-    pub(crate) fn slice_mut(&mut self) -> Option<&mut CudaSlice<T>> {
-        self.mem.as_mut()
     }
 }

@@ -126,11 +126,6 @@ impl Device {
             .map_err(|e| driver_err("binding the context to a thread", e))
     }
 
-    /// Waits until every queued operation has finished.
-    pub fn synchronize(&self) -> Result<()> {
-        self.wait(|| Ok(()))
-    }
-
     /// Runs `copy` (a copy to host memory, which may block until the device gets to it), then
     /// waits until every queued operation has finished. Every host wait of the backend goes
     /// through here, so [`Device::host_waits`] counts them and [`Device::host_wait_time`]

@@ -187,62 +187,137 @@ impl Grid {
     }
 }
 
-/// Queues kernel `f` on `stream`. With `early` (Hopper and newer), the launch allows
-/// programmatic dependent launch: the kernel may start while the one ahead of it in the stream
-/// is still running, and waits for it inside (`wait_prior_grid` in common.cuh, which every
-/// kernel calls before it reads anything an earlier operation wrote).
-pub(crate) fn launch(
-    stream: &CudaStream,
-    f: &CudaFunction,
-    grid: Grid,
-    args: &[Arg],
-    early: bool,
-) -> Result<()> {
-    let mut store: Vec<Arg> = args.to_vec();
-    let mut params: Vec<*mut c_void> = store
-        .iter_mut()
-        .map(|a| match a {
-            Arg::U64(v) => v as *mut u64 as *mut c_void,
-            Arg::I32(v) => v as *mut i32 as *mut c_void,
-            Arg::F32(v) => v as *mut f32 as *mut c_void,
-            Arg::Attn(v) => v as *mut AttnArgs as *mut c_void,
-            Arg::Products(v) => v as *mut ProductArgs as *mut c_void,
-        })
-        .collect();
-    let mut attr = sys::CUlaunchAttribute {
-        id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
-        pad: [0; 4],
-        value: sys::CUlaunchAttributeValue {
-            programmaticStreamSerializationAllowed: 1,
-        },
-    };
-    let config = sys::CUlaunchConfig {
-        gridDimX: grid.blocks.0,
-        gridDimY: grid.blocks.1,
-        gridDimZ: grid.blocks.2,
-        blockDimX: grid.threads,
-        blockDimY: 1,
-        blockDimZ: 1,
-        sharedMemBytes: grid.shared,
-        hStream: stream.cu_stream(),
-        attrs: if early {
-            &mut attr
-        } else {
-            std::ptr::null_mut()
-        },
-        numAttrs: u32::from(early),
-    };
-    // SAFETY: the parameter pointers point into `store` and the attribute into `attr`, both
-    // alive for the call; the kernel's signature matches the argument list at every call site
-    // (checked by the GPU tests).
-    unsafe {
-        sys::cuLaunchKernelEx(
-            &config,
-            f.cu_function(),
-            params.as_mut_ptr(),
-            std::ptr::null_mut(),
-        )
+/// A kernel launch: the function, its geometry and its arguments by value.
+pub(crate) struct Launch {
+    /// The kernel (its module stays loaded for the backend's life).
+    pub(crate) func: sys::CUfunction,
+    pub(crate) grid: Grid,
+    pub(crate) args: Vec<Arg>,
+    /// Programmatic dependent launch (Hopper and newer): the kernel may start while the one
+    /// ahead of it in the stream is still running, and waits for it inside
+    /// (`wait_prior_grid` in common.cuh, which every kernel calls before it reads anything an
+    /// earlier operation wrote).
+    pub(crate) early: bool,
+}
+
+impl Arg {
+    /// Appends the argument's value as words (floats by their bits).
+    fn key(&self, out: &mut Vec<u64>) {
+        match *self {
+            Arg::U64(v) => out.extend([1, v]),
+            Arg::I32(v) => out.extend([2, v as u32 as u64]),
+            Arg::F32(v) => out.extend([3, v.to_bits() as u64]),
+            Arg::Attn(a) => out.extend([
+                4,
+                a.q,
+                a.k_cache,
+                a.v_cache,
+                a.positions,
+                a.seq_start,
+                a.block_tables,
+                a.out,
+                a.part,
+                pair(a.n_tokens, a.n_heads),
+                pair(a.n_kv_heads, a.head_dim),
+                pair(a.scale.to_bits() as i32, a.window),
+                pair(a.softcap.to_bits() as i32, a.n_seqs),
+                pair(a.table_width, a.block_size),
+                pair(a.chunk, a.splits),
+            ]),
+            Arg::Products(p) => {
+                out.push(5);
+                out.extend(p.w);
+                out.extend(p.out);
+                out.extend([
+                    pair(p.rows[0], p.rows[1]),
+                    pair(p.rows[2], p.rows[3]),
+                    p.count as u32 as u64,
+                ]);
+            }
+        }
     }
-    .result()
-    .map_err(|e| driver_err("kernel launch", e))
+}
+
+/// Two 32-bit values in one word.
+fn pair(a: i32, b: i32) -> u64 {
+    (a as u32 as u64) << 32 | b as u32 as u64
+}
+
+impl Launch {
+    /// Kernel `f` over `grid` with `args`.
+    pub(crate) fn new(f: &CudaFunction, grid: Grid, args: &[Arg], early: bool) -> Launch {
+        Launch {
+            func: f.cu_function(),
+            grid,
+            args: args.to_vec(),
+            early,
+        }
+    }
+
+    /// Appends the words that identify the launch: kernel, geometry and every argument.
+    pub(crate) fn key(&self, out: &mut Vec<u64>) {
+        let g = &self.grid;
+        out.extend([
+            self.func as u64,
+            pair(g.blocks.0 as i32, g.blocks.1 as i32),
+            pair(g.blocks.2 as i32, g.threads as i32),
+            pair(g.shared as i32, self.early as i32),
+            self.args.len() as u64,
+        ]);
+        for a in &self.args {
+            a.key(out);
+        }
+    }
+
+    /// Queues the launch on `stream`.
+    pub(crate) fn issue(&self, stream: &CudaStream) -> Result<()> {
+        let mut store: Vec<Arg> = self.args.clone();
+        let mut params: Vec<*mut c_void> = store
+            .iter_mut()
+            .map(|a| match a {
+                Arg::U64(v) => v as *mut u64 as *mut c_void,
+                Arg::I32(v) => v as *mut i32 as *mut c_void,
+                Arg::F32(v) => v as *mut f32 as *mut c_void,
+                Arg::Attn(v) => v as *mut AttnArgs as *mut c_void,
+                Arg::Products(v) => v as *mut ProductArgs as *mut c_void,
+            })
+            .collect();
+        let grid = self.grid;
+        let mut attr = sys::CUlaunchAttribute {
+            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+            pad: [0; 4],
+            value: sys::CUlaunchAttributeValue {
+                programmaticStreamSerializationAllowed: 1,
+            },
+        };
+        let config = sys::CUlaunchConfig {
+            gridDimX: grid.blocks.0,
+            gridDimY: grid.blocks.1,
+            gridDimZ: grid.blocks.2,
+            blockDimX: grid.threads,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: grid.shared,
+            hStream: stream.cu_stream(),
+            attrs: if self.early {
+                &mut attr
+            } else {
+                std::ptr::null_mut()
+            },
+            numAttrs: u32::from(self.early),
+        };
+        // SAFETY: the parameter pointers point into `store` and the attribute into `attr`,
+        // both alive for the call; the kernel's signature matches the argument list at every
+        // call site (checked by the GPU tests).
+        unsafe {
+            sys::cuLaunchKernelEx(
+                &config,
+                self.func,
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        }
+        .result()
+        .map_err(|e| driver_err("kernel launch", e))
+    }
 }

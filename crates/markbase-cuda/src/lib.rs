@@ -17,12 +17,12 @@ mod backend;
 mod blas;
 mod buffer;
 pub mod device;
+mod graph;
 mod kernels;
 pub mod nvrtc;
 mod rounded;
 mod sample;
 pub mod sources;
-mod upload;
 
 pub use attention_gemm::ATTN_GEMM_MIN_ROWS;
 pub use backend::{

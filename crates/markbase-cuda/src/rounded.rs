@@ -20,6 +20,7 @@ use markbase_core::Result;
 
 use crate::backend::ProductInputs;
 use crate::buffer::Growable;
+use crate::graph::Steps;
 
 /// Work items (kernels, copies, allocations, cuBLAS products) queued on the backend's stream
 /// so far.
@@ -79,11 +80,11 @@ pub(crate) struct RoundedCopy {
 
 impl RoundedCopy {
     /// No copy held, no rounding seen yet.
-    pub(crate) fn new() -> RoundedCopy {
+    pub(crate) fn new(steps: &Steps) -> RoundedCopy {
         RoundedCopy {
             last: None,
             held: None,
-            mem: Growable::new(),
+            mem: Growable::new(steps),
             used: 0,
         }
     }

@@ -127,15 +127,8 @@ impl CudaBackend {
         // The scratch stays locked until the picks are back (another thread may sample too).
         let mut s = self.scratch()?;
         let picks = s.picks.get(&self.dev.stream, rows)?;
-        let u = s.draws.get(&self.dev.stream, rows)?;
-        if let Some(dst) = s.draws.slice_mut() {
-            let mut view = dst.slice_mut(0..rows);
-            self.dev
-                .stream
-                .memcpy_htod(draws, &mut view)
-                .map_err(|e| driver_err("uploading draws", e))?;
-            self.queue.bump();
-        }
+        let bits: Vec<u32> = draws.iter().map(|u| u.to_bits()).collect();
+        let u = self.upload_idx(&bits)?;
         self.run(
             Module::Sample,
             "sample_top_k_p",

@@ -562,3 +562,127 @@ fn model_api_on_cuda_matches_cpu() {
         assert!(e.contains("another device"), "{e}");
     }
 }
+
+/// Worst relative difference of two logit vectors and whether any value differs at all.
+fn diff(a: &[f32], b: &[f32], vocab: usize) -> (f32, bool) {
+    (worst_rel(a, b, vocab), a != b)
+}
+
+/// Decode steps of `on` (CUDA graphs on: `on_backend`) and of `off` (graphs off), the same
+/// model: one sequence's steps asking for logits, then for greedy picks, then three sequences
+/// in one pool stepping together. Steps replayed as graphs must return what the same steps
+/// queued one operation at a time return, and most steps must be replays.
+fn graphs_match_eager<M: Lm<B = CudaBackend>>(
+    name: &str,
+    on: &M,
+    off: &M,
+    on_backend: &CudaBackend,
+) {
+    let replays0 = on_backend.graph_replays().unwrap();
+    let vocab_of = |l: &[f32], rows: usize| l.len() / rows;
+    let (mut a, mut b) = (on.cache(64), off.cache(64));
+    let prompt = [5u32, 9, 2, 7, 11];
+    let (la, lb) = (
+        on.fwd(&mut a, &prompt, false),
+        off.fwd(&mut b, &prompt, false),
+    );
+    let vocab = vocab_of(&lb, 1);
+    assert_eq!(diff(&la, &lb, vocab), (0.0, false), "{name}: prefill");
+    let mut next = argmax(&lb) as u32;
+    for step in 0..10 {
+        let (la, lb) = (
+            on.fwd(&mut a, &[next], false),
+            off.fwd(&mut b, &[next], false),
+        );
+        let (rel, differs) = diff(&la, &lb, vocab);
+        assert!(!differs, "{name}: logits step {step} differ ({rel:e})");
+        next = argmax(&lb) as u32;
+    }
+    for step in 0..8 {
+        let picks = |m: &M, c: &mut Seq<CudaBackend>| {
+            let seq = SeqStep {
+                tokens: &[next],
+                start: c.len,
+                full_blocks: &c.table,
+                sliding_blocks: &c.table,
+                logits: Some(Logits::Greedy),
+            };
+            c.len += 1;
+            m.run_step(&mut c.pool, &[seq]).ids
+        };
+        let (pa, pb) = (picks(on, &mut a), picks(off, &mut b));
+        assert_eq!(pa, pb, "{name}: greedy step {step}");
+        next = pb[0];
+    }
+    // Three sequences of one pool (blocks interleaved), decoding together.
+    let tables: Vec<Vec<u32>> = (0..3u32)
+        .map(|s| (0..8).map(|i| 3 * i + s).collect())
+        .collect();
+    let (mut pa, mut pb) = (on.pool(24), off.pool(24));
+    let mut toks = [3u32, 4, 6];
+    for step in 0..8 {
+        let seqs: Vec<SeqStep> = (0..3)
+            .map(|s| SeqStep {
+                tokens: &toks[s..s + 1],
+                start: step + s,
+                full_blocks: &tables[s],
+                sliding_blocks: &tables[s],
+                logits: Some(Logits::Last),
+            })
+            .collect();
+        if step == 0 {
+            // Sequences 1 and 2 start later in their caches: fill their first positions.
+            for (s, table) in tables.iter().enumerate().skip(1) {
+                let fill: Vec<u32> = (0..s as u32).collect();
+                for (m, p) in [(on, &mut pa), (off, &mut pb)] {
+                    let seq = SeqStep {
+                        tokens: &fill,
+                        start: 0,
+                        full_blocks: table,
+                        sliding_blocks: table,
+                        logits: None,
+                    };
+                    m.run_step(p, &[seq]);
+                }
+            }
+        }
+        let (la, lb) = (
+            on.run_step(&mut pa, &seqs).logits,
+            off.run_step(&mut pb, &seqs).logits,
+        );
+        let (rel, differs) = diff(&la, &lb, vocab);
+        assert!(!differs, "{name}: batched step {step} differs ({rel:e})");
+        for (s, t) in toks.iter_mut().enumerate() {
+            *t = argmax(&lb[s * vocab..(s + 1) * vocab]) as u32;
+        }
+    }
+    let replays = on_backend.graph_replays().unwrap() - replays0;
+    eprintln!("{name}: {replays} of 26 decode steps replayed as graphs");
+    // Each run of equal steps is queued twice before its graph exists: 8 + 6 + 6 replays.
+    assert!(
+        replays >= 18,
+        "{name}: only {replays} steps replayed as graphs"
+    );
+}
+
+#[test]
+fn graph_replays_match_eager_steps() {
+    let Some(_) = gpu() else { return };
+    let root = fixtures();
+    let eager = || {
+        let b = gpu().unwrap();
+        b.set_graphs(false).unwrap();
+        assert!(!b.graphs_enabled().unwrap());
+        b
+    };
+    let path = root.join("gemma4/e2b_like/model.gguf");
+    let (on, off) = (load_g4(&path, gpu().unwrap()), load_g4(&path, eager()));
+    graphs_match_eager("gemma4 e2b_like", &on, &off, on.backend());
+    assert_eq!(off.backend().graph_replays().unwrap(), 0);
+    let dir = root.join("gemma3_tiny");
+    let (on, off) = (
+        load_g3(&dir, true, gpu().unwrap()),
+        load_g3(&dir, true, eager()),
+    );
+    graphs_match_eager("gemma3 tiny", &on, &off, on.backend());
+}

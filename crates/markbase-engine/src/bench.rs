@@ -44,6 +44,8 @@ pub struct BenchResult {
     /// Milliseconds per forward step the host spent waiting for the device (0 on the CPU);
     /// the rest of a step's time the host was queueing work.
     pub host_wait_ms_per_step: f64,
+    /// Share of the timed steps that ran as one CUDA graph launch (0 on the CPU).
+    pub graph_replays_per_step: f64,
 }
 
 /// Host waits and their time, read before and after timed runs.
@@ -51,6 +53,7 @@ pub struct BenchResult {
 struct Waits {
     count: u64,
     time: std::time::Duration,
+    replays: u64,
 }
 
 impl Waits {
@@ -58,16 +61,18 @@ impl Waits {
         Waits {
             count: model.host_waits(),
             time: model.host_wait_time(),
+            replays: model.graph_replays(),
         }
     }
 
-    /// (waits, wait milliseconds) per step since `self`, over `steps` steps.
-    fn per_step(self, model: &Model, steps: usize) -> (f64, f64) {
+    /// (waits, wait milliseconds, graph replays) per step since `self`, over `steps` steps.
+    fn per_step(self, model: &Model, steps: usize) -> (f64, f64, f64) {
         let now = Waits::now(model);
         let steps = steps.max(1) as f64;
         (
             (now.count - self.count) as f64 / steps,
             (now.time - self.time).as_secs_f64() * 1e3 / steps,
+            (now.replays - self.replays) as f64 / steps,
         )
     }
 }
@@ -177,8 +182,8 @@ fn tg(model: &Model, gen: &[u32], b: usize, repetitions: usize) -> Result<BenchR
     Ok(result(test, b * n, samples, waits))
 }
 
-/// `waits`: host waits and wait milliseconds per step.
-fn result(test: String, n_tokens: usize, samples: Vec<f64>, waits: (f64, f64)) -> BenchResult {
+/// `waits`: host waits, wait milliseconds and graph replays per step.
+fn result(test: String, n_tokens: usize, samples: Vec<f64>, waits: (f64, f64, f64)) -> BenchResult {
     let (mean, std) = mean_std(&samples);
     BenchResult {
         test,
@@ -188,6 +193,7 @@ fn result(test: String, n_tokens: usize, samples: Vec<f64>, waits: (f64, f64)) -
         samples,
         host_waits_per_step: waits.0,
         host_wait_ms_per_step: waits.1,
+        graph_replays_per_step: waits.2,
     }
 }
 

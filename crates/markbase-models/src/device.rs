@@ -56,6 +56,8 @@ pub(crate) trait DeviceBackend: Backend + 'static {
     fn host_waits(&self) -> u64;
     /// Time the host has spent in those waits.
     fn host_wait_time(&self) -> Duration;
+    /// Steps that ran as one CUDA graph launch so far (0 where there are none).
+    fn graph_replays(&self) -> u64;
 }
 
 impl DeviceBackend for CpuBackend {
@@ -73,6 +75,10 @@ impl DeviceBackend for CpuBackend {
 
     fn host_wait_time(&self) -> Duration {
         Duration::ZERO
+    }
+
+    fn graph_replays(&self) -> u64 {
+        0
     }
 }
 
@@ -92,6 +98,11 @@ impl DeviceBackend for CudaBackend {
 
     fn host_wait_time(&self) -> Duration {
         self.device().host_wait_time()
+    }
+
+    fn graph_replays(&self) -> u64 {
+        // A poisoned recorder already fails every step; 0 here keeps the count readable.
+        CudaBackend::graph_replays(self).unwrap_or(0)
     }
 }
 

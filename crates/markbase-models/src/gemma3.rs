@@ -186,6 +186,11 @@ impl<B: Backend> Gemma3<B> {
         &self.head
     }
 
+    /// The backend the model runs on.
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
     /// The hyper-parameters.
     pub fn config(&self) -> &Gemma3Config {
         &self.cfg

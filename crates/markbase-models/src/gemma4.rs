@@ -360,6 +360,11 @@ impl<B: Backend> Gemma4<B> {
         &self.head
     }
 
+    /// The backend the model runs on.
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
     /// The hyper-parameters.
     pub fn config(&self) -> &Gemma4Config {
         &self.cfg

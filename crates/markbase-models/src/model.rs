@@ -443,6 +443,11 @@ impl Model {
         self.inner.host_wait_time()
     }
 
+    /// Steps of this model's device that ran as one CUDA graph launch so far (0 on the CPU).
+    pub fn graph_replays(&self) -> u64 {
+        self.inner.graph_replays()
+    }
+
     /// Checks that the model can run every token id (an [`Error::Invalid`] naming the first
     /// that it cannot).
     pub fn check_tokens(&self, tokens: &[u32]) -> Result<()> {

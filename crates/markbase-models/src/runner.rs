@@ -27,6 +27,8 @@ pub(crate) trait Runner: Send + Sync {
     fn host_waits(&self) -> u64;
     /// Time the host has spent in those waits.
     fn host_wait_time(&self) -> Duration;
+    /// Steps that ran as one CUDA graph launch so far.
+    fn graph_replays(&self) -> u64;
 }
 
 impl<M> Runner for M
@@ -75,5 +77,9 @@ where
 
     fn host_wait_time(&self) -> Duration {
         self.backend().host_wait_time()
+    }
+
+    fn graph_replays(&self) -> u64 {
+        self.backend().graph_replays()
     }
 }

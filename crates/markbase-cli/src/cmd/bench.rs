@@ -58,7 +58,10 @@ pub fn run(global: &Global, args: Args) -> Result<()> {
     let mut out = std::io::stdout().lock();
     if !args.json {
         let (head, rule) = if args.verbose {
-            (" host waits / step | wait ms / step |", " ---: | ---: |")
+            (
+                " host waits / step | wait ms / step | graph replays / step |",
+                " ---: | ---: | ---: |",
+            )
         } else {
             ("", "")
         };
@@ -72,8 +75,8 @@ pub fn run(global: &Global, args: Args) -> Result<()> {
         }
         let waits = if args.verbose {
             format!(
-                " {:.2} | {:.3} |",
-                r.host_waits_per_step, r.host_wait_ms_per_step
+                " {:.2} | {:.3} | {:.2} |",
+                r.host_waits_per_step, r.host_wait_ms_per_step, r.graph_replays_per_step
             )
         } else {
             String::new()
