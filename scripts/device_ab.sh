@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # On the GPU machine, in one call: the GPU tests, then an A/B of markbase builds, alternating.
 # Binaries come staged in DIR (each optionally gzipped, to fit the device tool's carry limit):
-#   gpu_ops, gpu_models     test binaries of markbase-cuda (`cargo test --release -p
-#                           markbase-cuda --no-run`, then copied out of target/release/deps);
+#   gpu_ops*, gpu_models*   test binaries of markbase-cuda (`cargo test --release -p
+#                           markbase-cuda --no-run`, then copied out of target/release/deps;
+#                           a suffix tells builds apart, e.g. gpu_ops_new);
 #   cb_NAME                 cuda_bench examples: `--gemv` runs once per build;
 #   m_NAME                  markbase CLIs: each bench line below runs once per build per round.
 #   cut.gguf                the Gemma 3 270M cut (scripts/make_gemma3_270m_cut.py), if present.
@@ -21,10 +22,10 @@ chmod +x "$dir"/* 2>/dev/null
 export MARKBASE_FIXTURES=$PWD/tests/fixtures
 [ -f "$dir/cut.gguf" ] && export MARKBASE_GEMMA3_CUT=$PWD/$dir/cut.gguf
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
-for t in gpu_ops gpu_models; do
-    [ -x "$dir/$t" ] || continue
-    echo "== $t"
-    timeout 300 "$dir/$t" --test-threads 1 2>&1 | grep -E "^test |test result|panicked|assert" | tail -40
+for t in "$dir"/gpu_ops* "$dir"/gpu_models*; do
+    [ -x "$t" ] || continue
+    echo "== $(basename "$t")"
+    timeout 300 "$t" --test-threads 1 2>&1 | grep -E "^test |test result|panicked|assert|replayed" | tail -40
 done
 for cb in "$dir"/cb_*; do
     [ -x "$cb" ] || continue

@@ -122,7 +122,8 @@ pub(crate) struct ChunkLayout {
     pub positions: Vec<u32>,
     /// First row of each sequence, then the row count.
     pub seq_start: Vec<u32>,
-    /// Block tables per kind, row-major `[sequences, width[kind]]`.
+    /// Block tables per kind, row-major `[sequences, width[kind]]`; the width is the most
+    /// blocks a sequence of the chunk reaches, rounded up to a power of two.
     tables: [Vec<u32>; 2],
     width: [usize; 2],
     /// Cache slot of each token per kind.
@@ -281,7 +282,10 @@ fn layout<B: Backend>(seqs: &[SeqStep], pieces: &[Piece], kv: &PagedKv<B>) -> Re
         let s = &seqs[p.seq];
         let blocks = (s.start + p.to).div_ceil(bs);
         for k in (0..2).filter(|&k| used[k]) {
-            l.width[k] = l.width[k].max(blocks);
+            // A power of two (padded with NO_BLOCK): the width is an argument of the attention
+            // kernels, and a decode step whose arguments repeat the step before is replayed as
+            // a CUDA graph; growing it with every block would break that every block_size steps.
+            l.width[k] = l.width[k].max(blocks.next_power_of_two());
         }
     }
     for p in pieces {
