@@ -4,8 +4,8 @@
 // launch's tokens (weights dominate the bytes). Larger decode batches take several launches.
 //
 // Quantized rows: one warp per row (8 rows per block), the activations staged per block;
-// Q4_K rows may be shared by `split` warps (1, 2 or 4) like plain rows below, and one token's
-// Q4_K products take 16-bit activations (q4k_rows_i16).
+// Q4_K rows may be shared by `split` warps (1, 2 or 4) like plain rows below, and take 16-bit
+// activations (q4k_rows_i16).
 // Plain-float rows (f32 / f16 / bf16, k a multiple of 8): `split` warps (1, 2, 4 or 8) share a
 // row, each taking every split-th 16-byte group of it with four loads in flight per lane, and
 // add their sums through shared memory: short matrices (a few hundred rows) then still fill
@@ -49,7 +49,7 @@ __device__ void gemv_impl(const u8* w, u64 row_bytes, int rows, int k, const flo
         if constexpr (FMT == F_Q4_K) {
             const u8* row = w + (u64)(r < rows ? r : 0) * row_bytes;
             float a[1][NT];
-            q4k_rows<NT, 1>(r < rows, &row, x, k, nt, part, split, a);
+            q4k_rows_i16<NT, 1>(r < rows, &row, x, k, nt, part, split, a);
 #pragma unroll
             for (int t = 0; t < NT; t++) acc[t] = a[0][t];
         } else if (r < rows && split == 1) {

@@ -355,14 +355,6 @@ __device__ __forceinline__ void staged_row_dot(bool active, const u8* row, const
     for (int t = 0; t < NT; t++) acc[t] = warp_sum(acc[t]);
 }
 
-// Four 4-bit values (bytes of `v`, each 0..15) as exact floats, without the conversion unit:
-// each byte goes under the exponent of 2^23 (one byte permute), and 2^23 is subtracted.
-__device__ __forceinline__ void nibbles_to_f32(u32 v, float* f) {
-#pragma unroll
-    for (int j = 0; j < 4; j++)
-        f[j] = __int_as_float(__byte_perm(v, 0x4B000000u, 0x7440 + j)) - 8388608.f;
-}
-
 // The 6-bit (scale, min) pair of sub-block j of a Q4_K super-block whose 16-byte header is
 // `h` (d and dmin in h.x, the 12 scale bytes in h.y .. h.w), with shifts only (a runtime index
 // into a byte array would go through local memory).
@@ -374,124 +366,20 @@ __device__ __forceinline__ void q4k_scale_min(uint4 h, int j, float* s, float* m
     *m = (float)(low ? b & 63 : (c >> 4) | ((b >> 6) << 4));
 }
 
-// Copies token t's activations of chunks c0 .. c0 + nch (at most 32 · tiles) into the block's
-// tile, and the sums of each 16-value half chunk into xsum.
-__device__ __forceinline__ void stage_x_sums(const float* x, int k, int t, int c0, int nch,
-                                             int tiles, float* xs, float* xsum) {
-    const float4* xg = (const float4*)(x + (u64)t * k + 32 * c0);
-    __syncthreads();
-    for (int j = threadIdx.x; j < 256 * tiles; j += blockDim.x) {
-        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-        if ((j >> 3) < nch) v = __ldg(xg + j);
-        *(float4*)(xs + (j >> 3) * STAGE_X_STRIDE + 4 * (j & 7)) = v;
-        float s = (v.x + v.y) + (v.z + v.w);
-        s += __shfl_xor_sync(0xffffffffu, s, 1);
-        s += __shfl_xor_sync(0xffffffffu, s, 2);
-        if ((j & 3) == 0) xsum[j >> 2] = s;
-    }
-    __syncthreads();
-}
-
-// Most warps sharing one Q4_K row (`split`, see gemv.cu).
-#define Q4K_MAX_SPLIT 4
-
-// Q4_K rows, specialised: R rows of one warp share the activation reads (R = 2: the gate and
-// up rows of a gated feed-forward), and `split` warps (1, 2 or 4) may share a row, each
-// taking every split-th pass (the caller adds their sums). A pass is 4 super-blocks: eight
-// lanes share a 144-byte super-block, each loading one 16-byte slice of its quants and the
-// 16-byte header. The block stages the activations of `split` passes per token at once, with
-// the sums of each 16-value half chunk; with w = d·sc·q − dmin·m per 32-weight sub-block a
-// lane needs only Σ q·x (the 4-bit values become floats by byte permutes, nibbles_to_f32) and
-// the staged Σ x. Synchronises the block like staged_row_dot (every warp of the block must
-// pass the same `split`).
-template <int NT, int R>
-__device__ __forceinline__ void q4k_rows_dot(bool active, const u8* const* rows, const float* x,
-                                             int k, int nt, int part, int split,
-                                             float (*acc)[NT]) {
-    __shared__ __align__(16) float xst[Q4K_MAX_SPLIT * 32 * STAGE_X_STRIDE];
-    __shared__ float xsum[Q4K_MAX_SPLIT * 64];
-    int lane = threadIdx.x & 31, sub = lane & 7;
-    int n = sub >> 1, half = sub & 1;
-#pragma unroll
-    for (int r = 0; r < R; r++)
-#pragma unroll
-        for (int t = 0; t < NT; t++) acc[r][t] = 0.f;
-    int nb = k >> 8;
-    for (int b0 = 0; b0 < nb; b0 += 4 * split) {
-        int tb = 4 * part + (lane >> 3);  // super-block within the staged tile
-        int b = b0 + tb;
-        bool mine = active && b < nb;
-        float d0[R], c0[R], d1[R], c1[R];
-        u32 qw[R][4];
-#pragma unroll
-        for (int r = 0; r < R; r++) {
-            d0[r] = c0[r] = d1[r] = c1[r] = 0.f;
-            qw[r][0] = qw[r][1] = qw[r][2] = qw[r][3] = 0;
-            if (mine) {
-                const u8* blk = rows[r] + (u64)b * 144;
-                uint4 q = __ldg((const uint4*)(blk + 16) + sub);
-                uint4 h = __ldg((const uint4*)blk);
-                float d = f16_to_f32((u16)(h.x & 0xffff)), dmin = f16_to_f32((u16)(h.x >> 16));
-                float sc, mn;
-                q4k_scale_min(h, 2 * n, &sc, &mn);
-                d0[r] = d * sc; c0[r] = dmin * mn;
-                q4k_scale_min(h, 2 * n + 1, &sc, &mn);
-                d1[r] = d * sc; c1[r] = dmin * mn;
-                qw[r][0] = q.x; qw[r][1] = q.y; qw[r][2] = q.z; qw[r][3] = q.w;
-            }
-        }
-        int nch = min(32 * split, 8 * (nb - b0));
-#pragma unroll
-        for (int t = 0; t < NT; t++) {
-            if (t < nt) {
-                stage_x_sums(x, k, t, 8 * b0, nch, split, xst, xsum);
-                if (mine) {
-                    // Chunks 2n (low nibbles) and 2n + 1 (high) of super-block b, offset 16·half.
-                    int ca = 8 * tb + 2 * n;
-                    const float* xa_p = xst + ca * STAGE_X_STRIDE + 16 * half;
-                    const float* xh_p = xa_p + STAGE_X_STRIDE;
-                    float sx0 = xsum[2 * ca + half], sx1 = xsum[2 * ca + 2 + half];
-                    float sq0[R], sq1[R];
-#pragma unroll
-                    for (int r = 0; r < R; r++) sq0[r] = sq1[r] = 0.f;
-#pragma unroll
-                    for (int i = 0; i < 4; i++) {
-                        float4 xa = ((const float4*)xa_p)[i];
-                        float4 xh = ((const float4*)xh_p)[i];
-#pragma unroll
-                        for (int r = 0; r < R; r++) {
-                            float lo[4], hi[4];
-                            nibbles_to_f32(qw[r][i] & 0x0F0F0F0Fu, lo);
-                            nibbles_to_f32((qw[r][i] >> 4) & 0x0F0F0F0Fu, hi);
-                            sq0[r] = fmaf(lo[0], xa.x, sq0[r]);
-                            sq0[r] = fmaf(lo[1], xa.y, sq0[r]);
-                            sq0[r] = fmaf(lo[2], xa.z, sq0[r]);
-                            sq0[r] = fmaf(lo[3], xa.w, sq0[r]);
-                            sq1[r] = fmaf(hi[0], xh.x, sq1[r]);
-                            sq1[r] = fmaf(hi[1], xh.y, sq1[r]);
-                            sq1[r] = fmaf(hi[2], xh.z, sq1[r]);
-                            sq1[r] = fmaf(hi[3], xh.w, sq1[r]);
-                        }
-                    }
-#pragma unroll
-                    for (int r = 0; r < R; r++)
-                        acc[r][t] += (d0[r] * sq0[r] - c0[r] * sx0) + (d1[r] * sq1[r] - c1[r] * sx1);
-                }
-            }
-        }
-    }
-#pragma unroll
-    for (int r = 0; r < R; r++)
-#pragma unroll
-        for (int t = 0; t < NT; t++) acc[r][t] = warp_sum(acc[r][t]);
-}
-
-// One token's Q4_K products on 16-bit activations (the CPU path's scheme, act.rs). The block
-// stages the activations a tile of up to Q4K_I16_TILE super-blocks at a time, each 32 values as
-// 16-bit integers q with a scale d = max|x| / 32767 (x ≈ d·q) and the sums d·Σq of each
-// 16-value half; a lane's 4-bit weights times 16-bit values are then exact integer dot
-// products, two a `dp2a` instruction, scaled once per 32-weight sub-block.
-#define Q4K_I16_TILE 48
+// Q4_K rows on 16-bit activations (the CPU path's scheme, act.rs), for NT = 1, 2, 4 or 8 token
+// rows of which the first nt are present. The block stages the activations a tile of up to
+// q4k_i16_tile(NT) super-blocks at a time, each token's 32 values as 16-bit integers q with a
+// scale d = max|x| / 32767 (x ≈ d·q) and the sums d·Σq of each 16-value half; a lane's 4-bit
+// weights times 16-bit values are then exact integer dot products, two a `dp2a` instruction,
+// scaled once per 32-weight sub-block. A lane loads and unpacks its weights once for all the
+// tokens, so a launch reads each weight once.
+//
+// A tile takes 640 bytes of shared memory per super-block and token (512 of values, 128 of
+// scales and sums). One token stages 48 super-blocks (30 KB); NT tokens 48 / NT rounded up to a
+// multiple of 8 (a warp's two passes of 4 super-blocks, so no lane idles in a full tile): 24,
+// 16 and 8 super-blocks, 30, 40 and 40 KB, within the 48 KB of static shared memory a block may
+// hold. `q4k_tile` in backend.rs mirrors it.
+__host__ __device__ constexpr int q4k_i16_tile(int nt) { return (48 / nt + 7) / 8 * 8; }
 
 // c + a.lo16 · b.byte0 + a.hi16 · b.byte1 (signed): `dp2a.lo`.
 __device__ __forceinline__ int dp2a_lo(u32 a, u32 b, int c) {
@@ -507,94 +395,129 @@ __device__ __forceinline__ int dp2a_hi(u32 a, u32 b, int c) {
     return d;
 }
 
-// Stages super-blocks s0 .. s0 + ntb of the activations x as 16-bit values for
-// q4k_rows_i16, four threads a 32-value chunk. Super-block b's 256 values take 32 slots of 16
-// bytes, ordered as its readers load them: slot 8·i + sub holds the 8 values lane `sub` (of the
-// super-block's 8 lanes) needs for its i-th load — i = 0, 1 the low-nibble chunk 2·(sub/2),
-// values 16·(sub%2) + 8·i ..; i = 2, 3 the high-nibble chunk after it — so 8 lanes read 128
-// consecutive bytes. xm[2·c + half] = (d, d·Σq) of chunk c's half. Synchronises the block.
-__device__ __forceinline__ void stage_x_i16(const float* x, int s0, int ntb, uint4* xq,
-                                            float2* xm) {
+// Stages super-blocks s0 .. s0 + ntb of the activation rows t < nt (row t at x + t·k) as
+// 16-bit values for q4k_rows_i16, four threads a 32-value chunk of every row. Row t's tile
+// starts at xq + 32·TILE·t and xm + 16·TILE·t (TILE = q4k_i16_tile(NT)). In it super-block b's
+// 256 values take 32 slots of 16 bytes, ordered as their readers load them: slot 8·i + sub
+// holds the 8 values lane `sub` (of the super-block's 8 lanes) needs for its i-th load — i = 0,
+// 1 the low-nibble chunk 2·(sub/2), values 16·(sub%2) + 8·i ..; i = 2, 3 the high-nibble chunk
+// after it — so 8 lanes read 128 consecutive bytes. xm[2·c + half] = (d, d·Σq) of chunk c's
+// half. Synchronises the block.
+template <int NT>
+__device__ __forceinline__ void stage_x_i16(const float* x, int k, int nt, int s0, int ntb,
+                                            uint4* xq, float2* xm) {
+    const int TILE = q4k_i16_tile(NT);
     __syncthreads();
-    const float4* xg = (const float4*)(x + 256 * (u64)s0);
     for (int j = threadIdx.x; j < 32 * ntb; j += blockDim.x) {
-        float4 a = __ldg(xg + 2 * j), b = __ldg(xg + 2 * j + 1);
-        float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-        float m = 0.f;
-#pragma unroll
-        for (int i = 0; i < 8; i++) m = fmaxf(m, fabsf(v[i]));
-        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-        float inv = m > 0.f ? 32767.f / m : 0.f;
-        // v·inv + 1.5·2^23 rounds to an integer whose low 16 bits are q in two's complement.
-        u32 h[8];
-        float qs = 0.f;
-#pragma unroll
-        for (int i = 0; i < 8; i++) {
-            float f = fmaf(v[i], inv, 12582912.f);
-            qs += f - 12582912.f;
-            h[i] = __float_as_uint(f);
-        }
-        qs += __shfl_xor_sync(0xffffffffu, qs, 1);
         int c = j >> 2, p = j & 3, sb = c >> 3, jj = c & 7;
         int sub = 2 * (jj >> 1) + (p >> 1), slot = 8 * (2 * (jj & 1) + (p & 1)) + sub;
-        xq[32 * sb + slot] =
-            make_uint4(__byte_perm(h[0], h[1], 0x5410), __byte_perm(h[2], h[3], 0x5410),
-                       __byte_perm(h[4], h[5], 0x5410), __byte_perm(h[6], h[7], 0x5410));
-        float d = m * (1.f / 32767.f);
-        if ((p & 1) == 0) xm[2 * c + (p >> 1)] = make_float2(d, d * qs);
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            if (t >= nt) continue;
+            const float4* xg = (const float4*)(x + (u64)t * k + 256 * (u64)s0);
+            float4 a = __ldg(xg + 2 * j), b = __ldg(xg + 2 * j + 1);
+            float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+            float m = 0.f;
+#pragma unroll
+            for (int i = 0; i < 8; i++) m = fmaxf(m, fabsf(v[i]));
+            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+            float inv = m > 0.f ? 32767.f / m : 0.f;
+            // v·inv + 1.5·2^23 rounds to an integer whose low 16 bits are q in two's complement.
+            u32 h[8];
+            float qs = 0.f;
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                float f = fmaf(v[i], inv, 12582912.f);
+                qs += f - 12582912.f;
+                h[i] = __float_as_uint(f);
+            }
+            qs += __shfl_xor_sync(0xffffffffu, qs, 1);
+            xq[32 * (TILE * t + sb) + slot] =
+                make_uint4(__byte_perm(h[0], h[1], 0x5410), __byte_perm(h[2], h[3], 0x5410),
+                           __byte_perm(h[4], h[5], 0x5410), __byte_perm(h[6], h[7], 0x5410));
+            float d = m * (1.f / 32767.f);
+            if ((p & 1) == 0) xm[16 * TILE * t + 2 * c + (p >> 1)] = make_float2(d, d * qs);
+        }
     }
     __syncthreads();
 }
 
-// Adds to acc[r] the products of R Q4_K rows' super-block b of the staged tile (its 16-byte
-// quant slice q[r] and header h[r] as lane `sub` of the super-block's 8 loaded them) with the
-// staged activations.
-template <int R>
+// Adds to acc[r][t] (t < nt) the products of R Q4_K rows' super-block b of the staged tile (its
+// 16-byte quant slice q[r] and header h[r] as lane `sub` of the super-block's 8 loaded them)
+// with token t's staged activations; the weights are unpacked once for all the tokens.
+template <int NT, int R>
 __device__ __forceinline__ void q4k_i16_block(const uint4* q, const uint4* h, const uint4* xq,
-                                              const float2* xm, int b, int sub, float* acc) {
+                                              const float2* xm, int b, int sub, int nt,
+                                              float (*acc)[NT]) {
+    const int TILE = q4k_i16_tile(NT);
     int n = sub >> 1, half = sub & 1;
-    const uint4* xl = xq + 32 * b + sub;
-    uint4 x0 = xl[0], x1 = xl[8], x2 = xl[16], x3 = xl[24];
-    float2 m0 = xm[2 * (8 * b + 2 * n) + half], m1 = xm[2 * (8 * b + 2 * n + 1) + half];
+    // Per row: the low (chunk 2n) and high (chunk 2n + 1) nibbles, and each chunk's d·sc, dmin·m.
+    u32 lo[R][4], hi[R][4];
+    float d0[R], c0[R], d1[R], c1[R];
 #pragma unroll
     for (int r = 0; r < R; r++) {
         u32 w[4] = {q[r].x, q[r].y, q[r].z, q[r].w};
-        u32 xa[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
-        u32 xb[8] = {x2.x, x2.y, x2.z, x2.w, x3.x, x3.y, x3.z, x3.w};
-        int sl = 0, sh = 0;
 #pragma unroll
         for (int i = 0; i < 4; i++) {
-            u32 lo = w[i] & 0x0F0F0F0Fu, hi = (w[i] >> 4) & 0x0F0F0F0Fu;
-            sl = dp2a_hi(xa[2 * i + 1], lo, dp2a_lo(xa[2 * i], lo, sl));
-            sh = dp2a_hi(xb[2 * i + 1], hi, dp2a_lo(xb[2 * i], hi, sh));
+            lo[r][i] = w[i] & 0x0F0F0F0Fu;
+            hi[r][i] = (w[i] >> 4) & 0x0F0F0F0Fu;
         }
         float d = f16_to_f32((u16)(h[r].x & 0xffff)), dmin = f16_to_f32((u16)(h[r].x >> 16));
         float sc, mn;
         q4k_scale_min(h[r], 2 * n, &sc, &mn);
-        acc[r] += (d * sc) * m0.x * (float)sl - (dmin * mn) * m0.y;
+        d0[r] = d * sc;
+        c0[r] = dmin * mn;
         q4k_scale_min(h[r], 2 * n + 1, &sc, &mn);
-        acc[r] += (d * sc) * m1.x * (float)sh - (dmin * mn) * m1.y;
+        d1[r] = d * sc;
+        c1[r] = dmin * mn;
+    }
+#pragma unroll
+    for (int t = 0; t < NT; t++) {
+        if (t >= nt) continue;
+        const uint4* xl = xq + 32 * (TILE * t + b) + sub;
+        uint4 x0 = xl[0], x1 = xl[8], x2 = xl[16], x3 = xl[24];
+        const float2* ml = xm + 16 * (TILE * t + b) + 4 * n + half;
+        float2 m0 = ml[0], m1 = ml[2];
+        u32 xa[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+        u32 xb[8] = {x2.x, x2.y, x2.z, x2.w, x3.x, x3.y, x3.z, x3.w};
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            int sl = 0, sh = 0;
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                sl = dp2a_hi(xa[2 * i + 1], lo[r][i], dp2a_lo(xa[2 * i], lo[r][i], sl));
+                sh = dp2a_hi(xb[2 * i + 1], hi[r][i], dp2a_lo(xb[2 * i], hi[r][i], sh));
+            }
+            acc[r][t] += d0[r] * m0.x * (float)sl - c0[r] * m0.y;
+            acc[r][t] += d1[r] * m1.x * (float)sh - c1[r] * m1.y;
+        }
     }
 }
 
-// Dot products of R Q4_K rows (k weights each) with one token's activations x, on 16-bit
-// activations (see Q4K_I16_TILE); `split` warps may share the rows, each taking every split-th
-// pass of 4 super-blocks (the caller adds their sums); a lane loads two passes' weights before
-// it uses them. Every warp of the block must call it (active = false where it has no row):
-// it synchronises the block once per tile.
-template <int R>
+// Dot products of R Q4_K rows (k weights each) with the activation rows x[t·k ..] (t < nt ≤
+// NT), on 16-bit activations (see q4k_i16_tile); R rows of one warp share the activation reads
+// (R = 2: the gate and up rows of a gated feed-forward). `split` warps may share the rows, each
+// taking every split-th pass of 4 super-blocks of a tile (the caller adds their sums; beyond
+// q4k_i16_tile(NT) / 4 warps some would have no pass); a lane loads two passes' weights before
+// it uses them. Every warp of the block must call it (active = false where it has no row): it
+// synchronises the block around each tile's staging.
+template <int NT, int R>
 __device__ __forceinline__ void q4k_rows_i16(bool active, const u8* const* rows, const float* x,
-                                             int k, int part, int split, float* acc) {
-    __shared__ uint4 xq[Q4K_I16_TILE * 32];
-    __shared__ float2 xm[Q4K_I16_TILE * 16];
+                                             int k, int nt, int part, int split,
+                                             float (*acc)[NT]) {
+    const int TILE = q4k_i16_tile(NT);
+    __shared__ uint4 xq[NT * TILE * 32];
+    __shared__ float2 xm[NT * TILE * 16];
     int lane = threadIdx.x & 31, sub = lane & 7;
 #pragma unroll
-    for (int r = 0; r < R; r++) acc[r] = 0.f;
+    for (int r = 0; r < R; r++)
+#pragma unroll
+        for (int t = 0; t < NT; t++) acc[r][t] = 0.f;
     int nb = k >> 8;
-    for (int s0 = 0; s0 < nb; s0 += Q4K_I16_TILE) {
-        int ntb = min(Q4K_I16_TILE, nb - s0);
-        stage_x_i16(x, s0, ntb, xq, xm);
+    for (int s0 = 0; s0 < nb; s0 += TILE) {
+        int ntb = min(TILE, nb - s0);
+        stage_x_i16<NT>(x, k, nt, s0, ntb, xq, xm);
         if (!active) continue;
         for (int b0 = 4 * part + (lane >> 3); b0 < ntb; b0 += 8 * split) {
             int b1 = b0 + 4 * split;
@@ -610,34 +533,21 @@ __device__ __forceinline__ void q4k_rows_i16(bool active, const u8* const* rows,
                     h[1][r] = __ldg((const uint4*)blk);
                 }
             }
-            q4k_i16_block<R>(q[0], h[0], xq, xm, b0, sub, acc);
-            if (b1 < ntb) q4k_i16_block<R>(q[1], h[1], xq, xm, b1, sub, acc);
+            q4k_i16_block<NT, R>(q[0], h[0], xq, xm, b0, sub, nt, acc);
+            if (b1 < ntb) q4k_i16_block<NT, R>(q[1], h[1], xq, xm, b1, sub, nt, acc);
         }
     }
 #pragma unroll
-    for (int r = 0; r < R; r++) acc[r] = warp_sum(acc[r]);
-}
-
-// R Q4_K rows' dot products with NT activation rows: one token's on 16-bit activations
-// (q4k_rows_i16), several tokens' on f32 (q4k_rows_dot); arguments as there.
-template <int NT, int R>
-__device__ __forceinline__ void q4k_rows(bool active, const u8* const* rows, const float* x,
-                                         int k, int nt, int part, int split, float (*acc)[NT]) {
-    if constexpr (NT == 1) {
-        float a[R];
-        q4k_rows_i16<R>(active, rows, x, k, part, split, a);
+    for (int r = 0; r < R; r++)
 #pragma unroll
-        for (int r = 0; r < R; r++) acc[r][0] = a[r];
-    } else {
-        q4k_rows_dot<NT, R>(active, rows, x, k, nt, part, split, acc);
-    }
+        for (int t = 0; t < NT; t++) acc[r][t] = warp_sum(acc[r][t]);
 }
 
 template <int NT>
 __device__ __forceinline__ void q4k_row_dot(bool active, const u8* row, const float* x, int k,
                                             int nt, float* acc) {
     float a[1][NT];
-    q4k_rows<NT, 1>(active, &row, x, k, nt, 0, 1, a);
+    q4k_rows_i16<NT, 1>(active, &row, x, k, nt, 0, 1, a);
 #pragma unroll
     for (int t = 0; t < NT; t++) acc[t] = a[0][t];
 }
@@ -686,7 +596,7 @@ __device__ __forceinline__ void warp_row_pair_dot(bool active, const u8* row_a, 
     if (FMT == F_Q4_K) {
         const u8* rows[2] = {row_a, row_b};
         float ab[2][NT];
-        q4k_rows<NT, 2>(active, rows, x, k, nt, 0, 1, ab);
+        q4k_rows_i16<NT, 2>(active, rows, x, k, nt, 0, 1, ab);
 #pragma unroll
         for (int t = 0; t < NT; t++) {
             a[t] = ab[0][t];

@@ -107,22 +107,27 @@ fn need(what: &str, have: usize, want: usize) -> Result<()> {
 
 /// Warps per weight row of a GEMV (gemv.cu): plain-float rows are shared by up to 8 warps
 /// until the launch has `GEMV_WARPS_PER_SM` warps per multiprocessor, so a matrix of a few
-/// hundred rows still keeps every multiprocessor reading; Q4_K rows of 16 or more
-/// super-blocks by 2 and of 32 or more by 4 (`Q4K_MAX_SPLIT` in quant.cuh), so a long row is
-/// not one warp's serial walk through its passes — except one token's products of 2 blocks'
-/// rows or more per multiprocessor, whose blocks each stage all the activations (quant.cuh,
-/// `q4k_rows_i16`) and so take a row a warp; other quantized rows take one warp each.
+/// hundred rows still keeps every multiprocessor reading. Q4_K rows (quant.cuh,
+/// `q4k_rows_i16`) take one warp each in matrices of 2 blocks' rows or more per multiprocessor,
+/// for launches of any number of token rows: each block stages all the activations of its
+/// tokens, so sharing rows between more warps only means more blocks staging the same values.
+/// Shorter matrices share rows of 16 or more super-blocks by 2 and of 32 or more by 4, so a
+/// long row is not one warp's serial walk through its passes, but by no more warps than a
+/// staged tile has passes of 4 super-blocks (`q4k_tile`: 2 for 8 token rows), which would
+/// leave the others idle. Other quantized rows take one warp each.
 fn gemv_split(w: &CudaMatrix, n: usize, multiprocessors: usize) -> usize {
     if w.ty == GgmlType::Q4_K {
-        if n == 1 && w.rows >= 2 * 8 * multiprocessors {
+        if w.rows >= 2 * 8 * multiprocessors {
             return 1;
         }
-        let super_blocks = w.cols / 256;
-        return match super_blocks {
+        let by_length = match w.cols / 256 {
             32.. => 4,
             16.. => 2,
             _ => 1,
         };
+        // The first launch's kernel is the widest, with the shortest tile.
+        let variant = gemv_launches(n).next().map_or(1, |(_, _, v)| v);
+        return by_length.min(q4k_tile(variant) / 4);
     }
     let plain = matches!(w.ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16);
     if !plain || !w.cols.is_multiple_of(8) {
@@ -178,12 +183,18 @@ pub enum ProductInputs {
     F16,
 }
 
-/// Whether token row `t` of a product of `n` rows with weights stored as `ty` that runs as
-/// GEMV launches (`ProductInputs::F32`) takes its activations quantized to 16 bits (each 32
-/// values as integers times max|x| / 32767, the CPU path's scheme): the Q4_K launches of one
-/// row (quant.cuh, `q4k_rows_i16`).
-pub fn gemv_takes_16_bit_row(ty: GgmlType, n: usize, t: usize) -> bool {
-    ty == GgmlType::Q4_K && gemv_launches(n).any(|(t0, nt, _)| nt == 1 && t0 == t)
+/// Whether a product with weights stored as `ty` that runs as GEMV launches
+/// (`ProductInputs::F32`) takes its activations quantized to 16 bits (each 32 values as
+/// integers times max|x| / 32767, the CPU path's scheme): every token row of a Q4_K launch
+/// (quant.cuh, `q4k_rows_i16`), the MoE expert products included.
+pub fn gemv_takes_16_bit_activations(ty: GgmlType) -> bool {
+    ty == GgmlType::Q4_K
+}
+
+/// Super-blocks of the tile in which a Q4_K GEMV kernel of `variant` token rows stages its
+/// activations: `q4k_i16_tile` in quant.cuh (48 / variant rounded up to a multiple of 8).
+fn q4k_tile(variant: u32) -> usize {
+    (48 / variant as usize).div_ceil(8) * 8
 }
 
 /// How a product of `n` token rows with weights stored as `ty`, rows `cols` wide, takes its
@@ -1574,5 +1585,19 @@ mod tests {
             }
             assert_eq!(next, n);
         }
+    }
+
+    #[test]
+    fn q4k_tiles_fit_static_shared_memory_and_whole_warp_passes() {
+        for variant in [1, 2, 4, 8] {
+            let tile = q4k_tile(variant);
+            // 640 bytes a super-block and token row (quant.cuh, `q4k_i16_tile`).
+            assert!(
+                variant as usize * tile * 640 <= 48 << 10,
+                "variant {variant}"
+            );
+            assert!(tile.is_multiple_of(8), "variant {variant}");
+        }
+        assert_eq!(q4k_tile(1), 48);
     }
 }

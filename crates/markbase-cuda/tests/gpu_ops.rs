@@ -14,8 +14,8 @@ use markbase_core::backend::{
 use markbase_core::quant::GgmlType;
 use markbase_cpu::reference;
 use markbase_cuda::{
-    gemv_takes_16_bit_row, product_inputs, CudaBackend, CudaBuffer, ProductInputs, SampleParams,
-    ATTN_GEMM_MIN_ROWS,
+    gemv_takes_16_bit_activations, product_inputs, CudaBackend, CudaBuffer, ProductInputs,
+    SampleParams, ATTN_GEMM_MIN_ROWS,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, RngCore, SeedableRng};
@@ -160,7 +160,8 @@ fn random_matrix(r: &mut StdRng, ty: GgmlType, rows: usize, cols: usize) -> Host
 
 /// The activations `x` (`n` rows) and the weights `m` as a product sees them
 /// (`product_inputs`, with cuBLAS): activations rounded to bf16 for bf16 weights; activations
-/// and dequantized weights rounded to f16 for quantized ones; otherwise as they are.
+/// and dequantized weights rounded to f16 for quantized ones; otherwise as they are, or as
+/// 16-bit integers per 32 values where the GEMVs take them so (`as_16_bit`).
 fn as_seen(g: &CudaBackend, m: &HostMatrix, n: usize, x: &[f32]) -> (Vec<f32>, HostMatrix) {
     let inputs = if g.has_cublas() {
         product_inputs(m.ty, m.cols, n)
@@ -169,18 +170,11 @@ fn as_seen(g: &CudaBackend, m: &HostMatrix, n: usize, x: &[f32]) -> (Vec<f32>, H
     };
     match inputs {
         ProductInputs::F32 => {
-            let k = m.cols;
-            let xs = x
-                .chunks(k)
-                .enumerate()
-                .flat_map(|(t, row)| {
-                    if gemv_takes_16_bit_row(m.ty, n, t) {
-                        as_16_bit(row)
-                    } else {
-                        row.to_vec()
-                    }
-                })
-                .collect();
+            let xs = if gemv_takes_16_bit_activations(m.ty) {
+                x.chunks(m.cols).flat_map(as_16_bit).collect()
+            } else {
+                x.to_vec()
+            };
             (xs, m.clone())
         }
         ProductInputs::Bf16 => {
@@ -228,8 +222,9 @@ fn widths(ty: GgmlType) -> Vec<usize> {
     match ty.block_size() {
         1 => vec![8, 12, 40, 264, 2056, 4104],
         32 => vec![96, 512],
-        // 17 and 33 super-blocks: Q4_K rows shared by 2 and 4 warps, a last pass part-filled;
-        // 50: one token's Q4_K activations staged in two tiles (48 + 2 super-blocks).
+        // 17 and 33 super-blocks: Q4_K rows shared by 2 and 4 warps (2 at 8 token rows), a
+        // last pass part-filled; 50: Q4_K activations staged in several tiles, the last
+        // part-filled (48 + 2 super-blocks for one token row, 24 / 16 / 8 a tile for 2 / 4 / 8).
         _ => vec![256, 768, 4352, 8448, 12800],
     }
 }
@@ -452,7 +447,7 @@ fn moe_ffn_matches_reference_for_every_format() {
         let got = down(g, &out, n * d);
         // The expert products are one-row GEMVs: their inputs as such a product sees them.
         let seen = |v: &[f32]| {
-            if gemv_takes_16_bit_row(ty, 1, 0) {
+            if gemv_takes_16_bit_activations(ty) {
                 as_16_bit(v)
             } else {
                 v.to_vec()
