@@ -1,5 +1,7 @@
 // Mixture-of-experts: routing (softmax → top-k → renormalise → per-expert scale) and the routed
-// expert MLPs as grouped matrix-vector products over (token, chosen expert) pairs. Expert ids
+// expert MLPs, two ways: for a few tokens, matrix-vector products per (token, chosen expert)
+// pair; for many, the pairs grouped by expert on the device so that a block reads an expert's
+// rows once for up to MOE_TILE of its pairs (moe_group and the kernels after it). Expert ids
 // travel as f32 (the Backend contract); a bad id raises MB_ERR_EXPERT_ID in `err` and its
 // pair contributes nothing. Needs common.cuh and quant.cuh.
 
@@ -144,4 +146,213 @@ extern "C" __global__ void moe_act(const float* gu, int f, float* h) {
     if (i >= f) return;
     const float* g = gu + pair * 2 * f;
     h[pair * f + i] = gelu_tanh(g[i]) * g[f + i];
+}
+
+// ---- Grouped path. The pairs (pair p = t·top_k + j: token t's j-th expert) are sorted by
+// expert into "slots" — expert 0's pairs first, each expert's in pair order, so every result
+// is the same run to run — and an expert's slots cut into tiles of up to MOE_TILE pairs. A
+// block of the product kernels takes one tile: grids are (row blocks, most tiles), fixed by
+// (pairs, experts); blocks past the last tile exit. Index arrays (ints) written by moe_group:
+//   order[pairs]      the pair in each slot (−1 past the valid pairs),
+//   slot_of[pairs]    each pair's slot (−1 for a bad expert id),
+//   tiles[3 · most]   (expert, first slot, pairs) of each tile (0 pairs past the last).
+
+#define MOE_TILE 8  // pairs a block reads an expert's rows for: the largest GEMV variant
+#define MOE_MAX_EXPERTS (WARP * MOE_MAX_PER_LANE)
+#define MOE_GROUP_WARPS (MOE_MAX_EXPERTS / WARP)  // moe_group's block: a thread per expert
+
+// Exclusive prefix sum of v over the block's threads in thread order, and the block's total in
+// *total (every thread of the block must call it). `red` holds 32 ints.
+__device__ __forceinline__ int block_exclusive_scan(int v, int* red, int* total) {
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+    int incl = v;
+#pragma unroll
+    for (int o = 1; o < WARP; o <<= 1) {
+        int u = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += u;
+    }
+    __syncthreads();
+    if (lane == WARP - 1) red[w] = incl;
+    __syncthreads();
+    int before = 0, all = 0;
+    for (int i = 0; i < nw; i++) {
+        before += i < w ? red[i] : 0;
+        all += red[i];
+    }
+    *total = all;
+    return before + incl - v;
+}
+
+// Groups the pairs by expert (the index arrays above). One block of MOE_MAX_EXPERTS threads:
+// warp w takes the pairs of a contiguous range (ranges in warp order), and counts each
+// expert's pairs in its range (lanes with the same expert found with __match_any_sync); a
+// thread per expert turns the counts into each warp's first slot for that expert and writes
+// the expert's tiles; the warps then walk their ranges again and place each pair at its
+// warp's next slot for its expert, in pair order.
+extern "C" __global__ void moe_group(const float* ids, int pairs, int n_experts, int most_tiles,
+                                     int* order, int* slot_of, int* tiles, u32* err) {
+    __shared__ int next[MOE_GROUP_WARPS][MOE_MAX_EXPERTS];  // per warp: count, then next slot
+    __shared__ int red[32];
+    wait_prior_grid();
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    int span = (pairs + MOE_GROUP_WARPS * WARP - 1) / (MOE_GROUP_WARPS * WARP) * WARP;
+    int lo = min(pairs, w * span), hi = min(pairs, lo + span);
+    for (int v = 0; v < MOE_GROUP_WARPS; v++) next[v][threadIdx.x] = 0;
+    __syncthreads();
+    for (int c = lo; c < hi; c += WARP) {
+        int p = c + lane;
+        int e = p < hi ? expert_of(ids, p, n_experts, err) : -1;
+        u32 same = __match_any_sync(0xffffffffu, e);
+        if (e >= 0 && lane == __ffs(same) - 1) next[w][e] += __popc(same);
+        __syncwarp();
+    }
+    __syncthreads();
+    int ex = threadIdx.x, count = 0;  // this thread's expert and its pairs
+    if (ex < n_experts) {
+        for (int v = 0; v < MOE_GROUP_WARPS; v++) {
+            int c = next[v][ex];
+            next[v][ex] = count;
+            count += c;
+        }
+    }
+    int used_tiles, valid;
+    int ntiles = (count + MOE_TILE - 1) / MOE_TILE;
+    int first_tile = block_exclusive_scan(ntiles, red, &used_tiles);
+    int first_slot = block_exclusive_scan(count, red, &valid);
+    if (ex < n_experts) {
+        for (int v = 0; v < MOE_GROUP_WARPS; v++) next[v][ex] += first_slot;
+        for (int i = 0; i < ntiles; i++) {
+            int* tile = tiles + 3 * (first_tile + i);
+            tile[0] = ex;
+            tile[1] = first_slot + MOE_TILE * i;
+            tile[2] = min(MOE_TILE, count - MOE_TILE * i);
+        }
+    }
+    for (int i = used_tiles + threadIdx.x; i < most_tiles; i += blockDim.x) tiles[3 * i + 2] = 0;
+    for (int s = valid + threadIdx.x; s < pairs; s += blockDim.x) order[s] = -1;
+    __syncthreads();
+    for (int c = lo; c < hi; c += WARP) {
+        int p = c + lane;
+        int e = p < hi ? expert_of(ids, p, n_experts, err) : -1;
+        u32 same = __match_any_sync(0xffffffffu, e);
+        if (e >= 0) {
+            int slot = next[w][e] + __popc(same & ((1u << lane) - 1));
+            order[slot] = p;
+            slot_of[p] = slot;
+        } else if (p < hi) {
+            slot_of[p] = -1;
+        }
+        __syncwarp();
+        if (e >= 0 && lane == __ffs(same) - 1) next[w][e] += __popc(same);
+        __syncwarp();
+    }
+}
+
+// xg[s, :] = x[order[s] / top_k, :]: each slot's token row, so that a tile's activation rows
+// are contiguous for the row-dot helpers. One block per slot.
+extern "C" __global__ void moe_gather(const float* x, int d, int top_k, const int* order,
+                                      float* xg) {
+    wait_prior_grid();
+    u64 s = blockIdx.x;
+    int p = order[s];
+    if (p < 0) return;
+    const float* src = x + (u64)(p / top_k) * d;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) xg[s * d + i] = src[i];
+}
+
+// warp_row_dot of one row with a tile's MOE_TILE activation rows, less the fallback for
+// plain-float rows of a width that is not a multiple of 8: that fallback alone took the bf16
+// down kernel from 76 registers to 144 (one block a multiprocessor). The backend keeps such
+// rows on the per-pair path.
+template <int FMT>
+__device__ __forceinline__ void moe_row_dot(bool active, const u8* row, const float* x, int k,
+                                            int nt, float* acc) {
+    if constexpr (FMT == F_F32 || FMT == F_F16 || FMT == F_BF16) {
+#pragma unroll
+        for (int t = 0; t < MOE_TILE; t++) acc[t] = 0.f;
+        if (active) float_row_dot<FMT, MOE_TILE>(row, x, k, nt, acc);
+    } else {
+        warp_row_dot<FMT, MOE_TILE>(active, row, x, k, nt, acc);
+    }
+}
+
+// h[s, i] = gelu_tanh(gate_e[i] · xg[s]) · (up_e[i] · xg[s]) for the slots s of one tile
+// (expert e) and i < F, gate_e[i] = gate_up[e·2F + i, :] and up_e[i] its row F + i: one warp
+// per row pair, reading both rows once for the tile's pairs. Grid: (ceil(F / warps per
+// block), most tiles).
+template <int FMT>
+__device__ void moe_gate_up_grouped_impl(const u8* w, u64 row_bytes, int d, int f,
+                                         const float* xg, const int* tiles, float* h) {
+    const int* tile = tiles + 3 * blockIdx.y;
+    int e = tile[0], s0 = tile[1], nt = tile[2];
+    if (nt == 0) return;  // the whole block: past the last tile
+    int i = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    bool active = i < f;
+    const u8* gate = w + ((u64)e * 2 * f + (active ? i : 0)) * row_bytes;
+    const u8* up = gate + (u64)f * row_bytes;
+    const float* x = xg + (u64)s0 * d;
+    float g[MOE_TILE], u[MOE_TILE];
+    if constexpr (FMT == F_Q4_K) {
+        warp_row_pair_dot<FMT, MOE_TILE>(active, gate, up, x, d, nt, g, u);  // shared x reads
+    } else {
+        moe_row_dot<FMT>(active, gate, x, d, nt, g);
+        moe_row_dot<FMT>(active, up, x, d, nt, u);
+    }
+    if (active && (threadIdx.x & 31) == 0) {
+#pragma unroll
+        for (int t = 0; t < MOE_TILE; t++)
+            if (t < nt) h[(u64)(s0 + t) * f + i] = gelu_tanh(g[t]) * u[t];
+    }
+}
+
+// y[s, r] = down[e·D + r, :] · h[s, :] for the slots s of one tile (expert e) and r < D: one
+// warp per row, read once for the tile's pairs. Grid: (ceil(D / warps per block), most tiles).
+template <int FMT>
+__device__ void moe_down_grouped_impl(const u8* w, u64 row_bytes, int d, int f, const float* h,
+                                      const int* tiles, float* y) {
+    const int* tile = tiles + 3 * blockIdx.y;
+    int e = tile[0], s0 = tile[1], nt = tile[2];
+    if (nt == 0) return;  // the whole block: past the last tile
+    int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    bool active = r < d;
+    float acc[MOE_TILE];
+    moe_row_dot<FMT>(active, w + ((u64)e * d + (active ? r : 0)) * row_bytes, h + (u64)s0 * f,
+                     f, nt, acc);
+    if (active && (threadIdx.x & 31) == 0) {
+#pragma unroll
+        for (int t = 0; t < MOE_TILE; t++)
+            if (t < nt) y[(u64)(s0 + t) * d + r] = acc[t];
+    }
+}
+
+#define MOE_GROUPED_KERNELS(S, F)                                                              \
+    extern "C" __global__ void moe_gate_up_grouped_##S(const u8* w, u64 row_bytes, int d,      \
+                                                       int f, const float* xg,                 \
+                                                       const int* tiles, float* h) {           \
+        wait_prior_grid();                                                                     \
+        moe_gate_up_grouped_impl<F>(w, row_bytes, d, f, xg, tiles, h);                         \
+    }                                                                                          \
+    extern "C" __global__ void moe_down_grouped_##S(const u8* w, u64 row_bytes, int d, int f,  \
+                                                    const float* h, const int* tiles,          \
+                                                    float* y) {                                \
+        wait_prior_grid();                                                                     \
+        moe_down_grouped_impl<F>(w, row_bytes, d, f, h, tiles, y);                             \
+    }
+FOR_EACH_FORMAT(MOE_GROUPED_KERNELS)
+
+// out[t, r] = Σ_j weights[t·top_k + j] · y[slot_of[t·top_k + j], r], j in order (a pair with
+// a bad expert id adds nothing). One block per token.
+extern "C" __global__ void moe_combine(const float* y, int d, int top_k, const float* weights,
+                                       const int* slot_of, float* out) {
+    wait_prior_grid();
+    u64 t = blockIdx.x;
+    for (int r = threadIdx.x; r < d; r += blockDim.x) {
+        float total = 0.f;
+        for (int j = 0; j < top_k; j++) {
+            u64 pair = t * top_k + j;
+            int s = slot_of[pair];
+            if (s >= 0) total += weights[pair] * y[(u64)s * d + r];
+        }
+        out[t * d + r] = total;
+    }
 }

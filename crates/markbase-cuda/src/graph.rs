@@ -545,9 +545,10 @@ impl Recorder {
                 .end_capture(sys::CUgraphInstantiate_flags(0))
                 .map_err(|e| driver_err("graph capture", e));
             issued?;
-            segments.push(
-                graph?.ok_or_else(|| Error::Invalid("CUDA graph capture returned no graph".into()))?,
-            );
+            segments
+                .push(graph?.ok_or_else(|| {
+                    Error::Invalid("CUDA graph capture returned no graph".into())
+                })?);
         }
         Ok(segments)
     }

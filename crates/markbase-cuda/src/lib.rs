@@ -26,7 +26,8 @@ pub mod sources;
 
 pub use attention_gemm::ATTN_GEMM_MIN_ROWS;
 pub use backend::{
-    gemv_takes_16_bit_activations, product_inputs, CudaBackend, ProductInputs, BF16_GEMV_UP_TO,
+    gemv_takes_16_bit_activations, moe_groups_pairs, product_inputs, CudaBackend, ProductInputs,
+    BF16_GEMV_UP_TO,
 };
 pub use buffer::{CudaBuffer, CudaMatrix};
 pub use sample::{SampleParams, MAX_TOP_K};

@@ -14,8 +14,8 @@ use markbase_core::backend::{
 use markbase_core::quant::GgmlType;
 use markbase_cpu::reference;
 use markbase_cuda::{
-    gemv_takes_16_bit_activations, product_inputs, CudaBackend, CudaBuffer, ProductInputs,
-    SampleParams, ATTN_GEMM_MIN_ROWS,
+    gemv_takes_16_bit_activations, moe_groups_pairs, product_inputs, CudaBackend, CudaBuffer,
+    CudaMatrix, ProductInputs, SampleParams, ATTN_GEMM_MIN_ROWS,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, RngCore, SeedableRng};
@@ -402,71 +402,222 @@ fn rows_of(m: &HostMatrix, r0: usize, count: usize) -> HostMatrix {
     }
 }
 
-#[test]
-fn moe_ffn_matches_reference_for_every_format() {
-    let g = gpu_or_skip!();
-    let mut r = rng("moe_ffn");
-    let (n, n_experts, top_k) = (3, 4, 2);
-    for ty in GgmlType::SUPPORTED {
-        // Row widths of whole blocks: d for the gate/up rows, f for the down rows.
-        let (d, f) = match ty.block_size() {
-            1 => (264, 40),
-            32 => (96, 64),
-            _ => (768, 512),
-        };
-        let gate_up = random_matrix(&mut r, ty, n_experts * 2 * f, d);
-        let down_m = random_matrix(&mut r, ty, n_experts * d, f);
-        let (gw, dw) = (
-            g.load_matrix(&gate_up).unwrap(),
-            g.load_matrix(&down_m).unwrap(),
-        );
-        let x = uniform(&mut r, n * d, 1.0);
-        // Each token's top_k distinct experts and their weights.
-        let mut route = Vec::new();
-        for _ in 0..n {
-            let first = r.random_range(0..n_experts);
-            for j in 0..top_k {
-                route.push((r.random_range(0.1f32..1.0), (first + j) % n_experts));
-            }
-        }
-        let weights: Vec<f32> = route.iter().map(|&(w, _)| w).collect();
-        let ids: Vec<f32> = route.iter().map(|&(_, e)| e as f32).collect();
-        let mut out = poisoned(g, n * d);
-        g.moe_ffn(
-            &up(g, &x),
-            n,
-            &gw,
-            &dw,
+/// Expert rows of one `moe_ffn` case: the stacked weights as stored and as loaded.
+struct Experts {
+    n_experts: usize,
+    gate_up: HostMatrix,
+    down: HostMatrix,
+    gate_up_dev: CudaMatrix,
+    down_dev: CudaMatrix,
+}
+
+impl Experts {
+    /// Random experts stored as `ty`: gate/up rows `d` wide, down rows `f` wide.
+    fn new(
+        g: &CudaBackend,
+        r: &mut StdRng,
+        ty: GgmlType,
+        n_experts: usize,
+        d: usize,
+        f: usize,
+    ) -> Self {
+        let gate_up = random_matrix(r, ty, n_experts * 2 * f, d);
+        let down = random_matrix(r, ty, n_experts * d, f);
+        Experts {
             n_experts,
-            top_k,
-            &up(g, &weights),
-            &up(g, &ids),
-            &mut out,
-        )
-        .unwrap();
-        let got = down(g, &out, n * d);
-        // The expert products are one-row GEMVs: their inputs as such a product sees them.
-        let seen = |v: &[f32]| {
-            if gemv_takes_16_bit_activations(ty) {
-                as_16_bit(v)
-            } else {
-                v.to_vec()
-            }
-        };
-        let mut want = vec![0f32; n * d];
-        for t in 0..n {
+            gate_up_dev: g.load_matrix(&gate_up).unwrap(),
+            down_dev: g.load_matrix(&down).unwrap(),
+            gate_up,
+            down,
+        }
+    }
+
+    /// `moe_ffn` on the reference twins: token t adds w · expert_e(x_t) for each (w, e) of its
+    /// `top_k` routes (e = None: a bad id, which adds nothing). `rounded`: the products take
+    /// their activations as 16-bit integers (`gemv_takes_16_bit_activations`).
+    fn reference(
+        &self,
+        x: &[f32],
+        route: &[(f32, Option<usize>)],
+        top_k: usize,
+        rounded: bool,
+    ) -> Vec<f32> {
+        let (d, f) = (self.gate_up.cols, self.down.cols);
+        let seen = |v: &[f32]| if rounded { as_16_bit(v) } else { v.to_vec() };
+        let mut want = vec![0f32; x.len()];
+        for (t, routes) in route.chunks(top_k).enumerate() {
             let xt = seen(&x[t * d..(t + 1) * d]);
-            for &(w, e) in &route[t * top_k..(t + 1) * top_k] {
-                let gate = reference::matmul(&xt, 1, &rows_of(&gate_up, e * 2 * f, f)).unwrap();
-                let upv = reference::matmul(&xt, 1, &rows_of(&gate_up, e * 2 * f + f, f)).unwrap();
+            for &(w, e) in routes {
+                let Some(e) = e else { continue };
+                let gate =
+                    reference::matmul(&xt, 1, &rows_of(&self.gate_up, e * 2 * f, f)).unwrap();
+                let upv =
+                    reference::matmul(&xt, 1, &rows_of(&self.gate_up, e * 2 * f + f, f)).unwrap();
                 let h = seen(&reference::gelu_tanh_mul(&gate, &upv));
-                let y = reference::matmul(&h, 1, &rows_of(&down_m, e * d, d)).unwrap();
+                let y = reference::matmul(&h, 1, &rows_of(&self.down, e * d, d)).unwrap();
                 for (o, v) in want[t * d..(t + 1) * d].iter_mut().zip(y) {
                     *o += w * v;
                 }
             }
         }
-        assert_close(&format!("moe_ffn {ty}"), &got, &want, 5e-5);
+        want
+    }
+
+    /// Queues `moe_ffn` of the token rows `x` on the GPU with each token's `top_k` expert ids
+    /// `ids` (as f32, the Backend contract); returns the output buffer.
+    fn run(
+        &self,
+        g: &CudaBackend,
+        x: &[f32],
+        top_k: usize,
+        weights: &[f32],
+        ids: &[f32],
+    ) -> CudaBuffer {
+        let n = x.len() / self.gate_up.cols;
+        let mut out = poisoned(g, n * self.gate_up.cols);
+        g.moe_ffn(
+            &up(g, x),
+            n,
+            &self.gate_up_dev,
+            &self.down_dev,
+            self.n_experts,
+            top_k,
+            &up(g, weights),
+            &up(g, ids),
+            &mut out,
+        )
+        .unwrap();
+        out
+    }
+}
+
+/// Routes of `n` tokens: each token's `top_k` distinct experts, consecutive (mod the count)
+/// among those of `0..n_experts` other than `left_out`, with random weights.
+fn moe_routes(
+    r: &mut StdRng,
+    n: usize,
+    n_experts: usize,
+    top_k: usize,
+    left_out: Option<usize>,
+) -> Vec<(f32, usize)> {
+    let chosen: Vec<usize> = (0..n_experts).filter(|&e| Some(e) != left_out).collect();
+    let mut route = Vec::new();
+    for _ in 0..n {
+        let first = r.random_range(0..chosen.len());
+        for j in 0..top_k {
+            route.push((
+                r.random_range(0.1f32..1.0),
+                chosen[(first + j) % chosen.len()],
+            ));
+        }
+    }
+    route
+}
+
+#[test]
+fn moe_ffn_matches_reference_for_every_format() {
+    let g = gpu_or_skip!();
+    let mut r = rng("moe_ffn");
+    for ty in GgmlType::SUPPORTED {
+        // Row widths of whole blocks: d for the gate/up rows, f for the down rows; plain rows
+        // also at widths that are not multiples of 8 (which stay on the per-pair path).
+        let mut shapes = vec![match ty.block_size() {
+            1 => (264, 40),
+            32 => (96, 64),
+            _ => (768, 512),
+        }];
+        if ty.block_size() == 1 {
+            shapes.push((260, 36));
+        }
+        for (d, f) in shapes {
+            // (tokens, experts, top_k, an expert no token chooses): 3 tokens take the per-pair
+            // path; 13 tokens over 3 experts of which one is left out, the grouped path with
+            // two experts of 13 pairs each (a full tile of 8 and one of 5) and one of none; 16
+            // tokens, 3 of 5 experts each, tiles of uneven sizes.
+            for (n, n_experts, top_k, leave_out) in
+                [(3, 4, 2, false), (13, 3, 2, true), (16, 5, 3, false)]
+            {
+                let grouped = moe_groups_pairs(n, n_experts, d, f);
+                assert_eq!(
+                    grouped,
+                    n > 3 && d % 8 == 0 && f % 8 == 0,
+                    "n = {n}: not the path this case is for"
+                );
+                let experts = Experts::new(g, &mut r, ty, n_experts, d, f);
+                let x = uniform(&mut r, n * d, 1.0);
+                let left_out = leave_out.then(|| r.random_range(0..n_experts));
+                let route = moe_routes(&mut r, n, n_experts, top_k, left_out);
+                let weights: Vec<f32> = route.iter().map(|&(w, _)| w).collect();
+                let ids: Vec<f32> = route.iter().map(|&(_, e)| e as f32).collect();
+                let out = experts.run(g, &x, top_k, &weights, &ids);
+                let got = down(g, &out, n * d);
+                // Both paths' products are GEMVs: Q4_K ones take 16-bit activations.
+                let rounded = gemv_takes_16_bit_activations(ty);
+                let route: Vec<_> = route.iter().map(|&(w, e)| (w, Some(e))).collect();
+                let want = experts.reference(&x, &route, top_k, rounded);
+                assert_close(
+                    &format!("moe_ffn {ty} d={d} f={f} n={n} experts={n_experts} top_k={top_k}"),
+                    &got,
+                    &want,
+                    5e-5,
+                );
+                // The same inputs again give the same bits (the grouping's order is fixed).
+                let again = down(g, &experts.run(g, &x, top_k, &weights, &ids), n * d);
+                assert!(
+                    got.iter()
+                        .zip(&again)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "moe_ffn {ty} n={n}: a second run differs"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn moe_ffn_reports_a_bad_expert_id_on_both_paths() {
+    if gpu().is_none() {
+        eprintln!("skipped: no usable GPU");
+        return;
+    }
+    // A backend of its own: the error word is the backend's, and a test sharing one would
+    // see this test's error at its next read.
+    let g = &CudaBackend::new(0).unwrap();
+    let mut r = rng("moe_ffn bad id");
+    let (ty, d, f, n_experts, top_k) = (GgmlType::BF16, 264, 40, 4, 2);
+    let experts = Experts::new(g, &mut r, ty, n_experts, d, f);
+    for n in [3, 13] {
+        assert_eq!(moe_groups_pairs(n, n_experts, d, f), n == 13);
+        for bad in [n_experts as f32, 1.5, -1.0, f32::NAN] {
+            let x = uniform(&mut r, n * d, 1.0);
+            let mut route: Vec<_> = moe_routes(&mut r, n, n_experts, top_k, None)
+                .into_iter()
+                .map(|(w, e)| (w, Some(e)))
+                .collect();
+            let which = r.random_range(0..n * top_k);
+            route[which].1 = None;
+            let weights: Vec<f32> = route.iter().map(|&(w, _)| w).collect();
+            let ids: Vec<f32> = route
+                .iter()
+                .map(|&(_, e)| e.map_or(bad, |e| e as f32))
+                .collect();
+            let out = experts.run(g, &x, top_k, &weights, &ids);
+            // The read reports the bad id, after copying the output: the pair added nothing.
+            let mut got = vec![0f32; n * d];
+            let err = g
+                .read(&out, &mut got)
+                .expect_err("a bad expert id must be reported");
+            assert!(err.to_string().contains("expert id"), "{err}");
+            let want = experts.reference(&x, &route, top_k, false); // bf16: f32 activations
+            assert_close(
+                &format!("moe_ffn n={n} with id {bad} at pair {which}"),
+                &got,
+                &want,
+                5e-5,
+            );
+            // Reported once: the next read is clean.
+            g.read(&out, &mut got).unwrap();
+        }
     }
 }
 
