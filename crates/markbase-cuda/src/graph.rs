@@ -18,9 +18,10 @@
 //! asked for: keys hold every pointer and value.
 //!
 //! What differs between replays is the host's index arrays (tokens, positions, cache slots,
-//! block tables, sampler draws). They go to a per-step arena ([`Steps::upload`]): each
-//! distinct array of a step takes the next place in it, so equal keys mean equal places, and
-//! a replay copies what the step placed so far to the device before each segment.
+//! block tables, sampler draws). They go to a per-step arena ([`Steps::upload`]): each array
+//! of a step takes the next place in it (one the step uploads again keeps its place), so equal
+//! keys mean equal places, and a replay copies what the step placed so far to the device
+//! before each segment.
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -190,8 +191,8 @@ struct Arena {
     used: usize,
     /// u32 already copied to the device this step.
     copied: usize,
-    /// (offset, length) of each distinct array of this step.
-    places: Vec<(usize, usize)>,
+    /// (host address of the caller's array, offset, length) of each array placed this step.
+    places: Vec<(usize, usize, usize)>,
     /// Earlier host buffers, kept until the step's wait (copies from them may be queued).
     retired: Vec<PinnedHostSlice<u32>>,
 }
@@ -405,16 +406,18 @@ impl Recorder {
         f()
     }
 
-    /// The device address of a copy of the index array `v` in this step's arena (the same
-    /// place for an array equal to one placed earlier in the step).
+    /// The device address of a copy of the index array `v` in this step's arena. The same
+    /// array uploaded again in the step (the same host slice, unchanged: the positions every
+    /// layer passes) keeps its place; an equal array from elsewhere takes a new one, so where
+    /// things go never depends on the values (tokens that happen to equal positions would
+    /// otherwise change a step's keys).
     pub(crate) fn upload(&mut self, v: &[u32]) -> Result<u64> {
         self.check_pending()?;
         let arena = &self.arena;
-        if let Some(&(off, _)) = arena
-            .places
-            .iter()
-            .find(|&&(off, len)| len == v.len() && &arena.host()[off..off + len] == v)
-        {
+        let from = v.as_ptr() as usize;
+        if let Some(&(_, off, _)) = arena.places.iter().find(|&&(at, off, len)| {
+            at == from && len == v.len() && &arena.host()[off..off + len] == v
+        }) {
             return Ok(arena.dev_ptr + 4 * off as u64);
         }
         let off = self.arena.used.next_multiple_of(ARENA_ALIGN);
@@ -426,7 +429,7 @@ impl Recorder {
         // reads this part before the step's wait (places only grow within a step).
         unsafe { std::slice::from_raw_parts_mut(self.arena.host_ptr.add(off), v.len()) }
             .copy_from_slice(v);
-        self.arena.places.push((off, v.len()));
+        self.arena.places.push((from, off, v.len()));
         self.arena.used = off + v.len();
         if !self.holding {
             self.arena.copy_pending(&self.stream)?;
