@@ -564,36 +564,25 @@ impl CudaBackend {
                 Arg::U64(rows),
             ],
         )?;
-        self.launch_fn(
-            &self
-                .kernels
-                .func_for(Module::Moe, "moe_gate_up_grouped", gate_up.ty, 0)?,
-            Grid::new((blocks(f, 8), most_tiles as u32), 256),
-            &[
-                Arg::U64(gate_up.ptr),
-                Arg::U64(gate_up.row_bytes as u64),
-                Arg::I32(di),
-                Arg::I32(fi),
-                Arg::U64(rows),
-                Arg::U64(tiles),
-                Arg::U64(h),
-            ],
-        )?;
-        self.launch_fn(
-            &self
-                .kernels
-                .func_for(Module::Moe, "moe_down_grouped", down.ty, 0)?,
-            Grid::new((blocks(d, 8), most_tiles as u32), 256),
-            &[
-                Arg::U64(down.ptr),
-                Arg::U64(down.row_bytes as u64),
-                Arg::I32(di),
-                Arg::I32(fi),
-                Arg::U64(h),
-                Arg::U64(tiles),
-                Arg::U64(rows),
-            ],
-        )?;
+        // An expert product per tile: `w`'s `out_rows` rows for the tile's pairs, `input` to
+        // `output` (both grouped kernels take the same arguments).
+        let grouped = |name, w: &CudaMatrix, out_rows: usize, input: u64, output: u64| {
+            self.launch_fn(
+                &self.kernels.func_for(Module::Moe, name, w.ty, 0)?,
+                Grid::new((blocks(out_rows, 8), most_tiles as u32), 256),
+                &[
+                    Arg::U64(w.ptr),
+                    Arg::U64(w.row_bytes as u64),
+                    Arg::I32(di),
+                    Arg::I32(fi),
+                    Arg::U64(input),
+                    Arg::U64(tiles),
+                    Arg::U64(output),
+                ],
+            )
+        };
+        grouped("moe_gate_up_grouped", gate_up, f, rows, h)?;
+        grouped("moe_down_grouped", down, d, h, rows)?;
         self.run(
             Module::Moe,
             "moe_combine",

@@ -357,14 +357,7 @@ impl Blas {
 
     /// The product of `shape` on `[A, B, C]`, planned now if it is the shape's first.
     fn call(&self, shape: Shape, ptrs: [u64; 3]) -> Result<GemmCall> {
-        let mut plans = self.plans()?;
-        if !plans.contains_key(&shape) {
-            if plans.len() >= MAX_PLANS {
-                plans.clear();
-            }
-            let plan = self.plan(shape)?;
-            plans.insert(shape, plan);
-        }
+        self.plan_in(&mut *self.plans()?, shape)?;
         // Counted when asked for (it may be issued later, or again under capture).
         self.queue.bump();
         Ok(GemmCall { shape, ptrs })
@@ -376,13 +369,9 @@ impl Blas {
             .map_err(|_| Error::Invalid("cuBLASLt plans poisoned by an earlier panic".into()))
     }
 
-    /// Queues `call` (planned again if its plan was dropped since).
-    ///
-    /// # Safety
-    /// The call's pointers must be live device allocations of the sizes its maker implied.
-    pub(crate) unsafe fn issue(&self, call: &GemmCall) -> Result<()> {
-        let (shape, [a, b, c]) = (call.shape, call.ptrs);
-        let mut plans = self.plans()?;
+    /// The plan of `shape` in `plans`, made now if it is not there (a full table is emptied
+    /// first).
+    fn plan_in<'a>(&self, plans: &'a mut HashMap<Shape, Plan>, shape: Shape) -> Result<&'a Plan> {
         if !plans.contains_key(&shape) {
             if plans.len() >= MAX_PLANS {
                 plans.clear();
@@ -390,7 +379,17 @@ impl Blas {
             let plan = self.plan(shape)?;
             plans.insert(shape, plan);
         }
-        let plan = &plans[&shape];
+        Ok(&plans[&shape])
+    }
+
+    /// Queues `call` (planned again if its plan was dropped since).
+    ///
+    /// # Safety
+    /// The call's pointers must be live device allocations of the sizes its maker implied.
+    pub(crate) unsafe fn issue(&self, call: &GemmCall) -> Result<()> {
+        let (shape, [a, b, c]) = (call.shape, call.ptrs);
+        let mut plans = self.plans()?;
+        let plan = self.plan_in(&mut plans, shape)?;
         let (alpha, beta) = (1f32, 0f32);
         lt::matmul(
             self.handle,
