@@ -403,16 +403,35 @@ impl CudaBackend {
         self.steps.lock()?.foreign(f)
     }
 
-    /// Before a host wait: the step's operations go to the device (as one graph launch where
-    /// the step repeats a recorded one).
-    pub(crate) fn finish_queueing(&self) -> Result<()> {
-        self.steps.lock()?.finish_queueing()
-    }
-
-    /// After a host wait: the next step starts (a step that repeated the one before is
-    /// captured as a graph now).
-    pub(crate) fn start_next_step(&self) -> Result<()> {
-        self.steps.lock()?.start_next_step()
+    /// A step's host wait, the only one: queues the step (as graph segments where it repeats
+    /// a recorded one), then a copy of the kernel error word and `copy` (a copy to host
+    /// memory); waits for the device; starts the next step (capturing this one if it repeated
+    /// the step before); then raises any error a kernel flagged. The recorder stays locked
+    /// until the next step has started, so no other thread queues work or waits on the stream
+    /// while a step is captured.
+    pub(crate) fn host_wait<T>(&self, copy: impl FnOnce() -> Result<T>) -> Result<T> {
+        let (out, flag) = {
+            let mut steps = self.steps.lock()?;
+            steps.finish_queueing()?;
+            let mut host = self
+                .err_host
+                .lock()
+                .map_err(|_| Error::Invalid("CUDA error word poisoned".into()))?;
+            // SAFETY: the error word is one u32 (stored in an f32 slot); copy its bits.
+            let word = unsafe { self.err.mem.transmute::<u32>(1) }
+                .ok_or_else(|| Error::Invalid("CUDA error word".into()))?;
+            self.dev
+                .stream
+                .memcpy_dtoh(&word, &mut *host)
+                .map_err(|e| driver_err("error word copy", e))?;
+            let out = self.dev.wait(copy);
+            let flag = host.as_slice().map(|w| w[0]);
+            steps.start_next_step();
+            (out, flag)
+        };
+        let out = out?;
+        self.take_kernel_error(flag.map_err(|e| driver_err("error word read", e))?)?;
+        Ok(out)
     }
 
     /// Steps run as one CUDA graph launch so far.
@@ -436,11 +455,15 @@ impl CudaBackend {
         Ok(self.steps.lock()?.enabled())
     }
 
-    /// Waits until everything queued has run.
+    /// Why graphs turned themselves off, if they did: capturing a step failed (the step still
+    /// ran, and later steps run as queued).
+    pub fn graphs_off_reason(&self) -> Result<Option<String>> {
+        Ok(self.steps.lock()?.off_reason())
+    }
+
+    /// Waits until everything queued has run (a host wait, as at the end of a step).
     pub fn synchronize(&self) -> Result<()> {
-        self.finish_queueing()?;
-        self.dev.wait(|| Ok(()))?;
-        self.start_next_step()
+        self.host_wait(|| Ok(()))
     }
 
     /// Queues kernel `name` of module `m`.
@@ -794,38 +817,6 @@ impl CudaBackend {
         } else {
             format!("cuda kernel error flag {flag:#x}")
         }))
-    }
-
-    /// Queues the step (see `finish_queueing`), then a copy of the kernel error word into
-    /// pinned host memory: what every host wait starts with.
-    pub(crate) fn queue_error_check(&self) -> Result<MutexGuard<'_, PinnedHostSlice<u32>>> {
-        self.finish_queueing()?;
-        let mut host = self
-            .err_host
-            .lock()
-            .map_err(|_| Error::Invalid("CUDA error word poisoned".into()))?;
-        // SAFETY: the error word is one u32 (stored in an f32 slot); copy its bits.
-        let word = unsafe { self.err.mem.transmute::<u32>(1) }
-            .ok_or_else(|| Error::Invalid("CUDA error word".into()))?;
-        self.dev
-            .stream
-            .memcpy_dtoh(&word, &mut *host)
-            .map_err(|e| driver_err("error word copy", e))?;
-        Ok(host)
-    }
-
-    /// After a synchronisation: starts the next step, then raises the error word copied by
-    /// `queue_error_check`.
-    pub(crate) fn finish_error_check(
-        &self,
-        host: MutexGuard<'_, PinnedHostSlice<u32>>,
-    ) -> Result<()> {
-        let flag = host
-            .as_slice()
-            .map_err(|e| driver_err("error word read", e))?[0];
-        drop(host);
-        self.start_next_step()?;
-        self.take_kernel_error(flag)
     }
 
     /// The device address of the RoPE frequencies `θ^(−2i/head_dim) / linear_factor` of the
@@ -1685,8 +1676,7 @@ impl Backend for CudaBackend {
 
     fn read(&self, x: &CudaBuffer, dst: &mut [f32]) -> Result<()> {
         need("read", x.len(), dst.len())?;
-        let check = self.queue_error_check()?;
-        self.dev.wait(|| {
+        self.host_wait(|| {
             if !dst.is_empty() {
                 let from = x.mem.slice(0..dst.len());
                 self.dev
@@ -1695,8 +1685,7 @@ impl Backend for CudaBackend {
                     .map_err(|e| driver_err("device-to-host copy", e))?;
             }
             Ok(())
-        })?;
-        self.finish_error_check(check)
+        })
     }
 }
 

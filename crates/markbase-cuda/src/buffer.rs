@@ -1,6 +1,7 @@
 //! Device memory the backend hands out: f32 activation buffers / vectors, stored weight
 //! matrices, and the grow-on-demand scratch space of operations.
 
+use std::mem::ManuallyDrop;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
@@ -18,7 +19,8 @@ pub(crate) fn addr<T>(s: &CudaSlice<T>, stream: &CudaStream) -> u64 {
 
 /// An f32 buffer in device memory (activations, KV cache, norm weights).
 pub struct CudaBuffer {
-    pub(crate) mem: CudaSlice<f32>,
+    /// Freed in `drop`, with the step recorder locked.
+    pub(crate) mem: ManuallyDrop<CudaSlice<f32>>,
     pub(crate) ptr: u64,
     len: usize,
     steps: Steps,
@@ -26,9 +28,9 @@ pub struct CudaBuffer {
 
 impl Drop for CudaBuffer {
     fn drop(&mut self) {
-        // Operations held back for a graph may read the buffer: they go first (the memory is
-        // freed in stream order after them).
-        self.steps.release_on_drop();
+        // SAFETY: `mem` is dropped once, here, and not used after.
+        self.steps
+            .free_after_held(|| unsafe { ManuallyDrop::drop(&mut self.mem) });
     }
 }
 
@@ -44,7 +46,7 @@ impl CudaBuffer {
             .map_err(|e| driver_err(&format!("allocating {len} floats"), e))?;
         let ptr = addr(&mem, stream);
         Ok(CudaBuffer {
-            mem,
+            mem: ManuallyDrop::new(mem),
             ptr,
             len,
             steps: steps.clone(),
@@ -64,7 +66,8 @@ impl CudaBuffer {
 
 /// A weight matrix in device memory, blocks as stored.
 pub struct CudaMatrix {
-    pub(crate) _mem: CudaSlice<u8>,
+    /// Freed in `drop`, with the step recorder locked.
+    mem: ManuallyDrop<CudaSlice<u8>>,
     pub(crate) ptr: u64,
     /// Storage format.
     pub ty: GgmlType,
@@ -81,8 +84,9 @@ pub struct CudaMatrix {
 
 impl Drop for CudaMatrix {
     fn drop(&mut self) {
-        // As for `CudaBuffer`: held operations that read the weights go first.
-        self.steps.release_on_drop();
+        // SAFETY: as for `CudaBuffer`.
+        self.steps
+            .free_after_held(|| unsafe { ManuallyDrop::drop(&mut self.mem) });
     }
 }
 
@@ -102,7 +106,7 @@ impl CudaMatrix {
             .map_err(|e| driver_err(&format!("uploading '{name}'"), e))?;
         let ptr = addr(&mem, stream);
         Ok(CudaMatrix {
-            _mem: mem,
+            mem: ManuallyDrop::new(mem),
             ptr,
             ty,
             rows,
@@ -135,8 +139,10 @@ impl<T: cudarc::driver::DeviceRepr> Growable<T> {
     /// The address of at least `n` elements (contents unspecified).
     pub(crate) fn get(&mut self, stream: &Arc<CudaStream>, n: usize) -> Result<u64> {
         if n > self.cap || self.mem.is_none() {
-            // Operations held back for a graph may use the old allocation: they go first.
-            self.steps.release()?;
+            // Operations held back for a graph may use the old allocation: they go first; the
+            // recorder stays locked so that no other thread captures a step meanwhile.
+            let mut steps = self.steps.lock()?;
+            steps.release()?;
             let cap = n.max(self.cap * 2).max(256);
             // SAFETY: the contents are written by the kernels before they are read.
             let mem = unsafe { stream.alloc::<T>(cap) }
@@ -145,6 +151,7 @@ impl<T: cudarc::driver::DeviceRepr> Growable<T> {
             // The old allocation is freed in stream order (or after the device is idle).
             self.mem = Some(mem);
             self.cap = cap;
+            drop(steps);
         }
         Ok(self.ptr)
     }

@@ -167,11 +167,12 @@ impl Keys {
 }
 
 /// Graphs whose first `i + 1` operations match a step's, from `candidates` (graphs matching
-/// its first `i`), given the step's keys so far (`step`, holding `i + 1` operations).
-fn narrow(candidates: &mut Vec<usize>, graphs: &[&Keys], step: &Keys) {
+/// its first `i`; `keys_of` gives a graph's keys), given the step's keys so far (`step`,
+/// holding `i + 1` operations).
+fn narrow<'a>(candidates: &mut Vec<usize>, keys_of: impl Fn(usize) -> &'a Keys, step: &Keys) {
     let i = step.len() - 1;
     let key = step.op(i);
-    candidates.retain(|&g| graphs[g].has_at(i, key));
+    candidates.retain(|&g| keys_of(g).has_at(i, key));
 }
 
 /// A captured step: its keys and one graph per `SEGMENT_OPS` operations.
@@ -273,6 +274,8 @@ pub(crate) struct Recorder {
     captures: u64,
     /// An error of a flush that had nowhere to go (a buffer's drop), raised at the next call.
     pending: Option<Error>,
+    /// Why graphs were turned off, if a capture failed.
+    off_reason: Option<String>,
 }
 
 // SAFETY: the raw handles inside (kernel functions, cuBLASLt descriptors, the pinned buffer's
@@ -309,6 +312,7 @@ impl Steps {
             replays: 0,
             captures: 0,
             pending: None,
+            off_reason: None,
         }))))
     }
 
@@ -318,17 +322,20 @@ impl Steps {
             .map_err(|_| Error::Invalid("CUDA step recorder poisoned by an earlier panic".into()))
     }
 
-    /// Issues whatever is held back (before memory is freed or reallocated).
-    pub(crate) fn release(&self) -> Result<()> {
-        self.lock()?.release()
-    }
-
-    /// Called from a drop: issues whatever is held back; an error waits for the next call.
-    pub(crate) fn release_on_drop(&self) {
-        if let Ok(mut r) = self.0.lock() {
-            if let Err(e) = r.release() {
-                r.pending.get_or_insert(e);
+    /// For a drop: issues whatever is held back (it may read the memory), then runs `free`,
+    /// which frees device memory in stream order, with the recorder locked — so that no other
+    /// thread is capturing a step meanwhile (the free would join its graph). An error waits
+    /// for the recorder's next call.
+    pub(crate) fn free_after_held(&self, free: impl FnOnce()) {
+        match self.0.lock() {
+            Ok(mut r) => {
+                if let Err(e) = r.release() {
+                    r.pending.get_or_insert(e);
+                }
+                free();
             }
+            // A poisoned recorder no longer captures anything.
+            Err(_) => free(),
         }
     }
 }
@@ -348,7 +355,7 @@ impl Recorder {
     }
 
     /// Stops holding back: queues the arena's new arrays and every held operation.
-    fn release(&mut self) -> Result<()> {
+    pub(crate) fn release(&mut self) -> Result<()> {
         if self.holding {
             self.holding = false;
             self.candidates.clear();
@@ -372,8 +379,8 @@ impl Recorder {
         self.keys.push(&op);
         self.ops.push(op);
         if self.holding {
-            let graphs: Vec<&Keys> = self.graphs.iter().map(|g| &g.keys).collect();
-            narrow(&mut self.candidates, &graphs, &self.keys);
+            let graphs = &self.graphs;
+            narrow(&mut self.candidates, |g| &graphs[g].keys, &self.keys);
             let Some(&g) = self.candidates.first() else {
                 return self.release();
             };
@@ -477,18 +484,15 @@ impl Recorder {
 
     /// After the step's host wait: captures the step if it repeated the one before, then
     /// starts the next step.
-    pub(crate) fn start_next_step(&mut self) -> Result<()> {
+    pub(crate) fn start_next_step(&mut self) {
         let new = !self.replayed && !self.graphs.iter().any(|g| g.keys == self.keys);
-        let captured = if self.enabled && !self.foreign && new && !self.ops.is_empty() {
+        if self.enabled && !self.foreign && new && !self.ops.is_empty() {
             if self.keys == self.last {
-                self.capture()
+                self.capture();
             } else {
                 std::mem::swap(&mut self.keys, &mut self.last);
-                Ok(())
             }
-        } else {
-            Ok(())
-        };
+        }
         self.ops.clear();
         self.keys.clear();
         self.issued = 0;
@@ -500,12 +504,12 @@ impl Recorder {
         self.arena.copied = 0;
         self.arena.places.clear();
         self.arena.retired.clear();
-        captured
     }
 
-    /// Captures the step's operations (issued again under stream capture, not run) into a
-    /// graph. A failure turns graphs off and is returned.
-    fn capture(&mut self) -> Result<()> {
+    /// Captures the step's operations (issued again under stream capture, not run) into
+    /// graphs. A failure turns graphs off (the step itself has run) and is kept as the
+    /// reason ([`Recorder::off_reason`]).
+    fn capture(&mut self) {
         let made = self.record_segments();
         match made {
             Ok(segments) => {
@@ -523,12 +527,11 @@ impl Recorder {
                 });
                 self.last.clear();
                 self.captures += 1;
-                Ok(())
             }
             Err(e) => {
+                self.off_reason = Some(format!("capturing a step failed: {e}"));
                 self.enabled = false;
                 self.graphs.clear();
-                Err(e)
             }
         }
     }
@@ -571,6 +574,7 @@ impl Recorder {
     pub(crate) fn set_enabled(&mut self, on: bool) -> Result<()> {
         self.release()?;
         self.enabled = on;
+        self.off_reason = None;
         if !on {
             self.graphs.clear();
             self.last.clear();
@@ -581,6 +585,11 @@ impl Recorder {
     /// Whether graphs are on.
     pub(crate) fn enabled(&self) -> bool {
         self.enabled
+    }
+
+    /// Why graphs went off by themselves (a capture failed), if they did.
+    pub(crate) fn off_reason(&self) -> Option<String> {
+        self.off_reason.clone()
     }
 }
 
@@ -636,15 +645,16 @@ mod tests {
         let g1 = keys(&[copy(0, 1), copy(64, 2)]);
         let g2 = keys(&[copy(32, 1)]);
         let graphs = [&g0, &g1, &g2];
+        let keys_of = |g: usize| graphs[g];
         let mut candidates = vec![0, 1, 2];
         let mut step = keys(&[copy(0, 1)]);
-        narrow(&mut candidates, &graphs, &step);
+        narrow(&mut candidates, keys_of, &step);
         assert_eq!(candidates, [0, 1]);
         step.push(&copy(64, 2));
-        narrow(&mut candidates, &graphs, &step);
+        narrow(&mut candidates, keys_of, &step);
         assert_eq!(candidates, [1]);
         step.push(&copy(128, 1));
-        narrow(&mut candidates, &graphs, &step);
+        narrow(&mut candidates, keys_of, &step);
         assert!(
             candidates.is_empty(),
             "a step longer than every graph matches none"

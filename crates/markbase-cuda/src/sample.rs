@@ -41,9 +41,8 @@ impl CudaBackend {
 
     /// Copies the `rows` picks back (the step's one wait) and checks the kernel error word.
     fn finish_picks(&self, picks: u64, rows: usize) -> Result<Vec<u32>> {
-        let check = self.queue_error_check()?;
         let mut out = vec![0u32; rows];
-        self.dev.wait(|| {
+        self.host_wait(|| {
             // SAFETY: `picks` holds `rows` u32 written by the kernel just queued.
             unsafe {
                 cudarc::driver::result::memcpy_dtoh_async(
@@ -54,7 +53,6 @@ impl CudaBackend {
             }
             .map_err(|e| driver_err("copying chosen tokens", e))
         })?;
-        self.finish_error_check(check)?;
         Ok(out)
     }
 

@@ -667,6 +667,7 @@ fn graphs_match_eager<M: Lm<B = CudaBackend>>(
         }
         phase(&format!("batched {step}"));
     }
+    assert_eq!(on_backend.graphs_off_reason().unwrap(), None, "{name}");
     let replays = on_backend.graph_replays().unwrap() - replays0;
     eprintln!("{name}: {replays} of 26 decode steps replayed as graphs");
     assert!(
