@@ -434,14 +434,9 @@ impl CudaBackend {
         Ok(out)
     }
 
-    /// Steps run as one CUDA graph launch so far.
+    /// Steps run as CUDA graph launches so far.
     pub fn graph_replays(&self) -> Result<u64> {
         Ok(self.steps.lock()?.replays())
-    }
-
-    /// CUDA graphs made so far (one per distinct repeated step).
-    pub fn graph_captures(&self) -> Result<u64> {
-        Ok(self.steps.lock()?.captures())
     }
 
     /// Turns replaying steps as CUDA graphs on or off (on by default; off with the

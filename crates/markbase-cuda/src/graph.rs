@@ -271,7 +271,6 @@ pub(crate) struct Recorder {
     arena: Arena,
     tick: u64,
     replays: u64,
-    captures: u64,
     /// An error of a flush that had nowhere to go (a buffer's drop), raised at the next call.
     pending: Option<Error>,
     /// Why graphs were turned off, if a capture failed.
@@ -310,12 +309,12 @@ impl Steps {
             arena: Arena::new(stream, ARENA_START)?,
             tick: 0,
             replays: 0,
-            captures: 0,
             pending: None,
             off_reason: None,
         }))))
     }
 
+    /// The recorder, locked.
     pub(crate) fn lock(&self) -> Result<MutexGuard<'_, Recorder>> {
         self.0
             .lock()
@@ -526,7 +525,6 @@ impl Recorder {
                     used: self.tick,
                 });
                 self.last.clear();
-                self.captures += 1;
             }
             Err(e) => {
                 self.off_reason = Some(format!("capturing a step failed: {e}"));
@@ -562,11 +560,6 @@ impl Recorder {
     /// Steps run as graph launches so far.
     pub(crate) fn replays(&self) -> u64 {
         self.replays
-    }
-
-    /// Graphs made so far.
-    pub(crate) fn captures(&self) -> u64 {
-        self.captures
     }
 
     /// Turns graphs on or off (off: every operation is issued as it comes; graphs made so far
