@@ -7,10 +7,12 @@
 //! 704-wide down projection in Q4_K) falls back to Q8_0, then BF16; the per-layer embedding
 //! table stays at ≥ 8 bits (Q8_0 under `q4_k`). Nothing is generated until a tensor is asked
 //! for: the shapes and byte counts (`inspect`) come from the configuration alone, and each
-//! tensor's bytes are a pure function of (seed, tensor name), so a run is reproducible.
+//! tensor's bytes are a pure function of (seed, tensor name), so a run is reproducible. A
+//! matrix is generated in fixed chunks of `CHUNK_WEIGHTS`, each from its own stream, on every
+//! core (E4B's 7 G weights took 92 s on one core of two).
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use markbase_core::backend::{HostBytes, HostMatrix};
 use markbase_core::quant::GgmlType;
@@ -331,14 +333,13 @@ impl SyntheticWeights {
                 problem: "is a vector, not a matrix".into(),
             });
         };
-        let mut rng = Rng::new(self.spec.seed, name);
-        let bytes = fill_bytes(&mut rng, ty, n, amp)?;
+        let bytes = fill_bytes(Rng::new(self.spec.seed, name), ty, n, amp)?;
         let m = HostMatrix {
             name: name.to_string(),
             ty,
             rows,
             cols,
-            bytes: HostBytes::Owned(Arc::from(bytes)),
+            bytes: HostBytes::Owned(bytes),
         };
         m.check()?;
         Ok(m)
@@ -364,40 +365,85 @@ impl SyntheticWeights {
     }
 }
 
-/// Stored bytes of `n` weights of format `ty` with values within about ±`amp`.
-fn fill_bytes(rng: &mut Rng, ty: GgmlType, n: usize, amp: f32) -> Result<Vec<u8>> {
-    let mut out = Vec::with_capacity(ty.bytes_for(n)?);
+/// Weights generated from one random stream: a multiple of every format's block (256), so
+/// chunks split into whole blocks.
+const CHUNK_WEIGHTS: usize = 1 << 20;
+
+/// Stored bytes of `n` weights of format `ty` with values within about ±`amp`: chunk `i` of
+/// `CHUNK_WEIGHTS` weights comes from `rng.fork(i)`, the chunks spread over the cores.
+fn fill_bytes(rng: Rng, ty: GgmlType, n: usize, amp: f32) -> Result<Arc<[u8]>> {
+    if !matches!(
+        ty,
+        GgmlType::F32 | GgmlType::BF16 | GgmlType::Q8_0 | GgmlType::Q4_K
+    ) {
+        return Err(Error::Unsupported(format!("synthetic weights in {ty}")));
+    }
+    // Allocated where it will stay (an `Arc` from a `Vec` would copy it); pages zeroed by the
+    // system as they are first written.
+    // SAFETY: zeroed bytes are valid `u8`s.
+    let mut out = unsafe { Arc::<[u8]>::new_zeroed_slice(ty.bytes_for(n)?).assume_init() };
+    let bytes = Arc::get_mut(&mut out).expect("a new Arc has no other owner");
+    let chunks = Mutex::new(bytes.chunks_mut(ty.bytes_for(CHUNK_WEIGHTS)?).enumerate());
+    let threads = std::thread::available_parallelism().map_or(1, |t| t.get());
+    std::thread::scope(|s| {
+        for _ in 0..threads.min(n.div_ceil(CHUNK_WEIGHTS)) {
+            s.spawn(|| {
+                while let Some((i, bytes)) = chunks.lock().ok().and_then(|mut c| c.next()) {
+                    fill_chunk(&mut rng.fork(i as u64), ty, bytes, amp);
+                }
+            });
+        }
+    });
+    Ok(out)
+}
+
+/// Fills `out` (whole blocks of `ty`, one of the synthetic formats) from `rng`.
+fn fill_chunk(rng: &mut Rng, ty: GgmlType, out: &mut [u8], amp: f32) {
     match ty {
-        GgmlType::F32 => (0..n).for_each(|_| out.extend((amp * rng.uniform()).to_le_bytes())),
-        GgmlType::BF16 => (0..n).for_each(|_| {
-            out.extend((((amp * rng.uniform()).to_bits() >> 16) as u16).to_le_bytes())
+        GgmlType::F32 => fill_pairs(rng, out, |v| (amp * v).to_le_bytes()),
+        GgmlType::BF16 => fill_pairs(rng, out, |v| {
+            (((amp * v).to_bits() >> 16) as u16).to_le_bytes()
         }),
         GgmlType::Q8_0 => {
-            let d = f16_bits(amp / 127.0);
-            for _ in 0..n / 32 {
-                out.extend(d.to_le_bytes());
-                out.extend((0..32).map(|_| ((rng.next() % 255) as i32 - 127) as i8 as u8));
+            let d = f16_bits(amp / 127.0).to_le_bytes();
+            for block in out.chunks_exact_mut(34) {
+                block[..2].copy_from_slice(&d);
+                block[2..]
+                    .iter_mut()
+                    .for_each(|q| *q = ((rng.next() % 255) as i32 - 127) as i8 as u8);
             }
         }
-        GgmlType::Q4_K => {
-            // w = d·sc·q − dmin·m with 6-bit sc, m and 4-bit q: sc = m = 32 gives
+        _ => {
+            // Q4_K: w = d·sc·q − dmin·m with 6-bit sc, m and 4-bit q: sc = m = 32 gives
             // d·32·(q − dmin/d) ≈ ±amp for q in 0..15 with dmin = 7.5·d.
             let d = amp / (32.0 * 7.5);
-            let (dh, mh) = (f16_bits(d), f16_bits(7.5 * d));
-            for _ in 0..n / 256 {
-                out.extend(dh.to_le_bytes());
-                out.extend(mh.to_le_bytes());
+            let (dh, mh) = (f16_bits(d).to_le_bytes(), f16_bits(7.5 * d).to_le_bytes());
+            for block in out.chunks_exact_mut(144) {
+                block[..2].copy_from_slice(&dh);
+                block[2..4].copy_from_slice(&mh);
                 // Every sub-block scale and min = 32: bytes 0..4 / 4..8 hold those of
                 // sub-blocks 0..4 in their low 6 bits and bit 5 of those of sub-blocks 4..8 in
                 // bit 7; bytes 8..12 hold the low nibbles of sub-blocks 4..8 (zero).
-                out.extend([0xA0u8; 8]);
-                out.extend([0u8; 4]);
-                out.extend((0..128).map(|_| rng.next() as u8));
+                block[4..12].fill(0xA0);
+                block[12..16].fill(0);
+                block[16..].iter_mut().for_each(|q| *q = rng.next() as u8);
             }
         }
-        other => return Err(Error::Unsupported(format!("synthetic weights in {other}"))),
     }
-    Ok(out)
+}
+
+/// Fills `out` with the `N`-byte encodings of uniform values in [-1, 1), two from each draw.
+fn fill_pairs<const N: usize>(rng: &mut Rng, out: &mut [u8], encode: impl Fn(f32) -> [u8; N]) {
+    let mut pairs = out.chunks_exact_mut(2 * N);
+    for b in &mut pairs {
+        let (u, v) = rng.uniform_pair();
+        b[..N].copy_from_slice(&encode(u));
+        b[N..].copy_from_slice(&encode(v));
+    }
+    let last = pairs.into_remainder();
+    if last.len() == N {
+        last.copy_from_slice(&encode(rng.uniform()));
+    }
 }
 
 /// f16 bits of a positive normal-range value (truncating the mantissa).
@@ -420,6 +466,13 @@ impl Rng {
         Rng(h ^ seed.wrapping_mul(0x9e37_79b9_7f4a_7c15))
     }
 
+    /// An independent stream for chunk `i` of the same tensor.
+    fn fork(&self, i: u64) -> Rng {
+        let mut r = Rng(self.0 ^ i.wrapping_mul(0xd1b5_4a32_d192_ed03));
+        r.next();
+        r
+    }
+
     fn next(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
         let mut z = self.0;
@@ -430,6 +483,46 @@ impl Rng {
 
     /// Uniform in [-1, 1).
     fn uniform(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+        unit(self.next() >> 40)
+    }
+
+    /// Two values uniform in [-1, 1) from one draw (24 bits each).
+    fn uniform_pair(&mut self) -> (f32, f32) {
+        let r = self.next();
+        (unit(r >> 40), unit((r >> 8) & 0xff_ffff))
+    }
+}
+
+/// A 24-bit integer as a value in [-1, 1).
+fn unit(bits: u64) -> f32 {
+    bits as f32 / (1u64 << 23) as f32 - 1.0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use markbase_core::quant::dequantize_row;
+
+    /// Every weight of a multi-chunk tensor of odd length is written, within ±amp, and the same
+    /// on a second generation; chunks differ from one another.
+    #[test]
+    fn chunks_fill_every_weight_the_same_way_each_time() {
+        let n = 2 * CHUNK_WEIGHTS + 3;
+        for ty in [GgmlType::F32, GgmlType::BF16] {
+            let a = fill_bytes(Rng::new(7, "t"), ty, n, 0.5).unwrap();
+            let b = fill_bytes(Rng::new(7, "t"), ty, n, 0.5).unwrap();
+            assert_eq!(a[..], b[..], "{ty}");
+            let mut w = vec![0f32; n];
+            dequantize_row(ty, &a, &mut w).unwrap();
+            assert!(w.iter().all(|v| v.abs() <= 0.5), "{ty}");
+            // Unwritten bytes would read as zeros (a draw gives exactly 0 once in 2²⁴).
+            assert!(w.iter().filter(|v| **v == 0.0).count() < 4, "{ty}");
+            assert_ne!(w[..64], w[CHUNK_WEIGHTS..CHUNK_WEIGHTS + 64], "{ty}");
+        }
+        let q = fill_bytes(Rng::new(7, "t"), GgmlType::Q4_K, 2 * CHUNK_WEIGHTS, 0.5).unwrap();
+        let mut w = vec![0f32; 2 * CHUNK_WEIGHTS];
+        dequantize_row(GgmlType::Q4_K, &q, &mut w).unwrap();
+        assert!(w.iter().all(|v| v.abs() <= 0.51));
+        assert!(fill_bytes(Rng::new(7, "t"), GgmlType::Q6_K, 256, 0.5).is_err());
     }
 }
