@@ -5,7 +5,9 @@
 #                           markbase-cuda --no-run`, then copied out of target/release/deps;
 #                           a suffix tells builds apart, e.g. gpu_ops_new);
 #   cb_NAME                 cuda_bench examples: `--gemv` runs once per build;
-#   m_NAME                  markbase CLIs: each bench line below runs once per build per round.
+#   m_NAME                  markbase CLIs: each bench line below runs once per build per round
+#                           (a wrapper script that sets MARKBASE_CUDA_DEFINES and execs another
+#                           staged binary counts as a build).
 #   cut.gguf                the Gemma 3 270M cut (scripts/make_gemma3_270m_cut.py), if present.
 # Usage: scripts/device_ab.sh DIR [ROUNDS] [BENCH ...], where each BENCH is one quoted argument
 # list for `markbase --device cuda bench`, e.g. "--synthetic e4b:q4_k -p 0 -n 64 -b 1,8 -r 1 -v".

@@ -225,7 +225,7 @@ __device__ __forceinline__ float dot32(const float* w, const float* x, int kv, i
 // WHOLE: one warp per row (split 1, a constant stride the compiler pipelines; a runtime
 // stride made the largest matrices 10–30 % slower).
 template <int FMT, int NT, bool WHOLE>
-__device__ __forceinline__ void float_row_part(const u8* row, const float* x, int k, int nt,
+__device__ __forceinline__ void float_row_part_direct(const u8* row, const float* x, int k, int nt,
                                                int part, int split, float* acc) {
     int lane = threadIdx.x & 31;
 #pragma unroll
@@ -265,6 +265,110 @@ __device__ __forceinline__ void float_row_part(const u8* row, const float* x, in
     }
 #pragma unroll
     for (int t = 0; t < NT; t++) acc[t] = warp_sum(acc[t]);
+}
+
+
+// Stages of GEMV_ASYNC_STAGES (0: off, the default): 16-bit plain rows are streamed into a
+// per-lane ring of shared memory by asynchronous copies (`cp.async`, no register held per
+// byte in flight) that many groups ahead of the FMAs, instead of by loads into registers.
+// An experiment for the GEMVs' memory-latency bound (docs/perf.md, session 15), chosen at
+// kernel compile time through MARKBASE_CUDA_DEFINES (sources.rs).
+#ifndef GEMV_ASYNC_STAGES
+#define GEMV_ASYNC_STAGES 0
+#endif
+
+#if GEMV_ASYNC_STAGES > 0
+// The rings of a block's (up to 8) warps, one for every kernel of the module that streams.
+__shared__ uint4 gemv_ring[8][GEMV_ASYNC_STAGES][WARP];
+
+__device__ __forceinline__ u32 shared_addr(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+// Queues a 16-byte copy from global to shared memory (through L2 only) in the current group.
+__device__ __forceinline__ void copy_async16(void* dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(shared_addr(dst)), "l"(src)
+                 : "memory");
+}
+
+__device__ __forceinline__ void copy_async_commit() {
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+// Waits until at most GEMV_ASYNC_STAGES - 1 of this thread's copy groups are pending.
+__device__ __forceinline__ void copy_async_wait_ring() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(GEMV_ASYNC_STAGES - 1) : "memory");
+}
+
+// float_row_part_direct for 16-bit weights through the ring: lane l's i-th group (the same
+// groups in the same order, so the same sums) sits in slot i mod STAGES of its ring until
+// used; one copy group is committed per step, so the wait for step i covers its copy.
+template <int FMT, int NT, bool WHOLE>
+__device__ __forceinline__ void float_row_part_async(const u8* row, const float* x, int k,
+                                                     int nt, int part, int split, float* acc) {
+    int lane = threadIdx.x & 31;
+    uint4* mine = &gemv_ring[threadIdx.x >> 5][0][lane];
+#pragma unroll
+    for (int t = 0; t < NT; t++) acc[t] = 0.f;
+    int groups = k >> 3;
+    int stride = WHOLE ? WARP : WARP * split;
+    int first = (WHOLE ? 0 : part * WARP) + lane;
+#pragma unroll
+    for (int s = 0; s < GEMV_ASYNC_STAGES; s++) {
+        int g = first + s * stride;
+        if (g < groups) copy_async16(mine + s * WARP, (const uint4*)row + g);
+        copy_async_commit();
+    }
+    for (int i = 0, g = first; g < groups; i++, g += stride) {
+        copy_async_wait_ring();
+        int slot = i % GEMV_ASYNC_STAGES;
+        uint4 v = mine[slot * WARP];
+        u32 q[4] = {v.x, v.y, v.z, v.w};
+        float w[8];
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            u16 lo = (u16)(q[j] & 0xffff), hi = (u16)(q[j] >> 16);
+            w[2 * j] = FMT == F_F16 ? f16_to_f32(lo) : bf16_to_f32(lo);
+            w[2 * j + 1] = FMT == F_F16 ? f16_to_f32(hi) : bf16_to_f32(hi);
+        }
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            if (t < nt) {
+                const float4* xp = (const float4*)(x + (u64)t * k) + 2 * g;
+                float4 a = __ldg(xp), b = __ldg(xp + 1);
+                float s = acc[t];
+                s = fmaf(w[0], a.x, s); s = fmaf(w[1], a.y, s);
+                s = fmaf(w[2], a.z, s); s = fmaf(w[3], a.w, s);
+                s = fmaf(w[4], b.x, s); s = fmaf(w[5], b.y, s);
+                s = fmaf(w[6], b.z, s); s = fmaf(w[7], b.w, s);
+                acc[t] = s;
+            }
+        }
+        // The slot's value is used above; only now is it refilled.
+        int next = g + GEMV_ASYNC_STAGES * stride;
+        if (next < groups) copy_async16(mine + slot * WARP, (const uint4*)row + next);
+        copy_async_commit();
+    }
+    asm volatile("cp.async.wait_all;" ::: "memory");
+#pragma unroll
+    for (int t = 0; t < NT; t++) acc[t] = warp_sum(acc[t]);
+}
+#endif
+
+// A warp's partial sums of a plain-float row (k a multiple of 8): float_row_part_direct, or
+// with GEMV_ASYNC_STAGES its ring for 16-bit weights.
+template <int FMT, int NT, bool WHOLE>
+__device__ __forceinline__ void float_row_part(const u8* row, const float* x, int k, int nt,
+                                               int part, int split, float* acc) {
+#if GEMV_ASYNC_STAGES > 0
+    if (FMT != F_F32) {
+        float_row_part_async<FMT, NT, WHOLE>(row, x, k, nt, part, split, acc);
+        return;
+    }
+#endif
+    float_row_part_direct<FMT, NT, WHOLE>(row, x, k, nt, part, split, acc);
 }
 
 // Dot products of one plain-float row (k a multiple of 8) with NT activation rows: one warp.

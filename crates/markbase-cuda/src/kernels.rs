@@ -28,6 +28,8 @@ impl Kernels {
     /// Compiles (or takes from the cache) and loads every module for compute capability
     /// `cc` (e.g. 90); modules compile in parallel.
     pub(crate) fn load(ctx: &Arc<CudaContext>, cc: u32) -> Result<Kernels> {
+        let defines = crate::sources::defines_from_env()?;
+        let defines = &defines;
         let images: Vec<(Module, Result<Vec<u8>>)> = std::thread::scope(|s| {
             let jobs: Vec<_> = Module::ALL
                 .iter()
@@ -35,7 +37,7 @@ impl Kernels {
                     s.spawn(move || {
                         (
                             m,
-                            nvrtc::compile_cached(m.name(), &m.source(), Target::Cubin(cc)),
+                            nvrtc::compile_cached(m.name(), &m.source(defines), Target::Cubin(cc)),
                         )
                     })
                 })

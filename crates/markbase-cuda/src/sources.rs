@@ -1,5 +1,43 @@
 //! The kernel sources, embedded in the binary: each module is a `.cu` file with the shared
-//! headers it needs prepended (NVRTC sees one self-contained translation unit).
+//! headers it needs prepended (NVRTC sees one self-contained translation unit), after any
+//! `#define`s given in `MARKBASE_CUDA_DEFINES` (kernel variants under evaluation, e.g.
+//! `GEMV_ASYNC_STAGES=4`; the disk cache keys on the whole source, so each set compiles once).
+
+use markbase_core::{Error, Result};
+
+/// The environment variable holding extra kernel `#define`s: `NAME` or `NAME=VALUE` entries
+/// separated by spaces.
+pub const DEFINES_VAR: &str = "MARKBASE_CUDA_DEFINES";
+
+/// The `#define` lines for `MARKBASE_CUDA_DEFINES` (empty when unset); an entry that is not an
+/// identifier with an optional plain value is an error naming it.
+pub fn defines_from_env() -> Result<String> {
+    match std::env::var(DEFINES_VAR) {
+        Ok(v) => define_lines(&v),
+        Err(_) => Ok(String::new()),
+    }
+}
+
+/// `#define` lines for the space-separated `NAME[=VALUE]` entries of `spec`.
+pub fn define_lines(spec: &str) -> Result<String> {
+    let mut out = String::new();
+    for entry in spec.split_whitespace() {
+        let (name, value) = entry.split_once('=').unwrap_or((entry, "1"));
+        let ident = |s: &str, first_digit: bool| {
+            !s.is_empty()
+                && (first_digit || !s.starts_with(|c: char| c.is_ascii_digit()))
+                && s.chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '.')
+        };
+        if !ident(name, false) || name.contains('.') || !ident(value, true) {
+            return Err(Error::Invalid(format!(
+                "{DEFINES_VAR}: '{entry}' is not NAME or NAME=VALUE (letters, digits, '_')"
+            )));
+        }
+        out.push_str(&format!("#define {name} {value}\n"));
+    }
+    Ok(out)
+}
 
 const COMMON: &str = include_str!("../kernels/common.cuh");
 const QUANT: &str = include_str!("../kernels/quant.cuh");
@@ -40,8 +78,9 @@ impl Module {
         }
     }
 
-    /// The full source NVRTC compiles.
-    pub fn source(self) -> String {
+    /// The full source NVRTC compiles, after `defines` (`#define` lines, see
+    /// [`define_lines`]).
+    pub fn source(self, defines: &str) -> String {
         let (quant, body) = match self {
             Module::Ops => (true, include_str!("../kernels/ops.cu")),
             Module::Gemv => (true, include_str!("../kernels/gemv.cu")),
@@ -49,12 +88,32 @@ impl Module {
             Module::Moe => (true, include_str!("../kernels/moe.cu")),
             Module::Sample => (false, include_str!("../kernels/sample.cu")),
         };
-        let mut s = String::with_capacity(COMMON.len() + QUANT.len() + body.len() + 2);
+        let mut s =
+            String::with_capacity(defines.len() + COMMON.len() + QUANT.len() + body.len() + 2);
+        s.push_str(defines);
         s.push_str(COMMON);
         if quant {
             s.push_str(QUANT);
         }
         s.push_str(body);
         s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defines_come_first_and_bad_entries_are_named() {
+        let d = define_lines("GEMV_ASYNC_STAGES=4  FAST").unwrap();
+        assert_eq!(d, "#define GEMV_ASYNC_STAGES 4\n#define FAST 1\n");
+        let src = Module::Gemv.source(&d);
+        assert!(src.starts_with(&d));
+        assert_ne!(src, Module::Gemv.source(""));
+        for bad in ["4X=1", "A=b;c", "A=", "=3", "A.B=1"] {
+            let e = define_lines(bad).unwrap_err().to_string();
+            assert!(e.contains(bad) && e.contains(DEFINES_VAR), "{bad}: {e}");
+        }
     }
 }

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::process::Command;
 
 use markbase_cuda::nvrtc::{self, Target};
-use markbase_cuda::sources::Module;
+use markbase_cuda::sources::{self, Module};
 
 /// The wheel pinned for the check.
 const WHEEL: &str = "nvidia-cuda-nvrtc==13.0.88";
@@ -37,6 +37,12 @@ fn nvrtc_library() -> PathBuf {
     lib
 }
 
+/// Kernel variants under evaluation (`MARKBASE_CUDA_DEFINES`), compiled beside the defaults.
+const VARIANTS: &[(Module, &str)] = &[
+    (Module::Gemv, "GEMV_ASYNC_STAGES=8"),
+    (Module::Moe, "GEMV_ASYNC_STAGES=8"),
+];
+
 #[test]
 fn every_kernel_module_compiles_to_ptx_for_compute_90() {
     let lib = nvrtc_library();
@@ -48,22 +54,32 @@ fn every_kernel_module_compiles_to_ptx_for_compute_90() {
     let results: Vec<_> = std::thread::scope(|s| {
         let jobs: Vec<_> = Module::ALL
             .iter()
-            .map(|&m| {
+            .map(|&m| (m, ""))
+            .chain(VARIANTS.iter().copied())
+            .map(|(m, defines)| {
                 s.spawn(move || {
                     let t = std::time::Instant::now();
-                    let r = nvrtc::compile(m.name(), &m.source(), Target::Ptx(90));
-                    (m, r, t.elapsed())
+                    let src = m.source(&sources::define_lines(defines).unwrap());
+                    let r = nvrtc::compile(m.name(), &src, Target::Ptx(90));
+                    (m, defines, r, t.elapsed())
                 })
             })
             .collect();
         jobs.into_iter().map(|j| j.join().unwrap()).collect()
     });
-    for (m, r, took) in results {
-        let ptx = r.unwrap_or_else(|e| panic!("kernel module {}: {e}", m.name()));
+    for (m, defines, r, took) in results {
+        let ptx = r.unwrap_or_else(|e| panic!("kernel module {} [{defines}]: {e}", m.name()));
         let text = String::from_utf8_lossy(&ptx);
         let entries = text.matches(".entry").count();
+        if defines.contains("GEMV_ASYNC_STAGES") {
+            assert!(
+                text.contains("cp.async"),
+                "{} [{defines}]: no cp.async",
+                m.name()
+            );
+        }
         eprintln!(
-            "{}: {} bytes of PTX, {entries} kernels, {:.1} s",
+            "{} [{defines}]: {} bytes of PTX, {entries} kernels, {:.1} s",
             m.name(),
             ptx.len(),
             took.as_secs_f64()
