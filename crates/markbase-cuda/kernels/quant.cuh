@@ -217,6 +217,37 @@ __device__ __forceinline__ float dot32(const float* w, const float* x, int kv, i
     return s;
 }
 
+// The 8 weights of one 16-byte group of a 16-bit plain row (F16 / BF16) as floats.
+template <int FMT>
+__device__ __forceinline__ void unpack_group16(uint4 v, float* w) {
+    u32 q[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        u16 lo = (u16)(q[j] & 0xffff), hi = (u16)(q[j] >> 16);
+        w[2 * j] = FMT == F_F16 ? f16_to_f32(lo) : bf16_to_f32(lo);
+        w[2 * j + 1] = FMT == F_F16 ? f16_to_f32(hi) : bf16_to_f32(hi);
+    }
+}
+
+// acc[t] += Σ_j w[j] · x_t[8g + j] for the NT activation rows (t < nt), in order of j.
+template <int NT>
+__device__ __forceinline__ void group_fma(const float* w, const float* x, int k, int nt, int g,
+                                          float* acc) {
+#pragma unroll
+    for (int t = 0; t < NT; t++) {
+        if (t < nt) {
+            const float4* xp = (const float4*)(x + (u64)t * k) + 2 * g;
+            float4 a = __ldg(xp), b = __ldg(xp + 1);
+            float s = acc[t];
+            s = fmaf(w[0], a.x, s); s = fmaf(w[1], a.y, s);
+            s = fmaf(w[2], a.z, s); s = fmaf(w[3], a.w, s);
+            s = fmaf(w[4], b.x, s); s = fmaf(w[5], b.y, s);
+            s = fmaf(w[6], b.z, s); s = fmaf(w[7], b.w, s);
+            acc[t] = s;
+        }
+    }
+}
+
 // Plain-float rows (F32 / F16 / BF16) whose width is a multiple of 8, in groups of 8 weights:
 // lane l of warp `part` (of `split` sharing the row) takes groups l + 32·(part + split·i), so
 // each warp load instruction reads one contiguous span (512 bytes of 16-bit weights) and the
@@ -240,28 +271,9 @@ __device__ __forceinline__ void float_row_part_direct(const u8* row, const float
             w[0] = a.x; w[1] = a.y; w[2] = a.z; w[3] = a.w;
             w[4] = b.x; w[5] = b.y; w[6] = b.z; w[7] = b.w;
         } else {
-            uint4 v = __ldg((const uint4*)row + g);
-            u32 q[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-            for (int j = 0; j < 4; j++) {
-                u16 lo = (u16)(q[j] & 0xffff), hi = (u16)(q[j] >> 16);
-                w[2 * j] = FMT == F_F16 ? f16_to_f32(lo) : bf16_to_f32(lo);
-                w[2 * j + 1] = FMT == F_F16 ? f16_to_f32(hi) : bf16_to_f32(hi);
-            }
+            unpack_group16<FMT>(__ldg((const uint4*)row + g), w);
         }
-#pragma unroll
-        for (int t = 0; t < NT; t++) {
-            if (t < nt) {
-                const float4* xp = (const float4*)(x + (u64)t * k) + 2 * g;
-                float4 a = __ldg(xp), b = __ldg(xp + 1);
-                float s = acc[t];
-                s = fmaf(w[0], a.x, s); s = fmaf(w[1], a.y, s);
-                s = fmaf(w[2], a.z, s); s = fmaf(w[3], a.w, s);
-                s = fmaf(w[4], b.x, s); s = fmaf(w[5], b.y, s);
-                s = fmaf(w[6], b.z, s); s = fmaf(w[7], b.w, s);
-                acc[t] = s;
-            }
-        }
+        group_fma<NT>(w, x, k, nt, g, acc);
     }
 #pragma unroll
     for (int t = 0; t < NT; t++) acc[t] = warp_sum(acc[t]);
@@ -324,28 +336,9 @@ __device__ __forceinline__ void float_row_part_async(const u8* row, const float*
     for (int i = 0, g = first; g < groups; i++, g += stride) {
         copy_async_wait_ring();
         int slot = i % GEMV_ASYNC_STAGES;
-        uint4 v = mine[slot * WARP];
-        u32 q[4] = {v.x, v.y, v.z, v.w};
         float w[8];
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            u16 lo = (u16)(q[j] & 0xffff), hi = (u16)(q[j] >> 16);
-            w[2 * j] = FMT == F_F16 ? f16_to_f32(lo) : bf16_to_f32(lo);
-            w[2 * j + 1] = FMT == F_F16 ? f16_to_f32(hi) : bf16_to_f32(hi);
-        }
-#pragma unroll
-        for (int t = 0; t < NT; t++) {
-            if (t < nt) {
-                const float4* xp = (const float4*)(x + (u64)t * k) + 2 * g;
-                float4 a = __ldg(xp), b = __ldg(xp + 1);
-                float s = acc[t];
-                s = fmaf(w[0], a.x, s); s = fmaf(w[1], a.y, s);
-                s = fmaf(w[2], a.z, s); s = fmaf(w[3], a.w, s);
-                s = fmaf(w[4], b.x, s); s = fmaf(w[5], b.y, s);
-                s = fmaf(w[6], b.z, s); s = fmaf(w[7], b.w, s);
-                acc[t] = s;
-            }
-        }
+        unpack_group16<FMT>(mine[slot * WARP], w);
+        group_fma<NT>(w, x, k, nt, g, acc);
         // The slot's value is used above; only now is it refilled.
         int next = g + GEMV_ASYNC_STAGES * stride;
         if (next < groups) copy_async16(mine + slot * WARP, (const uint4*)row + next);
