@@ -12,6 +12,7 @@
 //! core (E4B's 7 G weights took 92 s on one core of two).
 
 use std::collections::BTreeMap;
+use std::mem::MaybeUninit;
 use std::sync::{Arc, Mutex};
 
 use markbase_core::backend::{HostBytes, HostMatrix};
@@ -378,22 +379,27 @@ fn fill_bytes(rng: Rng, ty: GgmlType, n: usize, amp: f32) -> Result<Arc<[u8]>> {
     ) {
         return Err(Error::Unsupported(format!("synthetic weights in {ty}")));
     }
-    // Allocated where it will stay (an `Arc` from a `Vec` would copy it); pages zeroed by the
-    // system as they are first written.
-    // SAFETY: zeroed bytes are valid `u8`s.
-    let mut out = unsafe { Arc::<[u8]>::new_zeroed_slice(ty.bytes_for(n)?).assume_init() };
-    let bytes = Arc::get_mut(&mut out).expect("a new Arc has no other owner");
-    let chunks = Mutex::new(bytes.chunks_mut(ty.bytes_for(CHUNK_WEIGHTS)?).enumerate());
+    // Allocated where it will stay (an `Arc` from a `Vec` would copy it); the workers zero and
+    // fill their chunks, so page faults and writes spread over the cores.
+    let mut out = Arc::<[u8]>::new_uninit_slice(ty.bytes_for(n)?);
+    let slots = Arc::get_mut(&mut out).expect("a new Arc has no other owner");
+    let chunks = Mutex::new(slots.chunks_mut(ty.bytes_for(CHUNK_WEIGHTS)?).enumerate());
     let threads = std::thread::available_parallelism().map_or(1, |t| t.get());
     std::thread::scope(|s| {
         for _ in 0..threads.min(n.div_ceil(CHUNK_WEIGHTS)) {
             s.spawn(|| {
-                while let Some((i, bytes)) = chunks.lock().ok().and_then(|mut c| c.next()) {
+                while let Some((i, chunk)) = chunks.lock().ok().and_then(|mut c| c.next()) {
+                    chunk.fill(MaybeUninit::new(0));
+                    // SAFETY: every byte of `chunk` was initialized on the line above.
+                    let bytes = unsafe { &mut *(chunk as *mut [MaybeUninit<u8>] as *mut [u8]) };
                     fill_chunk(&mut rng.fork(i as u64), ty, bytes, amp);
                 }
             });
         }
     });
+    // SAFETY: the chunks cover the slice and each was initialized by a worker (a worker's
+    // panic ends the scope above with that panic, before this line).
+    let out = unsafe { out.assume_init() };
     Ok(out)
 }
 
