@@ -388,7 +388,9 @@ fn fill_bytes(rng: Rng, ty: GgmlType, n: usize, amp: f32) -> Result<Arc<[u8]>> {
     std::thread::scope(|s| {
         for _ in 0..threads.min(n.div_ceil(CHUNK_WEIGHTS)) {
             s.spawn(|| {
-                while let Some((i, chunk)) = chunks.lock().ok().and_then(|mut c| c.next()) {
+                // (A poisoned lock still hands out chunks: every chunk must be initialized.)
+                let next = || chunks.lock().unwrap_or_else(|e| e.into_inner()).next();
+                while let Some((i, chunk)) = next() {
                     chunk.fill(MaybeUninit::new(0));
                     // SAFETY: every byte of `chunk` was initialized on the line above.
                     let bytes = unsafe { &mut *(chunk as *mut [MaybeUninit<u8>] as *mut [u8]) };
