@@ -11,6 +11,9 @@
 #   cut.gguf                the Gemma 3 270M cut (scripts/make_gemma3_270m_cut.py), if present.
 # Usage: scripts/device_ab.sh DIR [ROUNDS] [BENCH ...], where each BENCH is one quoted argument
 # list for `markbase --device cuda bench`, e.g. "--synthetic e4b:q4_k -p 0 -n 64 -b 1,8 -r 1 -v".
+# Kernel variants: VARIANTS="SET;SET…", each SET a MARKBASE_CUDA_DEFINES value (e.g.
+# VARIANTS="GEMV_ASYNC_STAGES=4;GEMV_ASYNC_STAGES=8"): each also runs gpu_ops' product tests
+# ("matmul") and `cuda_bench --gemv` under it, and becomes a build m_vN wrapping the first m_*.
 # Steps that are missing are skipped; each step is bounded by `timeout`.
 set -u
 dir=${1:?usage: scripts/device_ab.sh DIR [ROUNDS] [BENCH ...]}
@@ -35,7 +38,29 @@ for cb in "$dir"/cb_*; do
     timeout 90 "$cb" --gemv 2>&1 | tail -16
 done
 builds=()
+rm -f "$dir"/m_v[0-9]*  # wrappers of an earlier run
 for m in "$dir"/m_*; do [ -x "$m" ] && builds+=("$m"); done
+IFS=';' read -r -a variants <<< "${VARIANTS:-}"
+for j in "${!variants[@]}"; do
+    v=${variants[$j]}
+    for t in "$dir"/gpu_ops*; do
+        [ -x "$t" ] || continue
+        echo "== MARKBASE_CUDA_DEFINES='$v' $(basename "$t") matmul"
+        MARKBASE_CUDA_DEFINES=$v timeout 300 "$t" matmul --test-threads 1 2>&1 |
+            grep -E "^test |test result|panicked|assert" | tail -20
+    done
+    for cb in "$dir"/cb_*; do
+        [ -x "$cb" ] || continue
+        echo "== MARKBASE_CUDA_DEFINES='$v' $(basename "$cb") --gemv"
+        MARKBASE_CUDA_DEFINES=$v timeout 90 "$cb" --gemv 2>&1 | tail -16
+    done
+    [ ${#builds[@]} -gt 0 ] || continue
+    w=$dir/m_v$j
+    printf '#!/bin/sh\nMARKBASE_CUDA_DEFINES=%q exec %q "$@"\n' "$v" "$(realpath "${builds[0]}")" > "$w"
+    chmod +x "$w"
+    echo "== build $(basename "$w"): MARKBASE_CUDA_DEFINES='$v' over $(basename "${builds[0]}")"
+    builds+=("$w")
+done
 for ((r = 1; r <= rounds; r++)); do
     for b in "${benches[@]}"; do
         for m in "${builds[@]}"; do
