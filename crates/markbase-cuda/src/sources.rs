@@ -10,28 +10,34 @@ use markbase_core::{Error, Result};
 pub const DEFINES_VAR: &str = "MARKBASE_CUDA_DEFINES";
 
 /// The `#define` lines for `MARKBASE_CUDA_DEFINES` (empty when unset); an entry that is not an
-/// identifier with an optional plain value is an error naming it.
+/// identifier with an optional plain value, or a value that is not Unicode, is an error
+/// naming it.
 pub fn defines_from_env() -> Result<String> {
     match std::env::var(DEFINES_VAR) {
         Ok(v) => define_lines(&v),
-        Err(_) => Ok(String::new()),
+        Err(std::env::VarError::NotPresent) => Ok(String::new()),
+        Err(std::env::VarError::NotUnicode(v)) => Err(Error::Invalid(format!(
+            "{DEFINES_VAR}: {v:?} is not Unicode"
+        ))),
     }
 }
 
-/// `#define` lines for the space-separated `NAME[=VALUE]` entries of `spec`.
+/// `#define` lines for the space-separated `NAME[=VALUE]` entries of `spec`: a name is
+/// letters, digits and '_', not starting with a digit; a value is letters, digits, '_' and '.'.
 pub fn define_lines(spec: &str) -> Result<String> {
+    let word = |s: &str, extra: char| {
+        !s.is_empty()
+            && s.chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == extra)
+    };
     let mut out = String::new();
     for entry in spec.split_whitespace() {
         let (name, value) = entry.split_once('=').unwrap_or((entry, "1"));
-        let ident = |s: &str, first_digit: bool| {
-            !s.is_empty()
-                && (first_digit || !s.starts_with(|c: char| c.is_ascii_digit()))
-                && s.chars()
-                    .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '.')
-        };
-        if !ident(name, false) || name.contains('.') || !ident(value, true) {
+        let name_ok = word(name, '_') && !name.starts_with(|c: char| c.is_ascii_digit());
+        if !name_ok || !word(value, '.') {
             return Err(Error::Invalid(format!(
-                "{DEFINES_VAR}: '{entry}' is not NAME or NAME=VALUE (letters, digits, '_')"
+                "{DEFINES_VAR}: '{entry}' is not NAME or NAME=VALUE (NAME: letters, digits, '_', \
+                 not starting with a digit; VALUE: letters, digits, '_', '.')"
             )));
         }
         out.push_str(&format!("#define {name} {value}\n"));
