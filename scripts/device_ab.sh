@@ -12,7 +12,7 @@
 # Usage: scripts/device_ab.sh DIR [ROUNDS] [BENCH ...], where each BENCH is one quoted argument
 # list for `markbase --device cuda bench`, e.g. "--synthetic e4b:q4_k -p 0 -n 64 -b 1,8 -r 1 -v".
 # Kernel variants: VARIANTS="SET;SET…", each SET a MARKBASE_CUDA_DEFINES value (e.g.
-# VARIANTS="GEMV_ASYNC_STAGES=4;GEMV_ASYNC_STAGES=8"): each also runs gpu_ops' product tests
+# VARIANTS="GEMV_PLAIN_MIN_BLOCKS=2;GEMV_PREFETCH_LINES=8"): each also runs gpu_ops' product tests
 # ("matmul") and `cuda_bench --gemv` under it, and becomes a build m_vN wrapping the first m_*.
 # Steps that are missing are skipped; each step is bounded by `timeout`.
 set -u

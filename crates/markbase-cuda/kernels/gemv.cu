@@ -15,7 +15,18 @@
 // Weight bytes a warp asks L2 for before it waits for the kernel ahead (see wait_prior_grid):
 // the kernel's blocks start while the previous kernel runs, so the first loads of each row
 // hit L2 when the activations are ready. Lanes take one 128-byte line each.
+#ifndef GEMV_PREFETCH_LINES
 #define GEMV_PREFETCH_LINES 16
+#endif
+
+// Blocks of 256 threads per multiprocessor the one-token plain-float `gemv` and `gemv_many`
+// kernels are compiled to fit (`__launch_bounds__`, a register cap): 3 lets them keep more
+// loads in flight than the compiler's own choice (64 registers), which made E4B's q/k/v, o
+// and down products 8–20 % faster on the H200 (docs/perf.md, session 16). The gated pair
+// kernel, more token rows and other formats are left to the compiler (GEMV_BOUNDS_ below).
+#ifndef GEMV_PLAIN_MIN_BLOCKS
+#define GEMV_PLAIN_MIN_BLOCKS 3
+#endif
 
 // Prefetches up to GEMV_PREFETCH_LINES lines of `row` into L2: the `span`-byte spans at
 // offsets (first + stride · i) · span, the lanes of a span its consecutive lines.
@@ -44,12 +55,12 @@ __device__ void gemv_impl(const u8* w, u64 row_bytes, int rows, int k, const flo
         int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
         int r = (blockIdx.x * (blockDim.x >> 5) + warp) / split, part = warp % split;
         if (r < rows) prefetch_row(w + (u64)r * row_bytes, row_bytes, part, split, 512);
-        wait_prior_grid();
+        if (FMT != F_Q4_K) wait_prior_grid();  // Q4_K rows wait after their first loads
         float acc[NT];
         if constexpr (FMT == F_Q4_K) {
             const u8* row = w + (u64)(r < rows ? r : 0) * row_bytes;
             float a[1][NT];
-            q4k_rows_i16<NT, 1>(r < rows, &row, x, k, nt, part, split, a);
+            q4k_rows_i16<NT, 1, true>(r < rows, &row, x, k, nt, part, split, a);
 #pragma unroll
             for (int t = 0; t < NT; t++) acc[t] = a[0][t];
         } else if (r < rows && split == 1) {
@@ -106,9 +117,8 @@ __device__ void gemv_gelu_impl(const u8* wg, const u8* wu, u64 row_bytes, int ro
         prefetch_row(wg + off, row_bytes, 0, 1, 2048);
         prefetch_row(wu + off, row_bytes, 0, 1, 2048);
     }
-    wait_prior_grid();
     float g[NT], u[NT];
-    warp_row_pair_dot<FMT, NT>(active, wg + off, wu + off, x, k, nt, g, u);
+    warp_row_pair_dot<FMT, NT, true>(active, wg + off, wu + off, x, k, nt, g, u);
     if (active && (threadIdx.x & 31) == 0) {
 #pragma unroll
         for (int t = 0; t < NT; t++)
@@ -138,9 +148,8 @@ __device__ void gemv_many_impl(const Products& p, u64 row_bytes, int k, const fl
     bool active = r < p.rows[m];
     const u8* w = (const u8*)p.w[m];
     if (active) prefetch_row(w + (u64)r * row_bytes, row_bytes, 0, 1, 2048);
-    wait_prior_grid();
     float acc[NT];
-    warp_row_dot<FMT, NT>(active, w + (u64)(active ? r : 0) * row_bytes, x, k, nt, acc);
+    warp_row_dot<FMT, NT, true>(active, w + (u64)(active ? r : 0) * row_bytes, x, k, nt, acc);
     if (active && (threadIdx.x & 31) == 0) {
         float* out = (float*)p.out[m];
 #pragma unroll
@@ -149,11 +158,12 @@ __device__ void gemv_many_impl(const Products& p, u64 row_bytes, int k, const fl
     }
 }
 
-#define GEMV_KERNEL(S, F, NT)                                                                 \
-    extern "C" __global__ void gemv_##S##_##NT(const u8* w, u64 row_bytes, int rows, int k,   \
-                                               const float* x, int nt, float* out, int split, \
-                                               const float* mul, u64 mul_stride) {            \
-        gemv_impl<F, NT>(w, row_bytes, rows, k, x, nt, out, split, mul, mul_stride);          \
+#define GEMV_KERNEL(S, F, NT, BOUNDS)                                                         \
+    extern "C" __global__ void BOUNDS gemv_##S##_##NT(const u8* w, u64 row_bytes, int rows,      \
+                                                      int k, const float* x, int nt, float* out, \
+                                                      int split, const float* mul,               \
+                                                      u64 mul_stride) {                          \
+        gemv_impl<F, NT>(w, row_bytes, rows, k, x, nt, out, split, mul, mul_stride);             \
     }
 #define GEMV_GELU_KERNEL(S, F, NT)                                                            \
     extern "C" __global__ void gemv_gelu_##S##_##NT(const u8* wg, const u8* wu, u64 row_bytes, \
@@ -161,22 +171,36 @@ __device__ void gemv_many_impl(const Products& p, u64 row_bytes, int k, const fl
                                                     float* out) {                              \
         gemv_gelu_impl<F, NT>(wg, wu, row_bytes, rows, k, x, nt, out);                         \
     }
-#define GEMV_MANY_KERNEL(S, F, NT)                                                          \
-    extern "C" __global__ void gemv_many_##S##_##NT(Products p, u64 row_bytes, int k,        \
-                                                    const float* x, int nt) {                \
-        gemv_many_impl<F, NT>(p, row_bytes, k, x, nt);                                       \
+#define GEMV_MANY_KERNEL(S, F, NT, BOUNDS)                                                    \
+    extern "C" __global__ void BOUNDS gemv_many_##S##_##NT(Products p, u64 row_bytes, int k,   \
+                                                           const float* x, int nt) {           \
+        gemv_many_impl<F, NT>(p, row_bytes, k, x, nt);                                         \
     }
-#define GEMV_KERNELS(S, F)      \
-    GEMV_MANY_KERNEL(S, F, 1)   \
-    GEMV_MANY_KERNEL(S, F, 2)   \
-    GEMV_MANY_KERNEL(S, F, 4)   \
-    GEMV_MANY_KERNEL(S, F, 8)   \
-    GEMV_KERNEL(S, F, 1)        \
-    GEMV_KERNEL(S, F, 2)        \
-    GEMV_KERNEL(S, F, 4)        \
-    GEMV_KERNEL(S, F, 8)        \
-    GEMV_GELU_KERNEL(S, F, 1)   \
-    GEMV_GELU_KERNEL(S, F, 2)   \
-    GEMV_GELU_KERNEL(S, F, 4)   \
+// The one-token kernels' launch bounds by format suffix (GEMV_PLAIN_MIN_BLOCKS).
+#define GEMV_BOUNDS_f32 __launch_bounds__(256, GEMV_PLAIN_MIN_BLOCKS)
+#define GEMV_BOUNDS_f16 GEMV_BOUNDS_f32
+#define GEMV_BOUNDS_bf16 GEMV_BOUNDS_f32
+#define GEMV_BOUNDS_q4_0
+#define GEMV_BOUNDS_q4_1
+#define GEMV_BOUNDS_q5_0
+#define GEMV_BOUNDS_q5_1
+#define GEMV_BOUNDS_q8_0
+#define GEMV_BOUNDS_q2_k
+#define GEMV_BOUNDS_q3_k
+#define GEMV_BOUNDS_q4_k
+#define GEMV_BOUNDS_q5_k
+#define GEMV_BOUNDS_q6_k
+#define GEMV_KERNELS(S, F)                       \
+    GEMV_MANY_KERNEL(S, F, 1, GEMV_BOUNDS_##S)   \
+    GEMV_MANY_KERNEL(S, F, 2, )                  \
+    GEMV_MANY_KERNEL(S, F, 4, )                  \
+    GEMV_MANY_KERNEL(S, F, 8, )                  \
+    GEMV_KERNEL(S, F, 1, GEMV_BOUNDS_##S)        \
+    GEMV_KERNEL(S, F, 2, )                       \
+    GEMV_KERNEL(S, F, 4, )                       \
+    GEMV_KERNEL(S, F, 8, )                       \
+    GEMV_GELU_KERNEL(S, F, 1)                    \
+    GEMV_GELU_KERNEL(S, F, 2)                    \
+    GEMV_GELU_KERNEL(S, F, 4)                    \
     GEMV_GELU_KERNEL(S, F, 8)
 FOR_EACH_FORMAT(GEMV_KERNELS)

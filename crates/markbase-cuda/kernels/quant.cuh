@@ -229,22 +229,25 @@ __device__ __forceinline__ void unpack_group16(uint4 v, float* w) {
     }
 }
 
-// acc[t] += Σ_j w[j] · x_t[8g + j] for the NT activation rows (t < nt), in order of j.
-template <int NT>
-__device__ __forceinline__ void group_fma(const float* w, const float* x, int k, int nt, int g,
-                                          float* acc) {
-#pragma unroll
-    for (int t = 0; t < NT; t++) {
-        if (t < nt) {
-            const float4* xp = (const float4*)(x + (u64)t * k) + 2 * g;
-            float4 a = __ldg(xp), b = __ldg(xp + 1);
-            float s = acc[t];
-            s = fmaf(w[0], a.x, s); s = fmaf(w[1], a.y, s);
-            s = fmaf(w[2], a.z, s); s = fmaf(w[3], a.w, s);
-            s = fmaf(w[4], b.x, s); s = fmaf(w[5], b.y, s);
-            s = fmaf(w[6], b.z, s); s = fmaf(w[7], b.w, s);
-            acc[t] = s;
-        }
+// s + Σ_j w[j] · (a, b)[j], in order of j.
+__device__ __forceinline__ float fma8(const float* w, float4 a, float4 b, float s) {
+    s = fmaf(w[0], a.x, s); s = fmaf(w[1], a.y, s);
+    s = fmaf(w[2], a.z, s); s = fmaf(w[3], a.w, s);
+    s = fmaf(w[4], b.x, s); s = fmaf(w[5], b.y, s);
+    s = fmaf(w[6], b.z, s); s = fmaf(w[7], b.w, s);
+    return s;
+}
+
+// The 8 weights of group g (weights 8g .. 8g + 7) of a plain-float row as floats.
+template <int FMT>
+__device__ __forceinline__ void load_group(const u8* row, int g, float* w) {
+    if (FMT == F_F32) {
+        float4 a = __ldg((const float4*)row + 2 * g);
+        float4 b = __ldg((const float4*)row + 2 * g + 1);
+        w[0] = a.x; w[1] = a.y; w[2] = a.z; w[3] = a.w;
+        w[4] = b.x; w[5] = b.y; w[6] = b.z; w[7] = b.w;
+    } else {
+        unpack_group16<FMT>(__ldg((const uint4*)row + g), w);
     }
 }
 
@@ -252,11 +255,13 @@ __device__ __forceinline__ void group_fma(const float* w, const float* x, int k,
 // lane l of warp `part` (of `split` sharing the row) takes groups l + 32·(part + split·i), so
 // each warp load instruction reads one contiguous span (512 bytes of 16-bit weights) and the
 // matching activations two float4 per token. Returns this warp's partial sums. (Loading four
-// groups per lane before using any was tried: 10–20 % slower on the H200's large matrices.)
+// groups per lane before using any was tried: 10–20 % slower on the H200's large matrices;
+// streaming 16-bit rows through a per-lane shared-memory ring filled by `cp.async`, 13–22 %
+// slower per step: docs/perf.md, sessions 15–16.)
 // WHOLE: one warp per row (split 1, a constant stride the compiler pipelines; a runtime
 // stride made the largest matrices 10–30 % slower).
 template <int FMT, int NT, bool WHOLE>
-__device__ __forceinline__ void float_row_part_direct(const u8* row, const float* x, int k, int nt,
+__device__ __forceinline__ void float_row_part(const u8* row, const float* x, int k, int nt,
                                                int part, int split, float* acc) {
     int lane = threadIdx.x & 31;
 #pragma unroll
@@ -265,103 +270,49 @@ __device__ __forceinline__ void float_row_part_direct(const u8* row, const float
     int stride = WHOLE ? WARP : WARP * split;
     for (int g = (WHOLE ? 0 : part * WARP) + lane; g < groups; g += stride) {
         float w[8];
-        if (FMT == F_F32) {
-            float4 a = __ldg((const float4*)row + 2 * g);
-            float4 b = __ldg((const float4*)row + 2 * g + 1);
-            w[0] = a.x; w[1] = a.y; w[2] = a.z; w[3] = a.w;
-            w[4] = b.x; w[5] = b.y; w[6] = b.z; w[7] = b.w;
-        } else {
-            unpack_group16<FMT>(__ldg((const uint4*)row + g), w);
+        load_group<FMT>(row, g, w);
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            if (t < nt) {
+                const float4* xp = (const float4*)(x + (u64)t * k) + 2 * g;
+                acc[t] = fma8(w, __ldg(xp), __ldg(xp + 1), acc[t]);
+            }
         }
-        group_fma<NT>(w, x, k, nt, g, acc);
     }
 #pragma unroll
     for (int t = 0; t < NT; t++) acc[t] = warp_sum(acc[t]);
 }
 
-
-// Stages of GEMV_ASYNC_STAGES (0: off, the default): 16-bit plain rows are streamed into a
-// per-lane ring of shared memory by asynchronous copies (`cp.async`, no register held per
-// byte in flight) that many groups ahead of the FMAs, instead of by loads into registers.
-// An experiment for the GEMVs' memory-latency bound (docs/perf.md, session 15), chosen at
-// kernel compile time through MARKBASE_CUDA_DEFINES (sources.rs).
-#ifndef GEMV_ASYNC_STAGES
-#define GEMV_ASYNC_STAGES 0
-#endif
-
-#if GEMV_ASYNC_STAGES > 0
-// The rings of a block's (up to 8) warps, one for every kernel of the module that streams.
-__shared__ uint4 gemv_ring[8][GEMV_ASYNC_STAGES][WARP];
-
-__device__ __forceinline__ u32 shared_addr(const void* p) {
-    u32 a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-    return a;
-}
-
-// Queues a 16-byte copy from global to shared memory (through L2 only) in the current group.
-__device__ __forceinline__ void copy_async16(void* dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(shared_addr(dst)), "l"(src)
-                 : "memory");
-}
-
-__device__ __forceinline__ void copy_async_commit() {
-    asm volatile("cp.async.commit_group;" ::: "memory");
-}
-
-// Waits until at most GEMV_ASYNC_STAGES - 1 of this thread's copy groups are pending.
-__device__ __forceinline__ void copy_async_wait_ring() {
-    asm volatile("cp.async.wait_group %0;" ::"n"(GEMV_ASYNC_STAGES - 1) : "memory");
-}
-
-// float_row_part_direct for 16-bit weights through the ring: lane l's i-th group (the same
-// groups in the same order, so the same sums) sits in slot i mod STAGES of its ring until
-// used; one copy group is committed per step, so the wait for step i covers its copy.
-template <int FMT, int NT, bool WHOLE>
-__device__ __forceinline__ void float_row_part_async(const u8* row, const float* x, int k,
-                                                     int nt, int part, int split, float* acc) {
+// float_row_part (one warp a row) of two plain-float rows of the same width, a gated
+// feed-forward's gate and up rows, walked together: each step loads a group of both rows
+// (twice the bytes in flight) and the activations once for the two. Each row's sums are the
+// ones float_row_part gives it.
+template <int FMT, int NT>
+__device__ __forceinline__ void float_row_pair(const u8* row_a, const u8* row_b, const float* x,
+                                               int k, int nt, float* a, float* b) {
     int lane = threadIdx.x & 31;
-    uint4* mine = &gemv_ring[threadIdx.x >> 5][0][lane];
 #pragma unroll
-    for (int t = 0; t < NT; t++) acc[t] = 0.f;
+    for (int t = 0; t < NT; t++) a[t] = b[t] = 0.f;
     int groups = k >> 3;
-    int stride = WHOLE ? WARP : WARP * split;
-    int first = (WHOLE ? 0 : part * WARP) + lane;
+    for (int g = lane; g < groups; g += WARP) {
+        float wa[8], wb[8];
+        load_group<FMT>(row_a, g, wa);
+        load_group<FMT>(row_b, g, wb);
 #pragma unroll
-    for (int s = 0; s < GEMV_ASYNC_STAGES; s++) {
-        int g = first + s * stride;
-        if (g < groups) copy_async16(mine + s * WARP, (const uint4*)row + g);
-        copy_async_commit();
+        for (int t = 0; t < NT; t++) {
+            if (t < nt) {
+                const float4* xp = (const float4*)(x + (u64)t * k) + 2 * g;
+                float4 x0 = __ldg(xp), x1 = __ldg(xp + 1);
+                a[t] = fma8(wa, x0, x1, a[t]);
+                b[t] = fma8(wb, x0, x1, b[t]);
+            }
+        }
     }
-    for (int i = 0, g = first; g < groups; i++, g += stride) {
-        copy_async_wait_ring();
-        int slot = i % GEMV_ASYNC_STAGES;
-        float w[8];
-        unpack_group16<FMT>(mine[slot * WARP], w);
-        group_fma<NT>(w, x, k, nt, g, acc);
-        // The slot's value is used above; only now is it refilled.
-        int next = g + GEMV_ASYNC_STAGES * stride;
-        if (next < groups) copy_async16(mine + slot * WARP, (const uint4*)row + next);
-        copy_async_commit();
-    }
-    asm volatile("cp.async.wait_all;" ::: "memory");
 #pragma unroll
-    for (int t = 0; t < NT; t++) acc[t] = warp_sum(acc[t]);
-}
-#endif
-
-// A warp's partial sums of a plain-float row (k a multiple of 8): float_row_part_direct, or
-// with GEMV_ASYNC_STAGES its ring for 16-bit weights.
-template <int FMT, int NT, bool WHOLE>
-__device__ __forceinline__ void float_row_part(const u8* row, const float* x, int k, int nt,
-                                               int part, int split, float* acc) {
-#if GEMV_ASYNC_STAGES > 0
-    if (FMT != F_F32) {
-        float_row_part_async<FMT, NT, WHOLE>(row, x, k, nt, part, split, acc);
-        return;
+    for (int t = 0; t < NT; t++) {
+        a[t] = warp_sum(a[t]);
+        b[t] = warp_sum(b[t]);
     }
-#endif
-    float_row_part_direct<FMT, NT, WHOLE>(row, x, k, nt, part, split, acc);
 }
 
 // Dot products of one plain-float row (k a multiple of 8) with NT activation rows: one warp.
@@ -592,14 +543,36 @@ __device__ __forceinline__ void q4k_i16_block(const uint4* q, const uint4* h, co
     }
 }
 
+// Loads lane `sub`'s slices of super-blocks b0 and b1 (when below `end`) of R Q4_K rows: the
+// quant slices into q[0..1][r], the 16-byte headers into h[0..1][r].
+template <int R>
+__device__ __forceinline__ void q4k_load_pair(const u8* const* rows, int end, int b0, int b1,
+                                              int sub, uint4 (*q)[R], uint4 (*h)[R]) {
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        const u8* blk = rows[r] + (u64)b0 * 144;
+        q[0][r] = __ldg((const uint4*)(blk + 16) + sub);
+        h[0][r] = __ldg((const uint4*)blk);
+        if (b1 < end) {
+            blk = rows[r] + (u64)b1 * 144;
+            q[1][r] = __ldg((const uint4*)(blk + 16) + sub);
+            h[1][r] = __ldg((const uint4*)blk);
+        }
+    }
+}
+
 // Dot products of R Q4_K rows (k weights each) with the activation rows x[t·k ..] (t < nt ≤
 // NT), on 16-bit activations (see q4k_i16_tile); R rows of one warp share the activation reads
 // (R = 2: the gate and up rows of a gated feed-forward). `split` warps may share the rows, each
 // taking every split-th pass of 4 super-blocks of a tile (the caller adds their sums; beyond
-// q4k_i16_tile(NT) / 4 warps some would have no pass); a lane loads two passes' weights before
-// it uses them. Every warp of the block must call it (active = false where it has no row): it
-// synchronises the block around each tile's staging.
-template <int NT, int R>
+// q4k_i16_tile(NT) / 4 warps some would have no pass). A lane works through pairs of passes;
+// for one token row it loads the weights of its next pair (in this tile or the next) before
+// it uses the ones it holds, so a weight load's latency overlaps the work before it, and the
+// first pair before the activations are staged. WAITS: waits for the kernel ahead
+// (wait_prior_grid) first — for one token row after those first loads, which then overlap
+// that kernel's end. Every warp of the block must call it (active = false where it has no
+// row): it synchronises the block around each tile's staging.
+template <int NT, int R, bool WAITS = false>
 __device__ __forceinline__ void q4k_rows_i16(bool active, const u8* const* rows, const float* x,
                                              int k, int nt, int part, int split,
                                              float (*acc)[NT]) {
@@ -611,27 +584,47 @@ __device__ __forceinline__ void q4k_rows_i16(bool active, const u8* const* rows,
     for (int r = 0; r < R; r++)
 #pragma unroll
         for (int t = 0; t < NT; t++) acc[r][t] = 0.f;
-    int nb = k >> 8;
+    // Loading ahead holds two pairs' weights at once: for one token row that made E4B's
+    // down product 19 % faster on the H200; for 8 (with the first loads also before the wait)
+    // the batch-8 step was 12 % slower (docs/perf.md, session 16), so there a pair is loaded
+    // where it is used.
+    const bool AHEAD = NT == 1;
+    int nb = k >> 8, first = 4 * part + (lane >> 3), pass = 4 * split;
+    uint4 q[2][R], h[2][R];
+    if (AHEAD && active && first < min(TILE, nb))
+        q4k_load_pair<R>(rows, min(TILE, nb), first, first + pass, sub, q, h);
+    if (WAITS) wait_prior_grid();
     for (int s0 = 0; s0 < nb; s0 += TILE) {
         int ntb = min(TILE, nb - s0);
         stage_x_i16<NT>(x, k, nt, s0, ntb, xq, xm);
         if (!active) continue;
-        for (int b0 = 4 * part + (lane >> 3); b0 < ntb; b0 += 8 * split) {
-            int b1 = b0 + 4 * split;
-            uint4 q[2][R], h[2][R];
+        for (int b0 = first; b0 < ntb; b0 += 2 * pass) {
+            // The pair used now (cq, ch) and, loading ahead, the next one (q, h after it).
+            uint4 cq[2][R], ch[2][R];
+            if (AHEAD) {
 #pragma unroll
-            for (int r = 0; r < R; r++) {
-                const u8* blk = rows[r] + (u64)(s0 + b0) * 144;
-                q[0][r] = __ldg((const uint4*)(blk + 16) + sub);
-                h[0][r] = __ldg((const uint4*)blk);
-                if (b1 < ntb) {
-                    blk = rows[r] + (u64)(s0 + b1) * 144;
-                    q[1][r] = __ldg((const uint4*)(blk + 16) + sub);
-                    h[1][r] = __ldg((const uint4*)blk);
+                for (int i = 0; i < 2; i++)
+#pragma unroll
+                    for (int r = 0; r < R; r++) {
+                        cq[i][r] = q[i][r];
+                        ch[i][r] = h[i][r];
+                    }
+                // Every tile but the last has a pair for each lane (TILE ≥ 4 · pass), so the
+                // pair loaded ahead for the next tile is that tile's first.
+                int next = b0 + 2 * pass, next_s0 = s0;
+                if (next >= ntb) {
+                    next_s0 = s0 + TILE;
+                    next = first;
                 }
+                next += next_s0;
+                if (next < nb)
+                    q4k_load_pair<R>(rows, min(nb, next_s0 + TILE), next, next + pass, sub, q, h);
+            } else {
+                q4k_load_pair<R>(rows, s0 + ntb, s0 + b0, s0 + b0 + pass, sub, cq, ch);
             }
-            q4k_i16_block<NT, R>(q[0], h[0], xq, xm, b0, sub, nt, acc);
-            if (b1 < ntb) q4k_i16_block<NT, R>(q[1], h[1], xq, xm, b1, sub, nt, acc);
+            q4k_i16_block<NT, R>(cq[0], ch[0], xq, xm, b0, sub, nt, acc);
+            if (b0 + pass < ntb)
+                q4k_i16_block<NT, R>(cq[1], ch[1], xq, xm, b0 + pass, sub, nt, acc);
         }
     }
 #pragma unroll
@@ -640,11 +633,11 @@ __device__ __forceinline__ void q4k_rows_i16(bool active, const u8* const* rows,
         for (int t = 0; t < NT; t++) acc[r][t] = warp_sum(acc[r][t]);
 }
 
-template <int NT>
+template <int NT, bool WAITS>
 __device__ __forceinline__ void q4k_row_dot(bool active, const u8* row, const float* x, int k,
                                             int nt, float* acc) {
     float a[1][NT];
-    q4k_rows_i16<NT, 1>(active, &row, x, k, nt, 0, 1, a);
+    q4k_rows_i16<NT, 1, WAITS>(active, &row, x, k, nt, 0, 1, a);
 #pragma unroll
     for (int t = 0; t < NT; t++) acc[t] = a[0][t];
 }
@@ -654,9 +647,12 @@ __device__ __forceinline__ void q4k_row_dot(bool active, const u8* row, const fl
 // block must call it (with active = false where it has no row): the quantized paths
 // synchronise the block. Plain floats of a width that is a multiple of 8 and every quantized
 // format take the coalesced paths above; other plain rows fall back to a chunk per lane.
-template <int FMT, int NT>
+// WAITS: it waits for the kernel ahead (wait_prior_grid) itself, Q4_K rows after their first
+// weight loads.
+template <int FMT, int NT, bool WAITS = false>
 __device__ __forceinline__ void warp_row_dot(bool active, const u8* row, const float* x, int k,
                                              int nt, float* acc) {
+    if (WAITS && FMT != F_Q4_K) wait_prior_grid();
     if (FMT == F_F32 || FMT == F_F16 || FMT == F_BF16) {
 #pragma unroll
         for (int t = 0; t < NT; t++) acc[t] = 0.f;
@@ -678,22 +674,28 @@ __device__ __forceinline__ void warp_row_dot(bool active, const u8* row, const f
 #pragma unroll
         for (int t = 0; t < NT; t++) acc[t] = warp_sum(acc[t]);
     } else if (FMT == F_Q4_K) {
-        q4k_row_dot<NT>(active, row, x, k, nt, acc);
+        q4k_row_dot<NT, WAITS>(active, row, x, k, nt, acc);
     } else {
         staged_row_dot<FMT, NT>(active, row, x, k, nt, acc);
     }
 }
 
 // warp_row_dot of two rows of the same format and width (a gated feed-forward's gate and up
-// rows): Q4_K rows share their activation reads, other formats take two passes.
-template <int FMT, int NT>
+// rows): plain-float rows (width a multiple of 8) and Q4_K rows share their activation reads,
+// other formats take two passes. WAITS as for warp_row_dot.
+template <int FMT, int NT, bool WAITS = false>
 __device__ __forceinline__ void warp_row_pair_dot(bool active, const u8* row_a, const u8* row_b,
                                                   const float* x, int k, int nt, float* a,
                                                   float* b) {
-    if (FMT == F_Q4_K) {
+    if (WAITS && FMT != F_Q4_K) wait_prior_grid();
+    if ((FMT == F_F32 || FMT == F_F16 || FMT == F_BF16) && (k & 7) == 0) {
+#pragma unroll
+        for (int t = 0; t < NT; t++) a[t] = b[t] = 0.f;
+        if (active) float_row_pair<FMT, NT>(row_a, row_b, x, k, nt, a, b);
+    } else if (FMT == F_Q4_K) {
         const u8* rows[2] = {row_a, row_b};
         float ab[2][NT];
-        q4k_rows_i16<NT, 2>(active, rows, x, k, nt, 0, 1, ab);
+        q4k_rows_i16<NT, 2, WAITS>(active, rows, x, k, nt, 0, 1, ab);
 #pragma unroll
         for (int t = 0; t < NT; t++) {
             a[t] = ab[0][t];

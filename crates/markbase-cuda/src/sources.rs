@@ -1,7 +1,7 @@
 //! The kernel sources, embedded in the binary: each module is a `.cu` file with the shared
 //! headers it needs prepended (NVRTC sees one self-contained translation unit), after any
 //! `#define`s given in `MARKBASE_CUDA_DEFINES` (kernel variants under evaluation, e.g.
-//! `GEMV_ASYNC_STAGES=4`; the disk cache keys on the whole source, so each set compiles once).
+//! `GEMV_PLAIN_MIN_BLOCKS=2`; the disk cache keys on the whole source, so each set compiles once).
 
 use markbase_core::{Error, Result};
 
@@ -112,8 +112,8 @@ mod tests {
 
     #[test]
     fn defines_come_first_and_bad_entries_are_named() {
-        let d = define_lines("GEMV_ASYNC_STAGES=4  FAST").unwrap();
-        assert_eq!(d, "#define GEMV_ASYNC_STAGES 4\n#define FAST 1\n");
+        let d = define_lines("GEMV_PLAIN_MIN_BLOCKS=4  FAST").unwrap();
+        assert_eq!(d, "#define GEMV_PLAIN_MIN_BLOCKS 4\n#define FAST 1\n");
         let src = Module::Gemv.source(&d);
         assert!(src.starts_with(&d));
         assert_ne!(src, Module::Gemv.source(""));
