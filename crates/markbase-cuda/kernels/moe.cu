@@ -7,6 +7,7 @@
 
 #define MOE_MAX_PER_LANE 8  // up to 256 experts
 
+#if SHARED_KERNELS  // format-independent (quant.cuh)
 // One warp per token row of n_experts router logits.
 extern "C" __global__ void moe_route(const float* logits, int n, int n_experts, int top_k,
                                      const float* expert_scale, float* weights, float* ids) {
@@ -72,6 +73,7 @@ extern "C" __global__ void moe_route(const float* logits, int n, int n_experts, 
         }
     }
 }
+#endif  // SHARED_KERNELS
 
 // The expert id of pair `pair`, or −1 (and the error raised) when it is not a valid id.
 __device__ __forceinline__ int expert_of(const float* ids, u64 pair, int n_experts, u32* err) {
@@ -138,6 +140,7 @@ __device__ void moe_down_impl(const u8* w, u64 row_bytes, int d, int f, const fl
     }
 FOR_EACH_FORMAT(MOE_KERNELS)
 
+#if SHARED_KERNELS  // format-independent (quant.cuh)
 // h[pair, i] = gelu_tanh(gu[pair, i]) · gu[pair, F + i] for i < F. Grid: (ceil(F / block), pairs).
 extern "C" __global__ void moe_act(const float* gu, int f, float* h) {
     wait_prior_grid();
@@ -147,6 +150,7 @@ extern "C" __global__ void moe_act(const float* gu, int f, float* h) {
     const float* g = gu + pair * 2 * f;
     h[pair * f + i] = gelu_tanh(g[i]) * g[f + i];
 }
+#endif  // SHARED_KERNELS
 
 // ---- Grouped path. The pairs (pair p = t·top_k + j: token t's j-th expert) are sorted by
 // expert into "slots" — expert 0's pairs first, each expert's in pair order, so every result
@@ -183,6 +187,7 @@ __device__ __forceinline__ int block_exclusive_scan(int v, int* red, int* total)
     return before + incl - v;
 }
 
+#if SHARED_KERNELS  // format-independent (quant.cuh)
 // Groups the pairs by expert (the index arrays above). One block of MOE_MAX_EXPERTS threads:
 // warp w takes the pairs of a contiguous range (ranges in warp order), and counts each
 // expert's pairs in its range (lanes with the same expert found with __match_any_sync); a
@@ -247,7 +252,9 @@ extern "C" __global__ void moe_group(const float* ids, int pairs, int n_experts,
         __syncwarp();
     }
 }
+#endif  // SHARED_KERNELS
 
+#if SHARED_KERNELS  // format-independent (quant.cuh)
 // xg[s, :] = x[order[s] / top_k, :]: each slot's token row, so that a tile's activation rows
 // are contiguous for the row-dot helpers. One block per slot.
 extern "C" __global__ void moe_gather(const float* x, int d, int top_k, const int* order,
@@ -259,6 +266,7 @@ extern "C" __global__ void moe_gather(const float* x, int d, int top_k, const in
     const float* src = x + (u64)(p / top_k) * d;
     for (int i = threadIdx.x; i < d; i += blockDim.x) xg[s * d + i] = src[i];
 }
+#endif  // SHARED_KERNELS
 
 // warp_row_dot of one row with a tile's MOE_TILE activation rows, less the fallback for
 // plain-float rows of a width that is not a multiple of 8: that fallback alone took the bf16
@@ -340,6 +348,7 @@ __device__ void moe_down_grouped_impl(const u8* w, u64 row_bytes, int d, int f, 
     }
 FOR_EACH_FORMAT(MOE_GROUPED_KERNELS)
 
+#if SHARED_KERNELS  // format-independent (quant.cuh)
 // out[t, r] = Σ_j weights[t·top_k + j] · y[slot_of[t·top_k + j], r], j in order (a pair with
 // a bad expert id adds nothing). One block per token.
 extern "C" __global__ void moe_combine(const float* y, int d, int top_k, const float* weights,
@@ -356,3 +365,4 @@ extern "C" __global__ void moe_combine(const float* y, int d, int top_k, const f
         out[t * d + r] = total;
     }
 }
+#endif  // SHARED_KERNELS

@@ -103,6 +103,8 @@ __device__ void dequant_impl(const u8* w, u64 row_bytes, int r0, int k, void* ds
     }
 FOR_EACH_FORMAT(OPS_FORMAT_KERNELS)
 
+#if SHARED_KERNELS  // the format-independent kernels (quant.cuh)
+
 // y[i] = x[i] rounded to bf16 (to nearest, ties to even; NaN stays NaN): the activations of a
 // tensor-core product with bf16 weights.
 extern "C" __global__ void f32_to_bf16(const float* x, u16* y, u64 n) {
@@ -373,3 +375,5 @@ extern "C" __global__ void softcap(float* x, float cap, u64 n) {
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] = cap * tanhf(x[i] / cap);
 }
+
+#endif  // SHARED_KERNELS

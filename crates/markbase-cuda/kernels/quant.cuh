@@ -707,18 +707,77 @@ __device__ __forceinline__ void warp_row_pair_dot(bool active, const u8* row_a, 
     }
 }
 
-// Instantiates `MACRO(name_suffix, FMT)` for every supported weight format.
-#define FOR_EACH_FORMAT(MACRO) \
-    MACRO(f32, F_F32)          \
-    MACRO(f16, F_F16)          \
-    MACRO(bf16, F_BF16)        \
-    MACRO(q4_0, F_Q4_0)        \
-    MACRO(q4_1, F_Q4_1)        \
-    MACRO(q5_0, F_Q5_0)        \
-    MACRO(q5_1, F_Q5_1)        \
-    MACRO(q8_0, F_Q8_0)        \
-    MACRO(q2_k, F_Q2_K)        \
-    MACRO(q3_k, F_Q3_K)        \
-    MACRO(q4_k, F_Q4_K)        \
-    MACRO(q5_k, F_Q5_K)        \
-    MACRO(q6_k, F_Q6_K)
+// Compilation units (sources.rs, `Unit`): a module's per-format kernels compile one format a
+// unit, in parallel. With FORMATS_ONLY_NAMED defined, FOR_EACH_FORMAT instantiates only the
+// formats whose FORMAT_<suffix> is defined as 1 (none: a unit of the format-independent
+// kernels); otherwise every format. SHARED_KERNELS 0 leaves out a module's format-independent
+// kernels (the .cu files guard them with `#if SHARED_KERNELS`).
+#ifndef SHARED_KERNELS
+#define SHARED_KERNELS 1
+#endif
+#ifdef FORMATS_ONLY_NAMED
+#define FORMAT_BY_DEFAULT 0
+#else
+#define FORMAT_BY_DEFAULT 1
+#endif
+#ifndef FORMAT_f32
+#define FORMAT_f32 FORMAT_BY_DEFAULT
+#endif
+#ifndef FORMAT_f16
+#define FORMAT_f16 FORMAT_BY_DEFAULT
+#endif
+#ifndef FORMAT_bf16
+#define FORMAT_bf16 FORMAT_BY_DEFAULT
+#endif
+#ifndef FORMAT_q4_0
+#define FORMAT_q4_0 FORMAT_BY_DEFAULT
+#endif
+#ifndef FORMAT_q4_1
+#define FORMAT_q4_1 FORMAT_BY_DEFAULT
+#endif
+#ifndef FORMAT_q5_0
+#define FORMAT_q5_0 FORMAT_BY_DEFAULT
+#endif
+#ifndef FORMAT_q5_1
+#define FORMAT_q5_1 FORMAT_BY_DEFAULT
+#endif
+#ifndef FORMAT_q8_0
+#define FORMAT_q8_0 FORMAT_BY_DEFAULT
+#endif
+#ifndef FORMAT_q2_k
+#define FORMAT_q2_k FORMAT_BY_DEFAULT
+#endif
+#ifndef FORMAT_q3_k
+#define FORMAT_q3_k FORMAT_BY_DEFAULT
+#endif
+#ifndef FORMAT_q4_k
+#define FORMAT_q4_k FORMAT_BY_DEFAULT
+#endif
+#ifndef FORMAT_q5_k
+#define FORMAT_q5_k FORMAT_BY_DEFAULT
+#endif
+#ifndef FORMAT_q6_k
+#define FORMAT_q6_k FORMAT_BY_DEFAULT
+#endif
+#define MB_CAT_(a, b) a##b
+#define MB_CAT(a, b) MB_CAT_(a, b)
+#define MB_WHEN_0(x)
+#define MB_WHEN_1(x) x
+// MACRO(S, F) when format S is on.
+#define FORMAT_IF(S, F, MACRO) MB_CAT(MB_WHEN_, FORMAT_##S)(MACRO(S, F))
+
+// Instantiates `MACRO(name_suffix, FMT)` for every supported weight format (that is on).
+#define FOR_EACH_FORMAT(MACRO)         \
+    FORMAT_IF(f32, F_F32, MACRO)       \
+    FORMAT_IF(f16, F_F16, MACRO)       \
+    FORMAT_IF(bf16, F_BF16, MACRO)     \
+    FORMAT_IF(q4_0, F_Q4_0, MACRO)     \
+    FORMAT_IF(q4_1, F_Q4_1, MACRO)     \
+    FORMAT_IF(q5_0, F_Q5_0, MACRO)     \
+    FORMAT_IF(q5_1, F_Q5_1, MACRO)     \
+    FORMAT_IF(q8_0, F_Q8_0, MACRO)     \
+    FORMAT_IF(q2_k, F_Q2_K, MACRO)     \
+    FORMAT_IF(q3_k, F_Q3_K, MACRO)     \
+    FORMAT_IF(q4_k, F_Q4_K, MACRO)     \
+    FORMAT_IF(q5_k, F_Q5_K, MACRO)     \
+    FORMAT_IF(q6_k, F_Q6_K, MACRO)

@@ -3,6 +3,7 @@
 
 use std::collections::HashMap;
 use std::ffi::c_void;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{sys, CudaContext, CudaFunction, CudaModule, CudaStream, DeviceRepr};
@@ -14,53 +15,79 @@ use crate::backend::format_suffix;
 
 use crate::device::driver_err;
 use crate::nvrtc::{self, Target};
-use crate::sources::Module;
+use crate::sources::{Module, Unit};
 
-/// Every kernel module, loaded into one context.
+/// Every kernel module, loaded into one context (one loaded module a compilation unit).
 pub(crate) struct Kernels {
-    modules: HashMap<Module, Arc<CudaModule>>,
+    units: HashMap<Unit, Arc<CudaModule>>,
     funcs: Mutex<HashMap<&'static str, CudaFunction>>,
     /// Per-format kernels by (name prefix, format, variant).
     format_funcs: Mutex<HashMap<(&'static str, GgmlType, u32), CudaFunction>>,
 }
 
+/// Compiles (or takes from the cache) every unit for compute capability `cc`, on as many
+/// threads as the machine has cores; returns each unit's image in `units`' order.
+fn compile_units(units: &[Unit], defines: &str, cc: u32) -> Vec<Result<Vec<u8>>> {
+    let workers = std::thread::available_parallelism()
+        .map_or(4, |n| n.get())
+        .min(units.len());
+    let next = AtomicUsize::new(0);
+    let mut images: Vec<Option<Result<Vec<u8>>>> = (0..units.len()).map(|_| None).collect();
+    std::thread::scope(|s| {
+        let jobs: Vec<_> = (0..workers)
+            .map(|_| {
+                s.spawn(|| {
+                    let mut done = Vec::new();
+                    loop {
+                        let i = next.fetch_add(1, Ordering::Relaxed);
+                        let Some(u) = units.get(i) else { break done };
+                        let src = u.source(defines);
+                        done.push((i, nvrtc::compile_cached(&u.name(), &src, Target::Cubin(cc))));
+                    }
+                })
+            })
+            .collect();
+        for job in jobs {
+            for (i, image) in job.join().expect("kernel compile thread panicked") {
+                images[i] = Some(image);
+            }
+        }
+    });
+    images
+        .into_iter()
+        .map(|image| image.expect("every unit is compiled"))
+        .collect()
+}
+
 impl Kernels {
-    /// Compiles (or takes from the cache) and loads every module for compute capability
-    /// `cc` (e.g. 90); modules compile in parallel.
+    /// Compiles (or takes from the cache) and loads every kernel unit for compute capability
+    /// `cc` (e.g. 90); units compile in parallel.
     pub(crate) fn load(ctx: &Arc<CudaContext>, cc: u32) -> Result<Kernels> {
         let defines = crate::sources::defines_from_env()?;
-        let defines = &defines;
-        let images: Vec<(Module, Result<Vec<u8>>)> = std::thread::scope(|s| {
-            let jobs: Vec<_> = Module::ALL
-                .iter()
-                .map(|&m| {
-                    s.spawn(move || {
-                        (
-                            m,
-                            nvrtc::compile_cached(m.name(), &m.source(defines), Target::Cubin(cc)),
-                        )
-                    })
-                })
-                .collect();
-            jobs.into_iter()
-                .map(|j| j.join().expect("kernel compile thread panicked"))
-                .collect()
-        });
-        let mut modules = HashMap::new();
-        for (m, image) in images {
+        let all = Unit::all();
+        let images = compile_units(&all, &defines, cc);
+        let mut units = HashMap::new();
+        for (unit, image) in all.into_iter().zip(images) {
             let module = ctx
                 .load_module(Ptx::from_binary(image?))
-                .map_err(|e| driver_err(&format!("loading kernel module {}", m.name()), e))?;
-            modules.insert(m, module);
+                .map_err(|e| driver_err(&format!("loading kernel unit {}", unit.name()), e))?;
+            units.insert(unit, module);
         }
         Ok(Kernels {
-            modules,
+            units,
             funcs: Mutex::new(HashMap::new()),
             format_funcs: Mutex::new(HashMap::new()),
         })
     }
 
-    /// The kernel `name` of module `m`.
+    /// The loaded unit `u`.
+    fn unit(&self, u: Unit) -> Result<&Arc<CudaModule>> {
+        self.units
+            .get(&u)
+            .ok_or_else(|| Error::Invalid(format!("no kernel unit {}", u.name())))
+    }
+
+    /// The format-independent kernel `name` of module `m`.
     pub(crate) fn func(&self, m: Module, name: &'static str) -> Result<CudaFunction> {
         let mut funcs = self
             .funcs
@@ -69,7 +96,8 @@ impl Kernels {
         if let Some(f) = funcs.get(name) {
             return Ok(f.clone());
         }
-        let f = self.modules[&m]
+        let f = self
+            .unit(Unit::holding(m, None))?
             .load_function(name)
             .map_err(|e| driver_err(&format!("kernel {name}"), e))?;
         funcs.insert(name, f.clone());
@@ -101,7 +129,8 @@ impl Kernels {
         } else {
             format!("{prefix}_{suffix}")
         };
-        let f = self.modules[&m]
+        let f = self
+            .unit(Unit::holding(m, Some(suffix)))?
             .load_function(&name)
             .map_err(|e| driver_err(&format!("kernel {name}"), e))?;
         funcs.insert(key, f.clone());

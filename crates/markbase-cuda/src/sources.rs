@@ -2,6 +2,7 @@
 //! headers it needs prepended (NVRTC sees one self-contained translation unit), after any
 //! `#define`s given in `MARKBASE_CUDA_DEFINES` (kernel variants under evaluation, e.g.
 //! `GEMV_PLAIN_MIN_BLOCKS=2`; the disk cache keys on the whole source, so each set compiles once).
+//! Modules with kernels per weight format compile in units of one format each ([`Unit`]).
 
 use markbase_core::{Error, Result};
 
@@ -84,6 +85,25 @@ impl Module {
         }
     }
 
+    /// Whether the module instantiates kernels per weight format (`FOR_EACH_FORMAT`), compiled
+    /// one format a unit.
+    pub fn per_format(self) -> bool {
+        matches!(self, Module::Ops | Module::Gemv | Module::Moe)
+    }
+
+    /// The parts its units hold: per-format modules a shared part (where they have
+    /// format-independent kernels: all but the GEMV module) and one part a format.
+    pub fn parts(self) -> Vec<Part> {
+        if !self.per_format() {
+            return vec![Part::Whole];
+        }
+        let shared = (self != Module::Gemv).then_some(Part::Shared);
+        shared
+            .into_iter()
+            .chain(FORMAT_SUFFIXES.iter().map(|&s| Part::Format(s)))
+            .collect()
+    }
+
     /// The full source NVRTC compiles, after `defines` (`#define` lines, see
     /// [`define_lines`]).
     pub fn source(self, defines: &str) -> String {
@@ -106,9 +126,104 @@ impl Module {
     }
 }
 
+/// The name suffixes of the weight formats the kernels instantiate (quant.cuh's
+/// `FOR_EACH_FORMAT`, in its order).
+pub const FORMAT_SUFFIXES: [&str; 13] = [
+    "f32", "f16", "bf16", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k",
+    "q6_k",
+];
+
+/// Which kernels of a module a compilation unit holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Part {
+    /// All of them (a module without per-format kernels).
+    Whole,
+    /// The format-independent kernels.
+    Shared,
+    /// The kernels of one weight format (its name suffix, e.g. "q4_k").
+    Format(&'static str),
+}
+
+/// One NVRTC compilation: a module's per-format kernels compile one format a unit, so that
+/// the units compile in parallel (the GEMV module whole took ≈ 40 s on one core).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Unit {
+    /// The module.
+    pub module: Module,
+    /// Its kernels in this unit.
+    pub part: Part,
+}
+
+impl Unit {
+    /// Every unit: the per-format modules in a shared unit (where they have format-independent
+    /// kernels) and one unit a format, the others whole.
+    pub fn all() -> Vec<Unit> {
+        let mut units = Vec::new();
+        for module in Module::ALL {
+            let parts = module.parts();
+            units.extend(parts.into_iter().map(|part| Unit { module, part }));
+        }
+        units
+    }
+
+    /// The unit of `module` holding its kernels of format `suffix` (None: its
+    /// format-independent kernels).
+    pub fn holding(module: Module, suffix: Option<&'static str>) -> Unit {
+        let part = match (module.per_format(), suffix) {
+            (false, _) => Part::Whole,
+            (true, None) => Part::Shared,
+            (true, Some(s)) => Part::Format(s),
+        };
+        Unit { module, part }
+    }
+
+    /// A name for logs and cache files: "gemv-q4_k", "ops-shared", "attention".
+    pub fn name(&self) -> String {
+        match self.part {
+            Part::Whole => self.module.name().to_string(),
+            Part::Shared => format!("{}-shared", self.module.name()),
+            Part::Format(s) => format!("{}-{s}", self.module.name()),
+        }
+    }
+
+    /// The source NVRTC compiles: the module's, after `defines` and the unit's own.
+    pub fn source(&self, defines: &str) -> String {
+        let own = match self.part {
+            Part::Whole => String::new(),
+            Part::Shared => "#define FORMATS_ONLY_NAMED 1\n".to_string(),
+            Part::Format(s) => format!(
+                "#define FORMATS_ONLY_NAMED 1\n#define SHARED_KERNELS 0\n#define FORMAT_{s} 1\n"
+            ),
+        };
+        self.module.source(&format!("{defines}{own}"))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn units_cover_each_module_once_and_name_their_part() {
+        let all = Unit::all();
+        let names: std::collections::HashSet<_> = all.iter().map(Unit::name).collect();
+        assert_eq!(
+            names.len(),
+            all.len(),
+            "unit names are unique (cache files)"
+        );
+        // attention, sample whole; ops and moe shared + 13 formats; gemv 13 formats.
+        assert_eq!(all.len(), 2 + 2 * 14 + 13);
+        let q4k = Unit::holding(Module::Gemv, Some("q4_k"));
+        assert_eq!(q4k.name(), "gemv-q4_k");
+        assert!(all.contains(&q4k));
+        assert!(q4k.source("").contains("#define FORMAT_q4_k 1\n"));
+        assert_eq!(Unit::holding(Module::Ops, None).name(), "ops-shared");
+        assert_eq!(Unit::holding(Module::Attention, None).part, Part::Whole);
+        assert_eq!(Unit::holding(Module::Sample, Some("f32")).name(), "sample");
+        let d = define_lines("X=2").unwrap();
+        assert!(q4k.source(&d).starts_with(&d));
+    }
 
     #[test]
     fn defines_come_first_and_bad_entries_are_named() {

@@ -1,13 +1,16 @@
 //! CI compile-check, no GPU needed: NVRTC 13 (from the `nvidia-cuda-nvrtc` wheel, pip-installed
 //! under target/ on first use, or the library named by `MARKBASE_NVRTC`) compiles every kernel
-//! module to PTX for compute_90. A compile error fails this test; so does a missing NVRTC —
-//! it is never skipped. With `MARKBASE_PTX_DIR` set, each module's PTX is written there.
+//! module to PTX for compute_90, whole and in the units the backend compiles (each of a
+//! module's kernels in exactly one unit; a per-format unit only its format's). A compile
+//! error fails this test; so does a missing NVRTC — it is never skipped. With `MARKBASE_PTX_DIR` set, each module's PTX is written there.
 
+use std::collections::{BTreeSet, HashMap};
 use std::path::PathBuf;
 use std::process::Command;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use markbase_cuda::nvrtc::{self, Target};
-use markbase_cuda::sources::{self, Module};
+use markbase_cuda::sources::{self, Module, Part, Unit};
 
 /// The wheel pinned for the check.
 const WHEEL: &str = "nvidia-cuda-nvrtc==13.0.88";
@@ -37,10 +40,52 @@ fn nvrtc_library() -> PathBuf {
     lib
 }
 
-/// Kernel variants under evaluation (`MARKBASE_CUDA_DEFINES`), compiled beside the defaults,
-/// with PTX their kernels must contain (proof that the defines took effect).
-const VARIANTS: &[(Module, &str, &str)] =
-    &[(Module::Gemv, "GEMV_PLAIN_MIN_BLOCKS=2", ".minnctapersm 2")];
+/// Kernel variants under evaluation (`MARKBASE_CUDA_DEFINES`), compiled beside the defaults:
+/// a unit they change, and PTX its kernels must contain (proof that the defines took effect).
+const VARIANTS: &[(Unit, &str, &str)] = &[(
+    Unit {
+        module: Module::Gemv,
+        part: Part::Format("bf16"),
+    },
+    "GEMV_PLAIN_MIN_BLOCKS=2",
+    ".minnctapersm 2",
+)];
+
+/// One compilation of the check: a whole module (every kernel, for comparison), one of the
+/// units the backend compiles, or a variant of one (its defines, and the PTX it must hold).
+#[derive(Clone, Copy)]
+enum Job {
+    Module(Module),
+    Unit(Unit),
+    Variant(Unit, &'static str, &'static str),
+}
+
+impl Job {
+    fn name(&self) -> String {
+        match self {
+            Job::Module(m) => m.name().to_string(),
+            Job::Unit(u) => format!("unit {}", u.name()),
+            Job::Variant(u, defines, _) => format!("unit {} [{defines}]", u.name()),
+        }
+    }
+
+    fn compile(&self) -> Result<Vec<u8>, String> {
+        let src = match self {
+            Job::Module(m) => m.source(""),
+            Job::Unit(u) => u.source(""),
+            Job::Variant(u, defines, _) => u.source(&sources::define_lines(defines).unwrap()),
+        };
+        nvrtc::compile("check", &src, Target::Ptx(90)).map_err(|e| e.to_string())
+    }
+}
+
+/// The kernel names (`.entry`) of a PTX text.
+fn entries(ptx: &str) -> BTreeSet<String> {
+    ptx.split(".entry")
+        .skip(1)
+        .map(|body| body.split('(').next().unwrap_or("").trim().to_string())
+        .collect()
+}
 
 #[test]
 fn every_kernel_module_compiles_to_ptx_for_compute_90() {
@@ -49,49 +94,65 @@ fn every_kernel_module_compiles_to_ptx_for_compute_90() {
     std::env::set_var("MARKBASE_NVRTC", &lib);
     let (major, minor) = nvrtc::version().expect("NVRTC must load");
     assert_eq!(major, 13, "NVRTC {major}.{minor}");
-    // Modules compile in parallel (NVRTC is thread-safe across programs).
-    let results: Vec<_> = std::thread::scope(|s| {
-        let jobs: Vec<_> = Module::ALL
-            .iter()
-            .map(|&m| (m, "", ""))
-            .chain(VARIANTS.iter().copied())
-            .map(|(m, defines, marker)| {
-                s.spawn(move || {
-                    let t = std::time::Instant::now();
-                    let src = m.source(&sources::define_lines(defines).unwrap());
-                    let r = nvrtc::compile(m.name(), &src, Target::Ptx(90));
-                    (m, defines, marker, r, t.elapsed())
+    let jobs: Vec<Job> = Module::ALL
+        .iter()
+        .map(|&m| Job::Module(m))
+        .chain(
+            VARIANTS
+                .iter()
+                .map(|&(u, d, marker)| Job::Variant(u, d, marker)),
+        )
+        .chain(Unit::all().into_iter().map(Job::Unit))
+        .collect();
+    // Compiled on every core (NVRTC is thread-safe across programs), a job at a time each.
+    let next = AtomicUsize::new(0);
+    let workers = std::thread::available_parallelism().map_or(2, |n| n.get());
+    let mut results: Vec<(usize, Result<Vec<u8>, String>, f64)> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..workers)
+            .map(|_| {
+                s.spawn(|| {
+                    let mut done = Vec::new();
+                    loop {
+                        let i = next.fetch_add(1, Ordering::Relaxed);
+                        let Some(job) = jobs.get(i) else { break done };
+                        let t = std::time::Instant::now();
+                        done.push((i, job.compile(), t.elapsed().as_secs_f64()));
+                    }
                 })
             })
             .collect();
-        jobs.into_iter().map(|j| j.join().unwrap()).collect()
+        handles
+            .into_iter()
+            .flat_map(|h| h.join().unwrap())
+            .collect()
     });
-    for (m, defines, marker, r, took) in results {
-        let ptx = r.unwrap_or_else(|e| panic!("kernel module {} [{defines}]: {e}", m.name()));
+    results.sort_by_key(|r| r.0);
+    let mut kernels: HashMap<String, BTreeSet<String>> = HashMap::new();
+    for (i, r, took) in results {
+        let job = jobs[i];
+        let ptx = r.unwrap_or_else(|e| panic!("{}: {e}", job.name()));
         let text = String::from_utf8_lossy(&ptx);
         if let Some(dir) = std::env::var_os("MARKBASE_PTX_DIR") {
             // For a look at the code (e.g. `ptxas -arch=sm_90 -v` for registers and spills).
-            let file = format!("{}{}.ptx", m.name(), defines.replace([' ', '='], "_"));
+            let file = format!("{}.ptx", job.name().replace([' ', '=', '[', ']'], "_"));
             std::fs::write(PathBuf::from(dir).join(file), text.trim_end_matches('\0')).unwrap();
         }
-        let entries = text.matches(".entry").count();
-        assert!(
-            text.contains(marker),
-            "{} [{defines}]: no {marker}",
-            m.name()
-        );
+        let names = entries(&text);
         eprintln!(
-            "{} [{defines}]: {} bytes of PTX, {entries} kernels, {:.1} s",
-            m.name(),
+            "{}: {} bytes of PTX, {} kernels, {took:.1} s",
+            job.name(),
             ptx.len(),
-            took.as_secs_f64()
+            names.len()
         );
+        if let Job::Variant(_, _, marker) = job {
+            assert!(text.contains(marker), "{}: no {marker}", job.name());
+        }
         assert!(
             text.contains(".target sm_90"),
             "{}: not sm_90 PTX",
-            m.name()
+            job.name()
         );
-        assert!(entries > 0, "{}: no kernels", m.name());
+        assert!(!names.is_empty(), "{}: no kernels", job.name());
         // Every kernel launches early on Hopper, so every kernel must wait for the one ahead
         // of it (`wait_prior_grid`) — a kernel without the wait would race its inputs.
         for body in text.split(".entry").skip(1) {
@@ -100,9 +161,47 @@ fn every_kernel_module_compiles_to_ptx_for_compute_90() {
                 body.contains("griddepcontrol.wait")
                     && body.contains("griddepcontrol.launch_dependents"),
                 "{}: kernel {name} does not call wait_prior_grid",
-                m.name()
+                job.name()
             );
         }
+        match job {
+            Job::Module(m) => {
+                kernels.insert(m.name().to_string(), names);
+            }
+            Job::Variant(..) => {}
+            Job::Unit(u) => {
+                if let Part::Format(f) = u.part {
+                    for n in &names {
+                        let own = n.ends_with(&format!("_{f}"))
+                            || n.rsplit_once('_').is_some_and(|(head, v)| {
+                                head.ends_with(&format!("_{f}")) && v.parse::<u32>().is_ok()
+                            });
+                        assert!(own, "unit {}: kernel {n} is not of format {f}", u.name());
+                    }
+                }
+                kernels.insert(u.name(), names);
+            }
+        }
+    }
+    // A module's units hold each of its kernels exactly once.
+    for m in Module::ALL {
+        let mut seen = BTreeSet::new();
+        for part in m.parts() {
+            let u = Unit { module: m, part };
+            for n in &kernels[&u.name()] {
+                assert!(
+                    seen.insert(n.clone()),
+                    "kernel {n} is in two units of {}",
+                    m.name()
+                );
+            }
+        }
+        assert_eq!(
+            seen,
+            kernels[m.name()],
+            "the units of {} miss kernels",
+            m.name()
+        );
     }
     // A broken source is reported with NVRTC's log, not a panic.
     let err = nvrtc::compile(
