@@ -708,57 +708,10 @@ __device__ __forceinline__ void warp_row_pair_dot(bool active, const u8* row_a, 
 }
 
 // Compilation units (sources.rs, `Unit`): a module's per-format kernels compile one format a
-// unit, in parallel. With FORMATS_ONLY_NAMED defined, FOR_EACH_FORMAT instantiates only the
-// formats whose FORMAT_<suffix> is defined as 1 (none: a unit of the format-independent
-// kernels); otherwise every format. SHARED_KERNELS 0 leaves out a module's format-independent
-// kernels (the .cu files guard them with `#if SHARED_KERNELS`).
-#ifndef SHARED_KERNELS
-#define SHARED_KERNELS 1
-#endif
-#ifdef FORMATS_ONLY_NAMED
-#define FORMAT_BY_DEFAULT 0
-#else
-#define FORMAT_BY_DEFAULT 1
-#endif
-#ifndef FORMAT_f32
-#define FORMAT_f32 FORMAT_BY_DEFAULT
-#endif
-#ifndef FORMAT_f16
-#define FORMAT_f16 FORMAT_BY_DEFAULT
-#endif
-#ifndef FORMAT_bf16
-#define FORMAT_bf16 FORMAT_BY_DEFAULT
-#endif
-#ifndef FORMAT_q4_0
-#define FORMAT_q4_0 FORMAT_BY_DEFAULT
-#endif
-#ifndef FORMAT_q4_1
-#define FORMAT_q4_1 FORMAT_BY_DEFAULT
-#endif
-#ifndef FORMAT_q5_0
-#define FORMAT_q5_0 FORMAT_BY_DEFAULT
-#endif
-#ifndef FORMAT_q5_1
-#define FORMAT_q5_1 FORMAT_BY_DEFAULT
-#endif
-#ifndef FORMAT_q8_0
-#define FORMAT_q8_0 FORMAT_BY_DEFAULT
-#endif
-#ifndef FORMAT_q2_k
-#define FORMAT_q2_k FORMAT_BY_DEFAULT
-#endif
-#ifndef FORMAT_q3_k
-#define FORMAT_q3_k FORMAT_BY_DEFAULT
-#endif
-#ifndef FORMAT_q4_k
-#define FORMAT_q4_k FORMAT_BY_DEFAULT
-#endif
-#ifndef FORMAT_q5_k
-#define FORMAT_q5_k FORMAT_BY_DEFAULT
-#endif
-#ifndef FORMAT_q6_k
-#define FORMAT_q6_k FORMAT_BY_DEFAULT
-#endif
+// unit, in parallel. sources.rs defines FORMAT_<suffix> as 1 or 0 for every format (all 1 for
+// a whole module, one for a format's unit, none for the unit of a module's format-independent
+// kernels) and SHARED_KERNELS as 1 or 0 (the .cu files guard their format-independent kernels
+// with `#if SHARED_KERNELS`); FOR_EACH_FORMAT instantiates the formats that are 1.
 #define MB_CAT_(a, b) a##b
 #define MB_CAT(a, b) MB_CAT_(a, b)
 #define MB_WHEN_0(x)

@@ -105,25 +105,40 @@ impl Module {
     }
 
     /// The full source NVRTC compiles, after `defines` (`#define` lines, see
-    /// [`define_lines`]).
+    /// [`define_lines`]): every kernel of the module.
     pub fn source(self, defines: &str) -> String {
-        let (quant, body) = match self {
-            Module::Ops => (true, include_str!("../kernels/ops.cu")),
-            Module::Gemv => (true, include_str!("../kernels/gemv.cu")),
-            Module::Attention => (false, include_str!("../kernels/attention.cu")),
-            Module::Moe => (true, include_str!("../kernels/moe.cu")),
-            Module::Sample => (false, include_str!("../kernels/sample.cu")),
-        };
-        let mut s =
-            String::with_capacity(defines.len() + COMMON.len() + QUANT.len() + body.len() + 2);
-        s.push_str(defines);
-        s.push_str(COMMON);
-        if quant {
-            s.push_str(QUANT);
-        }
-        s.push_str(body);
-        s
+        assemble(self, defines, Part::Whole)
     }
+}
+
+/// The source of `part` of module `m`: `defines`, then for a per-format module the switches
+/// quant.cuh reads — `FORMAT_<suffix>` 1 or 0 for every format, `SHARED_KERNELS` 1 or 0 (the
+/// format-independent kernels) — then the headers and the module's `.cu` file.
+fn assemble(m: Module, defines: &str, part: Part) -> String {
+    let (quant, body) = match m {
+        Module::Ops => (true, include_str!("../kernels/ops.cu")),
+        Module::Gemv => (true, include_str!("../kernels/gemv.cu")),
+        Module::Attention => (false, include_str!("../kernels/attention.cu")),
+        Module::Moe => (true, include_str!("../kernels/moe.cu")),
+        Module::Sample => (false, include_str!("../kernels/sample.cu")),
+    };
+    let mut s =
+        String::with_capacity(defines.len() + COMMON.len() + QUANT.len() + body.len() + 512);
+    s.push_str(defines);
+    if quant {
+        for f in FORMAT_SUFFIXES {
+            let on = matches!(part, Part::Whole) || part == Part::Format(f);
+            s.push_str(&format!("#define FORMAT_{f} {}\n", u8::from(on)));
+        }
+        let shared = !matches!(part, Part::Format(_));
+        s.push_str(&format!("#define SHARED_KERNELS {}\n", u8::from(shared)));
+    }
+    s.push_str(COMMON);
+    if quant {
+        s.push_str(QUANT);
+    }
+    s.push_str(body);
+    s
 }
 
 /// The name suffixes of the weight formats the kernels instantiate (quant.cuh's
@@ -186,16 +201,9 @@ impl Unit {
         }
     }
 
-    /// The source NVRTC compiles: the module's, after `defines` and the unit's own.
+    /// The source NVRTC compiles: the unit's kernels of the module, after `defines`.
     pub fn source(&self, defines: &str) -> String {
-        let own = match self.part {
-            Part::Whole => String::new(),
-            Part::Shared => "#define FORMATS_ONLY_NAMED 1\n".to_string(),
-            Part::Format(s) => format!(
-                "#define FORMATS_ONLY_NAMED 1\n#define SHARED_KERNELS 0\n#define FORMAT_{s} 1\n"
-            ),
-        };
-        self.module.source(&format!("{defines}{own}"))
+        assemble(self.module, defines, self.part)
     }
 }
 
@@ -217,7 +225,10 @@ mod tests {
         let q4k = Unit::holding(Module::Gemv, Some("q4_k"));
         assert_eq!(q4k.name(), "gemv-q4_k");
         assert!(all.contains(&q4k));
-        assert!(q4k.source("").contains("#define FORMAT_q4_k 1\n"));
+        let src = q4k.source("");
+        assert!(src.contains("#define FORMAT_q4_k 1\n") && src.contains("#define FORMAT_bf16 0\n"));
+        assert!(src.contains("#define SHARED_KERNELS 0\n"));
+        assert!(Module::Gemv.source("").contains("#define FORMAT_q4_k 1\n"));
         assert_eq!(Unit::holding(Module::Ops, None).name(), "ops-shared");
         assert_eq!(Unit::holding(Module::Attention, None).part, Part::Whole);
         assert_eq!(Unit::holding(Module::Sample, Some("f32")).name(), "sample");

@@ -7,7 +7,6 @@
 use std::collections::{BTreeSet, HashMap};
 use std::path::PathBuf;
 use std::process::Command;
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 use markbase_cuda::nvrtc::{self, Target};
 use markbase_cuda::sources::{self, Module, Part, Unit};
@@ -104,32 +103,13 @@ fn every_kernel_module_compiles_to_ptx_for_compute_90() {
         )
         .chain(Unit::all().into_iter().map(Job::Unit))
         .collect();
-    // Compiled on every core (NVRTC is thread-safe across programs), a job at a time each.
-    let next = AtomicUsize::new(0);
-    let workers = std::thread::available_parallelism().map_or(2, |n| n.get());
-    let mut results: Vec<(usize, Result<Vec<u8>, String>, f64)> = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..workers)
-            .map(|_| {
-                s.spawn(|| {
-                    let mut done = Vec::new();
-                    loop {
-                        let i = next.fetch_add(1, Ordering::Relaxed);
-                        let Some(job) = jobs.get(i) else { break done };
-                        let t = std::time::Instant::now();
-                        done.push((i, job.compile(), t.elapsed().as_secs_f64()));
-                    }
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .flat_map(|h| h.join().unwrap())
-            .collect()
+    // Compiled on every core (NVRTC is thread-safe across programs).
+    let results = nvrtc::on_every_core(&jobs, |job| {
+        let t = std::time::Instant::now();
+        (job.compile(), t.elapsed().as_secs_f64())
     });
-    results.sort_by_key(|r| r.0);
     let mut kernels: HashMap<String, BTreeSet<String>> = HashMap::new();
-    for (i, r, took) in results {
-        let job = jobs[i];
+    for (&job, (r, took)) in jobs.iter().zip(results) {
         let ptx = r.unwrap_or_else(|e| panic!("{}: {e}", job.name()));
         let text = String::from_utf8_lossy(&ptx);
         if let Some(dir) = std::env::var_os("MARKBASE_PTX_DIR") {
