@@ -40,15 +40,26 @@ fn nvrtc_library() -> PathBuf {
 }
 
 /// Kernel variants under evaluation (`MARKBASE_CUDA_DEFINES`), compiled beside the defaults:
-/// a unit they change, and PTX its kernels must contain (proof that the defines took effect).
-const VARIANTS: &[(Unit, &str, &str)] = &[(
-    Unit {
-        module: Module::Gemv,
-        part: Part::Format("bf16"),
-    },
-    "GEMV_PLAIN_MIN_BLOCKS=2",
-    ".minnctapersm 2",
-)];
+/// a unit they change (its PTX must differ from the default's), and PTX its kernels must
+/// contain (empty for a variant that only reorders work).
+const VARIANTS: &[(Unit, &str, &str)] = &[
+    (
+        Unit {
+            module: Module::Ops,
+            part: Part::Shared,
+        },
+        "ROPE_KV_LOADS_FIRST=1",
+        "",
+    ),
+    (
+        Unit {
+            module: Module::Gemv,
+            part: Part::Format("bf16"),
+        },
+        "GEMV_PLAIN_MIN_BLOCKS=2",
+        ".minnctapersm 2",
+    ),
+];
 
 /// One compilation of the check: a whole module (every kernel, for comparison), one of the
 /// units the backend compiles, or a variant of one (its defines, and the PTX it must hold).
@@ -109,6 +120,9 @@ fn every_kernel_module_compiles_to_ptx_for_compute_90() {
         (job.compile(), t.elapsed().as_secs_f64())
     });
     let mut kernels: HashMap<String, BTreeSet<String>> = HashMap::new();
+    // Each unit's PTX, and each variant's beside the PTX of the unit it varies.
+    let mut unit_ptx: HashMap<String, String> = HashMap::new();
+    let mut variant_ptx = Vec::new();
     for (&job, (r, took)) in jobs.iter().zip(results) {
         let ptx = r.unwrap_or_else(|e| panic!("{}: {e}", job.name()));
         let text = String::from_utf8_lossy(&ptx);
@@ -148,7 +162,7 @@ fn every_kernel_module_compiles_to_ptx_for_compute_90() {
             Job::Module(m) => {
                 kernels.insert(m.name().to_string(), names);
             }
-            Job::Variant(..) => {}
+            Job::Variant(u, ..) => variant_ptx.push((job.name(), u.name(), text.to_string())),
             Job::Unit(u) => {
                 if let Part::Format(f) = u.part {
                     for n in &names {
@@ -160,8 +174,15 @@ fn every_kernel_module_compiles_to_ptx_for_compute_90() {
                     }
                 }
                 kernels.insert(u.name(), names);
+                unit_ptx.insert(u.name(), text.to_string());
             }
         }
+    }
+    for (variant, unit, text) in &variant_ptx {
+        assert_ne!(
+            text, &unit_ptx[unit],
+            "{variant}: the defines change nothing"
+        );
     }
     // A module's units hold each of its kernels exactly once.
     for m in Module::ALL {
