@@ -4,7 +4,9 @@
 #   gpu_ops*, gpu_models*   test binaries of markbase-cuda (`cargo test --release -p
 #                           markbase-cuda --no-run`, then copied out of target/release/deps;
 #                           a suffix tells builds apart, e.g. gpu_ops_new);
-#   cb_NAME                 cuda_bench examples: `--gemv` runs once per build;
+#   cb_NAME                 cuda_bench examples: first each loads the kernels with an empty
+#                           cache (the time of a fresh compile), then `--gemv` runs once per
+#                           build;
 #   m_NAME                  markbase CLIs: each bench line below runs once per build per round
 #                           (a wrapper script that sets MARKBASE_CUDA_DEFINES and execs another
 #                           staged binary counts as a build).
@@ -27,6 +29,13 @@ chmod +x "$dir"/* 2>/dev/null
 export MARKBASE_FIXTURES=$PWD/tests/fixtures
 [ -f "$dir/cut.gguf" ] && export MARKBASE_GEMMA3_CUT=$PWD/$dir/cut.gguf
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
+for cb in "$dir"/cb_*; do
+    [ -x "$cb" ] || continue
+    echo "== $(basename "$cb"): every kernel compiled afresh (an empty cache)"
+    fresh=$(mktemp -d)
+    MARKBASE_CUDA_CACHE=$fresh timeout 300 "$cb" 2>&1 | head -1
+    rm -rf "$fresh"
+done
 for t in "$dir"/gpu_ops* "$dir"/gpu_models*; do
     [ -x "$t" ] || continue
     echo "== $(basename "$t")"
