@@ -609,7 +609,7 @@ __device__ __forceinline__ void q4k_rows_i16(bool active, const u8* const* rows,
                         cq[i][r] = q[i][r];
                         ch[i][r] = h[i][r];
                     }
-                // Every tile but the last has a pair for each lane (TILE ≥ 4 · pass), so the
+                // Every tile but the last has a pair for each lane (TILE ≥ pass > first), so the
                 // pair loaded ahead for the next tile is that tile's first.
                 int next = b0 + 2 * pass, next_s0 = s0;
                 if (next >= ntb) {
