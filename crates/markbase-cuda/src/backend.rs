@@ -300,28 +300,17 @@ pub(crate) fn int(what: &str, v: usize) -> Result<i32> {
     i32::try_from(v).map_err(|_| Error::Invalid(format!("cuda {what}: {v} is too large")))
 }
 
-/// The kernel-name suffix of a weight format.
+/// The kernel-name suffix of a weight format (`sources::FORMATS`).
 pub(crate) fn format_suffix(ty: GgmlType) -> Result<&'static str> {
-    Ok(match ty {
-        GgmlType::F32 => "f32",
-        GgmlType::F16 => "f16",
-        GgmlType::BF16 => "bf16",
-        GgmlType::Q4_0 => "q4_0",
-        GgmlType::Q4_1 => "q4_1",
-        GgmlType::Q5_0 => "q5_0",
-        GgmlType::Q5_1 => "q5_1",
-        GgmlType::Q8_0 => "q8_0",
-        GgmlType::Q2_K => "q2_k",
-        GgmlType::Q3_K => "q3_k",
-        GgmlType::Q4_K => "q4_k",
-        GgmlType::Q5_K => "q5_k",
-        GgmlType::Q6_K => "q6_k",
-        GgmlType::Q8_K => {
-            return Err(Error::Unsupported(
-                "Q8_K weights on the CUDA backend (an activation format)".into(),
+    crate::sources::FORMATS
+        .iter()
+        .find(|&&(t, _)| t == ty)
+        .map(|&(_, s)| s)
+        .ok_or_else(|| {
+            Error::Unsupported(format!(
+                "{ty} weights on the CUDA backend (an activation format)"
             ))
-        }
-    })
+        })
 }
 
 impl CudaBackend {

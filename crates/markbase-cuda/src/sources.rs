@@ -4,6 +4,7 @@
 //! `GEMV_PLAIN_MIN_BLOCKS=2`; the disk cache keys on the whole source, so each set compiles once).
 //! Modules with kernels per weight format compile in units of one format each ([`Unit`]).
 
+use markbase_core::quant::GgmlType;
 use markbase_core::{Error, Result};
 
 /// The environment variable holding extra kernel `#define`s: `NAME` or `NAME=VALUE` entries
@@ -100,7 +101,7 @@ impl Module {
         let shared = (self != Module::Gemv).then_some(Part::Shared);
         shared
             .into_iter()
-            .chain(FORMAT_SUFFIXES.iter().map(|&s| Part::Format(s)))
+            .chain(FORMATS.iter().map(|&(_, s)| Part::Format(s)))
             .collect()
     }
 
@@ -115,18 +116,20 @@ impl Module {
 /// quant.cuh reads — `FORMAT_<suffix>` 1 or 0 for every format, `SHARED_KERNELS` 1 or 0 (the
 /// format-independent kernels) — then the headers and the module's `.cu` file.
 fn assemble(m: Module, defines: &str, part: Part) -> String {
-    let (quant, body) = match m {
-        Module::Ops => (true, include_str!("../kernels/ops.cu")),
-        Module::Gemv => (true, include_str!("../kernels/gemv.cu")),
-        Module::Attention => (false, include_str!("../kernels/attention.cu")),
-        Module::Moe => (true, include_str!("../kernels/moe.cu")),
-        Module::Sample => (false, include_str!("../kernels/sample.cu")),
+    let body = match m {
+        Module::Ops => include_str!("../kernels/ops.cu"),
+        Module::Gemv => include_str!("../kernels/gemv.cu"),
+        Module::Attention => include_str!("../kernels/attention.cu"),
+        Module::Moe => include_str!("../kernels/moe.cu"),
+        Module::Sample => include_str!("../kernels/sample.cu"),
     };
+    // quant.cuh (formats, FOR_EACH_FORMAT) is what the per-format modules need.
+    let quant = m.per_format();
     let mut s =
         String::with_capacity(defines.len() + COMMON.len() + QUANT.len() + body.len() + 512);
     s.push_str(defines);
     if quant {
-        for f in FORMAT_SUFFIXES {
+        for (_, f) in FORMATS {
             let on = matches!(part, Part::Whole) || part == Part::Format(f);
             s.push_str(&format!("#define FORMAT_{f} {}\n", u8::from(on)));
         }
@@ -141,11 +144,22 @@ fn assemble(m: Module, defines: &str, part: Part) -> String {
     s
 }
 
-/// The name suffixes of the weight formats the kernels instantiate (quant.cuh's
+/// The weight formats the kernels instantiate and their kernel-name suffixes (quant.cuh's
 /// `FOR_EACH_FORMAT`, in its order).
-pub const FORMAT_SUFFIXES: [&str; 13] = [
-    "f32", "f16", "bf16", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k",
-    "q6_k",
+pub const FORMATS: [(GgmlType, &str); 13] = [
+    (GgmlType::F32, "f32"),
+    (GgmlType::F16, "f16"),
+    (GgmlType::BF16, "bf16"),
+    (GgmlType::Q4_0, "q4_0"),
+    (GgmlType::Q4_1, "q4_1"),
+    (GgmlType::Q5_0, "q5_0"),
+    (GgmlType::Q5_1, "q5_1"),
+    (GgmlType::Q8_0, "q8_0"),
+    (GgmlType::Q2_K, "q2_k"),
+    (GgmlType::Q3_K, "q3_k"),
+    (GgmlType::Q4_K, "q4_k"),
+    (GgmlType::Q5_K, "q5_k"),
+    (GgmlType::Q6_K, "q6_k"),
 ];
 
 /// Which kernels of a module a compilation unit holds.

@@ -89,12 +89,11 @@ impl Job {
     }
 }
 
-/// The kernel names (`.entry`) of a PTX text.
-fn entries(ptx: &str) -> BTreeSet<String> {
+/// The kernels (`.entry`) of a PTX text: each one's name and the text from it on.
+fn kernels_of(ptx: &str) -> impl Iterator<Item = (&str, &str)> {
     ptx.split(".entry")
         .skip(1)
-        .map(|body| body.split('(').next().unwrap_or("").trim().to_string())
-        .collect()
+        .map(|body| (body.split('(').next().unwrap_or("").trim(), body))
 }
 
 #[test]
@@ -119,9 +118,11 @@ fn every_kernel_module_compiles_to_ptx_for_compute_90() {
         let t = std::time::Instant::now();
         (job.compile(), t.elapsed().as_secs_f64())
     });
-    let mut kernels: HashMap<String, BTreeSet<String>> = HashMap::new();
+    // The kernel names of each whole module, and of each unit.
+    let mut module_kernels: HashMap<Module, BTreeSet<String>> = HashMap::new();
+    let mut unit_kernels: HashMap<Unit, BTreeSet<String>> = HashMap::new();
     // Each unit's PTX, and each variant's beside the PTX of the unit it varies.
-    let mut unit_ptx: HashMap<String, String> = HashMap::new();
+    let mut unit_ptx: HashMap<Unit, String> = HashMap::new();
     let mut variant_ptx = Vec::new();
     for (&job, (r, took)) in jobs.iter().zip(results) {
         let ptx = r.unwrap_or_else(|e| panic!("{}: {e}", job.name()));
@@ -131,7 +132,7 @@ fn every_kernel_module_compiles_to_ptx_for_compute_90() {
             let file = format!("{}.ptx", job.name().replace([' ', '=', '[', ']'], "_"));
             std::fs::write(PathBuf::from(dir).join(file), text.trim_end_matches('\0')).unwrap();
         }
-        let names = entries(&text);
+        let names: BTreeSet<String> = kernels_of(&text).map(|(n, _)| n.to_string()).collect();
         eprintln!(
             "{}: {} bytes of PTX, {} kernels, {took:.1} s",
             job.name(),
@@ -149,8 +150,7 @@ fn every_kernel_module_compiles_to_ptx_for_compute_90() {
         assert!(!names.is_empty(), "{}: no kernels", job.name());
         // Every kernel launches early on Hopper, so every kernel must wait for the one ahead
         // of it (`wait_prior_grid`) — a kernel without the wait would race its inputs.
-        for body in text.split(".entry").skip(1) {
-            let name = body.split('(').next().unwrap_or("").trim();
+        for (name, body) in kernels_of(&text) {
             assert!(
                 body.contains("griddepcontrol.wait")
                     && body.contains("griddepcontrol.launch_dependents"),
@@ -160,9 +160,9 @@ fn every_kernel_module_compiles_to_ptx_for_compute_90() {
         }
         match job {
             Job::Module(m) => {
-                kernels.insert(m.name().to_string(), names);
+                module_kernels.insert(m, names);
             }
-            Job::Variant(u, ..) => variant_ptx.push((job.name(), u.name(), text.to_string())),
+            Job::Variant(u, ..) => variant_ptx.push((job.name(), u, text.to_string())),
             Job::Unit(u) => {
                 if let Part::Format(f) = u.part {
                     for n in &names {
@@ -173,8 +173,8 @@ fn every_kernel_module_compiles_to_ptx_for_compute_90() {
                         assert!(own, "unit {}: kernel {n} is not of format {f}", u.name());
                     }
                 }
-                kernels.insert(u.name(), names);
-                unit_ptx.insert(u.name(), text.to_string());
+                unit_kernels.insert(u, names);
+                unit_ptx.insert(u, text.to_string());
             }
         }
     }
@@ -189,7 +189,7 @@ fn every_kernel_module_compiles_to_ptx_for_compute_90() {
         let mut seen = BTreeSet::new();
         for part in m.parts() {
             let u = Unit { module: m, part };
-            for n in &kernels[&u.name()] {
+            for n in &unit_kernels[&u] {
                 assert!(
                     seen.insert(n.clone()),
                     "kernel {n} is in two units of {}",
@@ -199,7 +199,7 @@ fn every_kernel_module_compiles_to_ptx_for_compute_90() {
         }
         assert_eq!(
             seen,
-            kernels[m.name()],
+            module_kernels[&m],
             "the units of {} miss kernels",
             m.name()
         );
