@@ -1,5 +1,6 @@
 //! Timing harness for the CUDA backend: the device's copy bandwidth (the roofline's ceiling),
-//! single-token decode products at E4B's shapes per weight format (`--gemv`), and
+//! single-token decode products at E4B's or 31B's shapes per weight format (`--gemv`,
+//! `--gemv 31b`), and
 //! whole-model decode steps (one host wait each) of a synthetic Gemma 4 (random weights at a
 //! released variant's shapes) or a GGUF.
 //!
@@ -119,10 +120,49 @@ fn random_matrix(ty: GgmlType, rows: usize, cols: usize, seed: &mut u64) -> Host
     }
 }
 
-/// One-token decode products at Gemma 4 E4B's shapes, per weight format: µs a product and
-/// GB/s of weight bytes (back-to-back launches, as in a step without the kernels between).
-fn gemv_bandwidth(be: &CudaBackend) {
-    let (d, ff, q, kv, ple) = (2560, 10240, 2048, 512, 256);
+/// A layer's product shapes: model width, feed-forward width, query and key/value widths (a
+/// sliding layer's), per-layer-input width (0: none), and copies of the layer the timing
+/// cycles through so that repeated launches do not run from L2.
+struct LayerShapes {
+    d: usize,
+    ff: usize,
+    q: usize,
+    kv: usize,
+    ple: usize,
+    copies: usize,
+}
+
+/// Gemma 4 E4B's layer.
+const E4B_LAYER: LayerShapes = LayerShapes {
+    d: 2560,
+    ff: 10240,
+    q: 2048,
+    kv: 512,
+    ple: 256,
+    copies: 4,
+};
+
+/// Gemma 4 31B's sliding layer (1 GB of bf16 weights: two copies are far past L2).
+const B31_LAYER: LayerShapes = LayerShapes {
+    d: 5376,
+    ff: 21504,
+    q: 8192,
+    kv: 4096,
+    ple: 0,
+    copies: 2,
+};
+
+/// One-token decode products at a layer's shapes, per weight format: µs a product and GB/s
+/// of weight bytes (back-to-back launches, as in a step without the kernels between).
+fn gemv_bandwidth(be: &CudaBackend, shapes: &LayerShapes) {
+    let LayerShapes {
+        d,
+        ff,
+        q,
+        kv,
+        ple,
+        copies,
+    } = *shapes;
     let mut seed = 7u64;
     let x = be.alloc(ff).unwrap();
     let (mut a, mut b, mut c) = (
@@ -137,10 +177,9 @@ fn gemv_bandwidth(be: &CudaBackend) {
             be.load_matrix(&random_matrix(ty, rows, cols, &mut seed))
                 .unwrap()
         };
-        // Four copies of each layer so that repeated launches do not run from L2.
-        let layers: Vec<_> = (0..4)
+        let layers: Vec<_> = (0..copies)
             .map(|_| {
-                [
+                let mut m = vec![
                     load(q, d),
                     load(kv, d),
                     load(kv, d),
@@ -148,9 +187,11 @@ fn gemv_bandwidth(be: &CudaBackend) {
                     load(ff, d),
                     load(ff, d),
                     load(d, ff),
-                    load(ple, d),
-                    load(d, ple),
-                ]
+                ];
+                if ple > 0 {
+                    m.extend([load(ple, d), load(d, ple)]);
+                }
+                m
             })
             .collect();
         let bytes = |rows: usize, cols: usize| (ty.bytes_for(cols).unwrap() * rows) as f64;
@@ -162,7 +203,8 @@ fn gemv_bandwidth(be: &CudaBackend) {
             ("PLE gate", bytes(ple, d)),
             ("PLE projection", bytes(d, ple)),
         ];
-        for (which, (name, weight_bytes)) in products.iter().enumerate() {
+        let timed = if ple > 0 { 6 } else { 4 };
+        for (which, (name, weight_bytes)) in products.iter().enumerate().take(timed) {
             let mut run = |i: usize| {
                 let m = &layers[i % layers.len()];
                 match which {
@@ -216,7 +258,11 @@ fn main() {
     let bw = copy_bandwidth(&be);
     println!("device copy bandwidth: {:.0} GB/s (read + write)", bw / 1e9);
     if args.iter().any(|a| a == "--gemv") {
-        gemv_bandwidth(&be);
+        let shapes = match arg(&args, "--gemv").as_deref() {
+            Some("31b") => &B31_LAYER,
+            _ => &E4B_LAYER,
+        };
+        gemv_bandwidth(&be, shapes);
     }
     let nothing = |_: u64, _: u64| {};
     let t = Instant::now();
