@@ -226,13 +226,6 @@ extern "C" __global__ void residual_norm(const float* y, const float* w, float e
 // Values of a head one lane of norm_rope_head holds (head dims up to MAX_HEAD_DIM = 512).
 #define ROPE_PER_LANE 16
 
-// ROPE_KV_LOADS_FIRST (0: off, the default): rope_write_kv's key/value blocks load the value
-// head before the key's work instead of writing it first — a variant under evaluation
-// (MARKBASE_CUDA_DEFINES; session 15 measured ≈ 3 µs a layer for the kernel's body).
-#ifndef ROPE_KV_LOADS_FIRST
-#define ROPE_KV_LOADS_FIRST 0
-#endif
-
 // One head by one warp: optional RMSNorm with weight, then half-split RoPE of the first
 // `pairs` pairs (i, i + head_dim/2), pair i turning by pos · freqs[i] (frequencies computed on
 // the host). Reads `src`, writes `dst` (may be `src`) and, if not null, `dst2`. `hv`: head_dim
@@ -330,25 +323,6 @@ extern "C" __global__ void rope_write_kv(float* q, float* k, const float* v, int
     }
     u64 row = (u64)n_kv_heads * head_dim, head = (u64)(j - n_heads) * head_dim;
     u64 src = (u64)t * row + head, dst = (u64)slots[t] * row + head;
-#if ROPE_KV_LOADS_FIRST
-    // The value head into registers first, so that its loads and the key's (in
-    // norm_rope_head) are one round trip, not two in a chain; the same sums as below.
-    float vv[ROPE_PER_LANE], ss = 0.f;
-#pragma unroll
-    for (int r = 0; r < ROPE_PER_LANE; r++) {
-        int i = threadIdx.x + r * WARP;
-        vv[r] = i < head_dim ? v[src + i] : 0.f;
-        if (i < head_dim) ss = fmaf(vv[r], vv[r], ss);
-    }
-    norm_rope_head(k + src, hv, head_dim, k_norm, eps, freqs, pairs, pos, k + src,
-                   k_cache + dst);
-    float inv = v_norm ? 1.f / sqrtf(warp_sum(ss) / (float)head_dim + eps) : 1.f;
-#pragma unroll
-    for (int r = 0; r < ROPE_PER_LANE; r++) {
-        int i = threadIdx.x + r * WARP;
-        if (i < head_dim) v_cache[dst + i] = vv[r] * inv;
-    }
-#else
     float inv = 1.f;
     if (v_norm) {
         float ss = 0.f;
@@ -358,7 +332,6 @@ extern "C" __global__ void rope_write_kv(float* q, float* k, const float* v, int
     for (int i = threadIdx.x; i < head_dim; i += WARP) v_cache[dst + i] = v[src + i] * inv;
     norm_rope_head(k + src, hv, head_dim, k_norm, eps, freqs, pairs, pos, k + src,
                    k_cache + dst);
-#endif
 }
 
 // k_cache[slots[t], :] = k[t, :] and likewise v, for token blockIdx.y.

@@ -45,14 +45,6 @@ fn nvrtc_library() -> PathBuf {
 const VARIANTS: &[(Unit, &str, &str)] = &[
     (
         Unit {
-            module: Module::Ops,
-            part: Part::Shared,
-        },
-        "ROPE_KV_LOADS_FIRST=1",
-        "",
-    ),
-    (
-        Unit {
             module: Module::Gemv,
             part: Part::Format("bf16"),
         },
