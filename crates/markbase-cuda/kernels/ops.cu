@@ -3,32 +3,9 @@
 // bf16 rounding of a tensor-core GEMM's activations.
 // Needs common.cuh and quant.cuh.
 
-// out[t, :] = dequant(table[tokens[t], :]) · scale. Grid: tokens; block: any.
-template <int FMT>
-__device__ void embed_impl(const u8* table, u64 row_bytes, const u32* tokens, int k, float scale,
-                           float* out) {
-    int t = blockIdx.x;
-    const u8* row = table + (u64)tokens[t] * row_bytes;
-    float* o = out + (u64)t * k;
-    int chunks = (k + 31) >> 5;
-    for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
-        float w[32];
-        int kv = min(32, k - 32 * c);
-        deq32<FMT>(row, c, kv, k, w);
-#pragma unroll
-        for (int i = 0; i < 32; i++)
-            if (i < kv) o[32 * c + i] = w[i] * scale;
-    }
-}
-
-// Threads per block of the dequant kernels (the launch uses this block size).
+// Threads per block of the embed and dequant kernels (the launches use this block size).
 #define DEQUANT_THREADS 128
 
-// dst[r - r0, :] = dequant(w[r, :]) for rows r0 .. r0 + n_rows. Grid: (chunk groups, rows);
-// block: DEQUANT_THREADS. Each thread decodes one chunk of 32 weights into shared memory (rows
-// of 33 floats: no bank conflicts), then the block writes its span of the row with consecutive
-// threads on consecutive addresses — direct stores of 32 values per thread would scatter every
-// warp store over 32 separate segments.
 // f32 to bf16, to nearest with ties to even (NaN stays NaN).
 __device__ __forceinline__ u16 to_bf16(float v) {
     u32 b = __float_as_uint(v);
@@ -62,27 +39,47 @@ __device__ __forceinline__ void store(void* base, u64 i, float v) {
     else ((u16*)base)[i] = to_f16(v);
 }
 
+// dst[o + e] = dequant(row)[e] · scale over span `span` of a stored row of k weights (its
+// DEQUANT_THREADS chunks of 32 weights from chunk span · DEQUANT_THREADS); block:
+// DEQUANT_THREADS. Each thread decodes one chunk into shared memory (rows of 33 floats: no bank
+// conflicts), then the block writes the span with consecutive threads on consecutive
+// addresses — direct stores of 32 values per thread would scatter every warp store over 32
+// separate segments.
 template <int FMT, int OUT>
-__device__ void dequant_impl(const u8* w, u64 row_bytes, int r0, int k, void* dst) {
+__device__ void dequant_span(const u8* row, int k, float scale, int span, void* dst, u64 o) {
     __shared__ float stage[DEQUANT_THREADS * 33];
-    int r = blockIdx.y;
-    int c0 = blockIdx.x * DEQUANT_THREADS;
+    int c0 = span * DEQUANT_THREADS;
     int c = c0 + threadIdx.x;
     int chunks = (k + 31) >> 5;
     if (c < chunks) {
         float v[32];
         int kv = min(32, k - 32 * c);
-        deq32<FMT>(w + (u64)(r0 + r) * row_bytes, c, kv, k, v);
+        deq32<FMT>(row, c, kv, k, v);
 #pragma unroll
-        for (int i = 0; i < 32; i++) stage[threadIdx.x * 33 + i] = v[i];
+        for (int i = 0; i < 32; i++) stage[threadIdx.x * 33 + i] = v[i] * scale;
     }
     __syncthreads();
     int begin = 32 * c0, end = min(k, 32 * (c0 + DEQUANT_THREADS));
-    u64 o = (u64)r * k;
     for (int e = begin + threadIdx.x; e < end; e += DEQUANT_THREADS) {
         int rel = e - begin;
         store<OUT>(dst, o + e, stage[(rel >> 5) * 33 + (rel & 31)]);
     }
+}
+
+// out[t, :] = dequant(table[tokens[t], :]) · scale. Grid: (tokens, spans of the row).
+template <int FMT>
+__device__ void embed_impl(const u8* table, u64 row_bytes, const u32* tokens, int k, float scale,
+                           float* out) {
+    int t = blockIdx.x;
+    dequant_span<FMT, OUT_F32>(table + (u64)tokens[t] * row_bytes, k, scale, blockIdx.y, out,
+                               (u64)t * k);
+}
+
+// dst[r - r0, :] = dequant(w[r, :]) for rows r0 .. r0 + n_rows. Grid: (spans of a row, rows).
+template <int FMT, int OUT>
+__device__ void dequant_impl(const u8* w, u64 row_bytes, int r0, int k, void* dst) {
+    int r = blockIdx.y;
+    dequant_span<FMT, OUT>(w + (u64)(r0 + r) * row_bytes, k, 1.f, blockIdx.x, dst, (u64)r * k);
 }
 
 #define OPS_FORMAT_KERNELS(S, F)                                                              \

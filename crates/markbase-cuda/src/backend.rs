@@ -43,8 +43,8 @@ const HALF_TILE: usize = 64 << 20;
 /// product of every tile keeps its output aligned: an odd tile height left the later tiles'
 /// output 4-byte aligned, and cuBLASLt chose a kernel ≈ 4× slower (H200, session 9).
 const TILE_ROW_MULTIPLE: usize = 128;
-/// Threads per block of the dequant kernels: `DEQUANT_THREADS` in ops.cu, which sizes its
-/// shared staging by it.
+/// Threads per block of the embed and dequant kernels: `DEQUANT_THREADS` in ops.cu, which
+/// sizes its shared staging by it.
 const DEQUANT_THREADS: usize = 128;
 /// Warps the attention kernel aims to keep busy (query rows × key splits × warps a block).
 const ATTN_TARGET_WARPS: usize = 1024;
@@ -954,11 +954,13 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         let ids = self.upload_idx(tokens)?;
-        let chunks = table.cols.div_ceil(32);
-        let threads = (chunks.div_ceil(32) * 32).clamp(32, 256) as u32;
+        let spans = blocks(table.cols.div_ceil(32), DEQUANT_THREADS);
         self.launch_fn(
             &self.kernels.func_for(Module::Ops, "embed", table.ty, 0)?,
-            Grid::new((tokens.len() as u32, 1), threads),
+            Grid::new(
+                (int("tokens", tokens.len())? as u32, spans),
+                DEQUANT_THREADS as u32,
+            ),
             &[
                 Arg::U64(table.ptr),
                 Arg::U64(table.row_bytes as u64),
