@@ -195,16 +195,22 @@ fn gemv_bandwidth(be: &CudaBackend, shapes: &LayerShapes) {
             })
             .collect();
         let bytes = |rows: usize, cols: usize| (ty.bytes_for(cols).unwrap() * rows) as f64;
-        let products: [(&str, f64); 6] = [
-            ("q, k, v", bytes(q + 2 * kv, d)),
-            ("o", bytes(d, q)),
-            ("gate + up", 2.0 * bytes(ff, d)),
-            ("down", bytes(d, ff)),
-            ("PLE gate", bytes(ple, d)),
-            ("PLE projection", bytes(d, ple)),
+        // (name, weight bytes, product): q alone is the q/k/v launch's largest matrix through
+        // the one-matrix kernel, to tell row length from kernel apart.
+        let mut products: Vec<(&str, f64, usize)> = vec![
+            ("q, k, v", bytes(q + 2 * kv, d), 0),
+            ("q alone", bytes(q, d), 1),
+            ("o", bytes(d, q), 2),
+            ("gate + up", 2.0 * bytes(ff, d), 3),
+            ("down", bytes(d, ff), 4),
         ];
-        let timed = if ple > 0 { 6 } else { 4 };
-        for (which, (name, weight_bytes)) in products.iter().enumerate().take(timed) {
+        if ple > 0 {
+            products.extend([
+                ("PLE gate", bytes(ple, d), 5),
+                ("PLE projection", bytes(d, ple), 6),
+            ]);
+        }
+        for &(name, weight_bytes, which) in &products {
             let mut run = |i: usize| {
                 let m = &layers[i % layers.len()];
                 match which {
@@ -215,12 +221,13 @@ fn gemv_bandwidth(be: &CudaBackend, shapes: &LayerShapes) {
                             &mut [(&m[0], &mut a), (&m[1], &mut b), (&m[2], &mut c)],
                         )
                         .unwrap(),
-                    1 => be.matmul(&x, 1, &m[3], &mut a).unwrap(),
-                    2 => be
+                    1 => be.matmul(&x, 1, &m[0], &mut a).unwrap(),
+                    2 => be.matmul(&x, 1, &m[3], &mut a).unwrap(),
+                    3 => be
                         .gelu_gated_matmul(&x, 1, &m[4], &m[5], ff, &mut a, &mut b)
                         .unwrap(),
-                    3 => be.matmul(&x, 1, &m[6], &mut a).unwrap(),
-                    4 => be.matmul(&x, 1, &m[7], &mut a).unwrap(),
+                    4 => be.matmul(&x, 1, &m[6], &mut a).unwrap(),
+                    5 => be.matmul(&x, 1, &m[7], &mut a).unwrap(),
                     _ => be.matmul(&x, 1, &m[8], &mut a).unwrap(),
                 }
             };
