@@ -44,10 +44,18 @@ __device__ __forceinline__ void load_v(const float* p, float* r) {
     }
 }
 
+// Cache slots of the KB keys from position j (kv_slot; a cache of 2^32 slots would hold at
+// least 4 TB, so 32 bits hold any).
+template <int KB>
+__device__ __forceinline__ void kv_slots(const AttnArgs& a, const u32* table, int j, u32* slot) {
+#pragma unroll
+    for (int b = 0; b < KB; b++) slot[b] = (u32)kv_slot(a, table, j + b);
+}
+
+// Folds the KB keys in cache slots `slot` into this warp's online softmax (m, l, acc).
 template <int V, int KB>
-__device__ __forceinline__ void attn_keys(const AttnArgs& a, const u32* table, int j, int kvh,
-                                          int lane, const float* qv, float& m, float& l,
-                                          float* acc) {
+__device__ __forceinline__ void attn_keys(const AttnArgs& a, const u32* slot, int kvh, int lane,
+                                          const float* qv, float& m, float& l, float* acc) {
     u64 kv_w = (u64)a.n_kv_heads * a.head_dim;
     float s[KB];
     // The values are loaded with the keys, before the scores' reductions: a decode row is a
@@ -55,7 +63,7 @@ __device__ __forceinline__ void attn_keys(const AttnArgs& a, const u32* table, i
     float vr[KB][V];
 #pragma unroll
     for (int b = 0; b < KB; b++) {
-        u64 base = kv_slot(a, table, j + b) * kv_w + (u64)kvh * a.head_dim + lane * V;
+        u64 base = (u64)slot[b] * kv_w + (u64)kvh * a.head_dim + lane * V;
         float kr[V];
         load_v<V>(a.k_cache + base, kr);
         load_v<V>(a.v_cache + base, vr[b]);
@@ -95,6 +103,9 @@ __device__ __forceinline__ void attn_keys(const AttnArgs& a, const u32* table, i
 // groups instead of all of them; the block merges their softmax states in shared memory.
 #define ATTN_ROW_WARPS 8
 
+// Waits for the kernel ahead (wait_prior_grid) after reading what comes from the step's index
+// arrays (positions, sequences, block tables: no kernel writes them) and finding the slots of
+// the warp's first four keys, so a short decode row's chain after the wait starts at its keys.
 template <int V>
 __device__ void attn_partial_impl(const AttnArgs& a) {
     __shared__ float merge[ATTN_ROW_WARPS][2 + 32 * V];
@@ -113,16 +124,24 @@ __device__ void attn_partial_impl(const AttnArgs& a) {
     int lo = a.window > 0 ? max(0, p - a.window + 1) : 0;
     int j0 = lo + blockIdx.y * a.chunk;
     int j1 = min(p, j0 + a.chunk - 1);
+    int groups = (j1 - j0 + 1) >> 2;  // negative chunks (past the row's keys) give none
+    int tail = j0 + 4 * max(groups, 0) + warp;  // at most three keys: one a warp
+    u32 slot[4];
+    if (warp < groups) kv_slots<4>(a, table, j0 + 4 * warp, slot);
+    wait_prior_grid();
     float qv[V], acc[V];
     load_v<V>(a.q + (u64)row * a.head_dim + lane * V, qv);
 #pragma unroll
     for (int i = 0; i < V; i++) acc[i] = 0.f;
     float m = NEG_INF, l = 0.f;
-    int groups = (j1 - j0 + 1) >> 2;  // negative chunks (past the row's keys) give none
-    for (int g = warp; g < groups; g += ATTN_ROW_WARPS)
-        attn_keys<V, 4>(a, table, j0 + 4 * g, kvh, lane, qv, m, l, acc);
-    int tail = j0 + 4 * max(groups, 0) + warp;  // at most three keys: one a warp
-    if (warp < 3 && tail <= j1) attn_keys<V, 1>(a, table, tail, kvh, lane, qv, m, l, acc);
+    for (int g = warp; g < groups; g += ATTN_ROW_WARPS) {
+        attn_keys<V, 4>(a, slot, kvh, lane, qv, m, l, acc);
+        if (g + ATTN_ROW_WARPS < groups) kv_slots<4>(a, table, j0 + 4 * (g + ATTN_ROW_WARPS), slot);
+    }
+    if (warp < 3 && tail <= j1) {
+        kv_slots<1>(a, table, tail, slot);
+        attn_keys<V, 1>(a, slot, kvh, lane, qv, m, l, acc);
+    }
     if (lane == 0) {
         merge[warp][0] = m;
         merge[warp][1] = l;
@@ -155,16 +174,15 @@ __device__ void attn_partial_impl(const AttnArgs& a) {
     }
 }
 
-#define ATTN_KERNEL(V) \
-    extern "C" __global__ void attn_partial_##V(AttnArgs a) { \
-        wait_prior_grid();                                     \
-        attn_partial_impl<V>(a);                               \
-    }
-ATTN_KERNEL(1)
-ATTN_KERNEL(2)
-ATTN_KERNEL(4)
-ATTN_KERNEL(8)
-ATTN_KERNEL(16)
+// The head-dim-256 kernel is held to 80 registers (3 blocks a multiprocessor, as before its
+// key slots were found ahead of the wait: the compiler's own choice was 88, 2 blocks).
+#define ATTN_KERNEL(V, BOUNDS) \
+    extern "C" __global__ void BOUNDS attn_partial_##V(AttnArgs a) { attn_partial_impl<V>(a); }
+ATTN_KERNEL(1, )
+ATTN_KERNEL(2, )
+ATTN_KERNEL(4, )
+ATTN_KERNEL(8, __launch_bounds__(32 * ATTN_ROW_WARPS, 3))
+ATTN_KERNEL(16, )
 
 // Merges the `splits` partial results of each (token, head) row: one warp per row.
 extern "C" __global__ void attn_combine(const float* part, int rows, int splits, int head_dim,

@@ -16,9 +16,13 @@ typedef unsigned long long u64;
 // Programmatic dependent launch (compute capability 9.0 and newer; the backend launches every
 // kernel with it there): a kernel may start while the one ahead of it in the stream is still
 // running. Every kernel calls this before it reads or writes anything another operation
-// touches (only loads of weights, which nothing writes, may come before): it waits until the
-// kernel ahead has finished and its writes are visible, then lets the next kernel launch, so
-// its blocks are resident and waiting when this one ends. No-op elsewhere.
+// touches: it waits until the kernel ahead has finished and its writes are visible, then lets
+// the next kernel launch, so its blocks are resident and waiting when this one ends. Loads may
+// come before it only from what no kernel writes: weights (and tables made at load, such as
+// RoPE frequencies), and the step's index arrays (tokens, positions, cache slots, block
+// tables), which the host copies in stream order before any kernel that reads them can start
+// (graph.rs: a copy is a full dependency, and a kernel can start early only once the kernel
+// ahead of it has passed this wait). No-op elsewhere.
 __device__ __forceinline__ void wait_prior_grid() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");

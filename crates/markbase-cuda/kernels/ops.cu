@@ -223,19 +223,52 @@ extern "C" __global__ void residual_norm(const float* y, const float* w, float e
 // Values of a head one lane of norm_rope_head holds (head dims up to MAX_HEAD_DIM = 512).
 #define ROPE_PER_LANE 16
 
-// One head by one warp: optional RMSNorm with weight, then half-split RoPE of the first
-// `pairs` pairs (i, i + head_dim/2), pair i turning by pos · freqs[i] (frequencies computed on
-// the host). Reads `src`, writes `dst` (may be `src`) and, if not null, `dst2`. `hv`: head_dim
-// floats of shared memory.
+// What one lane of a warp needs to norm and turn a head besides its values: the norm weights
+// of its values (1 without weights) and the cosine and sine of each of its pairs. All of it
+// comes from weights, the RoPE frequencies and the step's positions, which no kernel writes,
+// so a kernel computes it before it waits for the kernel ahead (wait_prior_grid): the
+// double-precision sincos and these loads then overlap that kernel, and the head itself
+// costs one round trip after the wait.
+struct RopeLane {
+    float w[ROPE_PER_LANE];
+    float c[ROPE_PER_LANE / 2], s[ROPE_PER_LANE / 2];
+};
+
+// RopeLane of this lane for a head of head_dim values (norm weights norm_w, may be null) at
+// position pos, its first `pairs` pairs (i, i + head_dim/2) turning by pos · freqs[i].
+__device__ __forceinline__ RopeLane rope_lane(int head_dim, const float* norm_w,
+                                              const float* freqs, int pairs, float pos) {
+    int lane = threadIdx.x & 31;
+    RopeLane rl;
+#pragma unroll
+    for (int r = 0; r < ROPE_PER_LANE; r++) {
+        int i = lane + r * WARP;
+        rl.w[r] = norm_w && i < head_dim ? norm_w[i] : 1.f;
+    }
+#pragma unroll
+    for (int r = 0; r < ROPE_PER_LANE / 2; r++) {
+        int i = lane + r * WARP;
+        rl.c[r] = 1.f;  // pairs past `pairs` keep their values (norm_rope_head)
+        rl.s[r] = 0.f;
+        if (i < head_dim / 2 && i < pairs) {
+            float ang = pos * freqs[i];
+            double sd, cd;
+            sincos((double)ang, &sd, &cd);
+            rl.c[r] = (float)cd;
+            rl.s[r] = (float)sd;
+        }
+    }
+    return rl;
+}
+
+// One head by one warp: optional RMSNorm (with rl's weights when `norm`), then half-split
+// RoPE of its first `pairs` pairs by rl's turns. Reads `src`, writes `dst` (may be `src`)
+// and, if not null, `dst2`. `hv`: head_dim floats of shared memory.
 __device__ __forceinline__ void norm_rope_head(const float* src, float* hv, int head_dim,
-                                               const float* norm_w, float eps,
-                                               const float* freqs, int pairs, float pos,
-                                               float* dst, float* dst2) {
+                                               bool norm, float eps, const RopeLane& rl,
+                                               int pairs, float* dst, float* dst2) {
     int lane = threadIdx.x & 31;
     int half = head_dim / 2;
-    // Every load first — the head, its norm weights, the pairs' frequencies — so a head costs
-    // one memory round trip, not three in a chain (decode steps are latency-bound here).
-    float wv[ROPE_PER_LANE], fv[ROPE_PER_LANE / 2];
     float ss = 0.f;
 #pragma unroll
     for (int r = 0; r < ROPE_PER_LANE; r++) {
@@ -244,21 +277,15 @@ __device__ __forceinline__ void norm_rope_head(const float* src, float* hv, int 
             float v = src[i];
             hv[i] = v;
             ss = fmaf(v, v, ss);
-            wv[r] = norm_w ? norm_w[i] : 1.f;
         }
     }
-#pragma unroll
-    for (int r = 0; r < ROPE_PER_LANE / 2; r++) {
-        int i = lane + r * WARP;
-        fv[r] = i < pairs ? freqs[i] : 0.f;
-    }
     ss = warp_sum(ss);
-    if (norm_w) {
+    if (norm) {
         float inv = 1.f / sqrtf(ss / (float)head_dim + eps);
 #pragma unroll
         for (int r = 0; r < ROPE_PER_LANE; r++) {
             int i = lane + r * WARP;
-            if (i < head_dim) hv[i] = hv[i] * inv * wv[r];
+            if (i < head_dim) hv[i] = hv[i] * inv * rl.w[r];
         }
     }
     __syncwarp();
@@ -268,11 +295,7 @@ __device__ __forceinline__ void norm_rope_head(const float* src, float* hv, int 
         if (i >= half) continue;
         float a = hv[i], b = hv[i + half];
         if (i < pairs) {
-            float ang = pos * fv[r];
-            double s, c;
-            sincos((double)ang, &s, &c);
-            float cf = (float)c, sf = (float)s;
-            float ra = a * cf - b * sf, rb = b * cf + a * sf;
+            float ra = a * rl.c[r] - b * rl.s[r], rb = b * rl.c[r] + a * rl.s[r];
             a = ra;
             b = rb;
         }
@@ -290,11 +313,12 @@ __device__ __forceinline__ void norm_rope_head(const float* src, float* hv, int 
 extern "C" __global__ void head_norm_rope(float* x, int n_heads, int head_dim,
                                           const float* norm_w, float eps, const float* freqs,
                                           int pairs, const u32* positions) {
-    wait_prior_grid();
     extern __shared__ float hv[];
     int head = blockIdx.x, t = head / n_heads;
+    RopeLane rl = rope_lane(head_dim, norm_w, freqs, pairs, (float)positions[t]);
+    wait_prior_grid();
     float* p = x + (u64)head * head_dim;
-    norm_rope_head(p, hv, head_dim, norm_w, eps, freqs, pairs, (float)positions[t], p, nullptr);
+    norm_rope_head(p, hv, head_dim, norm_w != nullptr, eps, rl, pairs, p, nullptr);
 }
 
 // A layer's queries and new keys / values in one launch: block blockIdx.x is head j of token
@@ -308,18 +332,21 @@ extern "C" __global__ void rope_write_kv(float* q, float* k, const float* v, int
                                          const float* k_norm, float eps, const float* freqs,
                                          int pairs, const u32* positions, const u32* slots,
                                          float* k_cache, float* v_cache, int v_norm) {
-    wait_prior_grid();
     extern __shared__ float hv[];
     int per_token = n_heads + n_kv_heads;
     int t = blockIdx.x / per_token, j = blockIdx.x % per_token;
     float pos = (float)positions[t];
     if (j < n_heads) {
+        RopeLane rl = rope_lane(head_dim, q_norm, freqs, pairs, pos);
+        wait_prior_grid();
         float* p = q + ((u64)t * n_heads + j) * head_dim;
-        norm_rope_head(p, hv, head_dim, q_norm, eps, freqs, pairs, pos, p, nullptr);
+        norm_rope_head(p, hv, head_dim, q_norm != nullptr, eps, rl, pairs, p, nullptr);
         return;
     }
+    RopeLane rl = rope_lane(head_dim, k_norm, freqs, pairs, pos);
     u64 row = (u64)n_kv_heads * head_dim, head = (u64)(j - n_heads) * head_dim;
     u64 src = (u64)t * row + head, dst = (u64)slots[t] * row + head;
+    wait_prior_grid();
     float inv = 1.f;
     if (v_norm) {
         float ss = 0.f;
@@ -327,7 +354,7 @@ extern "C" __global__ void rope_write_kv(float* q, float* k, const float* v, int
         inv = 1.f / sqrtf(warp_sum(ss) / (float)head_dim + eps);
     }
     for (int i = threadIdx.x; i < head_dim; i += WARP) v_cache[dst + i] = v[src + i] * inv;
-    norm_rope_head(k + src, hv, head_dim, k_norm, eps, freqs, pairs, pos, k + src,
+    norm_rope_head(k + src, hv, head_dim, k_norm != nullptr, eps, rl, pairs, k + src,
                    k_cache + dst);
 }
 
