@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine, in one call: the GPU tests, then an A/B of markbase builds, alternating.
-# Binaries come staged in DIR (each optionally gzipped, to fit the device tool's carry limit):
+# Binaries come staged in DIR (each optionally gzipped, to fit the device tool's carry limit;
+# scripts/stage_for_device.sh builds and stages them):
 #   gpu_ops*, gpu_models*   test binaries of markbase-cuda (`cargo test --release -p
 #                           markbase-cuda --no-run`, then copied out of target/release/deps;
 #                           a suffix tells builds apart, e.g. gpu_ops_new);
