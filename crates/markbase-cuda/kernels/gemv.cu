@@ -173,60 +173,42 @@ __device__ void gemv_many_impl(const Products& p, u64 row_bytes, int k, const fl
                                                       u64 mul_stride) {                          \
         gemv_impl<F, NT>(w, row_bytes, rows, k, x, nt, out, split, mul, mul_stride);             \
     }
-#define GEMV_GELU_KERNEL(S, F, NT, BOUNDS)                                                    \
-    extern "C" __global__ void BOUNDS gemv_gelu_##S##_##NT(const u8* wg, const u8* wu,          \
-                                                           u64 row_bytes, int rows, int k,      \
-                                                           const float* x, int nt, float* out) {\
-        gemv_gelu_impl<F, NT>(wg, wu, row_bytes, rows, k, x, nt, out);                          \
+#define GEMV_GELU_KERNEL(S, F, NT)                                                            \
+    extern "C" __global__ void gemv_gelu_##S##_##NT(const u8* wg, const u8* wu, u64 row_bytes, \
+                                                    int rows, int k, const float* x, int nt,   \
+                                                    float* out) {                              \
+        gemv_gelu_impl<F, NT>(wg, wu, row_bytes, rows, k, x, nt, out);                         \
     }
 #define GEMV_MANY_KERNEL(S, F, NT, BOUNDS)                                                    \
     extern "C" __global__ void BOUNDS gemv_many_##S##_##NT(Products p, u64 row_bytes, int k,   \
                                                            const float* x, int nt) {           \
         gemv_many_impl<F, NT>(p, row_bytes, k, x, nt);                                         \
     }
-// Launch bounds of a format's one-token kernels: GEMV_BOUNDS_<suffix>(WHICH) gives
-// WHICH(bounds of gemv and gemv_many, bounds of gemv_gelu); PRODUCT_BOUNDS / GATED_BOUNDS
-// pick one. Plain floats: GEMV_PLAIN_MIN_BLOCKS for the products, the compiler's choice for
-// the gated pair. Q4_K: GEMV_Q4K_MIN_BLOCKS / GEMV_GELU_Q4K_MIN_BLOCKS where defined
-// (variants under evaluation: the compiler gives gemv_q4_k_1 71 registers, 3 blocks a
-// multiprocessor, and gemv_gelu_q4_k_1 96, 2 blocks). Other formats: the compiler's choice.
-#define PRODUCT_BOUNDS(product, gated) product
-#define GATED_BOUNDS(product, gated) gated
-#define GEMV_PLAIN_BOUNDS __launch_bounds__(256, GEMV_PLAIN_MIN_BLOCKS)
-#ifdef GEMV_Q4K_MIN_BLOCKS
-#define GEMV_Q4K_BOUNDS __launch_bounds__(256, GEMV_Q4K_MIN_BLOCKS)
-#else
-#define GEMV_Q4K_BOUNDS
-#endif
-#ifdef GEMV_GELU_Q4K_MIN_BLOCKS
-#define GEMV_GELU_Q4K_BOUNDS __launch_bounds__(256, GEMV_GELU_Q4K_MIN_BLOCKS)
-#else
-#define GEMV_GELU_Q4K_BOUNDS
-#endif
-#define GEMV_BOUNDS_f32(WHICH) WHICH(GEMV_PLAIN_BOUNDS, )
-#define GEMV_BOUNDS_f16(WHICH) WHICH(GEMV_PLAIN_BOUNDS, )
-#define GEMV_BOUNDS_bf16(WHICH) WHICH(GEMV_PLAIN_BOUNDS, )
-#define GEMV_BOUNDS_q4_0(WHICH) WHICH(, )
-#define GEMV_BOUNDS_q4_1(WHICH) WHICH(, )
-#define GEMV_BOUNDS_q5_0(WHICH) WHICH(, )
-#define GEMV_BOUNDS_q5_1(WHICH) WHICH(, )
-#define GEMV_BOUNDS_q8_0(WHICH) WHICH(, )
-#define GEMV_BOUNDS_q2_k(WHICH) WHICH(, )
-#define GEMV_BOUNDS_q3_k(WHICH) WHICH(, )
-#define GEMV_BOUNDS_q4_k(WHICH) WHICH(GEMV_Q4K_BOUNDS, GEMV_GELU_Q4K_BOUNDS)
-#define GEMV_BOUNDS_q5_k(WHICH) WHICH(, )
-#define GEMV_BOUNDS_q6_k(WHICH) WHICH(, )
-#define GEMV_KERNELS(S, F)                                           \
-    GEMV_MANY_KERNEL(S, F, 1, GEMV_BOUNDS_##S(PRODUCT_BOUNDS))       \
-    GEMV_MANY_KERNEL(S, F, 2, )                                      \
-    GEMV_MANY_KERNEL(S, F, 4, )                                      \
-    GEMV_MANY_KERNEL(S, F, 8, )                                      \
-    GEMV_KERNEL(S, F, 1, GEMV_BOUNDS_##S(PRODUCT_BOUNDS))            \
-    GEMV_KERNEL(S, F, 2, )                                           \
-    GEMV_KERNEL(S, F, 4, )                                           \
-    GEMV_KERNEL(S, F, 8, )                                           \
-    GEMV_GELU_KERNEL(S, F, 1, GEMV_BOUNDS_##S(GATED_BOUNDS))         \
-    GEMV_GELU_KERNEL(S, F, 2, )                                      \
-    GEMV_GELU_KERNEL(S, F, 4, )                                      \
-    GEMV_GELU_KERNEL(S, F, 8, )
+// The one-token kernels' launch bounds by format suffix (GEMV_PLAIN_MIN_BLOCKS).
+#define GEMV_BOUNDS_f32 __launch_bounds__(256, GEMV_PLAIN_MIN_BLOCKS)
+#define GEMV_BOUNDS_f16 GEMV_BOUNDS_f32
+#define GEMV_BOUNDS_bf16 GEMV_BOUNDS_f32
+#define GEMV_BOUNDS_q4_0
+#define GEMV_BOUNDS_q4_1
+#define GEMV_BOUNDS_q5_0
+#define GEMV_BOUNDS_q5_1
+#define GEMV_BOUNDS_q8_0
+#define GEMV_BOUNDS_q2_k
+#define GEMV_BOUNDS_q3_k
+#define GEMV_BOUNDS_q4_k
+#define GEMV_BOUNDS_q5_k
+#define GEMV_BOUNDS_q6_k
+#define GEMV_KERNELS(S, F)                       \
+    GEMV_MANY_KERNEL(S, F, 1, GEMV_BOUNDS_##S)   \
+    GEMV_MANY_KERNEL(S, F, 2, )                  \
+    GEMV_MANY_KERNEL(S, F, 4, )                  \
+    GEMV_MANY_KERNEL(S, F, 8, )                  \
+    GEMV_KERNEL(S, F, 1, GEMV_BOUNDS_##S)        \
+    GEMV_KERNEL(S, F, 2, )                       \
+    GEMV_KERNEL(S, F, 4, )                       \
+    GEMV_KERNEL(S, F, 8, )                       \
+    GEMV_GELU_KERNEL(S, F, 1)                    \
+    GEMV_GELU_KERNEL(S, F, 2)                    \
+    GEMV_GELU_KERNEL(S, F, 4)                    \
+    GEMV_GELU_KERNEL(S, F, 8)
 FOR_EACH_FORMAT(GEMV_KERNELS)

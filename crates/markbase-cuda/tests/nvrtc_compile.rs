@@ -51,22 +51,6 @@ const VARIANTS: &[(Unit, &str, &str)] = &[
         "GEMV_PLAIN_MIN_BLOCKS=2",
         ".minnctapersm 2",
     ),
-    (
-        Unit {
-            module: Module::Gemv,
-            part: Part::Format("q4_k"),
-        },
-        "GEMV_Q4K_MIN_BLOCKS=4",
-        ".minnctapersm 4",
-    ),
-    (
-        Unit {
-            module: Module::Gemv,
-            part: Part::Format("q4_k"),
-        },
-        "GEMV_GELU_Q4K_MIN_BLOCKS=3",
-        ".minnctapersm 3",
-    ),
 ];
 
 /// One compilation of the check: a whole module (every kernel, for comparison), one of the
