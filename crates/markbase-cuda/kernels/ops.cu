@@ -248,7 +248,7 @@ __device__ __forceinline__ RopeLane rope_lane(int head_dim, const float* norm_w,
 #pragma unroll
     for (int r = 0; r < ROPE_PER_LANE / 2; r++) {
         int i = lane + r * WARP;
-        rl.c[r] = 1.f;  // pairs past `pairs` keep their values (norm_rope_head)
+        rl.c[r] = 1.f;  // unread past `pairs`: norm_rope_head leaves those pairs as they are
         rl.s[r] = 0.f;
         if (i < head_dim / 2 && i < pairs) {
             float ang = pos * freqs[i];
