@@ -1,6 +1,6 @@
 //! Timing harness for the CUDA backend: the device's copy bandwidth (the roofline's ceiling),
-//! single-token decode products at E4B's or 31B's shapes per weight format (`--gemv`,
-//! `--gemv 31b`), and
+//! decode products at E4B's or 31B's shapes per weight format (`--gemv`, `--gemv 31b`; one
+//! token row, or `--tokens N`), and
 //! whole-model decode steps (one host wait each) of a synthetic Gemma 4 (random weights at a
 //! released variant's shapes) or a GGUF.
 //!
@@ -152,9 +152,9 @@ const B31_LAYER: LayerShapes = LayerShapes {
     copies: 2,
 };
 
-/// One-token decode products at a layer's shapes, per weight format: µs a product and GB/s
-/// of weight bytes (back-to-back launches, as in a step without the kernels between).
-fn gemv_bandwidth(be: &CudaBackend, shapes: &LayerShapes) {
+/// Decode products of `n` token rows at a layer's shapes, per weight format: µs a product and
+/// GB/s of weight bytes (back-to-back launches, as in a step without the kernels between).
+fn gemv_bandwidth(be: &CudaBackend, shapes: &LayerShapes, n: usize) {
     let LayerShapes {
         d,
         ff,
@@ -164,12 +164,13 @@ fn gemv_bandwidth(be: &CudaBackend, shapes: &LayerShapes) {
         copies,
     } = *shapes;
     let mut seed = 7u64;
-    let x = be.alloc(ff).unwrap();
+    let x = be.alloc(n * ff).unwrap();
     let (mut a, mut b, mut c) = (
-        be.alloc(ff).unwrap(),
-        be.alloc(ff).unwrap(),
-        be.alloc(ff).unwrap(),
+        be.alloc(n * ff).unwrap(),
+        be.alloc(n * ff).unwrap(),
+        be.alloc(n * ff).unwrap(),
     );
+    println!("token rows: {n}");
     println!("| format | product | µs | weight GB/s |");
     println!("| --- | --- | ---: | ---: |");
     for ty in [GgmlType::BF16, GgmlType::Q4_K] {
@@ -217,18 +218,18 @@ fn gemv_bandwidth(be: &CudaBackend, shapes: &LayerShapes) {
                     0 => be
                         .matmul_many(
                             &x,
-                            1,
+                            n,
                             &mut [(&m[0], &mut a), (&m[1], &mut b), (&m[2], &mut c)],
                         )
                         .unwrap(),
-                    1 => be.matmul(&x, 1, &m[0], &mut a).unwrap(),
-                    2 => be.matmul(&x, 1, &m[3], &mut a).unwrap(),
+                    1 => be.matmul(&x, n, &m[0], &mut a).unwrap(),
+                    2 => be.matmul(&x, n, &m[3], &mut a).unwrap(),
                     3 => be
-                        .gelu_gated_matmul(&x, 1, &m[4], &m[5], ff, &mut a, &mut b)
+                        .gelu_gated_matmul(&x, n, &m[4], &m[5], ff, &mut a, &mut b)
                         .unwrap(),
-                    4 => be.matmul(&x, 1, &m[6], &mut a).unwrap(),
-                    5 => be.matmul(&x, 1, &m[7], &mut a).unwrap(),
-                    _ => be.matmul(&x, 1, &m[8], &mut a).unwrap(),
+                    4 => be.matmul(&x, n, &m[6], &mut a).unwrap(),
+                    5 => be.matmul(&x, n, &m[7], &mut a).unwrap(),
+                    _ => be.matmul(&x, n, &m[8], &mut a).unwrap(),
                 }
             };
             (0..4).for_each(&mut run);
@@ -269,7 +270,8 @@ fn main() {
             Some("31b") => &B31_LAYER,
             _ => &E4B_LAYER,
         };
-        gemv_bandwidth(&be, shapes);
+        let tokens = arg(&args, "--tokens").map_or(1, |s| s.parse().unwrap());
+        gemv_bandwidth(&be, shapes, tokens);
     }
     let nothing = |_: u64, _: u64| {};
     let t = Instant::now();
