@@ -2,7 +2,8 @@
 //! under target/ on first use, or the library named by `MARKBASE_NVRTC`) compiles every kernel
 //! module to PTX for compute_90, whole and in the units the backend compiles (each of a
 //! module's kernels in exactly one unit; a per-format unit only its format's). A compile
-//! error fails this test; so does a missing NVRTC — it is never skipped. With `MARKBASE_PTX_DIR` set, each module's PTX is written there.
+//! error fails this test; so does a missing NVRTC — it is never skipped. With
+//! `MARKBASE_PTX_DIR` set (not empty), each module's PTX is written there.
 
 use std::collections::{BTreeSet, HashMap};
 use std::path::PathBuf;
@@ -117,7 +118,8 @@ fn every_kernel_module_compiles_to_ptx_for_compute_90() {
     for (&job, (r, took)) in jobs.iter().zip(results) {
         let ptx = r.unwrap_or_else(|e| panic!("{}: {e}", job.name()));
         let text = String::from_utf8_lossy(&ptx);
-        if let Some(dir) = std::env::var_os("MARKBASE_PTX_DIR") {
+        // An empty value counts as unset (it would write into the working directory).
+        if let Some(dir) = std::env::var_os("MARKBASE_PTX_DIR").filter(|d| !d.is_empty()) {
             // For a look at the code (e.g. `ptxas -arch=sm_90 -v` for registers and spills).
             let file = format!("{}.ptx", job.name().replace([' ', '=', '[', ']'], "_"));
             std::fs::write(PathBuf::from(dir).join(file), text.trim_end_matches('\0')).unwrap();
