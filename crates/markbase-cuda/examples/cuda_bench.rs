@@ -66,6 +66,21 @@ fn arg(args: &[String], name: &str) -> Option<String> {
         .and_then(|i| args.get(i + 1).cloned())
 }
 
+/// The whole number given for `name` (`default` without one), at least `min`; a clear error
+/// and exit otherwise.
+fn count_arg(args: &[String], name: &str, default: usize, min: usize) -> usize {
+    let Some(v) = arg(args, name) else {
+        return default;
+    };
+    match v.parse::<usize>() {
+        Ok(n) if n >= min => n,
+        _ => {
+            eprintln!("error: {name} takes a whole number of at least {min}, not '{v}'");
+            std::process::exit(2)
+        }
+    }
+}
+
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     v[v.len() / 2]
@@ -250,8 +265,9 @@ fn gemv_bandwidth(be: &CudaBackend, shapes: &LayerShapes, n: usize) {
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
-    let steps: usize = arg(&args, "--steps").map_or(32, |s| s.parse().unwrap());
-    let prompt: usize = arg(&args, "--prompt").map_or(128, |s| s.parse().unwrap());
+    let steps = count_arg(&args, "--steps", 32, 0);
+    let prompt = count_arg(&args, "--prompt", 128, 0);
+    let tokens = count_arg(&args, "--tokens", 1, 1);
     let t = Instant::now();
     let be = CudaBackend::new(0).unwrap_or_else(|e| {
         eprintln!("error: {e}");
@@ -270,7 +286,6 @@ fn main() {
             Some("31b") => &B31_LAYER,
             _ => &E4B_LAYER,
         };
-        let tokens = arg(&args, "--tokens").map_or(1, |s| s.parse().unwrap());
         gemv_bandwidth(&be, shapes, tokens);
     }
     let nothing = |_: u64, _: u64| {};
