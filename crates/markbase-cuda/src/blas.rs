@@ -74,6 +74,11 @@ impl Operand {
 }
 
 impl GemmCall {
+    /// Token rows of the product: the columns of its B operand (activations or query rows).
+    pub(crate) fn token_rows(&self) -> usize {
+        self.shape.b.cols
+    }
+
     /// Appends the words that identify the product: shape, alignments and addresses.
     pub(crate) fn key(&self, out: &mut Vec<u64>) {
         let s = &self.shape;

@@ -5,7 +5,8 @@
 //! device copy, cuBLASLt product — to the [`Steps`] recorder as an [`Op`], which keeps it
 //! with a key: the kernel (or copy, or product shape) and every argument by value. When a
 //! step queues exactly the keys of the step before it, it is captured into a CUDA graph after
-//! its wait (the recorded operations issued again under stream capture) and instantiated.
+//! its wait (the recorded operations issued again under stream capture) and instantiated;
+//! prefills are not ([`MAX_CAPTURED_OPS`]).
 //!
 //! While a step's operations so far are the first operations of some graph, the recorder
 //! holds them back instead of issuing them, and launches the graph's part for each
@@ -44,6 +45,15 @@ const ARENA_ALIGN: usize = 4;
 /// batch 1 ran 343.6 t/s against 345.7 without graphs, H200). Each segment boundary costs a
 /// graph launch and a full dependency where programmatic launch would overlap two kernels.
 const SEGMENT_OPS: usize = 64;
+/// Longest step captured, in operations, and most token rows of a product in a captured step.
+/// A graph saves the host's launch work, which paces a decode step (E4B batch 64: ≈ 730
+/// operations, products of 64 rows); a prefill is paced by its kernels, so a graph gains it
+/// nothing, and capturing its operations cost more than the step: E4B bf16 pp4096 ran
+/// 29 306 ± 10 422 t/s with its repetitions captured and replayed, 34 776 ± 69 with graphs
+/// off; pp512 32 621 ± 12 929 against 39 957 ± 80 (H200, docs/perf.md, session 19). Captured
+/// prefills would also push decode graphs out of the [`MAX_GRAPHS`] kept.
+const MAX_CAPTURED_OPS: usize = 2048;
+const MAX_CAPTURED_ROWS: usize = 256;
 
 /// A device-to-device copy of `height` rows of `width` bytes, `src_pitch` / `dst_pitch`
 /// bytes apart (one row: a plain copy).
@@ -116,6 +126,14 @@ impl Op {
                 out.push(3);
                 g.key(out);
             }
+        }
+    }
+
+    /// Token rows of a product (0 for other operations).
+    fn token_rows(&self) -> usize {
+        match self {
+            Op::Gemm(g) => g.token_rows(),
+            Op::Kernel(_) | Op::Copy(_) => 0,
         }
     }
 
@@ -485,7 +503,13 @@ impl Recorder {
     /// starts the next step.
     pub(crate) fn start_next_step(&mut self) {
         let new = !self.replayed && !self.graphs.iter().any(|g| g.keys == self.keys);
-        if self.enabled && !self.foreign && new && !self.ops.is_empty() {
+        let capturable = !self.ops.is_empty()
+            && self.ops.len() <= MAX_CAPTURED_OPS
+            && self
+                .ops
+                .iter()
+                .all(|op| op.token_rows() <= MAX_CAPTURED_ROWS);
+        if self.enabled && !self.foreign && new && capturable {
             if self.keys == self.last {
                 self.capture();
             } else {

@@ -578,7 +578,7 @@ fn diff(a: &[f32], b: &[f32], vocab: usize) -> (f32, bool) {
 /// sequence steps at positions 12–15 (width 4) and 16–29 (width 8); the batch reaches
 /// position 15 (width 4) in its first two steps and 16–21 (width 8) in the other six. So 2 + 4
 /// logits steps, 6 greedy steps and 4 batched steps are replays (16 on the H200, phase by
-/// phase as counted here).
+/// phase as counted here). A prefill step repeated is not replayed.
 fn graphs_match_eager<M: Lm<B = CudaBackend>>(
     name: &str,
     on: &M,
@@ -673,6 +673,32 @@ fn graphs_match_eager<M: Lm<B = CudaBackend>>(
     assert!(
         replays >= 16,
         "{name}: only {replays} steps replayed as graphs"
+    );
+    // Prefill steps are not captured (graph.rs): six sequences of 50 tokens in one step (300
+    // token rows), the same step three times in one pool, replay nothing.
+    let fill: Vec<u32> = (0..50).map(|i| (3 * i + 1) % 50).collect();
+    let tables: Vec<Vec<u32>> = (0..6u32)
+        .map(|s| (0..13).map(|i| 13 * s + i).collect())
+        .collect();
+    let mut pool = on.pool(6 * 13);
+    let before = on_backend.graph_replays().unwrap();
+    for _ in 0..3 {
+        let seqs: Vec<SeqStep> = tables
+            .iter()
+            .map(|t| SeqStep {
+                tokens: &fill,
+                start: 0,
+                full_blocks: t,
+                sliding_blocks: t,
+                logits: Some(Logits::Last),
+            })
+            .collect();
+        on.run_step(&mut pool, &seqs);
+    }
+    assert_eq!(
+        on_backend.graph_replays().unwrap(),
+        before,
+        "{name}: a prefill step of 300 rows was replayed"
     );
 }
 
