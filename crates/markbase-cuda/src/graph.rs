@@ -45,7 +45,7 @@ const ARENA_ALIGN: usize = 4;
 /// batch 1 ran 343.6 t/s against 345.7 without graphs, H200). Each segment boundary costs a
 /// graph launch and a full dependency where programmatic launch would overlap two kernels.
 const SEGMENT_OPS: usize = 64;
-/// Longest step captured, in operations, and most token rows of a product in a captured step.
+/// Longest step captured, in operations (with [`MAX_CAPTURED_ROWS`], what keeps prefills out).
 /// A graph saves the host's launch work, which paces a decode step (E4B batch 64: ≈ 730
 /// operations, products of 64 rows); a prefill is paced by its kernels, so a graph gains it
 /// nothing, and capturing its operations cost more than the step: E4B bf16 pp4096 ran
@@ -53,6 +53,7 @@ const SEGMENT_OPS: usize = 64;
 /// off; pp512 32 621 ± 12 929 against 39 957 ± 80 (H200, docs/perf.md, session 19). Captured
 /// prefills would also push decode graphs out of the [`MAX_GRAPHS`] kept.
 const MAX_CAPTURED_OPS: usize = 2048;
+/// Most token rows of a product in a captured step (decode steps have one a sequence).
 const MAX_CAPTURED_ROWS: usize = 256;
 
 /// A device-to-device copy of `height` rows of `width` bytes, `src_pitch` / `dst_pitch`
@@ -503,13 +504,7 @@ impl Recorder {
     /// starts the next step.
     pub(crate) fn start_next_step(&mut self) {
         let new = !self.replayed && !self.graphs.iter().any(|g| g.keys == self.keys);
-        let capturable = !self.ops.is_empty()
-            && self.ops.len() <= MAX_CAPTURED_OPS
-            && self
-                .ops
-                .iter()
-                .all(|op| op.token_rows() <= MAX_CAPTURED_ROWS);
-        if self.enabled && !self.foreign && new && capturable {
+        if self.enabled && !self.foreign && new && self.capturable() {
             if self.keys == self.last {
                 self.capture();
             } else {
@@ -527,6 +522,17 @@ impl Recorder {
         self.arena.copied = 0;
         self.arena.places.clear();
         self.arena.retired.clear();
+    }
+
+    /// Whether the step's operations may become a graph: some, and no prefill
+    /// ([`MAX_CAPTURED_OPS`], [`MAX_CAPTURED_ROWS`]).
+    fn capturable(&self) -> bool {
+        !self.ops.is_empty()
+            && self.ops.len() <= MAX_CAPTURED_OPS
+            && self
+                .ops
+                .iter()
+                .all(|op| op.token_rows() <= MAX_CAPTURED_ROWS)
     }
 
     /// Captures the step's operations (issued again under stream capture, not run) into
