@@ -14,7 +14,7 @@ use markbase_core::backend::{
 use markbase_core::quant::GgmlType;
 use markbase_core::{Error, Result};
 
-use crate::attention_gemm::attention_gemm_suits;
+use crate::attention_flash::{attention_flash_suits, flash_kernel};
 use crate::blas::{Blas, GemmCall, GemmInput};
 use crate::buffer::{CudaBuffer, CudaMatrix, Growable};
 use crate::device::{driver_err, Device};
@@ -370,7 +370,7 @@ impl CudaBackend {
     }
 
     /// Queues kernel `f`.
-    fn launch_fn(&self, f: &CudaFunction, grid: Grid, args: &[Arg]) -> Result<()> {
+    pub(crate) fn launch_fn(&self, f: &CudaFunction, grid: Grid, args: &[Arg]) -> Result<()> {
         self.queue.bump();
         let launch = Launch::new(f, grid, args, self.dev.early_launch());
         self.steps.lock()?.queue(Op::Kernel(launch))
@@ -1354,10 +1354,11 @@ impl Backend for CudaBackend {
         if positions.is_empty() {
             return Ok(());
         }
-        if let Some(blas) = &self.blas {
-            if attention_gemm_suits(layout) {
-                return self.attention_gemm(blas, q, k_cache, v_cache, spec, layout, out);
-            }
+        if self.dev.capability().0 >= 8
+            && flash_kernel(hd).is_some()
+            && attention_flash_suits(layout)
+        {
+            return self.attention_flash(q, k_cache, v_cache, spec, layout, out);
         }
         let window = spec.window.unwrap_or(0);
         let max_vis = positions

@@ -1,7 +1,6 @@
 //! cuBLASLt for prefill-sized and batched-decode products: a row-major
 //! `out[n, rows] = x[n, k] · w[rows, k]ᵀ`, in f32 (no TF32, so it matches the f32 reference) or
-//! on the tensor cores with bf16 or f16 inputs and f32 accumulation; and the
-//! strided-batched f32 products of prefill attention on the TF32 tensor cores.
+//! on the tensor cores with bf16 or f16 inputs and f32 accumulation.
 //!
 //! Each product shape gets a plan once (descriptors and the heuristic's algorithm, kept for
 //! the backend's life), so a call is one `cublasLtMatmul`: a batch-64 decode step makes
@@ -36,28 +35,23 @@ pub(crate) enum GemmInput {
     F16,
 }
 
-/// One column-major operand of a product: `rows × cols`, leading dimension `ld`, and the
-/// element stride between the matrices of a batch (0: one matrix shared by the batch).
+/// One column-major operand of a product: `rows × cols`, leading dimension `ld`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub(crate) struct Operand {
-    pub(crate) rows: usize,
-    pub(crate) cols: usize,
-    pub(crate) ld: usize,
-    pub(crate) stride: usize,
+struct Operand {
+    rows: usize,
+    cols: usize,
+    ld: usize,
 }
 
 /// One product shape, in cuBLASLt's column-major terms: `C = op(A) · B` (`op(A) = Aᵀ` with
-/// `transa`), `batch` times; f32 output; TF32 tensor cores for f32 inputs with `tf32`;
-/// byte alignments of A, B and C.
+/// `transa`); f32 output; byte alignments of A, B and C.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 struct Shape {
     input: GemmInput,
-    tf32: bool,
     transa: bool,
     a: Operand,
     b: Operand,
     c: Operand,
-    batch: usize,
     aligns: [u32; 3],
 }
 
@@ -69,7 +63,7 @@ pub(crate) struct GemmCall {
 
 impl Operand {
     fn key(&self, out: &mut Vec<u64>) {
-        out.extend([self.rows, self.cols, self.ld, self.stride].map(|v| v as u64));
+        out.extend([self.rows, self.cols, self.ld].map(|v| v as u64));
     }
 }
 
@@ -82,12 +76,7 @@ impl GemmCall {
     /// Appends the words that identify the product: shape, alignments and addresses.
     pub(crate) fn key(&self, out: &mut Vec<u64>) {
         let s = &self.shape;
-        out.extend([
-            s.input as u64,
-            u64::from(s.tf32),
-            u64::from(s.transa),
-            s.batch as u64,
-        ]);
+        out.extend([s.input as u64, u64::from(s.transa)]);
         for op in [s.a, s.b, s.c] {
             op.key(out);
         }
@@ -186,11 +175,7 @@ impl Blas {
             GemmInput::F16 => sys::cudaDataType::CUDA_R_16F,
         };
         let f32_ty = sys::cudaDataType::CUDA_R_32F;
-        let compute = if shape.tf32 {
-            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32
-        } else {
-            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F
-        };
+        let compute = sys::cublasComputeType_t::CUBLAS_COMPUTE_32F;
         let mut plan = Plan {
             desc: lt::create_matmul_desc(compute, f32_ty)
                 .map_err(|e| blas_err("matmul descriptor", e))?,
@@ -201,29 +186,6 @@ impl Blas {
             let layout = lt::create_matrix_layout(t, op.rows as u64, op.cols as u64, op.ld as i64)
                 .map_err(|e| blas_err("matrix layout", e))?;
             plan.layouts.push(layout);
-            if shape.batch > 1 {
-                let (count, stride) = (shape.batch as i32, op.stride as i64);
-                use sys::cublasLtMatrixLayoutAttribute_t as Attr;
-                // SAFETY: a live layout; the values are an i32 count and an i64 stride, as
-                // the attributes take.
-                unsafe {
-                    lt::set_matrix_layout_attribute(
-                        layout,
-                        Attr::CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT,
-                        (&count as *const i32).cast(),
-                        std::mem::size_of::<i32>(),
-                    )
-                    .and_then(|()| {
-                        lt::set_matrix_layout_attribute(
-                            layout,
-                            Attr::CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
-                            (&stride as *const i64).cast(),
-                            std::mem::size_of::<i64>(),
-                        )
-                    })
-                }
-                .map_err(|e| blas_err("batch attributes", e))?;
-            }
         }
         if shape.transa {
             // SAFETY: a live descriptor; the attribute value is a cublasOperation_t (a C int).
@@ -312,52 +274,16 @@ impl Blas {
         ldo: usize,
     ) -> Result<GemmCall> {
         // Column-major: C(rows × n) = Wᵀ(rows × k) · X(k × n); W is stored k × rows.
-        let op = |rows, cols, ld| Operand {
-            rows,
-            cols,
-            ld,
-            stride: 0,
-        };
+        let op = |rows, cols, ld| Operand { rows, cols, ld };
         let shape = Shape {
             input,
-            tf32: false,
             transa: true,
             a: op(k, rows, k),
             b: op(k, n, k),
             c: op(rows, n, ldo),
-            batch: 1,
             aligns: [alignment(w), alignment(x), alignment(out)],
         };
         self.call(shape, [w, x, out])
-    }
-
-    /// The product `C_i = op(A_i) · B_i` for `i < batch` on f32 operands (column-major, see [`Operand`];
-    /// `op(A) = Aᵀ` with `transa`) through the TF32 tensor cores, accumulating in f32.
-    ///
-    /// # Safety
-    /// The pointers must be live device allocations holding every matrix of the batch when
-    /// the call is issued.
-    pub(crate) unsafe fn gemm_batched_tf32(
-        &self,
-        transa: bool,
-        (a, a_op): (u64, Operand),
-        (b, b_op): (u64, Operand),
-        (c, c_op): (u64, Operand),
-        batch: usize,
-    ) -> Result<GemmCall> {
-        // A batch's later matrices are aligned only as far as their stride allows.
-        let align = |p: u64, op: Operand| alignment(p | (4 * op.stride as u64));
-        let shape = Shape {
-            input: GemmInput::F32,
-            tf32: true,
-            transa,
-            a: a_op,
-            b: b_op,
-            c: c_op,
-            batch,
-            aligns: [align(a, a_op), align(b, b_op), align(c, c_op)],
-        };
-        self.call(shape, [a, b, c])
     }
 
     /// The product of `shape` on `[A, B, C]`, planned now if it is the shape's first.

@@ -1,7 +1,7 @@
 //! Kernel modules compiled for the device (through the NVRTC disk cache), loaded once, and
 //! kernel launches with plain-value arguments.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
 
@@ -22,7 +22,12 @@ pub(crate) struct Kernels {
     funcs: Mutex<HashMap<&'static str, CudaFunction>>,
     /// Per-format kernels by (name prefix, format, variant).
     format_funcs: Mutex<HashMap<(&'static str, GgmlType, u32), CudaFunction>>,
+    /// Kernels whose dynamic shared memory limit has been raised.
+    shared_raised: Mutex<HashSet<&'static str>>,
 }
+
+/// Dynamic shared memory a block may have without raising the kernel's limit.
+const DEFAULT_SHARED: u32 = 48 << 10;
 
 impl Kernels {
     /// Compiles (or takes from the cache) and loads every kernel unit for compute capability
@@ -45,6 +50,7 @@ impl Kernels {
             units,
             funcs: Mutex::new(HashMap::new()),
             format_funcs: Mutex::new(HashMap::new()),
+            shared_raised: Mutex::new(HashSet::new()),
         })
     }
 
@@ -69,6 +75,31 @@ impl Kernels {
             .load_function(name)
             .map_err(|e| driver_err(&format!("kernel {name}"), e))?;
         funcs.insert(name, f.clone());
+        Ok(f)
+    }
+}
+
+impl Kernels {
+    /// [`Kernels::func`], allowed `shared` bytes of dynamic shared memory a block (the
+    /// function's limit is raised on first use past the default 48 KiB).
+    pub(crate) fn func_with_shared(
+        &self,
+        m: Module,
+        name: &'static str,
+        shared: u32,
+    ) -> Result<CudaFunction> {
+        let f = self.func(m, name)?;
+        let mut raised = self
+            .shared_raised
+            .lock()
+            .map_err(|_| Error::Invalid("CUDA kernel table poisoned".into()))?;
+        if shared > DEFAULT_SHARED && raised.insert(name) {
+            f.set_attribute(
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                shared as i32,
+            )
+            .map_err(|e| driver_err(&format!("shared memory of kernel {name}"), e))?;
+        }
         Ok(f)
     }
 }

@@ -12,7 +12,7 @@
 //! prefill products dequantize tiles and call cuBLAS, and prefill attention runs as batched
 //! products. Activations are f32.
 
-mod attention_gemm;
+mod attention_flash;
 mod backend;
 mod blas;
 mod buffer;
@@ -24,7 +24,7 @@ mod rounded;
 mod sample;
 pub mod sources;
 
-pub use attention_gemm::ATTN_GEMM_MIN_ROWS;
+pub use attention_flash::ATTN_FLASH_MIN_ROWS;
 pub use backend::{
     gemv_takes_16_bit_activations, moe_groups_pairs, product_inputs, CudaBackend, ProductInputs,
     BF16_GEMV_UP_TO,

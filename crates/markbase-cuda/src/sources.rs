@@ -59,6 +59,8 @@ pub enum Module {
     Gemv,
     /// Split-K attention and its combine step.
     Attention,
+    /// Prefill attention, flash style, and its f16 key gather.
+    FlashAttention,
     /// MoE routing and grouped expert products.
     Moe,
     /// Argmax and top-k / top-p sampling.
@@ -67,10 +69,11 @@ pub enum Module {
 
 impl Module {
     /// Every module.
-    pub const ALL: [Module; 5] = [
+    pub const ALL: [Module; 6] = [
         Module::Ops,
         Module::Gemv,
         Module::Attention,
+        Module::FlashAttention,
         Module::Moe,
         Module::Sample,
     ];
@@ -81,6 +84,7 @@ impl Module {
             Module::Ops => "ops",
             Module::Gemv => "gemv",
             Module::Attention => "attention",
+            Module::FlashAttention => "flash_attention",
             Module::Moe => "moe",
             Module::Sample => "sample",
         }
@@ -120,6 +124,7 @@ fn assemble(m: Module, defines: &str, part: Part) -> String {
         Module::Ops => include_str!("../kernels/ops.cu"),
         Module::Gemv => include_str!("../kernels/gemv.cu"),
         Module::Attention => include_str!("../kernels/attention.cu"),
+        Module::FlashAttention => include_str!("../kernels/flash_attention.cu"),
         Module::Moe => include_str!("../kernels/moe.cu"),
         Module::Sample => include_str!("../kernels/sample.cu"),
     };
@@ -234,8 +239,9 @@ mod tests {
             all.len(),
             "unit names are unique (cache files)"
         );
-        // attention, sample whole; ops and moe shared + 13 formats; gemv 13 formats.
-        assert_eq!(all.len(), 2 + 2 * 14 + 13);
+        // attention, flash attention, sample whole; ops and moe shared + 13 formats; gemv 13
+        // formats.
+        assert_eq!(all.len(), 3 + 2 * 14 + 13);
         let q4k = Unit::holding(Module::Gemv, Some("q4_k"));
         assert_eq!(q4k.name(), "gemv-q4_k");
         assert!(all.contains(&q4k));
@@ -245,6 +251,7 @@ mod tests {
         assert!(Module::Gemv.source("").contains("#define FORMAT_q4_k 1\n"));
         assert_eq!(Unit::holding(Module::Ops, None).name(), "ops-shared");
         assert_eq!(Unit::holding(Module::Attention, None).part, Part::Whole);
+        assert_eq!(Unit::holding(Module::FlashAttention, None).name(), "flash_attention");
         assert_eq!(Unit::holding(Module::Sample, Some("f32")).name(), "sample");
         let d = define_lines("X=2").unwrap();
         assert!(q4k.source(&d).starts_with(&d));

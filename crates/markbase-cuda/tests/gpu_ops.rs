@@ -15,7 +15,7 @@ use markbase_core::quant::GgmlType;
 use markbase_cpu::reference;
 use markbase_cuda::{
     gemv_takes_16_bit_activations, moe_groups_pairs, product_inputs, CudaBackend, CudaBuffer,
-    CudaMatrix, ProductInputs, SampleParams, ATTN_GEMM_MIN_ROWS,
+    CudaMatrix, ProductInputs, SampleParams, ATTN_FLASH_MIN_ROWS,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, RngCore, SeedableRng};
@@ -1049,11 +1049,11 @@ fn write_kv_then_attention_match_reference() {
         g.attention(&up(g, &q), &kb, &vb, &spec, &layout, &mut out)
             .unwrap();
         let got = down(g, &out, n * nh * hd);
-        // Steps whose sequences all bring many rows take the TF32 products (10-bit
-        // mantissas); the split-K kernel sums in f32.
+        // Steps whose sequences all bring many rows take the flash kernel (f16 inputs to the
+        // tensor cores, 11-bit mantissas); the split-K kernel sums in f32.
         let products = seqs
             .iter()
-            .all(|p| p.is_empty() || p.len() >= ATTN_GEMM_MIN_ROWS)
+            .all(|p| p.is_empty() || p.len() >= ATTN_FLASH_MIN_ROWS)
             && seqs.iter().any(|p| !p.is_empty());
         let tol = if products { 5e-3 } else { 1e-5 };
         assert_close(&format!("attention {spec:?} bs={bs}"), &got, &want, tol);

@@ -1,0 +1,308 @@
+// Prefill attention, flash style (the backend's `attention_flash`), for compute capability 8.0
+// and newer (cp.async, ldmatrix, mma.m16n8k16); on older devices the kernels compile empty and
+// the backend takes the split-K kernel instead. Needs common.cuh.
+//
+// kv_gather_f16 copies the keys and values one sequence's rows see into contiguous f16 rows
+// (key i = position k_lo + i; a row holds every KV head, `row` values). attn_flash_D then gives
+// each block FA_ROWS query rows of one KV head — the (token, query head) pairs of that head's
+// group, token-major, so 16 tokens of a 4-head group — and walks the keys they see FA_KEYS at a
+// time: the keys and values of the next tile stream into shared memory (cp.async) while the
+// tensor cores take the scores of this one (f16 inputs, f32 sums), an online softmax runs in
+// registers, and the values are weighted on the tensor cores. No score leaves the
+// multiprocessor. A warp holds 16 rows and DO = min(D, 256) output dims; head dim 512 gives
+// each row group two warps, one per half of the output, both computing the group's scores.
+//
+// Row t at position p sees key position j when j ≤ p and (window = 0 or j > p − window).
+// Scores are scaled, then soft-capped when softcap > 0.
+
+#define FA_ROWS 64
+#define FA_KEYS 32
+#define LOG2E 1.4426950408889634f
+
+// Two floats as packed f16 (to nearest): `lo` in the low half.
+__device__ __forceinline__ u32 pack_f16x2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// kg[i, :] = k_cache[slot(k_lo + i), :] as f16 and likewise v, for key i = blockIdx.x; `row`
+// values per key (a multiple of 4), the slot from the sequence's block table.
+extern "C" __global__ void kv_gather_f16(const float* k_cache, const float* v_cache,
+                                         const u32* table, int block_size, int row, int k_lo,
+                                         uint2* kg, uint2* vg) {
+    int j = k_lo + blockIdx.x;
+    u64 slot = (u64)table[j / block_size] * (u64)block_size + (u64)(j % block_size);
+    wait_prior_grid();
+    const float4* ks = (const float4*)(k_cache + slot * row);
+    const float4* vs = (const float4*)(v_cache + slot * row);
+    uint2* kd = kg + (u64)blockIdx.x * (row / 4);
+    uint2* vd = vg + (u64)blockIdx.x * (row / 4);
+    for (int i = threadIdx.x; i < row / 4; i += blockDim.x) {
+        float4 k = ks[i], v = vs[i];
+        kd[i] = make_uint2(pack_f16x2(k.x, k.y), pack_f16x2(k.z, k.w));
+        vd[i] = make_uint2(pack_f16x2(v.x, v.y), pack_f16x2(v.z, v.w));
+    }
+}
+
+#if __CUDA_ARCH__ >= 800
+
+__device__ __forceinline__ u32 shared_address(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+// 16 bytes from global to shared memory, asynchronously; `bytes` = 0 fills zeros.
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, int bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes));
+}
+
+__device__ __forceinline__ void ldsm_x4(u32 a, u32* r) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+
+__device__ __forceinline__ void ldsm_x4_trans(u32 a, u32* r) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+
+// c += a · b on the tensor cores: a 16 × 16 (row-major fragments), b 16 × 8 (column-major),
+// f16 inputs, f32 sums.
+__device__ __forceinline__ void mma_f16(float* c, const u32* a, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+#endif
+
+struct FlashArgs {
+    const float* q;         // the sequence's first query row: [rows][n_heads · D]
+    const u16* kg;          // gathered keys, f16: [n_keys][n_kv_heads · D]
+    const u16* vg;          // gathered values, likewise
+    float* out;             // the sequence's first output row, like q
+    const u32* positions;   // the sequence's rows' positions
+    int n_rows, n_heads, n_kv_heads, k_lo, n_keys, window;
+    float scale, softcap;
+};
+
+// Queues the cp.async copies of keys [i0, i0 + FA_KEYS) of KV head `g` into `ks` / `vs`
+// (FA_KEYS rows of LD halves); keys past n_keys are zeros.
+template <int D, int LD, int THREADS>
+__device__ __forceinline__ void flash_load_tile(const FlashArgs& a, int g, int i0, u16* ks,
+                                                u16* vs) {
+#if __CUDA_ARCH__ >= 800
+    const int chunks = D / 8;  // 16-byte pieces of a key's head
+    u64 row = (u64)a.n_kv_heads * D;
+    static_assert(FA_KEYS * chunks % THREADS == 0, "whole rounds of copies");
+#pragma unroll
+    for (int it = 0; it < FA_KEYS * chunks / THREADS; it++) {
+        int c = threadIdx.x + it * THREADS;
+        int kr = c / chunks, piece = c % chunks;
+        int i = i0 + kr;
+        bool in = i < a.n_keys;
+        u64 off = in ? (u64)i * row + (u64)g * D + piece * 8 : 0;
+        cp_async16(shared_address(ks + kr * LD + piece * 8), a.kg + off, in ? 16 : 0);
+        cp_async16(shared_address(vs + kr * LD + piece * 8), a.vg + off, in ? 16 : 0);
+    }
+    asm volatile("cp.async.commit_group;");
+#endif
+}
+
+template <int D>
+__device__ __forceinline__ void attn_flash_impl(const FlashArgs& a) {
+#if __CUDA_ARCH__ >= 800
+    constexpr int DO = D < 256 ? D : 256;  // output dims a warp holds
+    constexpr int HALVES = D / DO;
+    constexpr int THREADS = 128 * HALVES;
+    constexpr int LD = D + 8;  // halves a shared row: 16 spare bytes keep ldmatrix conflict-free
+    extern __shared__ __align__(16) u16 fa_smem[];
+    u16* qs = fa_smem;
+    u16* ks = qs + FA_ROWS * LD;        // [2][FA_KEYS][LD]
+    u16* vs = ks + 2 * FA_KEYS * LD;    // [2][FA_KEYS][LD]
+
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int rg = warp & 3, half = warp >> 2;  // row group (16 rows), output half
+    const int g = blockIdx.y;
+    const int group = a.n_heads / a.n_kv_heads;
+    // The longest tiles (latest tokens) first.
+    const int r0 = (gridDim.x - 1 - blockIdx.x) * FA_ROWS;
+
+    // Positions: the block's range (each warp reduces all of it) and this lane's two rows.
+    const int tok_lo = r0 / group, tok_hi = min((r0 + FA_ROWS - 1) / group, a.n_rows - 1);
+    int pmin = 0x7fffffff, pmax = -1;
+    for (int t = tok_lo + lane; t <= tok_hi; t += WARP) {
+        int p = (int)a.positions[t];
+        pmin = min(pmin, p);
+        pmax = max(pmax, p);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        pmin = min(pmin, __shfl_xor_sync(0xffffffffu, pmin, o));
+        pmax = max(pmax, __shfl_xor_sync(0xffffffffu, pmax, o));
+    }
+    int my_pos[2];
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        int t = (r0 + rg * 16 + (lane >> 2) + 8 * h) / group;
+        my_pos[h] = t < a.n_rows ? (int)a.positions[t] : -0x40000000;  // sees no key
+    }
+    const int first_pos = a.window > 0 ? max(0, pmin - a.window + 1) : 0;
+    const int kt0 = max(0, first_pos - a.k_lo) / FA_KEYS, kt1 = (pmax - a.k_lo) / FA_KEYS;
+
+    wait_prior_grid();
+    flash_load_tile<D, LD, THREADS>(a, g, kt0 * FA_KEYS, ks, vs);
+
+    // The block's query rows as f16 (rows past the sequence are zeros).
+    const u64 qrow = (u64)a.n_heads * D;
+#pragma unroll 4
+    for (int c = threadIdx.x; c < FA_ROWS * D / 4; c += THREADS) {
+        int r = c / (D / 4), d = (c % (D / 4)) * 4;
+        int pair = r0 + r, t = pair / group, head = g * group + pair % group;
+        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (t < a.n_rows) v = *(const float4*)(a.q + t * qrow + (u64)head * D + d);
+        *(uint2*)(qs + r * LD + d) = make_uint2(pack_f16x2(v.x, v.y), pack_f16x2(v.z, v.w));
+    }
+
+    float o[DO / 8][4];
+#pragma unroll
+    for (int n = 0; n < DO / 8; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
+
+    // ldmatrix addresses: this lane's row of the A tile (queries), of a key pair-tile, of a
+    // value tile (transposed).
+    const u32 q_addr =
+        shared_address(qs + (rg * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + (lane >> 4) * 8);
+    const int k_off = ((lane & 7) + (lane >> 4) * 8) * LD + ((lane >> 3) & 1) * 8;
+    const int v_off = ((lane & 7) + ((lane >> 3) & 1) * 8) * LD + half * DO + (lane >> 4) * 8;
+
+    for (int kt = kt0; kt <= kt1; kt++) {
+        const int stage = (kt - kt0) & 1;
+        if (kt < kt1) {
+            flash_load_tile<D, LD, THREADS>(a, g, (kt + 1) * FA_KEYS,
+                                            ks + (stage ^ 1) * FA_KEYS * LD,
+                                            vs + (stage ^ 1) * FA_KEYS * LD);
+            asm volatile("cp.async.wait_group 1;" ::: "memory");
+        } else {
+            asm volatile("cp.async.wait_group 0;" ::: "memory");
+        }
+        __syncthreads();
+        const u16* kst = ks + stage * FA_KEYS * LD;
+        const u16* vst = vs + stage * FA_KEYS * LD;
+
+        // Scores of the warp's 16 rows against the tile's 32 keys.
+        float s[4][4];
+#pragma unroll
+        for (int n = 0; n < 4; n++) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll 4
+        for (int kc = 0; kc < D / 16; kc++) {
+            u32 qa[4], kb[4];
+            ldsm_x4(q_addr + kc * 32, qa);
+#pragma unroll
+            for (int p = 0; p < 2; p++) {
+                ldsm_x4(shared_address(kst + p * 16 * LD + k_off + kc * 16), kb);
+                mma_f16(s[2 * p], qa, kb[0], kb[1]);
+                mma_f16(s[2 * p + 1], qa, kb[2], kb[3]);
+            }
+        }
+
+        // Scale, cap, mask; the online softmax of rows lane/4 (h = 0) and lane/4 + 8 (h = 1).
+        float mx[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+        for (int n = 0; n < 4; n++) {
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                int h = e >> 1;
+                int j = a.k_lo + kt * FA_KEYS + n * 8 + (lane & 3) * 2 + (e & 1);
+                float v = s[n][e] * a.scale;
+                if (a.softcap > 0.f) v = a.softcap * tanhf(v / a.softcap);
+                bool seen = j <= my_pos[h] && (a.window == 0 || j > my_pos[h] - a.window);
+                s[n][e] = seen ? v : NEG_INF;
+                mx[h] = fmaxf(mx[h], s[n][e]);
+            }
+        }
+        float base[2], alpha[2];
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+            float m_new = fmaxf(m[h], mx[h]);
+            base[h] = m_new == NEG_INF ? 0.f : m_new;  // a row that has seen no key yet
+            alpha[h] = exp2f((m[h] - base[h]) * LOG2E);
+            m[h] = m_new;
+            l[h] *= alpha[h];
+        }
+#pragma unroll
+        for (int n = 0; n < DO / 8; n++) {
+            o[n][0] *= alpha[0];
+            o[n][1] *= alpha[0];
+            o[n][2] *= alpha[1];
+            o[n][3] *= alpha[1];
+        }
+        u32 pa[2][4];  // probabilities as the A fragments of two 16-key steps
+#pragma unroll
+        for (int n = 0; n < 4; n++) {
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                s[n][e] = exp2f((s[n][e] - base[e >> 1]) * LOG2E);
+                l[e >> 1] += s[n][e];
+            }
+            pa[n >> 1][(n & 1) * 2] = pack_f16x2(s[n][0], s[n][1]);
+            pa[n >> 1][(n & 1) * 2 + 1] = pack_f16x2(s[n][2], s[n][3]);
+        }
+
+        // Values weighted by the probabilities: this warp's DO output dims.
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+#pragma unroll
+            for (int dp = 0; dp < DO / 16; dp++) {
+                u32 vb[4];
+                ldsm_x4_trans(shared_address(vst + j * 16 * LD + v_off + dp * 16), vb);
+                mma_f16(o[2 * dp], pa[j], vb[0], vb[1]);
+                mma_f16(o[2 * dp + 1], pa[j], vb[2], vb[3]);
+            }
+        }
+        __syncthreads();
+    }
+
+    // Row sums across the quad, then the normalised rows out.
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        int pair = r0 + rg * 16 + (lane >> 2) + 8 * h;
+        int t = pair / group, head = g * group + pair % group;
+        if (t >= a.n_rows) continue;
+        float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
+        float* dst = a.out + t * qrow + (u64)head * D + half * DO + (lane & 3) * 2;
+#pragma unroll
+        for (int n = 0; n < DO / 8; n++)
+            *(float2*)(dst + n * 8) = make_float2(o[n][2 * h] * inv, o[n][2 * h + 1] * inv);
+    }
+#endif
+}
+
+// Blocks of 128 threads (256 for head dim 512, whose shared tiles allow one block a
+// multiprocessor); shared memory (FA_ROWS + 4 · FA_KEYS) · (D + 8) halves, set at launch.
+#define FLASH_KERNEL(D, THREADS, MIN_BLOCKS)                                                 \
+    extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attn_flash_##D(        \
+        const float* q, const u16* kg, const u16* vg, float* out, const u32* positions,      \
+        int n_rows, int n_heads, int n_kv_heads, int k_lo, int n_keys, int window,           \
+        float scale, float softcap) {                                                        \
+        FlashArgs a = {q,       kg,         vg,   out,    positions, n_rows, n_heads,        \
+                       n_kv_heads, k_lo, n_keys, window, scale,     softcap};               \
+        attn_flash_impl<D>(a);                                                               \
+    }
+FLASH_KERNEL(32, 128, 1)
+FLASH_KERNEL(64, 128, 1)
+FLASH_KERNEL(128, 128, 2)
+FLASH_KERNEL(256, 128, 2)
+FLASH_KERNEL(512, 256, 1)
