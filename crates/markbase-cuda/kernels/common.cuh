@@ -69,3 +69,26 @@ __device__ __forceinline__ float gelu_tanh(float x) {
     const float c = 0.7978845608f;  // sqrt(2/pi)
     return 0.5f * x * (1.f + tanhf(c * (x + 0.044715f * x * x * x)));
 }
+
+// f32 to bf16, to nearest with ties to even (NaN stays NaN).
+__device__ __forceinline__ u16 to_bf16(float v) {
+    u32 b = __float_as_uint(v);
+    return (b & 0x7fffffffu) > 0x7f800000u ? (u16)((b >> 16) | 0x40u)
+                                           : (u16)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+}
+
+// f32 to f16, to nearest with ties to even; finite values beyond f16's range saturate to
+// ±65504 (NaN stays NaN).
+__device__ __forceinline__ u16 to_f16(float v) {
+    if (v == v) v = fminf(fmaxf(v, -65504.f), 65504.f);
+    u16 h;
+    asm("{ cvt.rn.f16.f32 %0, %1; }" : "=h"(h) : "f"(v));
+    return h;
+}
+
+// v rounded into r[i] as `kind` says: 0 not at all, 1 bf16, 2 f16 — the rounded copy of an
+// activation that a tensor-core product reads next (rounded.rs).
+__device__ __forceinline__ void store_rounded(u16* r, int kind, u64 i, float v) {
+    if (kind == 1) r[i] = to_bf16(v);
+    else if (kind == 2) r[i] = to_f16(v);
+}

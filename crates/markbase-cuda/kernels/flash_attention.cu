@@ -13,7 +13,8 @@
 // each row group two warps, one per half of the output, both computing the group's scores.
 //
 // Row t at position p sees key position j when j ≤ p and (window = 0 or j > p − window).
-// Scores are scaled, then soft-capped when softcap > 0.
+// Scores are scaled, then soft-capped when softcap > 0. The output is written in f32 and, with
+// round_kind > 0, rounded for the next tensor-core product (store_rounded, rounded.rs).
 
 #define FA_ROWS 64
 #define FA_KEYS 32
@@ -86,8 +87,9 @@ struct FlashArgs {
     const u16* kg;          // gathered keys, f16: [n_keys][n_kv_heads · D]
     const u16* vg;          // gathered values, likewise
     float* out;             // the sequence's first output row, like q
+    u16* rounded;           // its rounded copy (store_rounded, `round_kind`), like out
     const u32* positions;   // the sequence's rows' positions
-    int n_rows, n_heads, n_kv_heads, k_lo, n_keys, window;
+    int n_rows, n_heads, n_kv_heads, k_lo, n_keys, window, round_kind;
     float scale, softcap;
 };
 
@@ -158,15 +160,28 @@ __device__ __forceinline__ void attn_flash_impl(const FlashArgs& a) {
     wait_prior_grid();
     flash_load_tile<D, LD, THREADS>(a, g, kt0 * FA_KEYS, ks, vs);
 
-    // The block's query rows as f16 (rows past the sequence are zeros).
+    // The block's query rows as f16 (rows past the sequence are zeros), QB loads in flight a
+    // thread.
     const u64 qrow = (u64)a.n_heads * D;
-#pragma unroll 4
-    for (int c = threadIdx.x; c < FA_ROWS * D / 4; c += THREADS) {
-        int r = c / (D / 4), d = (c % (D / 4)) * 4;
-        int pair = r0 + r, t = pair / group, head = g * group + pair % group;
-        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (t < a.n_rows) v = *(const float4*)(a.q + t * qrow + (u64)head * D + d);
-        *(uint2*)(qs + r * LD + d) = make_uint2(pack_f16x2(v.x, v.y), pack_f16x2(v.z, v.w));
+    constexpr int QN = FA_ROWS * D / 4 / THREADS, QB = QN < 8 ? QN : 8;
+#pragma unroll 1
+    for (int b = 0; b < QN; b += QB) {
+        float4 v[QB];
+#pragma unroll
+        for (int i = 0; i < QB; i++) {
+            int c = threadIdx.x + (b + i) * THREADS;
+            int r = c / (D / 4), d = (c % (D / 4)) * 4;
+            int pair = r0 + r, t = pair / group, head = g * group + pair % group;
+            v[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (t < a.n_rows) v[i] = *(const float4*)(a.q + t * qrow + (u64)head * D + d);
+        }
+#pragma unroll
+        for (int i = 0; i < QB; i++) {
+            int c = threadIdx.x + (b + i) * THREADS;
+            int r = c / (D / 4), d = (c % (D / 4)) * 4;
+            *(uint2*)(qs + r * LD + d) =
+                make_uint2(pack_f16x2(v[i].x, v[i].y), pack_f16x2(v[i].z, v[i].w));
+        }
     }
 
     float o[DO / 8][4];
@@ -178,8 +193,10 @@ __device__ __forceinline__ void attn_flash_impl(const FlashArgs& a) {
     // value tile (transposed).
     const u32 q_addr =
         shared_address(qs + (rg * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + (lane >> 4) * 8);
-    const int k_off = ((lane & 7) + (lane >> 4) * 8) * LD + ((lane >> 3) & 1) * 8;
-    const int v_off = ((lane & 7) + ((lane >> 3) & 1) * 8) * LD + half * DO + (lane >> 4) * 8;
+    const u32 k_addr =
+        shared_address(ks + ((lane & 7) + (lane >> 4) * 8) * LD + ((lane >> 3) & 1) * 8);
+    const u32 v_addr = shared_address(vs + ((lane & 7) + ((lane >> 3) & 1) * 8) * LD +
+                                      half * DO + (lane >> 4) * 8);
 
     for (int kt = kt0; kt <= kt1; kt++) {
         const int stage = (kt - kt0) & 1;
@@ -192,8 +209,7 @@ __device__ __forceinline__ void attn_flash_impl(const FlashArgs& a) {
             asm volatile("cp.async.wait_group 0;" ::: "memory");
         }
         __syncthreads();
-        const u16* kst = ks + stage * FA_KEYS * LD;
-        const u16* vst = vs + stage * FA_KEYS * LD;
+        const u32 kst = k_addr + stage * FA_KEYS * LD * 2, vst = v_addr + stage * FA_KEYS * LD * 2;
 
         // Scores of the warp's 16 rows against the tile's 32 keys.
         float s[4][4];
@@ -205,25 +221,33 @@ __device__ __forceinline__ void attn_flash_impl(const FlashArgs& a) {
             ldsm_x4(q_addr + kc * 32, qa);
 #pragma unroll
             for (int p = 0; p < 2; p++) {
-                ldsm_x4(shared_address(kst + p * 16 * LD + k_off + kc * 16), kb);
+                ldsm_x4(kst + (p * 16 * LD + kc * 16) * 2, kb);
                 mma_f16(s[2 * p], qa, kb[0], kb[1]);
                 mma_f16(s[2 * p + 1], qa, kb[2], kb[3]);
             }
         }
 
-        // Scale, cap, mask; the online softmax of rows lane/4 (h = 0) and lane/4 + 8 (h = 1).
+        // Scale, cap, mask — only at the edges: a tile every row of the block sees whole
+        // needs no mask (rows past the sequence have zero queries and are not written) — then
+        // the online softmax of rows lane/4 (h = 0) and lane/4 + 8 (h = 1).
+        const int j0 = a.k_lo + kt * FA_KEYS;
+        const bool whole = j0 + FA_KEYS - 1 <= pmin && (kt + 1) * FA_KEYS <= a.n_keys &&
+                           (a.window == 0 || j0 > pmax - a.window);
         float mx[2] = {NEG_INF, NEG_INF};
 #pragma unroll
         for (int n = 0; n < 4; n++) {
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 int h = e >> 1;
-                int j = a.k_lo + kt * FA_KEYS + n * 8 + (lane & 3) * 2 + (e & 1);
                 float v = s[n][e] * a.scale;
                 if (a.softcap > 0.f) v = a.softcap * tanhf(v / a.softcap);
-                bool seen = j <= my_pos[h] && (a.window == 0 || j > my_pos[h] - a.window);
-                s[n][e] = seen ? v : NEG_INF;
-                mx[h] = fmaxf(mx[h], s[n][e]);
+                if (!whole) {
+                    int j = j0 + n * 8 + (lane & 3) * 2 + (e & 1);
+                    bool seen = j <= my_pos[h] && (a.window == 0 || j > my_pos[h] - a.window);
+                    v = seen ? v : NEG_INF;
+                }
+                s[n][e] = v;
+                mx[h] = fmaxf(mx[h], v);
             }
         }
         float base[2], alpha[2];
@@ -245,11 +269,12 @@ __device__ __forceinline__ void attn_flash_impl(const FlashArgs& a) {
             o[n][3] *= alpha[1];
         }
         u32 pa[2][4];  // probabilities as the A fragments of two 16-key steps
+        const float shift[2] = {base[0] * LOG2E, base[1] * LOG2E};
 #pragma unroll
         for (int n = 0; n < 4; n++) {
 #pragma unroll
             for (int e = 0; e < 4; e++) {
-                s[n][e] = exp2f((s[n][e] - base[e >> 1]) * LOG2E);
+                s[n][e] = exp2f(fmaf(s[n][e], LOG2E, -shift[e >> 1]));
                 l[e >> 1] += s[n][e];
             }
             pa[n >> 1][(n & 1) * 2] = pack_f16x2(s[n][0], s[n][1]);
@@ -262,7 +287,7 @@ __device__ __forceinline__ void attn_flash_impl(const FlashArgs& a) {
 #pragma unroll
             for (int dp = 0; dp < DO / 16; dp++) {
                 u32 vb[4];
-                ldsm_x4_trans(shared_address(vst + j * 16 * LD + v_off + dp * 16), vb);
+                ldsm_x4_trans(vst + (j * 16 * LD + dp * 16) * 2, vb);
                 mma_f16(o[2 * dp], pa[j], vb[0], vb[1]);
                 mma_f16(o[2 * dp + 1], pa[j], vb[2], vb[3]);
             }
@@ -282,10 +307,14 @@ __device__ __forceinline__ void attn_flash_impl(const FlashArgs& a) {
         int t = pair / group, head = g * group + pair % group;
         if (t >= a.n_rows) continue;
         float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
-        float* dst = a.out + t * qrow + (u64)head * D + half * DO + (lane & 3) * 2;
+        u64 at = t * qrow + (u64)head * D + half * DO + (lane & 3) * 2;
 #pragma unroll
-        for (int n = 0; n < DO / 8; n++)
-            *(float2*)(dst + n * 8) = make_float2(o[n][2 * h] * inv, o[n][2 * h + 1] * inv);
+        for (int n = 0; n < DO / 8; n++) {
+            float x = o[n][2 * h] * inv, y = o[n][2 * h + 1] * inv;
+            *(float2*)(a.out + at + n * 8) = make_float2(x, y);
+            store_rounded(a.rounded, a.round_kind, at + n * 8, x);
+            store_rounded(a.rounded, a.round_kind, at + n * 8 + 1, y);
+        }
     }
 #endif
 }
@@ -294,11 +323,11 @@ __device__ __forceinline__ void attn_flash_impl(const FlashArgs& a) {
 // multiprocessor); shared memory (FA_ROWS + 4 · FA_KEYS) · (D + 8) halves, set at launch.
 #define FLASH_KERNEL(D, THREADS, MIN_BLOCKS)                                                 \
     extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attn_flash_##D(        \
-        const float* q, const u16* kg, const u16* vg, float* out, const u32* positions,      \
-        int n_rows, int n_heads, int n_kv_heads, int k_lo, int n_keys, int window,           \
-        float scale, float softcap) {                                                        \
-        FlashArgs a = {q,       kg,         vg,   out,    positions, n_rows, n_heads,        \
-                       n_kv_heads, k_lo, n_keys, window, scale,     softcap};               \
+        const float* q, const u16* kg, const u16* vg, float* out, u16* rounded,              \
+        const u32* positions, int n_rows, int n_heads, int n_kv_heads, int k_lo, int n_keys, \
+        int window, int round_kind, float scale, float softcap) {                            \
+        FlashArgs a = {q,      kg,     vg,     out,    rounded,    positions, n_rows, n_heads,  \
+                       n_kv_heads, k_lo, n_keys, window, round_kind, scale, softcap};       \
         attn_flash_impl<D>(a);                                                               \
     }
 FLASH_KERNEL(32, 128, 1)

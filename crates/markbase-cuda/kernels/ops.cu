@@ -6,29 +6,6 @@
 // Threads per block of the embed and dequant kernels (the launches use this block size).
 #define DEQUANT_THREADS 128
 
-// f32 to bf16, to nearest with ties to even (NaN stays NaN).
-__device__ __forceinline__ u16 to_bf16(float v) {
-    u32 b = __float_as_uint(v);
-    return (b & 0x7fffffffu) > 0x7f800000u ? (u16)((b >> 16) | 0x40u)
-                                           : (u16)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
-}
-
-// f32 to f16, to nearest with ties to even; finite values beyond f16's range saturate to
-// ±65504 (NaN stays NaN).
-__device__ __forceinline__ u16 to_f16(float v) {
-    if (v == v) v = fminf(fmaxf(v, -65504.f), 65504.f);
-    u16 h;
-    asm("{ cvt.rn.f16.f32 %0, %1; }" : "=h"(h) : "f"(v));
-    return h;
-}
-
-// v rounded into r[i] as `kind` says: 0 not at all, 1 bf16, 2 f16 — the rounded copy of an
-// activation that a tensor-core product reads next (rounded.rs).
-__device__ __forceinline__ void store_rounded(u16* r, int kind, u64 i, float v) {
-    if (kind == 1) r[i] = to_bf16(v);
-    else if (kind == 2) r[i] = to_f16(v);
-}
-
 // Output element types of the dequant kernels.
 #define OUT_F32 0
 #define OUT_F16 1
@@ -380,6 +357,27 @@ extern "C" __global__ void gelu_tanh_mul(float* gate, const float* up, u64 n, u6
     float v = gelu_tanh(gate[i]) * up[(i / rows) * stride + i % rows];
     gate[i] = v;
     store_rounded(rounded, round_kind, i, v);
+}
+
+// gelu_tanh_mul over contiguous rows (up's rows as far apart as gate's), four values a thread:
+// 16-byte loads and no index division. n4 = n / 4; gate, up and rounded 16-byte aligned.
+extern "C" __global__ void gelu_tanh_mul4(float4* gate, const float4* up, u64 n4, u16* rounded,
+                                          int round_kind) {
+    wait_prior_grid();
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n4) return;
+    float4 g = gate[i], u = up[i];
+    float4 v = make_float4(gelu_tanh(g.x) * u.x, gelu_tanh(g.y) * u.y, gelu_tanh(g.z) * u.z,
+                           gelu_tanh(g.w) * u.w);
+    gate[i] = v;
+    if (round_kind != 0) {
+        u16 r[4];
+        float f[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int j = 0; j < 4; j++) r[j] = round_kind == 1 ? to_bf16(f[j]) : to_f16(f[j]);
+        *(uint2*)(rounded + 4 * i) =
+            make_uint2(r[0] | ((u32)r[1] << 16), r[2] | ((u32)r[3] << 16));
+    }
 }
 
 extern "C" __global__ void add(float* x, const float* y, u64 n) {

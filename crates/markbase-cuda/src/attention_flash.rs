@@ -4,7 +4,8 @@
 //! rows see are gathered once into contiguous f16 rows, then one launch gives each block 64
 //! query rows of a KV head's group and streams their keys through shared memory, the scores and
 //! the weighted values on the f16 tensor cores (f32 sums) with an online softmax between: no
-//! score matrix is written.
+//! score matrix is written. The output also goes out rounded for the o product, when that
+//! product would round it (rounded.rs).
 
 use markbase_core::backend::{first_visible_key, AttnSpec, KvLayout};
 use markbase_core::Result;
@@ -79,6 +80,8 @@ impl CudaBackend {
         let row = kvh * hd;
         let window = spec.window.unwrap_or(0);
         let mut s = self.scratch()?;
+        let len = layout.positions.len() * nh * hd;
+        let round = self.round_target(&mut s, layout.positions.len(), len)?;
         let positions = self.upload_idx(layout.positions)?;
         let tables = self.upload_idx(layout.block_tables)?;
         for seq in 0..layout.n_seqs() {
@@ -126,6 +129,7 @@ impl CudaBackend {
                     Arg::U64(kg),
                     Arg::U64(vg),
                     Arg::U64(out.ptr + first),
+                    Arg::U64(round.at + first / 2),
                     Arg::U64(positions + 4 * r0 as u64),
                     Arg::I32(int("rows", r1 - r0)?),
                     Arg::I32(nh as i32),
@@ -133,11 +137,13 @@ impl CudaBackend {
                     Arg::I32(int("first key", k_lo)?),
                     Arg::I32(int("keys", n_keys)?),
                     Arg::I32(int("window", window)?),
+                    Arg::I32(round.kind),
                     Arg::F32(spec.scale),
                     Arg::F32(spec.softcap.unwrap_or(0.0)),
                 ],
             )?;
         }
+        s.rounded.hold(round, out.ptr, len, &self.queue);
         Ok(())
     }
 }

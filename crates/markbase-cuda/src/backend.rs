@@ -835,7 +835,12 @@ impl CudaBackend {
 
     /// Where a producer of `len` values in `n` token rows writes their rounded copy for the
     /// next product (see `rounded`).
-    fn round_target(&self, s: &mut Scratch, n: usize, len: usize) -> Result<RoundTarget> {
+    pub(crate) fn round_target(
+        &self,
+        s: &mut Scratch,
+        n: usize,
+        len: usize,
+    ) -> Result<RoundTarget> {
         s.rounded.target(&self.dev.stream, n, len, rounds_rows)
     }
 
@@ -871,6 +876,22 @@ impl CudaBackend {
         rows: usize,
         round: RoundTarget,
     ) -> Result<()> {
+        let aligned = [gate.ptr, up.ptr + 4 * up_rows.offset as u64, round.at]
+            .iter()
+            .all(|p| p % 16 == 0);
+        if up_rows.stride == rows && len.is_multiple_of(4) && aligned {
+            return self.elementwise(
+                "gelu_tanh_mul4",
+                &[
+                    Arg::U64(gate.ptr),
+                    Arg::U64(up.ptr + 4 * up_rows.offset as u64),
+                    Arg::U64(len as u64 / 4),
+                    Arg::U64(round.at),
+                    Arg::I32(round.kind),
+                ],
+                len / 4,
+            );
+        }
         self.elementwise(
             "gelu_tanh_mul",
             &[

@@ -251,7 +251,10 @@ mod tests {
         assert!(Module::Gemv.source("").contains("#define FORMAT_q4_k 1\n"));
         assert_eq!(Unit::holding(Module::Ops, None).name(), "ops-shared");
         assert_eq!(Unit::holding(Module::Attention, None).part, Part::Whole);
-        assert_eq!(Unit::holding(Module::FlashAttention, None).name(), "flash_attention");
+        assert_eq!(
+            Unit::holding(Module::FlashAttention, None).name(),
+            "flash_attention"
+        );
         assert_eq!(Unit::holding(Module::Sample, Some("f32")).name(), "sample");
         let d = define_lines("X=2").unwrap();
         assert!(q4k.source(&d).starts_with(&d));

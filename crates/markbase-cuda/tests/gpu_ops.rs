@@ -1352,3 +1352,59 @@ fn rounded_copies_feed_the_next_product_exactly_and_only_while_fresh() {
         assert_eq!(taken, down(g, &dn, n * d), "{ty} gelu_gated_matmul");
     }
 }
+
+#[test]
+fn flash_attention_output_feeds_the_o_product_rounded_exactly() {
+    let g = gpu_or_skip!();
+    if !g.has_cublas() {
+        eprintln!("skipped: no cuBLAS, so no product rounds its activations");
+        return;
+    }
+    let mut r = rng("flash_rounded");
+    let (hd, nh, nkv, bs) = (256, 8, 2, 16);
+    let seqs: Vec<Vec<u32>> = vec![(0..40).collect(), (100..150).collect()];
+    let (tables, width, n_blocks) = random_tables(&mut r, &seqs, bs, None);
+    let positions: Vec<u32> = seqs.iter().flatten().copied().collect();
+    let seq_start = [0, 40, 90];
+    let layout = KvLayout {
+        block_size: bs,
+        positions: &positions,
+        seq_start: &seq_start,
+        block_tables: &tables,
+        table_width: width,
+    };
+    let n = positions.len();
+    assert!(n / seqs.len() >= ATTN_FLASH_MIN_ROWS);
+    let row = nkv * hd;
+    let kc = up(g, &uniform(&mut r, n_blocks * bs * row, 1.0));
+    let vc = up(g, &uniform(&mut r, n_blocks * bs * row, 1.0));
+    let q = up(g, &uniform(&mut r, n * nh * hd, 1.0));
+    let spec = AttnSpec {
+        n_heads: nh,
+        n_kv_heads: nkv,
+        head_dim: hd,
+        scale: 1.0 / (hd as f32).sqrt(),
+        window: None,
+        softcap: None,
+    };
+    let d = 384;
+    let wo = g
+        .load_matrix(&random_matrix(&mut r, GgmlType::BF16, d, nh * hd))
+        .unwrap();
+    let mut attn = g.alloc(n * nh * hd).unwrap();
+    let mut proj = g.alloc(n * d).unwrap();
+    // A product of this kind first, so the attention knows how the next one rounds.
+    g.matmul(&q, n, &wo, &mut proj).unwrap();
+    let taken = with_rounded_copy(g, || {
+        g.attention(&q, &kc, &vc, &spec, &layout, &mut attn)
+            .unwrap();
+        g.matmul(&attn, n, &wo, &mut proj).unwrap();
+        down(g, &proj, n * d)
+    });
+    g.matmul(&attn, n, &wo, &mut proj).unwrap();
+    assert_eq!(
+        taken,
+        down(g, &proj, n * d),
+        "o product from the rounded copy"
+    );
+}
