@@ -9,8 +9,9 @@
 // time: the keys and values of the next tile stream into shared memory (cp.async) while the
 // tensor cores take the scores of this one (f16 inputs, f32 sums), an online softmax runs in
 // registers, and the values are weighted on the tensor cores. No score leaves the
-// multiprocessor. A warp holds 16 rows and DO = min(D, 256) output dims; head dim 512 gives
-// each row group two warps, one per half of the output, both computing the group's scores.
+// multiprocessor. A warp holds 16 rows; for head dims 256 and 512 a row group has two warps,
+// each taking the scores over half of the head dims (the pair adds its halves through shared
+// memory) and half of the output dims.
 //
 // Row t at position p sees key position j when j ≤ p and (window = 0 or j > p − window).
 // Scores are scaled, then soft-capped when softcap > 0. The output is written in f32 and, with
@@ -18,6 +19,8 @@
 
 #define FA_ROWS 64
 #define FA_KEYS 32
+// Warps sharing a row group's head dims (1 or 2): the scores' and the output's.
+#define FLASH_HALVES(D) ((D) >= 256 ? 2 : 1)
 #define LOG2E 1.4426950408889634f
 
 // Two floats as packed f16 (to nearest): `lo` in the low half.
@@ -119,17 +122,18 @@ __device__ __forceinline__ void flash_load_tile(const FlashArgs& a, int g, int i
 template <int D>
 __device__ __forceinline__ void attn_flash_impl(const FlashArgs& a) {
 #if __CUDA_ARCH__ >= 800
-    constexpr int DO = D < 256 ? D : 256;  // output dims a warp holds
-    constexpr int HALVES = D / DO;
+    constexpr int HALVES = FLASH_HALVES(D);
+    constexpr int DO = D / HALVES;  // head dims a warp takes: of the scores, of the output
     constexpr int THREADS = 128 * HALVES;
     constexpr int LD = D + 8;  // halves a shared row: 16 spare bytes keep ldmatrix conflict-free
     extern __shared__ __align__(16) u16 fa_smem[];
     u16* qs = fa_smem;
     u16* ks = qs + FA_ROWS * LD;        // [2][FA_KEYS][LD]
     u16* vs = ks + 2 * FA_KEYS * LD;    // [2][FA_KEYS][LD]
+    float* part = (float*)(vs + 2 * FA_KEYS * LD);  // [warps][16 scores][32 lanes]
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int rg = warp & 3, half = warp >> 2;  // row group (16 rows), output half
+    const int rg = warp & 3, half = warp >> 2;  // row group (16 rows), half of the head dims
     const int g = blockIdx.y;
     const int group = a.n_heads / a.n_kv_heads;
     // The longest tiles (latest tokens) first.
@@ -216,7 +220,7 @@ __device__ __forceinline__ void attn_flash_impl(const FlashArgs& a) {
 #pragma unroll
         for (int n = 0; n < 4; n++) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
 #pragma unroll 4
-        for (int kc = 0; kc < D / 16; kc++) {
+        for (int kc = half * DO / 16; kc < (half + 1) * DO / 16; kc++) {
             u32 qa[4], kb[4];
             ldsm_x4(q_addr + kc * 32, qa);
 #pragma unroll
@@ -225,6 +229,19 @@ __device__ __forceinline__ void attn_flash_impl(const FlashArgs& a) {
                 mma_f16(s[2 * p], qa, kb[0], kb[1]);
                 mma_f16(s[2 * p + 1], qa, kb[2], kb[3]);
             }
+        }
+
+        if (HALVES == 2) {
+            // Each warp of the row group's pair holds the scores over its half of the head
+            // dims: swap halves through shared memory (a + b == b + a, so both warps get the
+            // same sums) — the pair's own barrier, then the other warp's slot.
+            float* mine = part + warp * 16 * WARP + lane;
+            const float* other = part + (warp ^ 4) * 16 * WARP + lane;
+#pragma unroll
+            for (int i = 0; i < 16; i++) mine[i * WARP] = s[i >> 2][i & 3];
+            asm volatile("bar.sync %0, 64;" ::"r"(1 + rg) : "memory");
+#pragma unroll
+            for (int i = 0; i < 16; i++) s[i >> 2][i & 3] += other[i * WARP];
         }
 
         // Scale, cap, mask — only at the edges: a tile every row of the block sees whole
@@ -319,8 +336,9 @@ __device__ __forceinline__ void attn_flash_impl(const FlashArgs& a) {
 #endif
 }
 
-// Blocks of 128 threads (256 for head dim 512, whose shared tiles allow one block a
-// multiprocessor); shared memory (FA_ROWS + 4 · FA_KEYS) · (D + 8) halves, set at launch.
+// Blocks of 128 threads, or 256 where pairs of warps split the head dims (head dims 256 and
+// 512, FLASH_HALVES); shared memory (FA_ROWS + 4 · FA_KEYS) · (D + 8) halves, plus 2 KiB a
+// warp for the swapped scores of a pair, set at launch (flash_kernel in attention_flash.rs).
 #define FLASH_KERNEL(D, THREADS, MIN_BLOCKS)                                                 \
     extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attn_flash_##D(        \
         const float* q, const u16* kg, const u16* vg, float* out, u16* rounded,              \
@@ -333,5 +351,5 @@ __device__ __forceinline__ void attn_flash_impl(const FlashArgs& a) {
 FLASH_KERNEL(32, 128, 1)
 FLASH_KERNEL(64, 128, 1)
 FLASH_KERNEL(128, 128, 2)
-FLASH_KERNEL(256, 128, 2)
+FLASH_KERNEL(256, 256, 1)
 FLASH_KERNEL(512, 256, 1)
