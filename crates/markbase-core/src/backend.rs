@@ -538,6 +538,27 @@ pub trait Backend: Send + Sync {
         self.matmul(x, n, up, up_out)?;
         self.gelu_tanh_mul(gate_out, up_out, n * ff)
     }
+    /// The gated feed-forward of `n` rows of `x`: `out = (gelu_tanh(x · gateᵀ) ⊙ (x · upᵀ)) ·
+    /// downᵀ`, where `ff` is the rows of `gate` and `up` and the columns of `down`; `gate_out`
+    /// and `up_out` (`n × ff` each) are scratch. The default is
+    /// [`Backend::gelu_gated_matmul`] then [`Backend::matmul`]; a backend may keep the `n × ff`
+    /// activations in a narrower type between the products.
+    #[allow(clippy::too_many_arguments)]
+    fn gated_ffn(
+        &self,
+        x: &Self::Buffer,
+        n: usize,
+        gate: &Self::Matrix,
+        up: &Self::Matrix,
+        down: &Self::Matrix,
+        ff: usize,
+        gate_out: &mut Self::Buffer,
+        up_out: &mut Self::Buffer,
+        out: &mut Self::Buffer,
+    ) -> Result<()> {
+        self.gelu_gated_matmul(x, n, gate, up, ff, gate_out, up_out)?;
+        self.matmul(gate_out, n, down, out)
+    }
     /// `out[t, r] = gelu_tanh(x_t · w_r) · other[from.offset + t·from.stride + r]` for `n`
     /// token rows and the `rows` rows of `w` (Gemma 4's per-layer-input gate times the layer's
     /// slice of the per-layer inputs). The default copies the slice into `scratch` (`n × rows`), runs

@@ -380,6 +380,24 @@ extern "C" __global__ void gelu_tanh_mul4(float4* gate, const float4* up, u64 n4
     }
 }
 
+// out[i] = bf16(gelu_tanh(g[i]) · u[i]) over bf16 values, eight a thread (n8 groups of eight,
+// 16-byte aligned): the gated feed-forward's activations between bf16 products (ffn.rs).
+extern "C" __global__ void gelu_tanh_mul_bf16(const uint4* g, const uint4* u, uint4* out,
+                                              u64 n8) {
+    wait_prior_grid();
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n8) return;
+    uint4 a = g[i], b = u[i];
+    u32 ga[4] = {a.x, a.y, a.z, a.w}, ub[4] = {b.x, b.y, b.z, b.w}, r[4];
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        float lo = gelu_tanh(bf16_to_f32((u16)ga[j])) * bf16_to_f32((u16)ub[j]);
+        float hi = gelu_tanh(bf16_to_f32((u16)(ga[j] >> 16))) * bf16_to_f32((u16)(ub[j] >> 16));
+        r[j] = (u32)to_bf16(lo) | ((u32)to_bf16(hi) << 16);
+    }
+    out[i] = make_uint4(r[0], r[1], r[2], r[3]);
+}
+
 extern "C" __global__ void add(float* x, const float* y, u64 n) {
     wait_prior_grid();
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;

@@ -15,7 +15,7 @@ use markbase_core::quant::GgmlType;
 use markbase_core::{Error, Result};
 
 use crate::attention_flash::{attention_flash_suits, flash_kernel};
-use crate::blas::{Blas, GemmCall, GemmInput};
+use crate::blas::{Blas, GemmCall, GemmInput, GemmOutput};
 use crate::buffer::{CudaBuffer, CudaMatrix, Growable};
 use crate::device::{driver_err, Device};
 use crate::graph::{DeviceCopy, Op, Steps};
@@ -109,7 +109,7 @@ const RESIDUAL_NORM_MAX_DIM: usize = 8 * 1024;
 /// Row counts up to which `residual_norm` takes more threads a row (decode steps).
 const RESIDUAL_NORM_FEW_ROWS: usize = 64;
 
-fn need(what: &str, have: usize, want: usize) -> Result<()> {
+pub(crate) fn need(what: &str, have: usize, want: usize) -> Result<()> {
     if have < want {
         return Err(Error::Invalid(format!(
             "cuda {what}: buffer of {have} values, needs {want}"
@@ -291,7 +291,7 @@ fn check_slots(
     }
 }
 
-fn blocks(n: usize, per: usize) -> u32 {
+pub(crate) fn blocks(n: usize, per: usize) -> u32 {
     n.div_ceil(per) as u32
 }
 
@@ -609,7 +609,7 @@ impl CudaBackend {
     /// The `len` activations at `x` rounded for a tensor-core product taking `inputs` (bf16,
     /// or f16 for `F16`) into the float scratch (`len` even: they take len / 2 float slots);
     /// returns their address.
-    fn round_inputs(
+    pub(crate) fn round_inputs(
         &self,
         s: &mut Scratch,
         inputs: ProductInputs,
@@ -696,7 +696,16 @@ impl CudaBackend {
         if w.ty == GgmlType::F32 {
             // SAFETY: sizes checked by the caller.
             return self.queue_gemm(unsafe {
-                blas.gemm_rows(GemmInput::F32, w.ptr, w.rows, k, x, n, out, w.rows)
+                blas.gemm_rows(
+                    (GemmInput::F32, GemmOutput::F32),
+                    w.ptr,
+                    w.rows,
+                    k,
+                    x,
+                    n,
+                    out,
+                    w.rows,
+                )
             });
         }
         let mut s = self.scratch()?;
@@ -726,7 +735,16 @@ impl CudaBackend {
         if w.ty == GgmlType::BF16 {
             // SAFETY: `xh` holds n·k bf16 values, `w` rows·k; `out` rows·n.
             return self.queue_gemm(unsafe {
-                blas.gemm_rows(GemmInput::Bf16, w.ptr, w.rows, k, xh, n, out, w.rows)
+                blas.gemm_rows(
+                    (GemmInput::Bf16, GemmOutput::F32),
+                    w.ptr,
+                    w.rows,
+                    k,
+                    xh,
+                    n,
+                    out,
+                    w.rows,
+                )
             });
         }
         let tile = tile_rows(HALF_TILE, w);
@@ -773,7 +791,16 @@ impl CudaBackend {
             )?;
             // SAFETY: `deq` holds rt·k values, `x` n·k; `out` rows·n.
             self.queue_gemm(unsafe {
-                blas.gemm_rows(input, deq, rt, w.cols, x, n, out + 4 * r0 as u64, w.rows)
+                blas.gemm_rows(
+                    (input, GemmOutput::F32),
+                    deq,
+                    rt,
+                    w.cols,
+                    x,
+                    n,
+                    out + 4 * r0 as u64,
+                    w.rows,
+                )
             })?;
             r0 += rt;
         }
@@ -1123,6 +1150,34 @@ impl Backend for CudaBackend {
             self.matmul(x, n, w, out)?;
         }
         Ok(())
+    }
+
+    fn gated_ffn(
+        &self,
+        x: &CudaBuffer,
+        n: usize,
+        gate: &CudaMatrix,
+        up: &CudaMatrix,
+        down: &CudaMatrix,
+        ff: usize,
+        gate_out: &mut CudaBuffer,
+        up_out: &mut CudaBuffer,
+        out: &mut CudaBuffer,
+    ) -> Result<()> {
+        if let Some(blas) = &self.blas {
+            let bf16 = [gate.ty, up.ty, down.ty]
+                .iter()
+                .all(|&t| t == GgmlType::BF16);
+            let tensor_cores = [gate.cols, ff]
+                .iter()
+                .all(|&k| product_inputs(GgmlType::BF16, k, n) == ProductInputs::Bf16);
+            if bf16 && tensor_cores && (n * ff).is_multiple_of(8) {
+                let mats = (gate, up, down);
+                return self.gated_ffn_bf16(blas, x, n, mats, ff, gate_out, up_out, out);
+            }
+        }
+        self.gelu_gated_matmul(x, n, gate, up, ff, gate_out, up_out)?;
+        self.matmul(gate_out, n, down, out)
     }
 
     fn gelu_gated_matmul(

@@ -1,6 +1,7 @@
 //! cuBLASLt for prefill-sized and batched-decode products: a row-major
 //! `out[n, rows] = x[n, k] · w[rows, k]ᵀ`, in f32 (no TF32, so it matches the f32 reference) or
-//! on the tensor cores with bf16 or f16 inputs and f32 accumulation.
+//! on the tensor cores with bf16 or f16 inputs and f32 accumulation (f32 output, or bf16 for a
+//! product whose result the next one reads in bf16).
 //!
 //! Each product shape gets a plan once (descriptors and the heuristic's algorithm, kept for
 //! the backend's life), so a call is one `cublasLtMatmul`: a batch-64 decode step makes
@@ -35,6 +36,15 @@ pub(crate) enum GemmInput {
     F16,
 }
 
+/// Element type of a [`Blas::gemm_rows`] product's output.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum GemmOutput {
+    /// f32.
+    F32,
+    /// bf16, rounded to nearest from the f32 sums.
+    Bf16,
+}
+
 /// One column-major operand of a product: `rows × cols`, leading dimension `ld`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 struct Operand {
@@ -44,10 +54,11 @@ struct Operand {
 }
 
 /// One product shape, in cuBLASLt's column-major terms: `C = op(A) · B` (`op(A) = Aᵀ` with
-/// `transa`); f32 output; byte alignments of A, B and C.
+/// `transa`); output type; byte alignments of A, B and C.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 struct Shape {
     input: GemmInput,
+    output: GemmOutput,
     transa: bool,
     a: Operand,
     b: Operand,
@@ -76,7 +87,7 @@ impl GemmCall {
     /// Appends the words that identify the product: shape, alignments and addresses.
     pub(crate) fn key(&self, out: &mut Vec<u64>) {
         let s = &self.shape;
-        out.extend([s.input as u64, u64::from(s.transa)]);
+        out.extend([s.input as u64, s.output as u64, u64::from(s.transa)]);
         for op in [s.a, s.b, s.c] {
             op.key(out);
         }
@@ -175,6 +186,10 @@ impl Blas {
             GemmInput::F16 => sys::cudaDataType::CUDA_R_16F,
         };
         let f32_ty = sys::cudaDataType::CUDA_R_32F;
+        let out_ty = match shape.output {
+            GemmOutput::F32 => f32_ty,
+            GemmOutput::Bf16 => sys::cudaDataType::CUDA_R_16BF,
+        };
         let compute = sys::cublasComputeType_t::CUBLAS_COMPUTE_32F;
         let mut plan = Plan {
             desc: lt::create_matmul_desc(compute, f32_ty)
@@ -182,7 +197,7 @@ impl Blas {
             layouts: Vec::with_capacity(3),
             algo: sys::cublasLtMatmulAlgo_t { data: [0; 8] },
         };
-        for (t, op) in [(ty, shape.a), (ty, shape.b), (f32_ty, shape.c)] {
+        for (t, op) in [(ty, shape.a), (ty, shape.b), (out_ty, shape.c)] {
             let layout = lt::create_matrix_layout(t, op.rows as u64, op.cols as u64, op.ld as i64)
                 .map_err(|e| blas_err("matrix layout", e))?;
             plan.layouts.push(layout);
@@ -256,7 +271,8 @@ impl Blas {
     }
 
     /// The product `out[t·ldo + r] = Σ_i x[t·k + i] · w[r·k + i]` for `t < n`, `r < rows`:
-    /// `w` and `x` hold elements of `input`, `out` is f32, accumulation in f32 (no TF32).
+    /// `w` and `x` hold elements of `input`, `out` elements of `output`, accumulation in f32
+    /// (no TF32).
     ///
     /// # Safety
     /// The pointers must be live device allocations of at least the sizes implied when the
@@ -264,7 +280,7 @@ impl Blas {
     #[allow(clippy::too_many_arguments)]
     pub(crate) unsafe fn gemm_rows(
         &self,
-        input: GemmInput,
+        (input, output): (GemmInput, GemmOutput),
         w: u64,
         rows: usize,
         k: usize,
@@ -277,6 +293,7 @@ impl Blas {
         let op = |rows, cols, ld| Operand { rows, cols, ld };
         let shape = Shape {
             input,
+            output,
             transa: true,
             a: op(k, rows, k),
             b: op(k, n, k),

@@ -1408,3 +1408,57 @@ fn flash_attention_output_feeds_the_o_product_rounded_exactly() {
         "o product from the rounded copy"
     );
 }
+
+#[test]
+fn gated_ffn_keeps_bf16_activations_between_bf16_products() {
+    let g = gpu_or_skip!();
+    let mut r = rng("gated_ffn");
+    let (k, ff, d) = (256, 96, 160);
+    let ty = GgmlType::BF16;
+    let (gm, um, dm) = (
+        random_matrix(&mut r, ty, ff, k),
+        random_matrix(&mut r, ty, ff, k),
+        random_matrix(&mut r, ty, d, ff),
+    );
+    let [gw, uw, dw] = [&gm, &um, &dm].map(|m| g.load_matrix(m).unwrap());
+    let round =
+        |v: Vec<f32>| -> Vec<f32> { v.into_iter().map(|x| bf16::from_f32(x).to_f32()).collect() };
+    // 2 rows: GEMVs in f32 (the default composition); 8 and 40: tensor-core products with bf16
+    // gate, up and activations.
+    for n in [2, 8, 40] {
+        let x = uniform(&mut r, n * k, 1.0);
+        let (sx, _) = as_seen(g, &gm, n, &x);
+        let bf16_path = g.has_cublas() && product_inputs(ty, k, n) == ProductInputs::Bf16;
+        let (gate, upv) = (
+            reference::matmul(&sx, n, &gm).unwrap(),
+            reference::matmul(&sx, n, &um).unwrap(),
+        );
+        let exact = reference::gelu_tanh_mul(&gate, &upv);
+        let (act, tol) = if bf16_path {
+            // What the GPU computes: gate and up rounded, the activations rounded.
+            (
+                round(reference::gelu_tanh_mul(&round(gate), &round(upv))),
+                2e-3,
+            )
+        } else {
+            let (sa, _) = as_seen(g, &dm, n, &exact);
+            (sa, 2e-5)
+        };
+        let want = reference::matmul(&act, n, &dm).unwrap();
+        let (mut go, mut uo) = (poisoned(g, n * ff), poisoned(g, n * ff));
+        let mut out = poisoned(g, n * d);
+        g.gated_ffn(&up(g, &x), n, &gw, &uw, &dw, ff, &mut go, &mut uo, &mut out)
+            .unwrap();
+        let got = down(g, &out, n * d);
+        assert_close(&format!("gated ffn n={n}"), &got, &want, tol);
+        // The cost of the bf16 activations against f32 ones: within bf16's precision.
+        let (se, _) = as_seen(g, &dm, n, &exact);
+        let f32_acts = reference::matmul(&se, n, &dm).unwrap();
+        assert_close(
+            &format!("gated ffn n={n} vs f32 activations"),
+            &got,
+            &f32_acts,
+            1e-2,
+        );
+    }
+}

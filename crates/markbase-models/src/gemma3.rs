@@ -281,8 +281,17 @@ impl<B: Backend> Gemma3<B> {
             )?;
             // MLP block on x = pre_feedforward_layernorm(h); its residual add also norms h
             // for the next layer.
-            be.gelu_gated_matmul(&w.x, n, &layer.gate, &layer.up, ff, &mut w.gate, &mut w.up)?;
-            be.matmul(&w.gate, n, &layer.down, &mut w.proj)?;
+            be.gated_ffn(
+                &w.x,
+                n,
+                &layer.gate,
+                &layer.up,
+                &layer.down,
+                ff,
+                &mut w.gate,
+                &mut w.up,
+                &mut w.proj,
+            )?;
             let next = self.layers.get(li + 1).map(|l| (&l.attn_norm, &mut w.x));
             be.residual_norm(
                 &w.proj,

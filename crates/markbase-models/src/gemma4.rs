@@ -579,8 +579,17 @@ impl<B: Backend> Gemma4<B> {
         let be = &self.backend;
         let (d, ff) = (cfg.d_model, layer.geo.n_ff);
         let eps = cfg.rms_eps as f32;
-        be.gelu_gated_matmul(&w.x, n, &layer.gate, &layer.up, ff, &mut w.gate, &mut w.up)?;
-        be.matmul(&w.gate, n, &layer.down, &mut w.proj)?;
+        be.gated_ffn(
+            &w.x,
+            n,
+            &layer.gate,
+            &layer.up,
+            &layer.down,
+            ff,
+            &mut w.gate,
+            &mut w.up,
+            &mut w.proj,
+        )?;
         let (Some(moe), Some(m)) = (&layer.moe, cfg.moe) else {
             return be.residual_norm(
                 &w.proj,
