@@ -9,9 +9,10 @@
 // time: the keys and values of the next tile stream into shared memory (cp.async) while the
 // tensor cores take the scores of this one (f16 inputs, f32 sums), an online softmax runs in
 // registers, and the values are weighted on the tensor cores. No score leaves the
-// multiprocessor. A warp holds 16 rows; for head dim 512 a row group has two warps,
-// each taking the scores over half of the head dims (the pair adds its halves through shared
-// memory) and half of the output dims.
+// multiprocessor. A warp holds 16 rows, and each row group has two warps: for head dim 512
+// each takes the scores over half of the head dims (the pair adds its halves through shared
+// memory) and half of the output dims; for smaller heads each takes half of every stage's
+// keys (2 · FA_KEYS a stage), and the pair merges its softmax states at the end.
 //
 // Row t at position p sees key position j when j ≤ p and (window = 0 or j > p − window).
 // Scores are scaled, then soft-capped when softcap > 0. The output is written in f32 and, with
@@ -19,8 +20,9 @@
 
 #define FA_ROWS 64
 #define FA_KEYS 32
-// Warps sharing a row group's head dims (1 or 2): the scores' and the output's. Measured on
-// the H200 (E4B prefill): head dim 512 245 -> 204 us a launch with pairs, 256 47.3 -> 49.9 us.
+// Warps sharing a row group's head dims (1 or 2): the scores' and the output's; with 1 the
+// pair splits each stage's keys instead. Measured on the H200 (E4B prefill): head dim 512
+// 245 -> 204 us a launch with pairs over the dims, 256 47.3 -> 49.9 us.
 #define FLASH_HALVES(D) ((D) >= 512 ? 2 : 1)
 #define LOG2E 1.4426950408889634f
 
@@ -97,17 +99,17 @@ struct FlashArgs {
     float scale, softcap;
 };
 
-// Queues the cp.async copies of keys [i0, i0 + FA_KEYS) of KV head `g` into `ks` / `vs`
-// (FA_KEYS rows of LD halves); keys past n_keys are zeros.
-template <int D, int LD, int THREADS>
+// Queues the cp.async copies of keys [i0, i0 + SK) of KV head `g` into `ks` / `vs` (SK rows
+// of LD halves); keys past n_keys are zeros.
+template <int D, int LD, int THREADS, int SK>
 __device__ __forceinline__ void flash_load_tile(const FlashArgs& a, int g, int i0, u16* ks,
                                                 u16* vs) {
 #if __CUDA_ARCH__ >= 800
     const int chunks = D / 8;  // 16-byte pieces of a key's head
     u64 row = (u64)a.n_kv_heads * D;
-    static_assert(FA_KEYS * chunks % THREADS == 0, "whole rounds of copies");
+    static_assert(SK * chunks % THREADS == 0, "whole rounds of copies");
 #pragma unroll
-    for (int it = 0; it < FA_KEYS * chunks / THREADS; it++) {
+    for (int it = 0; it < SK * chunks / THREADS; it++) {
         int c = threadIdx.x + it * THREADS;
         int kr = c / chunks, piece = c % chunks;
         int i = i0 + kr;
@@ -123,18 +125,22 @@ __device__ __forceinline__ void flash_load_tile(const FlashArgs& a, int g, int i
 template <int D>
 __device__ __forceinline__ void attn_flash_impl(const FlashArgs& a) {
 #if __CUDA_ARCH__ >= 800
+    // A row group's two warps split the head dims (HALVES = 2: the scores' and the output's)
+    // or the keys of each stage (KSPLIT = 2: FA_KEYS each, merged at the end).
     constexpr int HALVES = FLASH_HALVES(D);
+    constexpr int KSPLIT = 3 - HALVES;
     constexpr int DO = D / HALVES;  // head dims a warp takes: of the scores, of the output
-    constexpr int THREADS = 128 * HALVES;
+    constexpr int SK = FA_KEYS * KSPLIT;  // keys a stage
+    constexpr int THREADS = 256;
     constexpr int LD = D + 8;  // halves a shared row: 16 spare bytes keep ldmatrix conflict-free
     extern __shared__ __align__(16) u16 fa_smem[];
     u16* qs = fa_smem;
-    u16* ks = qs + FA_ROWS * LD;        // [2][FA_KEYS][LD]
-    u16* vs = ks + 2 * FA_KEYS * LD;    // [2][FA_KEYS][LD]
-    float* part = (float*)(vs + 2 * FA_KEYS * LD);  // [warps][16 scores][32 lanes]
+    u16* ks = qs + FA_ROWS * LD;   // [2][SK][LD]
+    u16* vs = ks + 2 * SK * LD;    // [2][SK][LD]
+    float* part = (float*)(vs + 2 * SK * LD);  // HALVES = 2: [warps][16 scores][32 lanes]
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int rg = warp & 3, half = warp >> 2;  // row group (16 rows), half of the head dims
+    const int rg = warp & 3, half = warp >> 2;  // row group (16 rows), half of dims or keys
     const int g = blockIdx.y;
     const int group = a.n_heads / a.n_kv_heads;
     // The longest tiles (latest tokens) first.
@@ -160,10 +166,10 @@ __device__ __forceinline__ void attn_flash_impl(const FlashArgs& a) {
         my_pos[h] = t < a.n_rows ? (int)a.positions[t] : -0x40000000;  // sees no key
     }
     const int first_pos = a.window > 0 ? max(0, pmin - a.window + 1) : 0;
-    const int kt0 = max(0, first_pos - a.k_lo) / FA_KEYS, kt1 = (pmax - a.k_lo) / FA_KEYS;
+    const int kt0 = max(0, first_pos - a.k_lo) / SK, kt1 = (pmax - a.k_lo) / SK;
 
     wait_prior_grid();
-    flash_load_tile<D, LD, THREADS>(a, g, kt0 * FA_KEYS, ks, vs);
+    flash_load_tile<D, LD, THREADS, SK>(a, g, kt0 * SK, ks, vs);
 
     // The block's query rows as f16 (rows past the sequence are zeros), QB loads in flight a
     // thread.
@@ -198,30 +204,31 @@ __device__ __forceinline__ void attn_flash_impl(const FlashArgs& a) {
     // value tile (transposed).
     const u32 q_addr =
         shared_address(qs + (rg * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + (lane >> 4) * 8);
-    const u32 k_addr =
-        shared_address(ks + ((lane & 7) + (lane >> 4) * 8) * LD + ((lane >> 3) & 1) * 8);
-    const u32 v_addr = shared_address(vs + ((lane & 7) + ((lane >> 3) & 1) * 8) * LD +
-                                      half * DO + (lane >> 4) * 8);
+    // (With KSPLIT = 2 a warp's keys are the second FA_KEYS of a stage for half = 1.)
+    const int key_half = KSPLIT == 2 ? half * FA_KEYS : 0, dim_half = HALVES == 2 ? half * DO : 0;
+    const u32 k_addr = shared_address(ks + (key_half + (lane & 7) + (lane >> 4) * 8) * LD +
+                                      ((lane >> 3) & 1) * 8);
+    const u32 v_addr = shared_address(vs + (key_half + (lane & 7) + ((lane >> 3) & 1) * 8) * LD +
+                                      dim_half + (lane >> 4) * 8);
 
     for (int kt = kt0; kt <= kt1; kt++) {
         const int stage = (kt - kt0) & 1;
         if (kt < kt1) {
-            flash_load_tile<D, LD, THREADS>(a, g, (kt + 1) * FA_KEYS,
-                                            ks + (stage ^ 1) * FA_KEYS * LD,
-                                            vs + (stage ^ 1) * FA_KEYS * LD);
+            flash_load_tile<D, LD, THREADS, SK>(a, g, (kt + 1) * SK, ks + (stage ^ 1) * SK * LD,
+                                                vs + (stage ^ 1) * SK * LD);
             asm volatile("cp.async.wait_group 1;" ::: "memory");
         } else {
             asm volatile("cp.async.wait_group 0;" ::: "memory");
         }
         __syncthreads();
-        const u32 kst = k_addr + stage * FA_KEYS * LD * 2, vst = v_addr + stage * FA_KEYS * LD * 2;
+        const u32 kst = k_addr + stage * SK * LD * 2, vst = v_addr + stage * SK * LD * 2;
 
         // Scores of the warp's 16 rows against the tile's 32 keys.
         float s[4][4];
 #pragma unroll
         for (int n = 0; n < 4; n++) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
 #pragma unroll 4
-        for (int kc = half * DO / 16; kc < (half + 1) * DO / 16; kc++) {
+        for (int kc = dim_half / 16; kc < (dim_half + DO) / 16; kc++) {
             u32 qa[4], kb[4];
             ldsm_x4(q_addr + kc * 32, qa);
 #pragma unroll
@@ -248,8 +255,9 @@ __device__ __forceinline__ void attn_flash_impl(const FlashArgs& a) {
         // Scale, cap, mask — only at the edges: a tile every row of the block sees whole
         // needs no mask (rows past the sequence have zero queries and are not written) — then
         // the online softmax of rows lane/4 (h = 0) and lane/4 + 8 (h = 1).
-        const int j0 = a.k_lo + kt * FA_KEYS;
-        const bool whole = j0 + FA_KEYS - 1 <= pmin && (kt + 1) * FA_KEYS <= a.n_keys &&
+        const int i0 = kt * SK + key_half;  // the warp's first key
+        const int j0 = a.k_lo + i0;
+        const bool whole = j0 + FA_KEYS - 1 <= pmin && i0 + FA_KEYS <= a.n_keys &&
                            (a.window == 0 || j0 > pmax - a.window);
         float mx[2] = {NEG_INF, NEG_INF};
 #pragma unroll
@@ -313,6 +321,40 @@ __device__ __forceinline__ void attn_flash_impl(const FlashArgs& a) {
         __syncthreads();
     }
 
+    if (KSPLIT == 2) {
+        // The pair's halves of the keys: warps of half 1 leave (m, l, o) in shared memory
+        // (the tiles are free now), warps of half 0 merge them and write the rows.
+        __syncthreads();
+        float* st = (float*)fa_smem + rg * (DO / 2 + 4) * WARP + lane;
+        if (half == 1) {
+#pragma unroll
+            for (int n = 0; n < DO / 8; n++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) st[(n * 4 + e) * WARP] = o[n][e];
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                st[(DO / 2 + h) * WARP] = m[h];
+                st[(DO / 2 + 2 + h) * WARP] = l[h];
+            }
+        }
+        __syncthreads();
+        if (half == 1) return;
+        float mine[2], theirs[2];
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            float m1 = st[(DO / 2 + h) * WARP], mm = fmaxf(m[h], m1);
+            float base = mm == NEG_INF ? 0.f : mm;
+            mine[h] = exp2f((m[h] - base) * LOG2E);
+            theirs[h] = exp2f((m1 - base) * LOG2E);
+            l[h] = l[h] * mine[h] + st[(DO / 2 + 2 + h) * WARP] * theirs[h];
+        }
+#pragma unroll
+        for (int n = 0; n < DO / 8; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                o[n][e] = o[n][e] * mine[e >> 1] + st[(n * 4 + e) * WARP] * theirs[e >> 1];
+    }
+
     // Row sums across the quad, then the normalised rows out.
 #pragma unroll
     for (int h = 0; h < 2; h++) {
@@ -325,7 +367,7 @@ __device__ __forceinline__ void attn_flash_impl(const FlashArgs& a) {
         int t = pair / group, head = g * group + pair % group;
         if (t >= a.n_rows) continue;
         float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
-        u64 at = t * qrow + (u64)head * D + half * DO + (lane & 3) * 2;
+        u64 at = t * qrow + (u64)head * D + dim_half + (lane & 3) * 2;
 #pragma unroll
         for (int n = 0; n < DO / 8; n++) {
             float x = o[n][2 * h] * inv, y = o[n][2 * h + 1] * inv;
@@ -337,9 +379,9 @@ __device__ __forceinline__ void attn_flash_impl(const FlashArgs& a) {
 #endif
 }
 
-// Blocks of 128 threads, or 256 where pairs of warps split the head dims (head dim 512,
-// FLASH_HALVES); shared memory (FA_ROWS + 4 · FA_KEYS) · (D + 8) halves, plus 2 KiB a
-// warp for the swapped scores of a pair, set at launch (flash_kernel in attention_flash.rs).
+// Blocks of 256 threads (a pair of warps for each of 4 row groups); shared memory (FA_ROWS +
+// 4 · SK) · (D + 8) halves, plus 2 KiB a warp for the swapped scores of head dim 512, set at
+// launch (flash_kernel in attention_flash.rs).
 #define FLASH_KERNEL(D, THREADS, MIN_BLOCKS)                                                 \
     extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attn_flash_##D(        \
         const float* q, const u16* kg, const u16* vg, float* out, u16* rounded,              \
@@ -349,8 +391,8 @@ __device__ __forceinline__ void attn_flash_impl(const FlashArgs& a) {
                        n_kv_heads, k_lo, n_keys, window, round_kind, scale, softcap};       \
         attn_flash_impl<D>(a);                                                               \
     }
-FLASH_KERNEL(32, 128, 1)
-FLASH_KERNEL(64, 128, 1)
-FLASH_KERNEL(128, 128, 2)
-FLASH_KERNEL(256, 128, 2)
+FLASH_KERNEL(32, 256, 1)
+FLASH_KERNEL(64, 256, 1)
+FLASH_KERNEL(128, 256, 1)
+FLASH_KERNEL(256, 256, 1)
 FLASH_KERNEL(512, 256, 1)

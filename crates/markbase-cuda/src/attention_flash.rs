@@ -47,11 +47,16 @@ pub(crate) fn flash_kernel(hd: usize) -> Option<(&'static str, u32, u32)> {
         512 => "attn_flash_512",
         _ => return None,
     };
-    // Head dim 512: pairs of warps split the head dims (`FLASH_HALVES`), swapping partial
-    // scores through 2 KiB a warp.
-    let (threads, swap) = if hd >= 512 { (256, 8 * 2048) } else { (128, 0) };
-    let shared = (FLASH_ROWS + 4 * FLASH_KEYS) * (hd + 8) * 2 + swap;
-    Some((name, threads, shared as u32))
+    // Head dim 512: a row group's pair of warps splits the head dims (`FLASH_HALVES`),
+    // swapping partial scores through 2 KiB a warp; smaller heads: the pair splits the keys of
+    // each stage, which then holds twice as many.
+    let (stage_keys, swap) = if hd == 512 {
+        (FLASH_KEYS, 8 * 2048)
+    } else {
+        (2 * FLASH_KEYS, 0)
+    };
+    let shared = (FLASH_ROWS + 4 * stage_keys) * (hd + 8) * 2 + swap;
+    Some((name, 256, shared as u32))
 }
 
 /// Rounds a count of 16-bit values up to 128 (256-byte boundaries).
@@ -180,7 +185,7 @@ mod tests {
         for hd in [32, 64, 128, 256, 512] {
             let (_, threads, shared) = flash_kernel(hd).unwrap();
             assert!(shared <= 227 * 1024, "head dim {hd}: {shared} bytes");
-            assert_eq!(threads, if hd == 512 { 256 } else { 128 });
+            assert_eq!(threads, 256);
         }
         assert!(flash_kernel(96).is_none());
     }
