@@ -54,6 +54,19 @@ macro_rules! gpu_or_skip {
     };
 }
 
+/// The GPU backend with cuBLAS, or return from the test (no product rounds its activations
+/// without it).
+macro_rules! gpu_with_cublas_or_skip {
+    () => {{
+        let g = gpu_or_skip!();
+        if !g.has_cublas() {
+            eprintln!("skipped: no cuBLAS, so no product rounds its activations");
+            return;
+        }
+        g
+    }};
+}
+
 fn rng(test: &str) -> StdRng {
     let seed = std::env::var("MARKBASE_TEST_SEED")
         .ok()
@@ -1291,11 +1304,7 @@ fn with_rounded_copy(g: &CudaBackend, mut attempt: impl FnMut() -> Vec<f32>) -> 
 
 #[test]
 fn rounded_copies_feed_the_next_product_exactly_and_only_while_fresh() {
-    let g = gpu_or_skip!();
-    if !g.has_cublas() {
-        eprintln!("skipped: no cuBLAS, so no product rounds its activations");
-        return;
-    }
+    let g = gpu_with_cublas_or_skip!();
     let mut r = rng("rounded_copies");
     let (d, ff) = (256, 96);
     // bf16 weights at 8 rows (tensor cores from 3) and Q8_0 at 20 (f16 from 17).
@@ -1355,11 +1364,7 @@ fn rounded_copies_feed_the_next_product_exactly_and_only_while_fresh() {
 
 #[test]
 fn flash_attention_output_feeds_the_o_product_rounded_exactly() {
-    let g = gpu_or_skip!();
-    if !g.has_cublas() {
-        eprintln!("skipped: no cuBLAS, so no product rounds its activations");
-        return;
-    }
+    let g = gpu_with_cublas_or_skip!();
     let mut r = rng("flash_rounded");
     let (hd, nh, nkv, bs) = (256, 8, 2, 16);
     let seqs: Vec<Vec<u32>> = vec![(0..40).collect(), (100..150).collect()];
