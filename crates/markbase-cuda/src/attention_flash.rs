@@ -37,8 +37,9 @@ pub(crate) fn attention_flash_suits(layout: &KvLayout<'_>) -> bool {
     any
 }
 
-/// The kernel for head dim `hd` and its launch: threads a block, shared bytes a block.
-pub(crate) fn flash_kernel(hd: usize) -> Option<(&'static str, u32, u32)> {
+/// The kernel for head dim `hd` and its launch (threads a block, shared bytes a block), where
+/// a block's tiles fit in `max_shared` bytes (the device's per-block limit).
+pub(crate) fn flash_kernel(hd: usize, max_shared: u32) -> Option<(&'static str, u32, u32)> {
     let name = match hd {
         32 => "attn_flash_32",
         64 => "attn_flash_64",
@@ -55,8 +56,8 @@ pub(crate) fn flash_kernel(hd: usize) -> Option<(&'static str, u32, u32)> {
     } else {
         (2 * FLASH_KEYS, 0)
     };
-    let shared = (FLASH_ROWS + 4 * stage_keys) * (hd + 8) * 2 + swap;
-    Some((name, 256, shared as u32))
+    let shared = ((FLASH_ROWS + 4 * stage_keys) * (hd + 8) * 2 + swap) as u32;
+    (shared <= max_shared).then_some((name, 256, shared))
 }
 
 /// Rounds a count of 16-bit values up to 128 (256-byte boundaries).
@@ -67,7 +68,7 @@ fn padded(n: usize) -> usize {
 impl CudaBackend {
     /// [`markbase_core::backend::Backend::attention`] through the flash kernel (checked by
     /// the caller: spec, layout, buffer sizes, a device of compute capability 8.0 or newer and
-    /// a head dim [`flash_kernel`] has).
+    /// a head dim [`flash_kernel`] has there).
     pub(crate) fn attention_flash(
         &self,
         q: &CudaBuffer,
@@ -78,9 +79,10 @@ impl CudaBackend {
         out: &mut CudaBuffer,
     ) -> Result<()> {
         let (hd, nh, kvh) = (spec.head_dim, spec.n_heads, spec.n_kv_heads);
-        let (name, threads, shared) = flash_kernel(hd).ok_or_else(|| {
-            markbase_core::Error::Invalid(format!("cuda flash attention: head dim {hd}"))
-        })?;
+        let (name, threads, shared) =
+            flash_kernel(hd, self.dev.max_block_shared()).ok_or_else(|| {
+                markbase_core::Error::Invalid(format!("cuda flash attention: head dim {hd}"))
+            })?;
         let func = self
             .kernels
             .func_with_shared(Module::FlashAttention, name, shared)?;
@@ -182,11 +184,18 @@ mod tests {
     #[test]
     fn flash_tiles_fit_in_shared_memory() {
         // 227 KiB a block on Hopper.
+        let hopper = 227 * 1024;
         for hd in [32, 64, 128, 256, 512] {
-            let (_, threads, shared) = flash_kernel(hd).unwrap();
-            assert!(shared <= 227 * 1024, "head dim {hd}: {shared} bytes");
+            let (_, threads, shared) = flash_kernel(hd, hopper).unwrap();
+            assert!(shared <= hopper, "head dim {hd}: {shared} bytes");
             assert_eq!(threads, 256);
         }
-        assert!(flash_kernel(96).is_none());
+        assert!(flash_kernel(96, hopper).is_none());
+        // 99 KiB (most sm_8x GPUs): the large heads' tiles do not fit, and those layers take
+        // the split-K kernel.
+        let small = 99 * 1024;
+        assert!(flash_kernel(128, small).is_some());
+        assert!(flash_kernel(256, small).is_none());
+        assert!(flash_kernel(512, small).is_none());
     }
 }

@@ -1431,7 +1431,7 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         if self.dev.capability().0 >= 8
-            && flash_kernel(hd).is_some()
+            && flash_kernel(hd, self.dev.max_block_shared()).is_some()
             && attention_flash_suits(layout)
         {
             return self.attention_flash(q, k_cache, v_cache, spec, layout, out);

@@ -93,12 +93,13 @@ impl Kernels {
             .shared_raised
             .lock()
             .map_err(|_| Error::Invalid("CUDA kernel table poisoned".into()))?;
-        if shared > DEFAULT_SHARED && raised.insert(name) {
+        if shared > DEFAULT_SHARED && !raised.contains(name) {
             f.set_attribute(
                 sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 shared as i32,
             )
             .map_err(|e| driver_err(&format!("shared memory of kernel {name}"), e))?;
+            raised.insert(name);
         }
         Ok(f)
     }
