@@ -86,9 +86,13 @@ __device__ __forceinline__ u16 to_f16(float v) {
     return h;
 }
 
-// v rounded into r[i] as `kind` says: 0 not at all, 1 bf16, 2 f16 — the rounded copy of an
-// activation that a tensor-core product reads next (rounded.rs).
+// v rounded as `kind` (1 bf16, 2 f16) says: the rounded copy of an activation that a
+// tensor-core product reads next (rounded.rs).
+__device__ __forceinline__ u16 rounded_bits(int kind, float v) {
+    return kind == 1 ? to_bf16(v) : to_f16(v);
+}
+
+// v rounded into r[i] as `kind` says (0: not at all).
 __device__ __forceinline__ void store_rounded(u16* r, int kind, u64 i, float v) {
-    if (kind == 1) r[i] = to_bf16(v);
-    else if (kind == 2) r[i] = to_f16(v);
+    if (kind != 0) r[i] = rounded_bits(kind, v);
 }

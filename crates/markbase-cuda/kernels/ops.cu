@@ -371,12 +371,9 @@ extern "C" __global__ void gelu_tanh_mul4(float4* gate, const float4* up, u64 n4
                            gelu_tanh(g.w) * u.w);
     gate[i] = v;
     if (round_kind != 0) {
-        u16 r[4];
-        float f[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-        for (int j = 0; j < 4; j++) r[j] = round_kind == 1 ? to_bf16(f[j]) : to_f16(f[j]);
-        *(uint2*)(rounded + 4 * i) =
-            make_uint2(r[0] | ((u32)r[1] << 16), r[2] | ((u32)r[3] << 16));
+        u32 lo = rounded_bits(round_kind, v.x) | ((u32)rounded_bits(round_kind, v.y) << 16);
+        u32 hi = rounded_bits(round_kind, v.z) | ((u32)rounded_bits(round_kind, v.w) << 16);
+        *(uint2*)(rounded + 4 * i) = make_uint2(lo, hi);
     }
 }
 
