@@ -77,10 +77,15 @@ __device__ __forceinline__ u16 to_bf16(float v) {
                                            : (u16)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
 }
 
+// v clamped to f16's finite range, ±65504 (NaN stays NaN).
+__device__ __forceinline__ float f16_range(float v) {
+    return v == v ? fminf(fmaxf(v, -65504.f), 65504.f) : v;
+}
+
 // f32 to f16, to nearest with ties to even; finite values beyond f16's range saturate to
 // ±65504 (NaN stays NaN).
 __device__ __forceinline__ u16 to_f16(float v) {
-    if (v == v) v = fminf(fmaxf(v, -65504.f), 65504.f);
+    v = f16_range(v);
     u16 h;
     asm("{ cvt.rn.f16.f32 %0, %1; }" : "=h"(h) : "f"(v));
     return h;

@@ -33,6 +33,14 @@ __device__ __forceinline__ u32 pack_f16x2(float lo, float hi) {
     return r;
 }
 
+// pack_f16x2 of four floats (x, y | z, w), finite values beyond f16's range saturated to
+// ±65504 as to_f16 does: queries, keys and values (cached f32) may exceed it, and an
+// infinity would turn its whole row of scores into NaN. Probabilities (≤ 1) need not.
+__device__ __forceinline__ uint2 pack_f16x4_saturated(float4 v) {
+    return make_uint2(pack_f16x2(f16_range(v.x), f16_range(v.y)),
+                      pack_f16x2(f16_range(v.z), f16_range(v.w)));
+}
+
 // kg[i, :] = k_cache[slot(k_lo + i), :] as f16 and likewise v, for key i = blockIdx.x; `row`
 // values per key (a multiple of 4), the slot from the sequence's block table.
 extern "C" __global__ void kv_gather_f16(const float* k_cache, const float* v_cache,
@@ -47,8 +55,8 @@ extern "C" __global__ void kv_gather_f16(const float* k_cache, const float* v_ca
     uint2* vd = vg + (u64)blockIdx.x * (row / 4);
     for (int i = threadIdx.x; i < row / 4; i += blockDim.x) {
         float4 k = ks[i], v = vs[i];
-        kd[i] = make_uint2(pack_f16x2(k.x, k.y), pack_f16x2(k.z, k.w));
-        vd[i] = make_uint2(pack_f16x2(v.x, v.y), pack_f16x2(v.z, v.w));
+        kd[i] = pack_f16x4_saturated(k);
+        vd[i] = pack_f16x4_saturated(v);
     }
 }
 
@@ -190,8 +198,7 @@ __device__ __forceinline__ void attn_flash_impl(const FlashArgs& a) {
         for (int i = 0; i < QB; i++) {
             int c = threadIdx.x + (b + i) * THREADS;
             int r = c / (D / 4), d = (c % (D / 4)) * 4;
-            *(uint2*)(qs + r * LD + d) =
-                make_uint2(pack_f16x2(v[i].x, v[i].y), pack_f16x2(v[i].z, v[i].w));
+            *(uint2*)(qs + r * LD + d) = pack_f16x4_saturated(v[i]);
         }
     }
 

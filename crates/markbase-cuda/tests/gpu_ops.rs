@@ -1073,6 +1073,79 @@ fn write_kv_then_attention_match_reference() {
     }
 }
 
+/// Cached keys and values beyond f16's range (±65 504): the flash kernel rounds them to f16
+/// saturating, so a prefill's output stays finite and equals the result for values clamped to
+/// that range (an infinity would have turned its rows into NaN).
+#[test]
+fn flash_attention_saturates_values_beyond_f16() {
+    let g = gpu_or_skip!();
+    let mut r = rng("attention_f16_range");
+    let (hd, nh, nkv, bs) = (256, 8, 2, 16);
+    let seqs = vec![(0..64).collect::<Vec<u32>>()];
+    let row = nkv * hd;
+    let (tables, width, n_blocks) = random_tables(&mut r, &seqs, bs, None);
+    let slots_total = n_blocks * bs;
+    let positions = seqs[0].clone();
+    let seq_start = [0, positions.len() as u32];
+    let layout = KvLayout {
+        block_size: bs,
+        positions: &positions,
+        seq_start: &seq_start,
+        block_tables: &tables,
+        table_width: width,
+    };
+    let n = positions.len();
+    let spec = AttnSpec {
+        n_heads: nh,
+        n_kv_heads: nkv,
+        head_dim: hd,
+        scale: 1.0 / (hd as f32).sqrt(),
+        window: None,
+        softcap: None,
+    };
+    let q = uniform(&mut r, n * nh * hd, 1.0);
+    let kc = uniform(&mut r, slots_total * row, 1.0);
+    let mut vc = uniform(&mut r, slots_total * row, 1.0);
+    // One value in 37 far past f16's range, either sign.
+    for (i, v) in vc.iter_mut().enumerate().step_by(37) {
+        *v = if i % 2 == 0 { 1.0e5 } else { -3.0e6 };
+    }
+    let clamped: Vec<f32> = vc.iter().map(|v| v.clamp(-65_504.0, 65_504.0)).collect();
+    let want = reference::attention(&q, &kc, &clamped, &spec, &layout);
+    let mut out = poisoned(g, n * nh * hd);
+    g.attention(
+        &up(g, &q),
+        &up(g, &kc),
+        &up(g, &vc),
+        &spec,
+        &layout,
+        &mut out,
+    )
+    .unwrap();
+    let got = down(g, &out, n * nh * hd);
+    assert_close("flash attention, values past f16", &got, &want, 5e-3);
+    // Keys past the range as well: scores stay finite, so every output does.
+    let mut kbig = kc.clone();
+    for k in kbig.iter_mut().step_by(41) {
+        *k = 2.0e5;
+    }
+    let mut out = poisoned(g, n * nh * hd);
+    g.attention(
+        &up(g, &q),
+        &up(g, &kbig),
+        &up(g, &vc),
+        &spec,
+        &layout,
+        &mut out,
+    )
+    .unwrap();
+    let got = down(g, &out, n * nh * hd);
+    assert!(
+        got.iter().all(|v| v.is_finite()),
+        "flash attention with keys past f16: non-finite outputs"
+    );
+}
+
 #[test]
 fn attention_rejects_bad_specs_and_layouts() {
     let g = gpu_or_skip!();
