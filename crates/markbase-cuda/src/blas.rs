@@ -64,6 +64,9 @@ struct Shape {
     b: Operand,
     c: Operand,
     aligns: [u32; 3],
+    /// Products in one call (1, or 2 for a pair) and the element offsets from each product's
+    /// A, B and C to the next one's (B's 0: both read the same activations).
+    batch: (i32, [i64; 3]),
 }
 
 /// One product to queue: its shape (planned) and the addresses of A, B and C.
@@ -92,6 +95,8 @@ impl GemmCall {
             op.key(out);
         }
         out.extend(s.aligns.map(u64::from));
+        out.push(s.batch.0 as u64);
+        out.extend(s.batch.1.map(|v| v as u64));
         out.extend(self.ptrs);
     }
 }
@@ -197,10 +202,35 @@ impl Blas {
             layouts: Vec::with_capacity(3),
             algo: sys::cublasLtMatmulAlgo_t { data: [0; 8] },
         };
-        for (t, op) in [(ty, shape.a), (ty, shape.b), (out_ty, shape.c)] {
+        let (count, strides) = shape.batch;
+        for (i, (t, op)) in [(ty, shape.a), (ty, shape.b), (out_ty, shape.c)]
+            .into_iter()
+            .enumerate()
+        {
             let layout = lt::create_matrix_layout(t, op.rows as u64, op.cols as u64, op.ld as i64)
                 .map_err(|e| blas_err("matrix layout", e))?;
             plan.layouts.push(layout);
+            if count > 1 {
+                use sys::cublasLtMatrixLayoutAttribute_t as L;
+                // SAFETY: a live layout; the count is an int32, the offset an int64.
+                unsafe {
+                    lt::set_matrix_layout_attribute(
+                        layout,
+                        L::CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT,
+                        (&count as *const i32).cast(),
+                        std::mem::size_of::<i32>(),
+                    )
+                    .and_then(|()| {
+                        lt::set_matrix_layout_attribute(
+                            layout,
+                            L::CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
+                            (&strides[i] as *const i64).cast(),
+                            std::mem::size_of::<i64>(),
+                        )
+                    })
+                }
+                .map_err(|e| blas_err("batch of a matrix layout", e))?;
+            }
         }
         if shape.transa {
             // SAFETY: a live descriptor; the attribute value is a cublasOperation_t (a C int).
@@ -299,8 +329,57 @@ impl Blas {
             b: op(k, n, k),
             c: op(rows, n, ldo),
             aligns: [alignment(w), alignment(x), alignment(out)],
+            batch: (1, [0; 3]),
         };
         self.call(shape, [w, x, out])
+    }
+
+    /// Two products of one shape on the same activations in one call: [`Blas::gemm_rows`]
+    /// with `w[0]` into `out[0]` and `w[1]` into `out[1]` (the gate and up projections);
+    /// `None` where the second matrix or output lies below the first (a batch steps forward)
+    /// or cuBLASLt has no algorithm for the pair.
+    ///
+    /// # Safety
+    /// As [`Blas::gemm_rows`], for both products.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) unsafe fn gemm_rows_pair(
+        &self,
+        (input, output): (GemmInput, GemmOutput),
+        w: [u64; 2],
+        rows: usize,
+        k: usize,
+        x: u64,
+        n: usize,
+        out: [u64; 2],
+        ldo: usize,
+    ) -> Result<Option<GemmCall>> {
+        let in_size = if input == GemmInput::F32 { 4 } else { 2 };
+        let out_size = if output == GemmOutput::F32 { 4 } else { 2 };
+        let step = |p: [u64; 2], size: u64| {
+            p[1].checked_sub(p[0])
+                .filter(|d| d % size == 0)
+                .and_then(|d| i64::try_from(d / size).ok())
+        };
+        let (Some(w_step), Some(out_step)) = (step(w, in_size), step(out, out_size)) else {
+            return Ok(None);
+        };
+        let op = |rows, cols, ld| Operand { rows, cols, ld };
+        let shape = Shape {
+            input,
+            output,
+            transa: true,
+            a: op(k, rows, k),
+            b: op(k, n, k),
+            c: op(rows, n, ldo),
+            aligns: [
+                alignment(w[0] | w[1]),
+                alignment(x),
+                alignment(out[0] | out[1]),
+            ],
+            batch: (2, [w_step, 0, out_step]),
+        };
+        // A batch the heuristic has no algorithm for runs as two calls.
+        Ok(self.call(shape, [w[0], x, out[0]]).ok())
     }
 
     /// The product of `shape` on `[A, B, C]`, planned now if it is the shape's first.
