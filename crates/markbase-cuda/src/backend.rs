@@ -635,7 +635,8 @@ impl CudaBackend {
 
     /// Products of one activation block with several matrices of one format and width (all
     /// checked by the caller): one `gemv_many` launch per ≤ 8 token rows where GEMVs suit,
-    /// else one bf16 rounding shared by the tensor-core products; `false` where neither
+    /// else one bf16 rounding shared by the tensor-core products (two bf16 matrices of one
+    /// shape in a row, such as k and v, in one batched call); `false` where neither
     /// applies (the caller runs them one by one).
     fn matmul_shared(&self, x: u64, n: usize, products: &[(&CudaMatrix, u64)]) -> Result<bool> {
         let w0 = products[0].0;
@@ -648,7 +649,34 @@ impl CudaBackend {
                 }
                 let mut s = self.scratch()?;
                 let xh = self.round_inputs(&mut s, inputs, x, n * k)?;
-                for &(w, out) in products {
+                let mut rest = products;
+                while let Some((&(w, out), after)) = rest.split_first() {
+                    rest = after;
+                    // Two bf16 matrices of one shape in a row (k and v) as one batched call.
+                    if let Some(&(w2, out2)) = after.first().filter(|(w2, _)| {
+                        w.ty == GgmlType::BF16 && (w2.ty, w2.rows) == (w.ty, w.rows)
+                    }) {
+                        let bf16 = (GemmInput::Bf16, GemmOutput::F32);
+                        // SAFETY: `xh` holds n·k bf16 values, both matrices rows·k, both
+                        // outputs room for n·rows floats (checked by the caller).
+                        let pair = unsafe {
+                            blas.gemm_rows_pair(
+                                bf16,
+                                [w.ptr, w2.ptr],
+                                w.rows,
+                                k,
+                                xh,
+                                n,
+                                [out, out2],
+                                w.rows,
+                            )?
+                        };
+                        if let Some(call) = pair {
+                            self.queue_gemm(Ok(call))?;
+                            rest = &after[1..];
+                            continue;
+                        }
+                    }
                     self.gemm_half(blas, &mut s, xh, n, w, out)?;
                 }
                 Ok(true)
