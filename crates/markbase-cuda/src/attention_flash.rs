@@ -66,11 +66,13 @@ fn padded(n: usize) -> usize {
 }
 
 impl CudaBackend {
-    /// [`markbase_core::backend::Backend::attention`] through the flash kernel (checked by
-    /// the caller: spec, layout, buffer sizes, a device of compute capability 8.0 or newer and
-    /// a head dim [`flash_kernel`] has there).
+    /// [`markbase_core::backend::Backend::attention`] through the flash kernel `kernel` (what
+    /// [`flash_kernel`] chose for the head dim on this device; checked by the caller: spec,
+    /// layout, buffer sizes, a device of compute capability 8.0 or newer).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn attention_flash(
         &self,
+        (name, threads, shared): (&'static str, u32, u32),
         q: &CudaBuffer,
         k_cache: &CudaBuffer,
         v_cache: &CudaBuffer,
@@ -79,10 +81,6 @@ impl CudaBackend {
         out: &mut CudaBuffer,
     ) -> Result<()> {
         let (hd, nh, kvh) = (spec.head_dim, spec.n_heads, spec.n_kv_heads);
-        let (name, threads, shared) =
-            flash_kernel(hd, self.dev.max_block_shared()).ok_or_else(|| {
-                markbase_core::Error::Invalid(format!("cuda flash attention: head dim {hd}"))
-            })?;
         let func = self
             .kernels
             .func_with_shared(Module::FlashAttention, name, shared)?;

@@ -1458,11 +1458,11 @@ impl Backend for CudaBackend {
         if positions.is_empty() {
             return Ok(());
         }
-        if self.dev.capability().0 >= 8
-            && flash_kernel(hd, self.dev.max_block_shared()).is_some()
-            && attention_flash_suits(layout)
-        {
-            return self.attention_flash(q, k_cache, v_cache, spec, layout, out);
+        let flash = (self.dev.capability().0 >= 8 && attention_flash_suits(layout))
+            .then(|| flash_kernel(hd, self.dev.max_block_shared()))
+            .flatten();
+        if let Some(kernel) = flash {
+            return self.attention_flash(kernel, q, k_cache, v_cache, spec, layout, out);
         }
         let window = spec.window.unwrap_or(0);
         let max_vis = positions

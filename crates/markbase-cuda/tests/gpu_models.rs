@@ -8,6 +8,8 @@
 //! bf16 weights: argmax equal to transformers' bf16 run at every position.
 //! Without a usable GPU every test prints why and passes.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -40,15 +42,7 @@ const QUANT_ACT_TOL: f32 = 2e-4;
 const F16_PRODUCTS_TOL: f32 = 3e-3;
 
 fn gpu() -> Option<CudaBackend> {
-    match CudaBackend::new(0) {
-        Ok(b) => Some(b),
-        // As gpu_ops: skip only where CUDA is absent.
-        Err(e @ markbase_core::Error::Unsupported(_)) => {
-            eprintln!("skipped: no usable GPU ({e})");
-            None
-        }
-        Err(e) => panic!("the CUDA backend did not start on a machine with CUDA: {e}"),
-    }
+    common::backend_or_skip()
 }
 
 fn fixtures() -> PathBuf {

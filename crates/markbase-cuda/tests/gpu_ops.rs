@@ -5,6 +5,8 @@
 //!
 //! Without a usable GPU (no driver, no device, no NVRTC) every test prints why and passes.
 
+mod common;
+
 use std::sync::{Arc, OnceLock};
 
 use half::{bf16, f16};
@@ -22,25 +24,17 @@ use rand::{Rng, RngCore, SeedableRng};
 
 fn gpu() -> Option<&'static CudaBackend> {
     static B: OnceLock<Option<CudaBackend>> = OnceLock::new();
-    B.get_or_init(|| match CudaBackend::new(0) {
-        Ok(b) => {
-            eprintln!(
-                "GPU: {} (sm_{}{}, {} SMs), cuBLAS {}",
-                b.device().name(),
-                b.device().capability().0,
-                b.device().capability().1,
-                b.device().multiprocessors(),
-                if b.has_cublas() { "found" } else { "absent" }
-            );
-            Some(b)
-        }
-        // No driver, GPU or NVRTC (a machine without CUDA): skip. Anything else — a kernel
-        // that does not compile, a driver error on a present GPU — fails every test.
-        Err(e @ markbase_core::Error::Unsupported(_)) => {
-            eprintln!("GPU tests skipped: {e}");
-            None
-        }
-        Err(e) => panic!("the CUDA backend did not start on a machine with CUDA: {e}"),
+    B.get_or_init(|| {
+        let b = common::backend_or_skip()?;
+        eprintln!(
+            "GPU: {} (sm_{}{}, {} SMs), cuBLAS {}",
+            b.device().name(),
+            b.device().capability().0,
+            b.device().capability().1,
+            b.device().multiprocessors(),
+            if b.has_cublas() { "found" } else { "absent" }
+        );
+        Some(b)
     })
     .as_ref()
 }
