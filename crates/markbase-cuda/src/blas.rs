@@ -126,6 +126,31 @@ fn alignment(ptr: u64) -> u32 {
     1 << ptr.trailing_zeros().min(8)
 }
 
+/// The shape of `out[t·ldo + r] = Σ_i x[t·k + i] · w[r·k + i]` (`t < n`, `r < rows`) in
+/// cuBLASLt's column-major terms, C(rows × n) = Wᵀ(rows × k) · X(k × n) with W stored k × rows;
+/// `batch` as in [`Shape`].
+fn rows_shape(
+    (input, output): (GemmInput, GemmOutput),
+    rows: usize,
+    k: usize,
+    n: usize,
+    ldo: usize,
+    aligns: [u32; 3],
+    batch: (i32, [i64; 3]),
+) -> Shape {
+    let op = |rows, cols, ld| Operand { rows, cols, ld };
+    Shape {
+        input,
+        output,
+        transa: true,
+        a: op(k, rows, k),
+        b: op(k, n, k),
+        c: op(rows, n, ldo),
+        aligns,
+        batch,
+    }
+}
+
 /// A cuBLASLt handle, its workspace and the plans made so far, on the backend's stream.
 pub(crate) struct Blas {
     handle: sys::cublasLtHandle_t,
@@ -319,23 +344,13 @@ impl Blas {
         out: u64,
         ldo: usize,
     ) -> Result<GemmCall> {
-        // Column-major: C(rows × n) = Wᵀ(rows × k) · X(k × n); W is stored k × rows.
-        let op = |rows, cols, ld| Operand { rows, cols, ld };
-        let shape = Shape {
-            input,
-            output,
-            transa: true,
-            a: op(k, rows, k),
-            b: op(k, n, k),
-            c: op(rows, n, ldo),
-            aligns: [alignment(w), alignment(x), alignment(out)],
-            batch: (1, [0; 3]),
-        };
+        let aligns = [alignment(w), alignment(x), alignment(out)];
+        let shape = rows_shape((input, output), rows, k, n, ldo, aligns, (1, [0; 3]));
         self.call(shape, [w, x, out])
     }
 
     /// Two products of one shape on the same activations in one call: [`Blas::gemm_rows`]
-    /// with `w[0]` into `out[0]` and `w[1]` into `out[1]` (the gate and up projections);
+    /// with `w[0]` into `out[0]` and `w[1]` into `out[1]` (gate and up, or k and v);
     /// `None` where the second matrix or output lies below the first (a batch steps forward)
     /// or cuBLASLt has no algorithm for the pair.
     ///
@@ -363,21 +378,13 @@ impl Blas {
         let (Some(w_step), Some(out_step)) = (step(w, in_size), step(out, out_size)) else {
             return Ok(None);
         };
-        let op = |rows, cols, ld| Operand { rows, cols, ld };
-        let shape = Shape {
-            input,
-            output,
-            transa: true,
-            a: op(k, rows, k),
-            b: op(k, n, k),
-            c: op(rows, n, ldo),
-            aligns: [
-                alignment(w[0] | w[1]),
-                alignment(x),
-                alignment(out[0] | out[1]),
-            ],
-            batch: (2, [w_step, 0, out_step]),
-        };
+        let aligns = [
+            alignment(w[0] | w[1]),
+            alignment(x),
+            alignment(out[0] | out[1]),
+        ];
+        let batch = (2, [w_step, 0, out_step]);
+        let shape = rows_shape((input, output), rows, k, n, ldo, aligns, batch);
         // A batch the heuristic has no algorithm for runs as two calls.
         Ok(self.call(shape, [w[0], x, out[0]]).ok())
     }
