@@ -14,9 +14,11 @@ use std::sync::{Arc, Mutex};
 use cudarc::cublaslt::{result as lt, sys};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use markbase_core::{Error, Result};
+use sys::cublasLtMatmulAlgoConfigAttributes_t as ConfigAttr;
 
 use crate::nvrtc::ensure_library;
 use crate::rounded::QueueCount;
+use crate::tune;
 
 /// Device workspace cuBLASLt may use per product.
 const WORKSPACE_BYTES: usize = 32 << 20;
@@ -24,6 +26,36 @@ const WORKSPACE_BYTES: usize = 32 << 20;
 const CUBLAS_OP_T: i32 = 1;
 /// Plans kept before the table is emptied (shapes vary with the tokens of a step).
 const MAX_PLANS: usize = 4096;
+/// Candidates asked of the heuristic for a product whose algorithm is chosen by timing.
+const TUNE_CANDIDATES: usize = 16;
+/// Parts the k dimension of a timed product's candidates is also tried in.
+const TUNE_SPLITS: [u32; 5] = [2, 4, 8, 16, 32];
+/// Most token rows of a product whose algorithm is chosen by timing (decode steps; a
+/// prefill's products are large enough for the heuristic's choice, and its many row counts
+/// would each pay the timing).
+const TUNE_MAX_ROWS: usize = 256;
+
+/// How a product shape's algorithm is chosen (environment variable `MARKBASE_CUBLASLT_TUNE`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Tune {
+    /// `0`: the heuristic's first choice.
+    Off,
+    /// The default: the fastest of the heuristic's candidates, timed, for decode-sized
+    /// products ([`TUNE_MAX_ROWS`]).
+    On,
+    /// `report`: as `On`, and each timing printed on stderr.
+    Report,
+}
+
+impl Tune {
+    fn from_env() -> Tune {
+        match std::env::var("MARKBASE_CUBLASLT_TUNE").as_deref() {
+            Ok("0") => Tune::Off,
+            Ok("report") => Tune::Report,
+            _ => Tune::On,
+        }
+    }
+}
 
 /// Element type of a [`Blas::gemm_rows`] product's inputs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -81,6 +113,16 @@ impl Operand {
     }
 }
 
+impl Shape {
+    /// Bytes from the first output element to the last one's end, over the whole batch.
+    fn output_bytes(&self) -> usize {
+        let size = if self.output == GemmOutput::F32 { 4 } else { 2 };
+        let c = self.c;
+        let last_batch = (self.batch.0.max(1) as usize - 1) * self.batch.1[2].max(0) as usize;
+        size * (c.ld * c.cols.saturating_sub(1) + c.rows + last_batch)
+    }
+}
+
 impl GemmCall {
     /// Token rows of the product: the columns of its B operand (activations or query rows).
     pub(crate) fn token_rows(&self) -> usize {
@@ -118,6 +160,23 @@ impl Drop for Plan {
             let _ = lt::destroy_matmul_desc(self.desc);
         }
     }
+}
+
+/// A u32 configuration attribute of `algo` (0 where cuBLASLt does not give it).
+fn config_u32(algo: &sys::cublasLtMatmulAlgo_t, attr: ConfigAttr) -> u32 {
+    let mut v = 0u32;
+    let mut written = 0usize;
+    // SAFETY: reads one attribute of a plain algorithm value into a u32.
+    let _ = unsafe {
+        sys::cublasLtMatmulAlgoConfigGetAttribute(
+            algo,
+            attr,
+            (&mut v as *mut u32).cast(),
+            std::mem::size_of::<u32>(),
+            &mut written,
+        )
+    };
+    v
 }
 
 /// The largest power of two (up to 256) dividing a device address: cuBLASLt's algorithms
@@ -159,6 +218,7 @@ pub(crate) struct Blas {
     plans: Mutex<HashMap<Shape, Plan>>,
     stream: Arc<CudaStream>,
     queue: QueueCount,
+    tune: Tune,
 }
 
 // SAFETY: the handle and plans are only used under the backend's operations, which queue on
@@ -205,11 +265,13 @@ impl Blas {
             plans: Mutex::new(HashMap::new()),
             stream: stream.clone(),
             queue,
+            tune: Tune::from_env(),
         }))
     }
 
-    /// The descriptors and algorithm for `shape`, made with the heuristic's first choice.
-    fn plan(&self, shape: Shape) -> Result<Plan> {
+    /// The descriptors and algorithm for `shape`: the heuristic's first choice, or with
+    /// `tune` (the product's `[A, B, C]`) the fastest of its candidates.
+    fn plan(&self, shape: Shape, tune: Option<[u64; 3]>) -> Result<Plan> {
         let ty = match shape.input {
             GemmInput::F32 => sys::cudaDataType::CUDA_R_32F,
             GemmInput::Bf16 => sys::cudaDataType::CUDA_R_16BF,
@@ -269,13 +331,35 @@ impl Blas {
             }
             .map_err(|e| blas_err("transpose attribute", e))?;
         }
+        plan.algo = match tune {
+            Some(ptrs) => {
+                let found = self.candidates(&plan, shape, TUNE_CANDIDATES)?;
+                let found = self.with_splits(&plan, &found);
+                self.fastest(&plan, shape, &found, ptrs)?
+            }
+            None => self.candidates(&plan, shape, 1)?[0],
+        };
+        Ok(plan)
+    }
+
+    /// Up to `count` algorithms for `plan`'s shape, the heuristic's first choice first.
+    fn candidates(
+        &self,
+        plan: &Plan,
+        shape: Shape,
+        count: usize,
+    ) -> Result<Vec<sys::cublasLtMatmulAlgo_t>> {
         let pref = lt::create_matmul_pref().map_err(|e| blas_err("preference", e))?;
         let workspace = WORKSPACE_BYTES as u64;
         use sys::cublasLtMatmulPreferenceAttributes_t as Pref;
         let [align_w, align_x, align_out] = shape.aligns;
+        // SAFETY: an all-zero heuristic result is a valid value of the plain C struct.
+        let mut results =
+            vec![unsafe { std::mem::zeroed::<sys::cublasLtMatmulHeuristicResult_t>() }; count];
+        let mut returned = 0;
         // SAFETY: live descriptors; each attribute value has the type the attribute takes
-        // (u64 for the workspace, u32 for alignments); the preference is destroyed after the
-        // query.
+        // (u64 for the workspace, u32 for alignments); the results array holds `count`
+        // entries; the preference is destroyed after the query.
         let found = unsafe {
             let set =
                 |attr, v: *const c_void, size| lt::set_matmul_pref_attribute(pref, attr, v, size);
@@ -315,14 +399,145 @@ impl Blas {
             })
             .and_then(|()| {
                 let l = &plan.layouts;
-                lt::get_matmul_algo_heuristic(self.handle, plan.desc, l[0], l[1], l[2], l[2], pref)
+                sys::cublasLtMatmulAlgoGetHeuristic(
+                    self.handle,
+                    plan.desc,
+                    l[0],
+                    l[1],
+                    l[2],
+                    l[2],
+                    pref,
+                    count as i32,
+                    results.as_mut_ptr(),
+                    &mut returned,
+                )
+                .result()
             });
             let _ = lt::destroy_matmul_pref(pref);
             found
+        };
+        let algos: Vec<_> = results
+            .iter()
+            .take(returned.max(0) as usize)
+            .filter(|r| {
+                r.state == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS
+                    && r.workspaceSize <= WORKSPACE_BYTES
+            })
+            .map(|r| r.algo)
+            .collect();
+        match found {
+            Ok(()) if !algos.is_empty() => Ok(algos),
+            Ok(()) => Err(Error::Invalid(format!(
+                "cuBLASLt: no algorithm for {shape:?}"
+            ))),
+            Err(e) => Err(blas_err(&format!("no algorithm for {shape:?}"), e)),
         }
-        .map_err(|e| blas_err(&format!("no algorithm for {shape:?}"), e))?;
-        plan.algo = found.algo;
-        Ok(plan)
+    }
+
+    /// `algos` and each of them with its k split in [`TUNE_SPLITS`] parts (summed in place,
+    /// or in f32 scratch and then summed), where cuBLASLt accepts the split for the plan and
+    /// its scratch fits the workspace; no algorithm twice. The heuristic seldom splits k for a
+    /// decode step's products, which leaves most multiprocessors idle where a matrix has few
+    /// rows (E4B's o: 20 tiles of 128 rows).
+    fn with_splits(
+        &self,
+        plan: &Plan,
+        algos: &[sys::cublasLtMatmulAlgo_t],
+    ) -> Vec<sys::cublasLtMatmulAlgo_t> {
+        use sys::cublasLtReductionScheme_t as Reduce;
+        let mut out: Vec<sys::cublasLtMatmulAlgo_t> = Vec::new();
+        for base in algos {
+            if !out.contains(base) {
+                out.push(*base);
+            }
+            for split in TUNE_SPLITS {
+                for scheme in [
+                    Reduce::CUBLASLT_REDUCTION_SCHEME_INPLACE,
+                    Reduce::CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE,
+                ] {
+                    let mut algo = *base;
+                    let scheme = scheme as u32;
+                    let u32_size = std::mem::size_of::<u32>();
+                    // SAFETY: `algo` is a plain copy; both attributes take a u32; the check
+                    // reads live descriptors and writes one result.
+                    let fits = unsafe {
+                        let mut check = std::mem::zeroed::<sys::cublasLtMatmulHeuristicResult_t>();
+                        let l = &plan.layouts;
+                        sys::cublasLtMatmulAlgoConfigSetAttribute(
+                            &mut algo,
+                            ConfigAttr::CUBLASLT_ALGO_CONFIG_SPLITK_NUM,
+                            (&split as *const u32).cast(),
+                            u32_size,
+                        )
+                        .result()
+                        .and_then(|()| {
+                            sys::cublasLtMatmulAlgoConfigSetAttribute(
+                                &mut algo,
+                                ConfigAttr::CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME,
+                                (&scheme as *const u32).cast(),
+                                u32_size,
+                            )
+                            .result()
+                        })
+                        .and_then(|()| {
+                            sys::cublasLtMatmulAlgoCheck(
+                                self.handle,
+                                plan.desc,
+                                l[0],
+                                l[1],
+                                l[2],
+                                l[2],
+                                &algo,
+                                &mut check,
+                            )
+                            .result()
+                        })
+                        .is_ok_and(|()| check.workspaceSize <= WORKSPACE_BYTES)
+                    };
+                    if fits && !out.contains(&algo) {
+                        out.push(algo);
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// The fastest of `algos` for `shape` on the weights and activations of `[A, B, _]`, timed
+    /// into scratch output (`tune::fastest`); reported on stderr with
+    /// `MARKBASE_CUBLASLT_TUNE=report`.
+    fn fastest(
+        &self,
+        plan: &Plan,
+        shape: Shape,
+        algos: &[sys::cublasLtMatmulAlgo_t],
+        [a, b, _]: [u64; 3],
+    ) -> Result<sys::cublasLtMatmulAlgo_t> {
+        let (best, times) =
+            tune::fastest(&self.stream, algos.len(), shape.output_bytes(), |i, c| {
+                // SAFETY: A and B are the product's own live operands (only read); `c` is
+                // scratch of the output's size.
+                unsafe { self.matmul(plan, &algos[i], shape.input, [a, b, c]) }
+            })?;
+        if self.tune == Tune::Report {
+            let ran = times.iter().flatten().count();
+            let first = times[0].map_or("failed".into(), |t| format!("{t:.1} µs"));
+            let best_time = times[best].unwrap_or(f32::NAN);
+            let (split, scheme) = (
+                config_u32(&algos[best], ConfigAttr::CUBLASLT_ALGO_CONFIG_SPLITK_NUM),
+                config_u32(
+                    &algos[best],
+                    ConfigAttr::CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME,
+                ),
+            );
+            eprintln!(
+                "cuBLASLt tuning: {} rows × k {} × {} tokens (batch {}): heuristic's first \
+                 {first}, fastest {best_time:.1} µs (candidate {best} of {ran} timed: k in \
+                 {split} parts, reduction {scheme})",
+                shape.a.cols, shape.a.rows, shape.b.cols, shape.batch.0,
+            );
+        }
+        Ok(algos[best])
     }
 
     /// The product `out[t·ldo + r] = Σ_i x[t·k + i] · w[r·k + i]` for `t < n`, `r < rows`:
@@ -391,7 +606,8 @@ impl Blas {
 
     /// The product of `shape` on `[A, B, C]`, planned now if it is the shape's first.
     fn call(&self, shape: Shape, ptrs: [u64; 3]) -> Result<GemmCall> {
-        self.plan_in(&mut *self.plans()?, shape)?;
+        let tune = self.tune != Tune::Off && shape.b.cols <= TUNE_MAX_ROWS;
+        self.plan_in(&mut *self.plans()?, shape, tune.then_some(ptrs))?;
         // Counted when asked for (it may be issued later, or again under capture).
         self.queue.bump();
         Ok(GemmCall { shape, ptrs })
@@ -404,26 +620,45 @@ impl Blas {
     }
 
     /// The plan of `shape` in `plans`, made now if it is not there (a full table is emptied
-    /// first).
-    fn plan_in<'a>(&self, plans: &'a mut HashMap<Shape, Plan>, shape: Shape) -> Result<&'a Plan> {
+    /// first), timed on `tune`'s operands if given.
+    fn plan_in<'a>(
+        &self,
+        plans: &'a mut HashMap<Shape, Plan>,
+        shape: Shape,
+        tune: Option<[u64; 3]>,
+    ) -> Result<&'a Plan> {
         if !plans.contains_key(&shape) {
             if plans.len() >= MAX_PLANS {
                 plans.clear();
             }
-            let plan = self.plan(shape)?;
+            let plan = self.plan(shape, tune)?;
             plans.insert(shape, plan);
         }
         Ok(&plans[&shape])
     }
 
-    /// Queues `call` (planned again if its plan was dropped since).
+    /// Queues `call` (planned again, untimed — the stream may be capturing — if its plan was
+    /// dropped since).
     ///
     /// # Safety
     /// The call's pointers must be live device allocations of the sizes its maker implied.
     pub(crate) unsafe fn issue(&self, call: &GemmCall) -> Result<()> {
-        let (shape, [a, b, c]) = (call.shape, call.ptrs);
         let mut plans = self.plans()?;
-        let plan = self.plan_in(&mut plans, shape)?;
+        let plan = self.plan_in(&mut plans, call.shape, None)?;
+        self.matmul(plan, &plan.algo, call.shape.input, call.ptrs)
+    }
+
+    /// Queues `plan`'s product with `algo` on `[A, B, C]`.
+    ///
+    /// # Safety
+    /// As [`Blas::issue`].
+    unsafe fn matmul(
+        &self,
+        plan: &Plan,
+        algo: &sys::cublasLtMatmulAlgo_t,
+        input: GemmInput,
+        [a, b, c]: [u64; 3],
+    ) -> Result<()> {
         let (alpha, beta) = (1f32, 0f32);
         lt::matmul(
             self.handle,
@@ -438,11 +673,11 @@ impl Blas {
             plan.layouts[2],
             c as *mut c_void,
             plan.layouts[2],
-            &plan.algo,
+            algo,
             self.workspace_ptr as *mut c_void,
             WORKSPACE_BYTES,
             self.stream.cu_stream() as _,
         )
-        .map_err(|e| blas_err(&format!("{:?} product", shape.input), e))
+        .map_err(|e| blas_err(&format!("{input:?} product"), e))
     }
 }

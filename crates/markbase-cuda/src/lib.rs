@@ -24,6 +24,7 @@ pub mod nvrtc;
 mod rounded;
 mod sample;
 pub mod sources;
+mod tune;
 
 pub use attention_flash::ATTN_FLASH_MIN_ROWS;
 pub use backend::{
