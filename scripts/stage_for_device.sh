@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Builds what scripts/device_ab.sh runs on the GPU machine and stages it in .stage (stripped
 # and gzipped, for the device tool's 64 MiB carry limit): m_NAME (the markbase CLI), cb_NAME
-# (the cuda_bench example), and, for the working tree only, gpu_ops_NAME / gpu_models_NAME
-# (markbase-cuda's GPU test binaries).
+# (the cuda_bench example), and, for the working tree only, gpu_ops_NAME / gpu_models_NAME /
+# markbase_cuda_NAME (markbase-cuda's GPU test binaries and its unit tests).
 # Usage: scripts/stage_for_device.sh NAME [REV]
 #   REV: build that revision instead of the working tree, in a worktree of its own with a
 #   target directory of its own (two checkouts of this workspace in one target directory
@@ -38,7 +38,7 @@ import json, sys
 for line in sys.stdin:
     msg = json.loads(line)
     if msg.get("reason") == "compiler-artifact" and msg.get("executable") \
-            and msg["target"]["name"] in ("gpu_ops", "gpu_models"):
+            and msg["target"]["name"] in ("gpu_ops", "gpu_models", "markbase_cuda"):
         print(msg["target"]["name"], msg["executable"])
 ' | while read -r test exe; do put "$exe" "${test}_$name"; done
 fi

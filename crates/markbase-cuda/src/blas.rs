@@ -3,9 +3,11 @@
 //! on the tensor cores with bf16 or f16 inputs and f32 accumulation (f32 output, or bf16 for a
 //! product whose result the next one reads in bf16).
 //!
-//! Each product shape gets a plan once (descriptors and the heuristic's algorithm, kept for
-//! the backend's life), so a call is one `cublasLtMatmul`: a batch-64 decode step makes
-//! hundreds of these, and choosing the algorithm per call cost ≈ 12 µs of host time each.
+//! Each product shape gets a plan once (descriptors and an algorithm, kept for the backend's
+//! life), so a call is one `cublasLtMatmul`: a batch-64 decode step makes hundreds of these,
+//! and choosing the algorithm per call cost ≈ 12 µs of host time each. A decode-sized shape's
+//! algorithm is the fastest of the heuristic's candidates and their k splits, timed once
+//! ([`tune`]); a prefill's is the heuristic's first.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -679,5 +681,91 @@ impl Blas {
             self.stream.cu_stream() as _,
         )
         .map_err(|e| blas_err(&format!("{input:?} product"), e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::Device;
+    use half::bf16;
+    use rand::Rng;
+
+    /// Every algorithm the tuner may choose for a product — the heuristic's candidates and
+    /// their k splits, in-place or through scratch — gives the product of bf16 inputs to f32
+    /// rounding, on fresh random inputs at decode shapes (E4B's PLE gate and o at 8 and 64
+    /// tokens, where splits are accepted) and a ragged one. Skipped where CUDA is absent.
+    #[test]
+    fn every_timed_candidate_gives_the_product() {
+        let dev = match Device::open(0) {
+            Ok(d) => d,
+            Err(e @ Error::Unsupported(_)) => return eprintln!("GPU test skipped: {e}"),
+            Err(e) => panic!("CUDA present but the device did not open: {e}"),
+        };
+        let blas = Blas::new(&dev.stream, QueueCount::default())
+            .unwrap()
+            .expect("cuBLASLt 13 beside a working GPU");
+        let mut rng = rand::rng();
+        for (rows, k, n) in [(256, 2560, 8), (2560, 2048, 64), (97, 328, 5)] {
+            let mut random = |len: usize| -> Vec<bf16> {
+                (0..len)
+                    .map(|_| bf16::from_f32(rng.random_range(-1.0f32..1.0)))
+                    .collect()
+            };
+            let (w, x) = (random(rows * k), random(n * k));
+            let expect: Vec<f64> = (0..n * rows)
+                .map(|i| {
+                    let (t, r) = (i / rows, i % rows);
+                    (0..k)
+                        .map(|j| {
+                            f64::from(w[r * k + j].to_f32()) * f64::from(x[t * k + j].to_f32())
+                        })
+                        .sum()
+                })
+                .collect();
+            let s = &dev.stream;
+            let bits = |v: &[bf16]| v.iter().map(|b| b.to_bits()).collect::<Vec<u16>>();
+            let (w_d, x_d) = (
+                s.clone_htod(&bits(&w)).unwrap(),
+                s.clone_htod(&bits(&x)).unwrap(),
+            );
+            let mut out = s.alloc_zeros::<f32>(n * rows).unwrap();
+            let ptrs = [
+                w_d.device_ptr(s).0,
+                x_d.device_ptr(s).0,
+                out.device_ptr(s).0,
+            ];
+            let shape = rows_shape(
+                (GemmInput::Bf16, GemmOutput::F32),
+                rows,
+                k,
+                n,
+                rows,
+                ptrs.map(alignment),
+                (1, [0; 3]),
+            );
+            let plan = blas.plan(shape, None).unwrap();
+            let base = blas.candidates(&plan, shape, TUNE_CANDIDATES).unwrap();
+            let algos = blas.with_splits(&plan, &base);
+            assert!(
+                algos.len() > base.len(),
+                "{rows}×{k}×{n}: no split accepted"
+            );
+            for (i, algo) in algos.iter().enumerate() {
+                s.memset_zeros(&mut out).unwrap();
+                // SAFETY: the three live allocations above, of the shape's sizes.
+                unsafe { blas.matmul(&plan, algo, GemmInput::Bf16, ptrs) }.unwrap();
+                let got = s.clone_dtoh(&out).unwrap();
+                let split = config_u32(algo, ConfigAttr::CUBLASLT_ALGO_CONFIG_SPLITK_NUM);
+                for (j, (g, e)) in got.iter().zip(&expect).enumerate() {
+                    let tol = 1e-4 * (k as f64).sqrt() + 1e-5 * e.abs();
+                    assert!(
+                        (f64::from(*g) - e).abs() <= tol,
+                        "{rows}×{k}×{n}, candidate {i} (k in {split} parts): out[{j}] = {g}, \
+                         expected {e}"
+                    );
+                }
+            }
+        }
     }
 }
