@@ -116,18 +116,6 @@ impl Operand {
 }
 
 impl Shape {
-    /// The shape with its token rows (B's and C's columns) rounded up to a power of two:
-    /// decode steps of 33–64 sequences share one timing, so a server meeting each batch size
-    /// for the first time times each shape at most once per power of two.
-    fn bucket(self) -> Shape {
-        let n = self.b.cols.next_power_of_two();
-        Shape {
-            b: Operand { cols: n, ..self.b },
-            c: Operand { cols: n, ..self.c },
-            ..self
-        }
-    }
-
     /// Bytes from the first output element to the last one's end, over the whole batch.
     fn output_bytes(&self) -> usize {
         let size = if self.output == GemmOutput::F32 { 4 } else { 2 };
@@ -230,8 +218,6 @@ pub(crate) struct Blas {
     _workspace: CudaSlice<u8>,
     workspace_ptr: u64,
     plans: Mutex<HashMap<Shape, Plan>>,
-    /// The algorithm timed for each shape bucket ([`Shape::bucket`]).
-    tuned: Mutex<HashMap<Shape, sys::cublasLtMatmulAlgo_t>>,
     stream: Arc<CudaStream>,
     queue: QueueCount,
     tune: Tune,
@@ -279,7 +265,6 @@ impl Blas {
             _workspace: workspace,
             workspace_ptr,
             plans: Mutex::new(HashMap::new()),
-            tuned: Mutex::new(HashMap::new()),
             stream: stream.clone(),
             queue,
             tune: Tune::from_env(),
@@ -349,60 +334,14 @@ impl Blas {
             .map_err(|e| blas_err("transpose attribute", e))?;
         }
         plan.algo = match tune {
-            Some(ptrs) => self.tuned(&plan, shape, ptrs)?,
+            Some(ptrs) => {
+                let found = self.candidates(&plan, shape, TUNE_CANDIDATES)?;
+                let found = self.with_splits(&plan, &found);
+                self.fastest(&plan, shape, &found, ptrs)?
+            }
             None => self.candidates(&plan, shape, 1)?[0],
         };
         Ok(plan)
-    }
-
-    /// The algorithm timed for `shape`'s bucket ([`Shape::bucket`]) if cuBLASLt accepts it for
-    /// `shape`, else the fastest of the candidates timed now on `ptrs` (kept for the bucket).
-    fn tuned(
-        &self,
-        plan: &Plan,
-        shape: Shape,
-        ptrs: [u64; 3],
-    ) -> Result<sys::cublasLtMatmulAlgo_t> {
-        let bucket = shape.bucket();
-        let known = self.tuned_lock()?.get(&bucket).copied();
-        if let Some(algo) = known.filter(|a| self.accepts(plan, a)) {
-            return Ok(algo);
-        }
-        let found = self.candidates(plan, shape, TUNE_CANDIDATES)?;
-        let found = self.with_splits(plan, &found);
-        let algo = self.fastest(plan, shape, &found, ptrs)?;
-        self.tuned_lock()?.insert(bucket, algo);
-        Ok(algo)
-    }
-
-    fn tuned_lock(
-        &self,
-    ) -> Result<std::sync::MutexGuard<'_, HashMap<Shape, sys::cublasLtMatmulAlgo_t>>> {
-        self.tuned
-            .lock()
-            .map_err(|_| Error::Invalid("cuBLASLt tunings poisoned by an earlier panic".into()))
-    }
-
-    /// Whether cuBLASLt accepts `algo` for `plan`'s product with scratch within the workspace.
-    fn accepts(&self, plan: &Plan, algo: &sys::cublasLtMatmulAlgo_t) -> bool {
-        let l = &plan.layouts;
-        // SAFETY: the check reads live descriptors and a plain algorithm value and writes one
-        // result.
-        unsafe {
-            let mut check = std::mem::zeroed::<sys::cublasLtMatmulHeuristicResult_t>();
-            sys::cublasLtMatmulAlgoCheck(
-                self.handle,
-                plan.desc,
-                l[0],
-                l[1],
-                l[2],
-                l[2],
-                algo,
-                &mut check,
-            )
-            .result()
-            .is_ok_and(|()| check.workspaceSize <= WORKSPACE_BYTES)
-        }
     }
 
     /// Up to `count` algorithms for `plan`'s shape, the heuristic's first choice first.
@@ -521,8 +460,11 @@ impl Blas {
                     let mut algo = *base;
                     let scheme = scheme as u32;
                     let u32_size = std::mem::size_of::<u32>();
-                    // SAFETY: `algo` is a plain copy; both attributes take a u32.
-                    let set = unsafe {
+                    // SAFETY: `algo` is a plain copy; both attributes take a u32; the check
+                    // reads live descriptors and writes one result.
+                    let fits = unsafe {
+                        let mut check = std::mem::zeroed::<sys::cublasLtMatmulHeuristicResult_t>();
+                        let l = &plan.layouts;
                         sys::cublasLtMatmulAlgoConfigSetAttribute(
                             &mut algo,
                             ConfigAttr::CUBLASLT_ALGO_CONFIG_SPLITK_NUM,
@@ -539,8 +481,21 @@ impl Blas {
                             )
                             .result()
                         })
+                        .and_then(|()| {
+                            sys::cublasLtMatmulAlgoCheck(
+                                self.handle,
+                                plan.desc,
+                                l[0],
+                                l[1],
+                                l[2],
+                                l[2],
+                                &algo,
+                                &mut check,
+                            )
+                            .result()
+                        })
+                        .is_ok_and(|()| check.workspaceSize <= WORKSPACE_BYTES)
                     };
-                    let fits = set.is_ok() && self.accepts(plan, &algo);
                     if fits && !out.contains(&algo) {
                         out.push(algo);
                     }
@@ -560,7 +515,6 @@ impl Blas {
         algos: &[sys::cublasLtMatmulAlgo_t],
         [a, b, _]: [u64; 3],
     ) -> Result<sys::cublasLtMatmulAlgo_t> {
-        let started = std::time::Instant::now();
         let (best, times) =
             tune::fastest(&self.stream, algos.len(), shape.output_bytes(), |i, c| {
                 // SAFETY: A and B are the product's own live operands (only read); `c` is
@@ -581,12 +535,8 @@ impl Blas {
             eprintln!(
                 "cuBLASLt tuning: {} rows × k {} × {} tokens (batch {}): heuristic's first \
                  {first}, fastest {best_time:.1} µs (candidate {best} of {ran} timed: k in \
-                 {split} parts, reduction {scheme}); {:.0} ms",
-                shape.a.cols,
-                shape.a.rows,
-                shape.b.cols,
-                shape.batch.0,
-                started.elapsed().as_secs_f64() * 1e3,
+                 {split} parts, reduction {scheme})",
+                shape.a.cols, shape.a.rows, shape.b.cols, shape.batch.0,
             );
         }
         Ok(algos[best])
