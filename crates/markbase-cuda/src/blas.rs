@@ -515,6 +515,7 @@ impl Blas {
         algos: &[sys::cublasLtMatmulAlgo_t],
         [a, b, _]: [u64; 3],
     ) -> Result<sys::cublasLtMatmulAlgo_t> {
+        let started = std::time::Instant::now();
         let (best, times) =
             tune::fastest(&self.stream, algos.len(), shape.output_bytes(), |i, c| {
                 // SAFETY: A and B are the product's own live operands (only read); `c` is
@@ -535,8 +536,12 @@ impl Blas {
             eprintln!(
                 "cuBLASLt tuning: {} rows × k {} × {} tokens (batch {}): heuristic's first \
                  {first}, fastest {best_time:.1} µs (candidate {best} of {ran} timed: k in \
-                 {split} parts, reduction {scheme})",
-                shape.a.cols, shape.a.rows, shape.b.cols, shape.batch.0,
+                 {split} parts, reduction {scheme}); {:.0} ms",
+                shape.a.cols,
+                shape.a.rows,
+                shape.b.cols,
+                shape.batch.0,
+                started.elapsed().as_secs_f64() * 1e3,
             );
         }
         Ok(algos[best])
