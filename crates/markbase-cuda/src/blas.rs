@@ -181,6 +181,24 @@ fn config_u32(algo: &sys::cublasLtMatmulAlgo_t, attr: ConfigAttr) -> u32 {
     v
 }
 
+/// Sets a u32 configuration attribute of `algo`.
+fn set_config_u32(
+    algo: &mut sys::cublasLtMatmulAlgo_t,
+    attr: ConfigAttr,
+    v: u32,
+) -> std::result::Result<(), lt::CublasError> {
+    // SAFETY: writes one u32 attribute into a plain algorithm value.
+    unsafe {
+        sys::cublasLtMatmulAlgoConfigSetAttribute(
+            algo,
+            attr,
+            (&v as *const u32).cast(),
+            std::mem::size_of::<u32>(),
+        )
+        .result()
+    }
+}
+
 /// The largest power of two (up to 256) dividing a device address: cuBLASLt's algorithms
 /// each need some alignment of A, B, C and D, which the heuristic is told.
 fn alignment(ptr: u64) -> u32 {
@@ -458,30 +476,25 @@ impl Blas {
                     Reduce::CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE,
                 ] {
                     let mut algo = *base;
-                    let scheme = scheme as u32;
-                    let u32_size = std::mem::size_of::<u32>();
-                    // SAFETY: `algo` is a plain copy; both attributes take a u32; the check
-                    // reads live descriptors and writes one result.
-                    let fits = unsafe {
-                        let mut check = std::mem::zeroed::<sys::cublasLtMatmulHeuristicResult_t>();
-                        let l = &plan.layouts;
-                        sys::cublasLtMatmulAlgoConfigSetAttribute(
+                    let set = set_config_u32(
+                        &mut algo,
+                        ConfigAttr::CUBLASLT_ALGO_CONFIG_SPLITK_NUM,
+                        split,
+                    )
+                    .and_then(|()| {
+                        set_config_u32(
                             &mut algo,
-                            ConfigAttr::CUBLASLT_ALGO_CONFIG_SPLITK_NUM,
-                            (&split as *const u32).cast(),
-                            u32_size,
+                            ConfigAttr::CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME,
+                            scheme as u32,
                         )
-                        .result()
-                        .and_then(|()| {
-                            sys::cublasLtMatmulAlgoConfigSetAttribute(
-                                &mut algo,
-                                ConfigAttr::CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME,
-                                (&scheme as *const u32).cast(),
-                                u32_size,
-                            )
-                            .result()
-                        })
-                        .and_then(|()| {
+                    });
+                    // SAFETY: the check reads live descriptors and a plain algorithm value and
+                    // writes one result.
+                    let fits = set.is_ok()
+                        && unsafe {
+                            let mut check =
+                                std::mem::zeroed::<sys::cublasLtMatmulHeuristicResult_t>();
+                            let l = &plan.layouts;
                             sys::cublasLtMatmulAlgoCheck(
                                 self.handle,
                                 plan.desc,
@@ -493,9 +506,8 @@ impl Blas {
                                 &mut check,
                             )
                             .result()
-                        })
-                        .is_ok_and(|()| check.workspaceSize <= WORKSPACE_BYTES)
-                    };
+                            .is_ok_and(|()| check.workspaceSize <= WORKSPACE_BYTES)
+                        };
                     if fits && !out.contains(&algo) {
                         out.push(algo);
                     }
