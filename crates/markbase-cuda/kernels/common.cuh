@@ -97,7 +97,72 @@ __device__ __forceinline__ u16 rounded_bits(int kind, float v) {
     return kind == 1 ? to_bf16(v) : to_f16(v);
 }
 
-// v rounded into r[i] as `kind` says (0: not at all).
+// v rounded into r[i] as `kind` says (0: not at all; ROUND_Q4K_TILES, below, is written by
+// store_q4k_tiles).
 __device__ __forceinline__ void store_rounded(u16* r, int kind, u64 i, float v) {
-    if (kind != 0) r[i] = rounded_bits(kind, v);
+    if (kind == 1 || kind == 2) r[i] = rounded_bits(kind, v);
+}
+
+// Kind 3 of a producer's extra copy (rounded.rs): its rows as the 16-bit tiles a one-token
+// Q4_K GEMV reads instead of staging its activations (quant.cuh, q4k_rows_tiles). A row of
+// dim values (a multiple of 256) takes 640 bytes a 256-value super-block: first every
+// super-block's 32 slots of 8 values (512 bytes each, in the order the readers load them,
+// q4k_slot), then a float2 (d, d·Σq) for every 16-value half of every 32-value chunk, d =
+// max|x| / 32767 over the chunk and q = x / d rounded to nearest (quantize_group8).
+#define ROUND_Q4K_TILES 3
+
+// Bytes a row of `dim` values takes as Q4_K tiles.
+__device__ __forceinline__ u64 q4k_tiles_row_bytes(int dim) { return 640 * (u64)(dim >> 8); }
+
+// The slot (of its super-block's 32, 16 bytes each) of 8-value group j (of a row, or of a
+// staged tile) in the order a one-token Q4_K GEMV's lanes load them: of the super-block's 8
+// lanes, lane `sub` loads in its i-th load (slot 8·i + sub) the 8 values it needs — i = 0, 1
+// from low-nibble chunk 2·(sub / 2), values 16·(sub % 2) + 8·i ..; i = 2, 3 from the
+// high-nibble chunk after it — so 8 lanes read 128 consecutive bytes.
+__device__ __forceinline__ int q4k_slot(int j) {
+    int c = (j >> 2) & 7, p = j & 3;
+    return 8 * (2 * (c & 1) + (p & 1)) + 2 * (c >> 1) + (p >> 1);
+}
+
+// The 16-bit form of 8 values v, group p = (lane % 4) of a 32-value chunk whose 4 groups lie
+// in 4 consecutive lanes (every lane of the warp calls it): the integers q packed in order,
+// *d = the chunk's max|x| / 32767 (x ≈ d·q, to nearest), *dq = d·Σq over the lane's 16-value
+// half (groups p and p ^ 1).
+__device__ __forceinline__ uint4 quantize_group8(const float* v, float* d, float* dq) {
+    float m = 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; i++) m = fmaxf(m, fabsf(v[i]));
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+    float inv = m > 0.f ? 32767.f / m : 0.f;
+    // v·inv + 1.5·2^23 rounds to an integer whose low 16 bits are q in two's complement; sums
+    // of q are exact in a float.
+    u32 h[8];
+    float qs = 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        float f = fmaf(v[i], inv, 12582912.f);
+        qs += f - 12582912.f;
+        h[i] = __float_as_uint(f);
+    }
+    qs += __shfl_xor_sync(0xffffffffu, qs, 1);
+    *d = m * (1.f / 32767.f);
+    *dq = *d * qs;
+    return make_uint4(__byte_perm(h[0], h[1], 0x5410), __byte_perm(h[2], h[3], 0x5410),
+                      __byte_perm(h[4], h[5], 0x5410), __byte_perm(h[6], h[7], 0x5410));
+}
+
+// Stores the row of `dim` values at xs (shared memory, written before a __syncthreads; dim a
+// multiple of 256) as Q4_K tiles at `tiles`. Every thread of the block calls it (blockDim.x a
+// multiple of 32): a thread quantizes 8 values at a time.
+__device__ __forceinline__ void store_q4k_tiles(const float* xs, int dim, u8* tiles) {
+    uint4* q = (uint4*)tiles;
+    float2* dq = (float2*)(tiles + 2 * (u64)dim);
+    for (int j = threadIdx.x; j < dim >> 3; j += blockDim.x) {
+        float4 a = ((const float4*)xs)[2 * j], b = ((const float4*)xs)[2 * j + 1];
+        float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+        float d, s;
+        q[32 * (j >> 5) + q4k_slot(j)] = quantize_group8(v, &d, &s);
+        if ((j & 1) == 0) dq[j >> 1] = make_float2(d, s);
+    }
 }

@@ -5,7 +5,8 @@
 //
 // Quantized rows: one warp per row (8 rows per block), the activations staged per block;
 // Q4_K rows may be shared by `split` warps (1, 2 or 4) like plain rows below, and take 16-bit
-// activations (q4k_rows_i16).
+// activations (q4k_rows_i16). Every kernel takes `xt`: for one token row of Q4_K weights, the
+// activations as their producer's Q4_K tiles (rounded.rs), read in place of staging; else null.
 // Plain-float rows (f32 / f16 / bf16, k a multiple of 8): `split` warps (1, 2, 4 or 8) share a
 // row, each taking every split-th 16-byte group of it with four loads in flight per lane, and
 // add their sums through shared memory: short matrices (a few hundred rows) then still fill
@@ -47,9 +48,56 @@ __device__ __forceinline__ float gemv_result(float acc, const float* mul, u64 mu
     return mul ? gelu_tanh(acc) * mul[(u64)t * mul_stride + r] : acc;
 }
 
+// One token row of Q4_K tiles `xt` (rounded.rs) times R Q4_K matrices of `rows` rows (R = 1: a
+// product, out[r] = gemv_result(x · w0_r); R = 2: a gated pair, out[r] = gelu_tanh(x · w0_r) ·
+// (x · w1_r)). The launch's warps walk the rows grid-stride (the host launches as many blocks
+// as are resident at once), each loading the next row's first weights before it finishes the
+// current row, so no warp's loads drain between rows and no block waits on a staging.
+template <int R>
+__device__ void q4k_tiles_walk(const u8* w0, const u8* w1, u64 row_bytes, int rows, int k,
+                               const uint4* xt, float* out, const float* mul,
+                               u64 mul_stride) {
+    int lane = threadIdx.x & 31, sub = lane & 7, nb = k >> 8, first = lane >> 3;
+    int stride = gridDim.x * (blockDim.x >> 5);
+    int r = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const u8* base[2] = {w0, w1};
+    const u8* rw[R];
+#pragma unroll
+    for (int i = 0; i < R; i++) rw[i] = base[i] + (u64)r * row_bytes;
+    Q4kPair<R> p;
+    if (r < rows && first < nb) q4k_load_pair<R>(rw, nb, first, first + 4, sub, p.q, p.h);
+    wait_prior_grid();
+    for (; r < rows; r += stride) {
+        int rn = r + stride;
+        const u8* nw[R];
+        float acc[R][1];
+#pragma unroll
+        for (int i = 0; i < R; i++) {
+            nw[i] = base[i] + (u64)rn * row_bytes;
+            acc[i][0] = 0.f;
+        }
+        q4k_tiles_dot<R>(p, rw, nw, rn < rows, xt, nb, first, 4, sub, acc);
+#pragma unroll
+        for (int i = 0; i < R; i++) {
+            acc[i][0] = warp_sum(acc[i][0]);
+            rw[i] = nw[i];
+        }
+        if (lane == 0)
+            out[r] = R == 2 ? gelu_tanh(acc[0][0]) * acc[R - 1][0]
+                            : gemv_result(acc[0][0], mul, mul_stride, 0, r);
+    }
+}
+
 template <int FMT, int NT>
 __device__ void gemv_impl(const u8* w, u64 row_bytes, int rows, int k, const float* x, int nt,
-                          float* out, int split, const float* mul, u64 mul_stride) {
+                          float* out, int split, const float* mul, u64 mul_stride,
+                          const uint4* xt) {
+    if constexpr (FMT == F_Q4_K && NT == 1) {
+        if (xt && split == 1) {
+            q4k_tiles_walk<1>(w, w, row_bytes, rows, k, xt, out, mul, mul_stride);
+            return;
+        }
+    }
     if (((FMT == F_F32 || FMT == F_F16 || FMT == F_BF16) && (k & 7) == 0) || FMT == F_Q4_K) {
         __shared__ float part_sums[8][NT];
         int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -60,7 +108,7 @@ __device__ void gemv_impl(const u8* w, u64 row_bytes, int rows, int k, const flo
         if constexpr (FMT == F_Q4_K) {
             const u8* row = w + (u64)(r < rows ? r : 0) * row_bytes;
             float a[1][NT];
-            q4k_rows_i16<NT, 1, true>(r < rows, &row, x, k, nt, part, split, a);
+            q4k_rows_i16<NT, 1, true>(r < rows, &row, x, k, nt, part, split, a, xt);
 #pragma unroll
             for (int t = 0; t < NT; t++) acc[t] = a[0][t];
         } else if (r < rows && split == 1) {
@@ -107,9 +155,16 @@ __device__ void gemv_impl(const u8* w, u64 row_bytes, int rows, int k, const flo
 // The gated feed-forward's first half for up to 8 token rows: out[t, r] =
 // gelu_tanh(x_t · gate_r) · (x_t · up_r), one warp per row pair (gate and up share the
 // stored format and row length), so one launch replaces two GEMVs and the elementwise pass.
+// One token row of Q4_K tiles takes q4k_tiles_walk.
 template <int FMT, int NT>
 __device__ void gemv_gelu_impl(const u8* wg, const u8* wu, u64 row_bytes, int rows, int k,
-                               const float* x, int nt, float* out) {
+                               const float* x, int nt, float* out, const uint4* xt) {
+    if constexpr (FMT == F_Q4_K && NT == 1) {
+        if (xt) {
+            q4k_tiles_walk<2>(wg, wu, row_bytes, rows, k, xt, out, nullptr, 0);
+            return;
+        }
+    }
     int r = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     bool active = r < rows;
     u64 off = (u64)(active ? r : 0) * row_bytes;
@@ -118,7 +173,7 @@ __device__ void gemv_gelu_impl(const u8* wg, const u8* wu, u64 row_bytes, int ro
         prefetch_row(wu + off, row_bytes, 0, 1, 2048);
     }
     float g[NT], u[NT];
-    warp_row_pair_dot<FMT, NT, true>(active, wg + off, wu + off, x, k, nt, g, u);
+    warp_row_pair_dot<FMT, NT, true>(active, wg + off, wu + off, x, k, nt, g, u, xt);
     if (active && (threadIdx.x & 31) == 0) {
 #pragma unroll
         for (int t = 0; t < NT; t++)
@@ -138,7 +193,7 @@ struct Products {
 
 template <int FMT, int NT>
 __device__ void gemv_many_impl(const Products& p, u64 row_bytes, int k, const float* x,
-                               int nt) {
+                               int nt, const uint4* xt) {
     int r = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     // The warp's matrix, its fields picked by constant indices: indexing the parameter `p`
     // at run time copied it to an 88-byte stack frame in every thread.
@@ -157,7 +212,8 @@ __device__ void gemv_many_impl(const Products& p, u64 row_bytes, int k, const fl
     const u8* w = (const u8*)w_m;
     if (active) prefetch_row(w + (u64)r * row_bytes, row_bytes, 0, 1, 2048);
     float acc[NT];
-    warp_row_dot<FMT, NT, true>(active, w + (u64)(active ? r : 0) * row_bytes, x, k, nt, acc);
+    warp_row_dot<FMT, NT, true>(active, w + (u64)(active ? r : 0) * row_bytes, x, k, nt, acc,
+                                xt);
     if (active && (threadIdx.x & 31) == 0) {
         float* out = (float*)out_m;
 #pragma unroll
@@ -170,19 +226,20 @@ __device__ void gemv_many_impl(const Products& p, u64 row_bytes, int k, const fl
     extern "C" __global__ void BOUNDS gemv_##S##_##NT(const u8* w, u64 row_bytes, int rows,      \
                                                       int k, const float* x, int nt, float* out, \
                                                       int split, const float* mul,               \
-                                                      u64 mul_stride) {                          \
-        gemv_impl<F, NT>(w, row_bytes, rows, k, x, nt, out, split, mul, mul_stride);             \
+                                                      u64 mul_stride, const uint4* xt) {         \
+        gemv_impl<F, NT>(w, row_bytes, rows, k, x, nt, out, split, mul, mul_stride, xt);         \
     }
 #define GEMV_GELU_KERNEL(S, F, NT)                                                            \
     extern "C" __global__ void gemv_gelu_##S##_##NT(const u8* wg, const u8* wu, u64 row_bytes, \
                                                     int rows, int k, const float* x, int nt,   \
-                                                    float* out) {                              \
-        gemv_gelu_impl<F, NT>(wg, wu, row_bytes, rows, k, x, nt, out);                         \
+                                                    float* out, const uint4* xt) {             \
+        gemv_gelu_impl<F, NT>(wg, wu, row_bytes, rows, k, x, nt, out, xt);                     \
     }
 #define GEMV_MANY_KERNEL(S, F, NT, BOUNDS)                                                    \
     extern "C" __global__ void BOUNDS gemv_many_##S##_##NT(Products p, u64 row_bytes, int k,   \
-                                                           const float* x, int nt) {           \
-        gemv_many_impl<F, NT>(p, row_bytes, k, x, nt);                                         \
+                                                           const float* x, int nt,             \
+                                                           const uint4* xt) {                  \
+        gemv_many_impl<F, NT>(p, row_bytes, k, x, nt, xt);                                     \
     }
 // The one-token kernels' launch bounds by format suffix (GEMV_PLAIN_MIN_BLOCKS).
 #define GEMV_BOUNDS_f32 __launch_bounds__(256, GEMV_PLAIN_MIN_BLOCKS)

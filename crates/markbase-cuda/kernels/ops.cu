@@ -96,13 +96,16 @@ extern "C" __global__ void f32_to_f16(const float* x, u16* y, u64 n) {
 }
 
 // RMSNorm of row blockIdx.x (dim values): x · 1/sqrt(mean(x²) + eps) · weight (weight may be
-// null), written to out (add = 0) or added into it (add = 1). Rows of a multiple of 4 values
-// move as float4 (a decode step normalises single rows, so the block is wide and each thread
-// touches few values: the kernel is latency-bound).
+// null), written to out (add = 0) or added into it (add = 1); also stored into `rounded` as
+// `round_kind` says: rounded (store_rounded) or as Q4_K tiles (ROUND_Q4K_TILES: add = 0, dim a
+// multiple of 256, and 4·dim bytes of dynamic shared memory — the host's rule). Rows of a
+// multiple of 4 values move as float4 (a decode step normalises single rows, so the block is
+// wide and each thread touches few values: the kernel is latency-bound).
 extern "C" __global__ void rms_norm(const float* x, const float* weight, float eps, int dim,
-                                    float* out, int add) {
+                                    float* out, int add, u16* rounded, int round_kind) {
     wait_prior_grid();
     __shared__ float red[32];
+    extern __shared__ float row_s[];  // the row, for Q4_K tiles
     const float* xr = x + (u64)blockIdx.x * dim;
     float* o = out + (u64)blockIdx.x * dim;
     float ss = 0.f;
@@ -126,6 +129,16 @@ extern "C" __global__ void rms_norm(const float* x, const float* weight, float e
                 v.x += p.x; v.y += p.y; v.z += p.z; v.w += p.w;
             }
             ((float4*)o)[i] = v;
+            u64 at = (u64)blockIdx.x * dim + 4 * i;
+            store_rounded(rounded, round_kind, at, v.x);
+            store_rounded(rounded, round_kind, at + 1, v.y);
+            store_rounded(rounded, round_kind, at + 2, v.z);
+            store_rounded(rounded, round_kind, at + 3, v.w);
+            if (round_kind == ROUND_Q4K_TILES) ((float4*)row_s)[i] = v;
+        }
+        if (round_kind == ROUND_Q4K_TILES) {
+            __syncthreads();
+            store_q4k_tiles(row_s, dim, (u8*)rounded + blockIdx.x * q4k_tiles_row_bytes(dim));
         }
         return;
     }
@@ -135,7 +148,9 @@ extern "C" __global__ void rms_norm(const float* x, const float* weight, float e
     for (int i = threadIdx.x; i < dim; i += blockDim.x) {
         float v = xr[i] * inv;
         if (weight) v *= weight[i];
-        o[i] = add ? o[i] + v : v;
+        v = add ? o[i] + v : v;
+        o[i] = v;
+        store_rounded(rounded, round_kind, (u64)blockIdx.x * dim + i, v);
     }
 }
 
@@ -147,8 +162,9 @@ extern "C" __global__ void rms_norm(const float* x, const float* weight, float e
 // the next block's pre-norm. Every load (y, h, w, w2) is issued before the first reduction
 // and the row stays in registers, so a row costs one memory round trip instead of three: at
 // batch 1 this kernel runs three times a layer on one block and its latency is the cost.
-// The row's final output (x, or h without w2) is also stored rounded into `rounded` as
-// `round_kind` says (store_rounded). Needs blockDim.x · RESIDUAL_NORM_PER_THREAD >= dim
+// The row's final output (x, or h without w2) is also stored into `rounded` as `round_kind`
+// says: rounded (store_rounded) or as Q4_K tiles (ROUND_Q4K_TILES: dim a multiple of 256 and
+// 4·dim bytes of dynamic shared memory). Needs blockDim.x · RESIDUAL_NORM_PER_THREAD >= dim
 // (checked by the host).
 extern "C" __global__ void residual_norm(const float* y, const float* w, float eps, int dim,
                                          float* h, float scale, const float* w2, float* x,
@@ -183,18 +199,28 @@ extern "C" __global__ void residual_norm(const float* y, const float* w, float e
         }
         hs = fmaf(v, v, hs);
     }
-    if (!w2) return;
-    hs = block_sum(hs, red);
-    float inv2 = 1.f / sqrtf(hs / (float)dim + eps);
+    if (w2) {
+        hs = block_sum(hs, red);
+        float inv2 = 1.f / sqrtf(hs / (float)dim + eps);
+#pragma unroll
+        for (int r = 0; r < RESIDUAL_NORM_PER_THREAD; r++) {
+            int i = threadIdx.x + r * blockDim.x;
+            hv[r] = hv[r] * inv2 * w2v[r];
+            if (i < dim) {
+                x[base + i] = hv[r];
+                store_rounded(rounded, round_kind, base + i, hv[r]);
+            }
+        }
+    }
+    if (round_kind != ROUND_Q4K_TILES) return;
+    extern __shared__ float row_s[];
 #pragma unroll
     for (int r = 0; r < RESIDUAL_NORM_PER_THREAD; r++) {
         int i = threadIdx.x + r * blockDim.x;
-        if (i < dim) {
-            float v = hv[r] * inv2 * w2v[r];
-            x[base + i] = v;
-            store_rounded(rounded, round_kind, base + i, v);
-        }
+        if (i < dim) row_s[i] = hv[r];
     }
+    __syncthreads();
+    store_q4k_tiles(row_s, dim, (u8*)rounded + blockIdx.x * q4k_tiles_row_bytes(dim));
 }
 
 // Values of a head one lane of norm_rope_head holds (head dims up to MAX_HEAD_DIM = 512).

@@ -445,47 +445,25 @@ __device__ __forceinline__ int dp2a_hi(u32 a, u32 b, int c) {
 
 // Stages super-blocks s0 .. s0 + ntb of the activation rows t < nt (row t at x + t·k) as
 // 16-bit values for q4k_rows_i16, four threads a 32-value chunk of every row. Row t's tile
-// starts at xq + 32·TILE·t and xm + 16·TILE·t (TILE = q4k_i16_tile(NT)). In it super-block b's
-// 256 values take 32 slots of 16 bytes, ordered as their readers load them: slot 8·i + sub
-// holds the 8 values lane `sub` (of the super-block's 8 lanes) needs for its i-th load — i = 0,
-// 1 the low-nibble chunk 2·(sub/2), values 16·(sub%2) + 8·i ..; i = 2, 3 the high-nibble chunk
-// after it — so 8 lanes read 128 consecutive bytes. xm[2·c + half] = (d, d·Σq) of chunk c's
-// half. Synchronises the block.
+// starts at xq + 32·TILE·t and xm + 16·TILE·t (TILE = q4k_i16_tile(NT)); in it super-block b's
+// 256 values take 32 slots of 16 bytes ordered as their readers load them (q4k_slot), and
+// xm[2·c + half] = (d, d·Σq) of chunk c's half (quantize_group8): the layout of a producer's
+// Q4_K tiles (common.cuh). Synchronises the block.
 template <int NT>
 __device__ __forceinline__ void stage_x_i16(const float* x, int k, int nt, int s0, int ntb,
                                             uint4* xq, float2* xm) {
     const int TILE = q4k_i16_tile(NT);
     __syncthreads();
     for (int j = threadIdx.x; j < 32 * ntb; j += blockDim.x) {
-        int c = j >> 2, p = j & 3, sb = c >> 3, jj = c & 7;
-        int sub = 2 * (jj >> 1) + (p >> 1), slot = 8 * (2 * (jj & 1) + (p & 1)) + sub;
 #pragma unroll
         for (int t = 0; t < NT; t++) {
             if (t >= nt) continue;
             const float4* xg = (const float4*)(x + (u64)t * k + 256 * (u64)s0);
             float4 a = __ldg(xg + 2 * j), b = __ldg(xg + 2 * j + 1);
             float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-            float m = 0.f;
-#pragma unroll
-            for (int i = 0; i < 8; i++) m = fmaxf(m, fabsf(v[i]));
-            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-            float inv = m > 0.f ? 32767.f / m : 0.f;
-            // v·inv + 1.5·2^23 rounds to an integer whose low 16 bits are q in two's complement.
-            u32 h[8];
-            float qs = 0.f;
-#pragma unroll
-            for (int i = 0; i < 8; i++) {
-                float f = fmaf(v[i], inv, 12582912.f);
-                qs += f - 12582912.f;
-                h[i] = __float_as_uint(f);
-            }
-            qs += __shfl_xor_sync(0xffffffffu, qs, 1);
-            xq[32 * (TILE * t + sb) + slot] =
-                make_uint4(__byte_perm(h[0], h[1], 0x5410), __byte_perm(h[2], h[3], 0x5410),
-                           __byte_perm(h[4], h[5], 0x5410), __byte_perm(h[6], h[7], 0x5410));
-            float d = m * (1.f / 32767.f);
-            if ((p & 1) == 0) xm[16 * TILE * t + 2 * c + (p >> 1)] = make_float2(d, d * qs);
+            float d, dq;
+            xq[32 * (TILE * t + (j >> 5)) + q4k_slot(j)] = quantize_group8(v, &d, &dq);
+            if ((j & 1) == 0) xm[16 * TILE * t + (j >> 1)] = make_float2(d, dq);
         }
     }
     __syncthreads();
@@ -494,7 +472,8 @@ __device__ __forceinline__ void stage_x_i16(const float* x, int k, int nt, int s
 // Adds to acc[r][t] (t < nt) the products of R Q4_K rows' super-block b of the staged tile (its
 // 16-byte quant slice q[r] and header h[r] as lane `sub` of the super-block's 8 loaded them)
 // with token t's staged activations; the weights are unpacked once for all the tokens.
-template <int NT, int R>
+// TILES: xq and xm are a producer's tiles of one token row in global memory (NT = 1).
+template <int NT, int R, bool TILES = false>
 __device__ __forceinline__ void q4k_i16_block(const uint4* q, const uint4* h, const uint4* xq,
                                               const float2* xm, int b, int sub, int nt,
                                               float (*acc)[NT]) {
@@ -524,9 +503,16 @@ __device__ __forceinline__ void q4k_i16_block(const uint4* q, const uint4* h, co
     for (int t = 0; t < NT; t++) {
         if (t >= nt) continue;
         const uint4* xl = xq + 32 * (TILE * t + b) + sub;
-        uint4 x0 = xl[0], x1 = xl[8], x2 = xl[16], x3 = xl[24];
         const float2* ml = xm + 16 * (TILE * t + b) + 4 * n + half;
-        float2 m0 = ml[0], m1 = ml[2];
+        uint4 x0, x1, x2, x3;
+        float2 m0, m1;
+        if (TILES) {
+            x0 = __ldg(xl), x1 = __ldg(xl + 8), x2 = __ldg(xl + 16), x3 = __ldg(xl + 24);
+            m0 = __ldg(ml), m1 = __ldg(ml + 2);
+        } else {
+            x0 = xl[0], x1 = xl[8], x2 = xl[16], x3 = xl[24];
+            m0 = ml[0], m1 = ml[2];
+        }
         u32 xa[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
         u32 xb[8] = {x2.x, x2.y, x2.z, x2.w, x3.x, x3.y, x3.z, x3.w};
 #pragma unroll
@@ -561,6 +547,55 @@ __device__ __forceinline__ void q4k_load_pair(const u8* const* rows, int end, in
     }
 }
 
+// Lane `sub`'s weights of a pair of passes of R Q4_K rows (q4k_load_pair), loaded ahead of
+// their use.
+template <int R>
+struct Q4kPair {
+    uint4 q[2][R], h[2][R];
+};
+
+// Adds to acc[r][0] the products of R Q4_K rows (nb super-blocks each) with one token row of
+// Q4_K tiles `xt` (common.cuh, store_q4k_tiles), the lane's passes from super-block `first`
+// on, `pass` apart, starting from the first pair already in `p`. It loads each next pair
+// before using the one it holds, and after the rows' last pair (with `more`) the first pair of
+// the rows `next` into `p`, so a warp walking rows keeps its loads in flight between them. The lanes read the tiles from L1 / L2 where they use them: no staging, no barrier.
+template <int R>
+__device__ __forceinline__ void q4k_tiles_dot(Q4kPair<R>& p, const u8* const* rows,
+                                              const u8* const* next, bool more, const uint4* xt,
+                                              int nb, int first, int pass, int sub,
+                                              float (*acc)[1]) {
+    const float2* xm = (const float2*)(xt + 32 * nb);
+    for (int b0 = first; b0 < nb; b0 += 2 * pass) {
+        Q4kPair<R> c = p;
+        int ahead = b0 + 2 * pass;
+        if (ahead < nb)
+            q4k_load_pair<R>(rows, nb, ahead, ahead + pass, sub, p.q, p.h);
+        else if (more)
+            q4k_load_pair<R>(next, nb, first, first + pass, sub, p.q, p.h);
+        q4k_i16_block<1, R, true>(c.q[0], c.h[0], xt, xm, b0, sub, 1, acc);
+        if (b0 + pass < nb)
+            q4k_i16_block<1, R, true>(c.q[1], c.h[1], xt, xm, b0 + pass, sub, 1, acc);
+    }
+}
+
+// q4k_rows_i16 for one token row whose activations a producer already wrote as Q4_K tiles
+// (`xt`): the first pair loaded before the wait, then q4k_tiles_dot.
+template <int R, bool WAITS>
+__device__ __forceinline__ void q4k_rows_tiles(bool active, const u8* const* rows,
+                                               const uint4* xt, int k, int part, int split,
+                                               float (*acc)[1]) {
+    int lane = threadIdx.x & 31, sub = lane & 7;
+#pragma unroll
+    for (int r = 0; r < R; r++) acc[r][0] = 0.f;
+    int nb = k >> 8, first = 4 * part + (lane >> 3), pass = 4 * split;
+    Q4kPair<R> p;
+    if (active && first < nb) q4k_load_pair<R>(rows, nb, first, first + pass, sub, p.q, p.h);
+    if (WAITS) wait_prior_grid();
+    if (active) q4k_tiles_dot<R>(p, rows, rows, false, xt, nb, first, pass, sub, acc);
+#pragma unroll
+    for (int r = 0; r < R; r++) acc[r][0] = warp_sum(acc[r][0]);
+}
+
 // Dot products of R Q4_K rows (k weights each) with the activation rows x[t·k ..] (t < nt ≤
 // NT), on 16-bit activations (see q4k_i16_tile); R rows of one warp share the activation reads
 // (R = 2: the gate and up rows of a gated feed-forward). `split` warps may share the rows, each
@@ -571,11 +606,18 @@ __device__ __forceinline__ void q4k_load_pair(const u8* const* rows, int end, in
 // first pair before the activations are staged. WAITS: waits for the kernel ahead
 // (wait_prior_grid) first — for one token row after those first loads, which then overlap
 // that kernel's end. Every warp of the block must call it (active = false where it has no
-// row): it synchronises the block around each tile's staging.
+// row): it synchronises the block around each tile's staging. One token row with `xt` (not
+// null: its producer's Q4_K tiles) takes q4k_rows_tiles instead.
 template <int NT, int R, bool WAITS = false>
 __device__ __forceinline__ void q4k_rows_i16(bool active, const u8* const* rows, const float* x,
                                              int k, int nt, int part, int split,
-                                             float (*acc)[NT]) {
+                                             float (*acc)[NT], const uint4* xt = nullptr) {
+    if constexpr (NT == 1) {
+        if (xt) {
+            q4k_rows_tiles<R, WAITS>(active, rows, xt, k, part, split, acc);
+            return;
+        }
+    }
     const int TILE = q4k_i16_tile(NT);
     __shared__ uint4 xq[NT * TILE * 32];
     __shared__ float2 xm[NT * TILE * 16];
@@ -635,9 +677,9 @@ __device__ __forceinline__ void q4k_rows_i16(bool active, const u8* const* rows,
 
 template <int NT, bool WAITS>
 __device__ __forceinline__ void q4k_row_dot(bool active, const u8* row, const float* x, int k,
-                                            int nt, float* acc) {
+                                            int nt, float* acc, const uint4* xt) {
     float a[1][NT];
-    q4k_rows_i16<NT, 1, WAITS>(active, &row, x, k, nt, 0, 1, a);
+    q4k_rows_i16<NT, 1, WAITS>(active, &row, x, k, nt, 0, 1, a, xt);
 #pragma unroll
     for (int t = 0; t < NT; t++) acc[t] = a[0][t];
 }
@@ -648,10 +690,10 @@ __device__ __forceinline__ void q4k_row_dot(bool active, const u8* row, const fl
 // synchronise the block. Plain floats of a width that is a multiple of 8 and every quantized
 // format take the coalesced paths above; other plain rows fall back to a chunk per lane.
 // WAITS: it waits for the kernel ahead (wait_prior_grid) itself, Q4_K rows after their first
-// weight loads.
+// weight loads. `xt`: the activations' Q4_K tiles for one token row of Q4_K weights, or null.
 template <int FMT, int NT, bool WAITS = false>
 __device__ __forceinline__ void warp_row_dot(bool active, const u8* row, const float* x, int k,
-                                             int nt, float* acc) {
+                                             int nt, float* acc, const uint4* xt = nullptr) {
     if (WAITS && FMT != F_Q4_K) wait_prior_grid();
     if (FMT == F_F32 || FMT == F_F16 || FMT == F_BF16) {
 #pragma unroll
@@ -674,7 +716,7 @@ __device__ __forceinline__ void warp_row_dot(bool active, const u8* row, const f
 #pragma unroll
         for (int t = 0; t < NT; t++) acc[t] = warp_sum(acc[t]);
     } else if (FMT == F_Q4_K) {
-        q4k_row_dot<NT, WAITS>(active, row, x, k, nt, acc);
+        q4k_row_dot<NT, WAITS>(active, row, x, k, nt, acc, xt);
     } else {
         staged_row_dot<FMT, NT>(active, row, x, k, nt, acc);
     }
@@ -682,11 +724,11 @@ __device__ __forceinline__ void warp_row_dot(bool active, const u8* row, const f
 
 // warp_row_dot of two rows of the same format and width (a gated feed-forward's gate and up
 // rows): plain-float rows (width a multiple of 8) and Q4_K rows share their activation reads,
-// other formats take two passes. WAITS as for warp_row_dot.
+// other formats take two passes. WAITS and `xt` as for warp_row_dot.
 template <int FMT, int NT, bool WAITS = false>
 __device__ __forceinline__ void warp_row_pair_dot(bool active, const u8* row_a, const u8* row_b,
                                                   const float* x, int k, int nt, float* a,
-                                                  float* b) {
+                                                  float* b, const uint4* xt = nullptr) {
     if (WAITS && FMT != F_Q4_K) wait_prior_grid();
     if ((FMT == F_F32 || FMT == F_F16 || FMT == F_BF16) && (k & 7) == 0) {
 #pragma unroll
@@ -695,7 +737,7 @@ __device__ __forceinline__ void warp_row_pair_dot(bool active, const u8* row_a, 
     } else if (FMT == F_Q4_K) {
         const u8* rows[2] = {row_a, row_b};
         float ab[2][NT];
-        q4k_rows_i16<NT, 2, WAITS>(active, rows, x, k, nt, 0, 1, ab);
+        q4k_rows_i16<NT, 2, WAITS>(active, rows, x, k, nt, 0, 1, ab, xt);
 #pragma unroll
         for (int t = 0; t < NT; t++) {
             a[t] = ab[0][t];

@@ -88,7 +88,7 @@ impl CudaBackend {
         let window = spec.window.unwrap_or(0);
         let mut s = self.scratch()?;
         let len = layout.positions.len() * nh * hd;
-        let round = self.round_target(&mut s, layout.positions.len(), len)?;
+        let round = self.round_target(&mut s, (layout.positions.len(), nh * hd), false)?;
         let positions = self.upload_idx(layout.positions)?;
         let tables = self.upload_idx(layout.block_tables)?;
         for seq in 0..layout.n_seqs() {

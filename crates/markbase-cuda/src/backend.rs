@@ -20,7 +20,7 @@ use crate::buffer::{CudaBuffer, CudaMatrix, Growable};
 use crate::device::{driver_err, Device};
 use crate::graph::{DeviceCopy, Op, Steps};
 use crate::kernels::{Arg, AttnArgs, Grid, Kernels, Launch, ProductArgs, MAX_PRODUCTS};
-use crate::rounded::{QueueCount, RoundTarget, RoundedCopy};
+use crate::rounded::{CopyForm, QueueCount, RoundTarget, RoundedCopy, ROUND_Q4K_TILES};
 use crate::sources::Module;
 
 /// Token rows one GEMV launch reads each weight row for (the largest kernel variant).
@@ -101,6 +101,9 @@ pub struct CudaBackend {
     err_host: Mutex<PinnedHostSlice<u32>>,
     /// RoPE frequency tables by (θ bits, linear factor bits, head_dim, rotated pairs).
     rope_tables: Mutex<HashMap<(u32, u32, usize, usize), CudaBuffer>>,
+    /// Grids of the grid-stride kernels: resident blocks of (name prefix, format, token-row
+    /// variant) on the whole device, from the driver's occupancy.
+    resident: Mutex<HashMap<(&'static str, GgmlType, u32), u32>>,
 }
 
 /// Widest row `residual_norm` holds in registers: 1 024 threads of
@@ -108,6 +111,9 @@ pub struct CudaBackend {
 const RESIDUAL_NORM_MAX_DIM: usize = 8 * 1024;
 /// Row counts up to which `residual_norm` takes more threads a row (decode steps).
 const RESIDUAL_NORM_FEW_ROWS: usize = 64;
+/// Widest row a norm writes as Q4_K tiles (common.cuh, `store_q4k_tiles`): the row passes
+/// through 4 bytes a value of shared memory, within the 48 KB a launch may ask for.
+const Q4K_TILES_MAX_DIM: usize = 12 * 1024;
 
 pub(crate) fn need(what: &str, have: usize, want: usize) -> Result<()> {
     if have < want {
@@ -180,6 +186,16 @@ fn rounds_rows(inputs: ProductInputs, n: usize) -> bool {
         ProductInputs::Bf16 => !gemv_suits(n, GgmlType::BF16),
         ProductInputs::F16 => !gemv_suits(n, GgmlType::Q8_0),
         ProductInputs::F32 => false,
+    }
+}
+
+/// Whether a product of `n` token rows that reads its inputs in `form` (as the last product
+/// that takes copies did) would read a producer's copy of them: tensor-core products their
+/// rounding, one-token Q4_K GEMVs (`gemv_q4k_tiles`) the tiles.
+fn reads_copy(form: CopyForm, n: usize) -> bool {
+    match form {
+        CopyForm::Rounded(inputs) => rounds_rows(inputs, n),
+        CopyForm::Q4kTiles => n == 1,
     }
 }
 
@@ -291,6 +307,16 @@ fn check_slots(
     }
 }
 
+/// The grid of a norm over `n` rows of `dim` values in blocks of `threads`: a row a block,
+/// with the row's 4·dim bytes of shared memory where it writes Q4_K tiles.
+fn norm_grid(n: usize, threads: u32, dim: usize, round: RoundTarget) -> Result<Grid> {
+    let mut grid = Grid::new((int("rows", n)? as u32, 1), threads);
+    if round.kind == ROUND_Q4K_TILES {
+        grid.shared = 4 * dim as u32;
+    }
+    Ok(grid)
+}
+
 pub(crate) fn blocks(n: usize, per: usize) -> u32 {
     n.div_ceil(per) as u32
 }
@@ -344,6 +370,7 @@ impl CudaBackend {
             err,
             err_host: Mutex::new(err_host),
             rope_tables: Mutex::new(HashMap::new()),
+            resident: Mutex::new(HashMap::new()),
         })
     }
 
@@ -482,11 +509,19 @@ impl CudaBackend {
         let split = gemv_split(w, n, self.dev.multiprocessors() as usize);
         let warps = gemv_block_warps(w.ty, split);
         let (mul, mul_stride) = mul.unwrap_or((0, 0));
+        let mut s = self.scratch()?;
+        let tiles = self.gemv_q4k_tiles(&mut s, x, n, w);
         for (t0, nt, variant) in gemv_launches(n) {
             let f = self.kernels.func_for(Module::Gemv, "gemv", w.ty, variant)?;
+            let mut grid = blocks(w.rows * split, warps);
+            if tiles != 0 && split == 1 {
+                // Its warps walk the rows (gemv.cu, q4k_tiles_walk).
+                let key = ("gemv", w.ty, variant);
+                grid = grid.min(self.resident_blocks(key, &f, 32 * warps as u32)?);
+            }
             self.launch_fn(
                 &f,
-                Grid::new((blocks(w.rows * split, warps), 1), 32 * warps as u32),
+                Grid::new((grid, 1), 32 * warps as u32),
                 &[
                     Arg::U64(w.ptr),
                     Arg::U64(w.row_bytes as u64),
@@ -502,6 +537,7 @@ impl CudaBackend {
                         mul + 4 * (t0 * mul_stride) as u64
                     }),
                     Arg::U64(mul_stride as u64),
+                    Arg::U64(tiles),
                 ],
             )?;
         }
@@ -616,7 +652,10 @@ impl CudaBackend {
         x: u64,
         len: usize,
     ) -> Result<u64> {
-        if let Some(at) = s.rounded.take(x, len, inputs, &self.queue) {
+        if let Some(at) = s
+            .rounded
+            .take(x, len, CopyForm::Rounded(inputs), &self.queue)
+        {
             return Ok(at);
         }
         let kernel = match inputs {
@@ -691,6 +730,8 @@ impl CudaBackend {
                     args.rows[i] = int("rows", w.rows)?;
                 }
                 let total: usize = products.iter().map(|(w, _)| w.rows).sum();
+                let mut s = self.scratch()?;
+                let tiles = self.gemv_q4k_tiles(&mut s, x, n, w0);
                 for (t0, nt, variant) in gemv_launches(n) {
                     for (i, &(w, out)) in products.iter().enumerate() {
                         args.out[i] = out + 4 * (t0 * w.rows) as u64;
@@ -708,6 +749,7 @@ impl CudaBackend {
                             Arg::I32(int("cols", k)?),
                             Arg::U64(x + 4 * (t0 * k) as u64),
                             Arg::I32(nt as i32),
+                            Arg::U64(tiles),
                         ],
                     )?;
                 }
@@ -888,15 +930,53 @@ impl CudaBackend {
         Ok(p)
     }
 
-    /// Where a producer of `len` values in `n` token rows writes their rounded copy for the
-    /// next product (see `rounded`).
+    /// Blocks of `threads` threads of `f` (kernel `key`, no dynamic shared memory) the whole
+    /// device holds at once: the grid of a kernel whose warps walk its rows grid-stride
+    /// (gemv.cu, `q4k_tiles_walk`).
+    fn resident_blocks(
+        &self,
+        key: (&'static str, GgmlType, u32),
+        f: &CudaFunction,
+        threads: u32,
+    ) -> Result<u32> {
+        let mut cache = self
+            .resident
+            .lock()
+            .map_err(|_| Error::Invalid("CUDA occupancy table poisoned".into()))?;
+        if let Some(&b) = cache.get(&key) {
+            return Ok(b);
+        }
+        let per_sm = f
+            .occupancy_max_active_blocks_per_multiprocessor(threads, 0, None)
+            .map_err(|e| driver_err(&format!("occupancy of {}", key.0), e))?;
+        let b = per_sm.max(1) * self.dev.multiprocessors().max(1) as u32;
+        cache.insert(key, b);
+        Ok(b)
+    }
+
+    /// Where a producer of `n` token rows of `dim` values writes their copy for the next
+    /// product (see `rounded`); `tiles`: the producer can write Q4_K tiles.
     pub(crate) fn round_target(
         &self,
         s: &mut Scratch,
-        n: usize,
-        len: usize,
+        (n, dim): (usize, usize),
+        tiles: bool,
     ) -> Result<RoundTarget> {
-        s.rounded.target(&self.dev.stream, n, len, rounds_rows)
+        s.rounded
+            .target(&self.dev.stream, (n, dim), tiles, reads_copy)
+    }
+
+    /// For a product of `n` token rows with `w` about to read its activations at `x`: the
+    /// address of their Q4_K tiles where a producer just wrote them and the product is a
+    /// one-token Q4_K GEMV (which then reads them instead of staging its activations), else 0.
+    /// The caller holds `s` until the product is queued.
+    fn gemv_q4k_tiles(&self, s: &mut Scratch, x: u64, n: usize, w: &CudaMatrix) -> u64 {
+        if w.ty != GgmlType::Q4_K || n != 1 || !w.cols.is_multiple_of(256) {
+            return 0;
+        }
+        s.rounded
+            .take(x, w.cols, CopyForm::Q4kTiles, &self.queue)
+            .unwrap_or(0)
     }
 
     /// `gate[t, r] = gelu_tanh(gate[t, r]) · up[up_rows.at(t) + r]` for `n` rows of `rows`
@@ -914,7 +994,7 @@ impl CudaBackend {
             need("gelu_tanh_mul", up.len(), up_rows.at(n - 1) + rows)?;
         }
         let mut s = self.scratch()?;
-        let round = self.round_target(&mut s, n, n * rows)?;
+        let round = self.round_target(&mut s, (n, rows), false)?;
         self.gelu_mul_launch(gate, up, up_rows, n * rows, rows, round)?;
         s.rounded.hold(round, gate.ptr, n * rows, &self.queue);
         Ok(())
@@ -1069,10 +1149,16 @@ impl Backend for CudaBackend {
         // One value (or float4) per thread where the row allows, up to 1024 threads.
         let per_thread = if dim.is_multiple_of(4) { 4 } else { 1 };
         let threads = (dim.div_ceil(per_thread).div_ceil(32) * 32).clamp(32, 1024) as u32;
+        // A copy for the next product only of values written, not added.
+        let mut s = self.scratch()?;
+        let round = match mode {
+            NormOut::Write => self.round_target(&mut s, (n, dim), dim <= Q4K_TILES_MAX_DIM)?,
+            NormOut::AddTo => RoundTarget::NONE,
+        };
         self.run(
             Module::Ops,
             "rms_norm",
-            Grid::new((int("rows", n)? as u32, 1), threads),
+            norm_grid(n, threads, dim, round)?,
             &[
                 Arg::U64(x.ptr),
                 Arg::U64(weight.map_or(0, |w| w.ptr)),
@@ -1080,8 +1166,12 @@ impl Backend for CudaBackend {
                 Arg::I32(int("dim", dim)?),
                 Arg::U64(out.ptr),
                 Arg::I32((mode == NormOut::AddTo) as i32),
+                Arg::U64(round.at),
+                Arg::I32(round.kind),
             ],
-        )
+        )?;
+        s.rounded.hold(round, out.ptr, n * dim, &self.queue);
+        Ok(())
     }
 
     fn residual_norm(
@@ -1117,11 +1207,11 @@ impl Backend for CudaBackend {
         let (w2, x) = next.map_or((0, 0), |(w2, x)| (w2.ptr, x.ptr));
         let out = if w2 == 0 { h.ptr } else { x };
         let mut s = self.scratch()?;
-        let round = self.round_target(&mut s, n, n * dim)?;
+        let round = self.round_target(&mut s, (n, dim), dim <= Q4K_TILES_MAX_DIM)?;
         self.run(
             Module::Ops,
             "residual_norm",
-            Grid::new((int("rows", n)? as u32, 1), threads),
+            norm_grid(n, threads, dim, round)?,
             &[
                 Arg::U64(y.ptr),
                 Arg::U64(weight.ptr),
@@ -1236,13 +1326,21 @@ impl Backend for CudaBackend {
         need("gated matmul output", gate_out.len(), n * ff)?;
         let (rows, k) = (int("rows", ff)?, int("cols", gate.cols)?);
         let warps = gemv_block_warps(gate.ty, 1);
+        let mut s = self.scratch()?;
+        let tiles = self.gemv_q4k_tiles(&mut s, x.ptr, n, gate);
         for (t0, nt, variant) in gemv_launches(n) {
             let f = self
                 .kernels
                 .func_for(Module::Gemv, "gemv_gelu", gate.ty, variant)?;
+            let mut grid = blocks(ff, warps);
+            if tiles != 0 {
+                // Its warps walk the row pairs (gemv.cu, q4k_tiles_walk).
+                let key = ("gemv_gelu", gate.ty, variant);
+                grid = grid.min(self.resident_blocks(key, &f, 32 * warps as u32)?);
+            }
             self.launch_fn(
                 &f,
-                Grid::new((blocks(ff, warps), 1), 32 * warps as u32),
+                Grid::new((grid, 1), 32 * warps as u32),
                 &[
                     Arg::U64(gate.ptr),
                     Arg::U64(up.ptr),
@@ -1252,6 +1350,7 @@ impl Backend for CudaBackend {
                     Arg::U64(x.ptr + 4 * (t0 * gate.cols) as u64),
                     Arg::I32(nt as i32),
                     Arg::U64(gate_out.ptr + 4 * (t0 * ff) as u64),
+                    Arg::U64(tiles),
                 ],
             )?;
         }

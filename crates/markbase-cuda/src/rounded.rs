@@ -1,16 +1,18 @@
-//! Activations written twice by the kernel that makes them: in f32 and rounded the way the
-//! next tensor-core product reads them (bf16 or f16), so that product skips its own rounding
-//! pass. In a batch-64 decode step of E4B the rounding passes were 254 launches and 0.73 of
-//! 6.4 ms (Nsight Compute, session 12).
+//! Activations written twice by the kernel that makes them: in f32 and in the form the next
+//! product reads them, so that product skips its own pass over them. Tensor-core products
+//! read them rounded (bf16 or f16): in a batch-64 decode step of E4B the rounding passes were
+//! 254 launches and 0.73 of 6.4 ms (Nsight Compute, session 12). A one-token Q4_K GEMV reads
+//! them as 16-bit tiles (common.cuh, `store_q4k_tiles`) instead of every block quantizing the
+//! whole row into shared memory (≈ 0.3 of E4B's 2.47 ms Q4_K step, docs/perf.md session 23).
 //!
-//! A producer (a norm, the gated activation) asks [`RoundedCopy::target`] where to write the
-//! rounded copy, queues its kernel and [`RoundedCopy::hold`]s the copy. A product's rounding
-//! ([`RoundedCopy::take`]) uses it only if it rounds the same values the same way and nothing
-//! at all was queued on the stream in between — any kernel, copy, allocation or cuBLAS product
-//! counts ([`QueueCount`]), so a copy is never stale; otherwise the product rounds as before.
-//! The state lives in the backend's scratch, whose lock both sides hold from asking to
-//! queueing: another thread's producer cannot overwrite the copy between a product's take and
-//! its launch.
+//! A producer (a norm, the gated activation, attention) asks [`RoundedCopy::target`] where to
+//! write the copy, queues its kernel and [`RoundedCopy::hold`]s the copy. A product's
+//! [`RoundedCopy::take`] uses it only if it is the same values in the form the product reads
+//! and nothing at all was queued on the stream in between — any kernel, copy, allocation or
+//! cuBLAS product counts ([`QueueCount`]), so a copy is never stale; otherwise the product
+//! makes its inputs as before. The state lives in the backend's scratch, whose lock both sides
+//! hold from asking to queueing: another thread's producer cannot overwrite the copy between a
+//! product's take and its launch.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -38,40 +40,52 @@ impl QueueCount {
     }
 }
 
-/// The rounded copy of `len` values at `src`, stored at `at`, made when the queue count was
+/// The form in which a product reads a producer's copy of its activations.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum CopyForm {
+    /// Rounded for a tensor-core product taking these inputs (`Bf16` or `F16`).
+    Rounded(ProductInputs),
+    /// One token row as the 16-bit tiles of a one-token Q4_K GEMV (640 bytes per 256 values).
+    Q4kTiles,
+}
+
+/// The copy of `len` values at `src` in `form`, stored at `at`, made when the queue count was
 /// `queued`.
 struct Held {
     src: u64,
     len: usize,
-    inputs: ProductInputs,
+    form: CopyForm,
     at: u64,
     queued: u64,
 }
 
-/// A producer kernel's extra output: where to write the rounded values and how (`kind`:
-/// 0 none, 1 bf16, 2 f16 — `store_rounded` in ops.cu).
+/// `RoundTarget::kind` of Q4_K tiles (`ROUND_Q4K_TILES` in common.cuh).
+pub(crate) const ROUND_Q4K_TILES: i32 = 3;
+
+/// A producer kernel's extra output: where to write the copy and how (`kind`: 0 none, 1 bf16,
+/// 2 f16 — `store_rounded` in common.cuh — or 3 Q4_K tiles, `store_q4k_tiles`).
 #[derive(Clone, Copy)]
 pub(crate) struct RoundTarget {
-    /// Device address of the rounded values (0 with kind 0).
+    /// Device address of the copy (0 with kind 0).
     pub(crate) at: u64,
-    /// Rounding the kernel applies.
+    /// The form the kernel writes.
     pub(crate) kind: i32,
-    inputs: Option<ProductInputs>,
+    form: Option<CopyForm>,
 }
 
 impl RoundTarget {
-    /// No rounded copy.
+    /// No copy.
     pub(crate) const NONE: RoundTarget = RoundTarget {
         at: 0,
         kind: 0,
-        inputs: None,
+        form: None,
     };
 }
 
-/// The one rounded copy the backend holds (see the module's comment).
+/// The one copy the backend holds (see the module's comment).
 pub(crate) struct RoundedCopy {
-    /// How the last product that rounded its activations took them (what a producer writes).
-    last: Option<ProductInputs>,
+    /// The form the last product that takes copies wanted (what a producer writes).
+    last: Option<CopyForm>,
     held: Option<Held>,
     mem: Growable<u16>,
     /// Products that took a held copy.
@@ -94,62 +108,66 @@ impl RoundedCopy {
         self.used
     }
 
-    /// Where a producer of `len` values in `rows` token rows writes their rounded copy: the
-    /// way the last rounding product took its inputs, if a product of that many rows would
-    /// round them too (`rounds(inputs, rows)`); else nowhere (kind 0).
+    /// Where a producer of `rows` token rows of `dim` values writes their copy: in the form
+    /// the last product that takes copies wanted, if a product of that many rows would read
+    /// it (`reads(form, rows)`) and the producer can write it (`tiles`: Q4_K tiles, for rows
+    /// of a multiple of 256 values); else nowhere (kind 0).
     pub(crate) fn target(
         &mut self,
         stream: &Arc<CudaStream>,
-        rows: usize,
-        len: usize,
-        rounds: impl Fn(ProductInputs, usize) -> bool,
+        (rows, dim): (usize, usize),
+        tiles: bool,
+        reads: impl Fn(CopyForm, usize) -> bool,
     ) -> Result<RoundTarget> {
         self.held = None;
-        let Some(inputs) = self.last.filter(|&i| rounds(i, rows)) else {
+        let Some(form) = self.last.filter(|&f| reads(f, rows)) else {
             return Ok(RoundTarget::NONE);
         };
-        let kind = match inputs {
-            ProductInputs::Bf16 => 1,
-            ProductInputs::F16 => 2,
-            ProductInputs::F32 => return Ok(RoundTarget::NONE),
+        let (kind, len) = match form {
+            CopyForm::Rounded(ProductInputs::Bf16) => (1, rows * dim),
+            CopyForm::Rounded(ProductInputs::F16) => (2, rows * dim),
+            CopyForm::Q4kTiles if tiles && dim.is_multiple_of(256) => {
+                (ROUND_Q4K_TILES, rows * dim / 256 * 320)
+            }
+            _ => return Ok(RoundTarget::NONE),
         };
         let at = self.mem.get(stream, len)?;
         Ok(RoundTarget {
             at,
             kind,
-            inputs: Some(inputs),
+            form: Some(form),
         })
     }
 
     /// Records that the kernel just queued wrote `t`'s rounded copy of the `len` values at
     /// `src`.
     pub(crate) fn hold(&mut self, t: RoundTarget, src: u64, len: usize, queue: &QueueCount) {
-        if let Some(inputs) = t.inputs {
+        if let Some(form) = t.form {
             self.held = Some(Held {
                 src,
                 len,
-                inputs,
+                form,
                 at: t.at,
                 queued: queue.now(),
             });
         }
     }
 
-    /// For a product about to round the `len` values at `src` as `inputs`: the address of
-    /// the held copy if it is exactly that and nothing was queued since it was made. Forgets
-    /// the held copy either way and remembers `inputs` for the next producer.
+    /// For a product about to read the `len` values at `src` in `form`: the address of the
+    /// held copy if it is exactly that and nothing was queued since it was made. Forgets the
+    /// held copy either way and remembers `form` for the next producer.
     pub(crate) fn take(
         &mut self,
         src: u64,
         len: usize,
-        inputs: ProductInputs,
+        form: CopyForm,
         queue: &QueueCount,
     ) -> Option<u64> {
-        self.last = Some(inputs);
+        self.last = Some(form);
         let at = self
             .held
             .take()
-            .filter(|h| (h.src, h.len, h.inputs, h.queued) == (src, len, inputs, queue.now()))
+            .filter(|h| (h.src, h.len, h.form, h.queued) == (src, len, form, queue.now()))
             .map(|h| h.at);
         self.used += at.is_some() as u64;
         at

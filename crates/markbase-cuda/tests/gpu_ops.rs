@@ -1400,6 +1400,14 @@ fn rounded_copies_feed_the_next_product_exactly_and_only_while_fresh() {
             assert_eq!(taken, again, "{ty} residual_norm next={with_next}");
         }
 
+        // rms_norm's output likewise.
+        let taken = with_rounded_copy(g, || {
+            g.rms_norm(&y, Some(&w), 1e-6, n, d, &mut x, NormOut::Write)
+                .unwrap();
+            product(&x)
+        });
+        assert_eq!(taken, product(&x), "{ty} rms_norm");
+
         // Written between producer and product: the copy is stale and must not be used.
         g.write(&h0, &mut h).unwrap();
         g.residual_norm(&y, &w, 1e-6, n, d, &mut h, 1.0, Some((&w, &mut x)))
@@ -1419,6 +1427,143 @@ fn rounded_copies_feed_the_next_product_exactly_and_only_while_fresh() {
         });
         g.matmul(&g_out, n, &down_m, &mut dn).unwrap();
         assert_eq!(taken, down(g, &dn, n * d), "{ty} gelu_gated_matmul");
+    }
+}
+
+/// Q4_K weights for the one-token products a decode step runs on one activation row:
+/// `matmul` (gemv), `matmul_many` (q, k, v-like), `gelu_gated_matmul` and `gelu_matmul_mul`,
+/// with their CPU references on 16-bit activations. The outputs are allocated once: a
+/// product queued right after its producer must find nothing queued in between.
+struct Q4kProducts {
+    host: Vec<HostMatrix>,
+    dev: Vec<CudaMatrix>,
+    other: Vec<f32>,
+    other_dev: CudaBuffer,
+    outs: Vec<CudaBuffer>,
+}
+
+impl Q4kProducts {
+    /// Rows of the product and the gated pair: more than the warps of their kernels on tiles
+    /// (3 and 2 resident blocks of 8 warps a multiprocessor: 3 168 and 2 112 on an H200), so
+    /// warps walk several rows.
+    const MANY: usize = 4500;
+    const ROWS: [usize; 6] = [Self::MANY, 37, 9, 9, Self::MANY, Self::MANY];
+
+    fn new(g: &CudaBackend, r: &mut StdRng, k: usize) -> Q4kProducts {
+        let host: Vec<HostMatrix> = Self::ROWS
+            .iter()
+            .map(|&rows| random_matrix(r, GgmlType::Q4_K, rows, k))
+            .collect();
+        let dev = host.iter().map(|m| g.load_matrix(m).unwrap()).collect();
+        let other = uniform(r, Self::MANY, 2.0);
+        let other_dev = up(g, &other);
+        let outs = Self::ROWS.iter().map(|&n| poisoned(g, n)).collect();
+        Q4kProducts {
+            host,
+            dev,
+            other,
+            other_dev,
+            outs,
+        }
+    }
+
+    /// Runs product `which` (0 matmul, 1 matmul_many, 2 gated, 3 gelu_matmul_mul, 4 matmul of
+    /// a short matrix) of the one row at `x`; returns its outputs.
+    fn run(&mut self, g: &CudaBackend, which: usize, x: &CudaBuffer) -> Vec<f32> {
+        let d = &self.dev;
+        let [o0, o1, o2, o3, o4, o5] = &mut self.outs[..] else {
+            unreachable!("six outputs")
+        };
+        match which {
+            0 => {
+                g.matmul(x, 1, &d[0], o0).unwrap();
+                down(g, o0, Self::MANY)
+            }
+            1 => {
+                let mut products = [(&d[1], &mut *o1), (&d[2], &mut *o2), (&d[3], &mut *o3)];
+                g.matmul_many(x, 1, &mut products).unwrap();
+                [(&*o1, 37), (&*o2, 9), (&*o3, 9)]
+                    .iter()
+                    .flat_map(|&(o, n)| down(g, o, n))
+                    .collect()
+            }
+            2 => {
+                g.gelu_gated_matmul(x, 1, &d[4], &d[5], Self::MANY, o4, o5)
+                    .unwrap();
+                down(g, o4, Self::MANY)
+            }
+            4 => {
+                g.matmul(x, 1, &d[1], o1).unwrap();
+                down(g, o1, 37)
+            }
+            _ => {
+                let from = Strided {
+                    offset: 0,
+                    stride: Self::MANY,
+                };
+                g.gelu_matmul_mul(x, 1, &d[0], Self::MANY, &self.other_dev, from, o0, o1)
+                    .unwrap();
+                down(g, o0, Self::MANY)
+            }
+        }
+    }
+
+    /// The CPU reference of `run(which)` for the activation row `x`.
+    fn want(&self, which: usize, x: &[f32]) -> Vec<f32> {
+        let xs = as_16_bit(x);
+        let mm = |i: usize| reference::matmul(&xs, 1, &self.host[i]).unwrap();
+        match which {
+            0 => mm(0),
+            1 => (1..4).flat_map(mm).collect(),
+            2 => reference::gelu_tanh_mul(&mm(4), &mm(5)),
+            3 => reference::gelu_tanh_mul(&mm(0), &self.other),
+            _ => mm(1),
+        }
+    }
+}
+
+#[test]
+fn q4k_tiles_from_norms_feed_one_token_q4k_products() {
+    let g = gpu_or_skip!();
+    let mut r = rng("q4k_tiles");
+    // One super-block; 17 and 33 (the short matrix's rows shared by 2 and 4 warps); 48 (a
+    // whole staged tile; the widest row a norm writes as tiles).
+    for k in [256, 4352, 8448, 12288] {
+        let mut p = Q4kProducts::new(g, &mut r, k);
+        let y = up(g, &uniform(&mut r, k, 3.0));
+        let h0 = uniform(&mut r, k, 2.0);
+        let w = g.load_vector(&uniform(&mut r, k, 1.0)).unwrap();
+        let (mut h, mut x) = (up(g, &h0), g.alloc(k).unwrap());
+        for which in 0..5 {
+            // A product of this kind first, so producers know how the next one reads.
+            p.run(g, which, &x);
+            // residual_norm's x, its h (no next norm), rms_norm's output: the product that
+            // takes the tiles equals the one that stages the same values itself, and the CPU
+            // reference on them.
+            // (residual_norm holds rows of up to 8 192 values.)
+            let first = if k <= 8192 { 0 } else { 2 };
+            for producer in first..3 {
+                let what = format!("k={k} product {which} producer {producer}");
+                let mut normed = Vec::new();
+                let taken = with_rounded_copy(g, || {
+                    g.write(&h0, &mut h).unwrap();
+                    match producer {
+                        0 => g.residual_norm(&y, &w, 1e-6, 1, k, &mut h, 1.0, Some((&w, &mut x))),
+                        1 => g.residual_norm(&y, &w, 1e-6, 1, k, &mut h, 0.5, None),
+                        _ => g.rms_norm(&y, Some(&w), 1e-6, 1, k, &mut x, NormOut::Write),
+                    }
+                    .unwrap();
+                    let src = if producer == 1 { &h } else { &x };
+                    let got = p.run(g, which, src);
+                    normed = down(g, src, k);
+                    got
+                });
+                let src = if producer == 1 { &h } else { &x };
+                let staged = p.run(g, which, src);
+                assert_close(&format!("{what}: tiles vs staged"), &taken, &staged, 1e-6);
+                assert_close(&what, &taken, &p.want(which, &normed), 2e-5);
+            }
+        }
     }
 }
 
