@@ -89,8 +89,9 @@ impl CudaBackend {
         let mut s = self.scratch()?;
         let len = layout.positions.len() * nh * hd;
         let round = self.round_target(&mut s, (layout.positions.len(), nh * hd), false)?;
-        let positions = self.upload_idx(layout.positions)?;
-        let tables = self.upload_idx(layout.block_tables)?;
+        let held = self.uploads()?;
+        let positions = self.upload_idx(&held, layout.positions)?;
+        let tables = self.upload_idx(&held, layout.block_tables)?;
         for seq in 0..layout.n_seqs() {
             let (r0, r1) = (
                 layout.seq_start[seq] as usize,

@@ -101,6 +101,10 @@ pub struct CudaBackend {
     err_host: Mutex<PinnedHostSlice<u32>>,
     /// RoPE frequency tables by (θ bits, linear factor bits, head_dim, rotated pairs).
     rope_tables: Mutex<HashMap<(u32, u32, usize, usize), CudaBuffer>>,
+    /// Held from a kernel's index uploads until the kernel is queued, and by a host wait before
+    /// it starts the next step (which recycles the step's index arena): no other thread's wait
+    /// can hand an uploaded array's place to another array before its reader is queued.
+    uploads: Mutex<()>,
     /// Grids of the grid-stride kernels: resident blocks of (name prefix, format, token-row
     /// variant) on the whole device, from the driver's occupancy.
     resident: Mutex<HashMap<(&'static str, GgmlType, u32), u32>>,
@@ -114,6 +118,11 @@ const RESIDUAL_NORM_FEW_ROWS: usize = 64;
 /// Widest row a norm writes as Q4_K tiles (common.cuh, `store_q4k_tiles`): the row passes
 /// through 4 bytes a value of shared memory, within the 48 KB a launch may ask for.
 const Q4K_TILES_MAX_DIM: usize = 12 * 1024;
+
+/// Proof of holding the backend's upload lock ([`CudaBackend::uploads`]).
+pub(crate) struct Uploads<'a> {
+    _guard: MutexGuard<'a, ()>,
+}
 
 pub(crate) fn need(what: &str, have: usize, want: usize) -> Result<()> {
     if have < want {
@@ -371,6 +380,7 @@ impl CudaBackend {
             err_host: Mutex::new(err_host),
             rope_tables: Mutex::new(HashMap::new()),
             resident: Mutex::new(HashMap::new()),
+            uploads: Mutex::new(()),
         })
     }
 
@@ -427,6 +437,7 @@ impl CudaBackend {
     /// until the next step has started, so no other thread queues work or waits on the stream
     /// while a step is captured.
     pub(crate) fn host_wait<T>(&self, copy: impl FnOnce() -> Result<T>) -> Result<T> {
+        let _uploads = self.uploads()?;
         let (out, flag) = {
             let mut steps = self.steps.lock()?;
             steps.finish_queueing()?;
@@ -489,8 +500,18 @@ impl CudaBackend {
         self.launch_fn(&self.kernels.func(m, name)?, grid, args)
     }
 
-    /// Copies `v` into the step's index arena; returns its device address.
-    pub(crate) fn upload_idx(&self, v: &[u32]) -> Result<u64> {
+    /// The right to upload index arrays (`upload_idx`) until the kernels reading them are
+    /// queued: hold it from the first upload to the last launch, and drop it before any read.
+    pub(crate) fn uploads(&self) -> Result<Uploads<'_>> {
+        self.uploads
+            .lock()
+            .map(|g| Uploads { _guard: g })
+            .map_err(|_| Error::Invalid("CUDA upload lock poisoned".into()))
+    }
+
+    /// Copies `v` into the step's index arena; returns its device address, valid until the
+    /// step's host wait.
+    pub(crate) fn upload_idx(&self, _held: &Uploads<'_>, v: &[u32]) -> Result<u64> {
         self.queue.bump();
         self.steps.lock()?.upload(v)
     }
@@ -1109,7 +1130,8 @@ impl Backend for CudaBackend {
         if tokens.is_empty() {
             return Ok(());
         }
-        let ids = self.upload_idx(tokens)?;
+        let held = self.uploads()?;
+        let ids = self.upload_idx(&held, tokens)?;
         let spans = blocks(table.cols.div_ceil(32), DEQUANT_THREADS);
         self.launch_fn(
             &self.kernels.func_for(Module::Ops, "embed", table.ty, 0)?,
@@ -1407,7 +1429,8 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         let freqs = self.rope_table(rope, head_dim)?;
-        let pos = self.upload_idx(positions)?;
+        let held = self.uploads()?;
+        let pos = self.upload_idx(&held, positions)?;
         let mut grid = Grid::new((int("heads", heads)? as u32, 1), 32);
         grid.shared = (head_dim * 4) as u32;
         self.run(
@@ -1467,8 +1490,9 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         let freqs = self.rope_table(rope, hd)?;
-        let pos = self.upload_idx(positions)?;
-        let sl = self.upload_idx(slots)?;
+        let held = self.uploads()?;
+        let pos = self.upload_idx(&held, positions)?;
+        let sl = self.upload_idx(&held, slots)?;
         let mut grid = Grid::new((int("heads", heads)? as u32, 1), 32);
         grid.shared = (hd * 4) as u32;
         self.run(
@@ -1510,7 +1534,8 @@ impl Backend for CudaBackend {
         if slots.is_empty() || row == 0 {
             return Ok(());
         }
-        let sl = self.upload_idx(slots)?;
+        let held = self.uploads()?;
+        let sl = self.upload_idx(&held, slots)?;
         self.run(
             Module::Ops,
             "write_kv",
@@ -1577,9 +1602,10 @@ impl Backend for CudaBackend {
         let chunk = max_vis.div_ceil(want).max(ATTN_MIN_CHUNK);
         let splits = max_vis.div_ceil(chunk);
         let mut s = self.scratch()?;
-        let pos = self.upload_idx(positions)?;
-        let seq_start = self.upload_idx(layout.seq_start)?;
-        let tables = self.upload_idx(layout.block_tables)?;
+        let held = self.uploads()?;
+        let pos = self.upload_idx(&held, positions)?;
+        let seq_start = self.upload_idx(&held, layout.seq_start)?;
+        let tables = self.upload_idx(&held, layout.block_tables)?;
         let part = if splits > 1 {
             s.floats.get(&self.dev.stream, rows * splits * (hd + 2))?
         } else {

@@ -126,7 +126,8 @@ impl CudaBackend {
         let mut s = self.scratch()?;
         let picks = s.picks.get(&self.dev.stream, rows)?;
         let bits: Vec<u32> = draws.iter().map(|u| u.to_bits()).collect();
-        let u = self.upload_idx(&bits)?;
+        let held = self.uploads()?;
+        let u = self.upload_idx(&held, &bits)?;
         self.run(
             Module::Sample,
             "sample_top_k_p",
@@ -141,6 +142,7 @@ impl CudaBackend {
                 Arg::U64(picks),
             ],
         )?;
+        drop(held);
         let out = self.finish_picks(picks, rows);
         drop(s);
         out
