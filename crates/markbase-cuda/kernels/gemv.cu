@@ -48,56 +48,10 @@ __device__ __forceinline__ float gemv_result(float acc, const float* mul, u64 mu
     return mul ? gelu_tanh(acc) * mul[(u64)t * mul_stride + r] : acc;
 }
 
-// One token row of Q4_K tiles `xt` (rounded.rs) times R Q4_K matrices of `rows` rows (R = 1: a
-// product, out[r] = gemv_result(x · w0_r); R = 2: a gated pair, out[r] = gelu_tanh(x · w0_r) ·
-// (x · w1_r)). The launch's warps walk the rows grid-stride (the host launches as many blocks
-// as are resident at once), each loading the next row's first weights before it finishes the
-// current row, so no warp's loads drain between rows and no block waits on a staging.
-template <int R>
-__device__ void q4k_tiles_walk(const u8* w0, const u8* w1, u64 row_bytes, int rows, int k,
-                               const uint4* xt, float* out, const float* mul,
-                               u64 mul_stride) {
-    int lane = threadIdx.x & 31, sub = lane & 7, nb = k >> 8, first = lane >> 3;
-    int stride = gridDim.x * (blockDim.x >> 5);
-    int r = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    const u8* base[2] = {w0, w1};
-    const u8* rw[R];
-#pragma unroll
-    for (int i = 0; i < R; i++) rw[i] = base[i] + (u64)r * row_bytes;
-    Q4kPair<R> p;
-    if (r < rows && first < nb) q4k_load_pair<R>(rw, nb, first, first + 4, sub, p.q, p.h);
-    wait_prior_grid();
-    for (; r < rows; r += stride) {
-        int rn = r + stride;
-        const u8* nw[R];
-        float acc[R][1];
-#pragma unroll
-        for (int i = 0; i < R; i++) {
-            nw[i] = base[i] + (u64)rn * row_bytes;
-            acc[i][0] = 0.f;
-        }
-        q4k_tiles_dot<R>(p, rw, nw, rn < rows, xt, nb, first, 4, sub, acc);
-#pragma unroll
-        for (int i = 0; i < R; i++) {
-            acc[i][0] = warp_sum(acc[i][0]);
-            rw[i] = nw[i];
-        }
-        if (lane == 0)
-            out[r] = R == 2 ? gelu_tanh(acc[0][0]) * acc[R - 1][0]
-                            : gemv_result(acc[0][0], mul, mul_stride, 0, r);
-    }
-}
-
 template <int FMT, int NT>
 __device__ void gemv_impl(const u8* w, u64 row_bytes, int rows, int k, const float* x, int nt,
                           float* out, int split, const float* mul, u64 mul_stride,
                           const uint4* xt) {
-    if constexpr (FMT == F_Q4_K && NT == 1) {
-        if (xt && split == 1) {
-            q4k_tiles_walk<1>(w, w, row_bytes, rows, k, xt, out, mul, mul_stride);
-            return;
-        }
-    }
     if (((FMT == F_F32 || FMT == F_F16 || FMT == F_BF16) && (k & 7) == 0) || FMT == F_Q4_K) {
         __shared__ float part_sums[8][NT];
         int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -152,16 +106,42 @@ __device__ void gemv_impl(const u8* w, u64 row_bytes, int rows, int k, const flo
     }
 }
 
+// gemv_gelu_impl of one token row of Q4_K tiles `xt` (rounded.rs) over Q4_K weights: the
+// launch's warps walk the row pairs grid-stride (the host launches as many blocks as are
+// resident at once), each loading the next pair's first weights before it finishes the
+// current pair, so no warp's loads drain between rows and no block waits on a staging. (The
+// same walk over a plain product's rows measured slower on the H200: docs/perf.md, session 24.)
+__device__ void gemv_gelu_q4k_tiles(const u8* wg, const u8* wu, u64 row_bytes, int rows, int k,
+                                    const uint4* xt, float* out) {
+    int lane = threadIdx.x & 31, sub = lane & 7, nb = k >> 8, first = lane >> 3;
+    int stride = gridDim.x * (blockDim.x >> 5);
+    int r = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const u8* rw[2] = {wg + (u64)r * row_bytes, wu + (u64)r * row_bytes};
+    Q4kPair<2> p;
+    if (r < rows && first < nb) q4k_load_pair<2>(rw, nb, first, first + 4, sub, p.q, p.h);
+    wait_prior_grid();
+    for (; r < rows; r += stride) {
+        int rn = r + stride;
+        const u8* nw[2] = {wg + (u64)rn * row_bytes, wu + (u64)rn * row_bytes};
+        float acc[2][1] = {{0.f}, {0.f}};
+        q4k_tiles_dot<2>(p, rw, nw, rn < rows, xt, nb, first, 4, sub, acc);
+        float g = warp_sum(acc[0][0]), u = warp_sum(acc[1][0]);
+        if (lane == 0) out[r] = gelu_tanh(g) * u;
+        rw[0] = nw[0];
+        rw[1] = nw[1];
+    }
+}
+
 // The gated feed-forward's first half for up to 8 token rows: out[t, r] =
 // gelu_tanh(x_t · gate_r) · (x_t · up_r), one warp per row pair (gate and up share the
 // stored format and row length), so one launch replaces two GEMVs and the elementwise pass.
-// One token row of Q4_K tiles takes q4k_tiles_walk.
+// One token row of Q4_K tiles takes gemv_gelu_q4k_tiles.
 template <int FMT, int NT>
 __device__ void gemv_gelu_impl(const u8* wg, const u8* wu, u64 row_bytes, int rows, int k,
                                const float* x, int nt, float* out, const uint4* xt) {
     if constexpr (FMT == F_Q4_K && NT == 1) {
         if (xt) {
-            q4k_tiles_walk<2>(wg, wu, row_bytes, rows, k, xt, out, nullptr, 0);
+            gemv_gelu_q4k_tiles(wg, wu, row_bytes, rows, k, xt, out);
             return;
         }
     }

@@ -116,8 +116,9 @@ const RESIDUAL_NORM_MAX_DIM: usize = 8 * 1024;
 /// Row counts up to which `residual_norm` takes more threads a row (decode steps).
 const RESIDUAL_NORM_FEW_ROWS: usize = 64;
 /// Widest row a norm writes as Q4_K tiles (common.cuh, `store_q4k_tiles`): the row passes
-/// through 4 bytes a value of shared memory, within the 48 KB a launch may ask for.
-const Q4K_TILES_MAX_DIM: usize = 12 * 1024;
+/// through 4 bytes a value of shared memory (32 KB here; a launch may ask for 48 KB with the
+/// kernels' static arrays).
+const Q4K_TILES_MAX_DIM: usize = 8 * 1024;
 
 /// Proof of holding the backend's upload lock ([`CudaBackend::uploads`]).
 pub(crate) struct Uploads<'a> {
@@ -534,15 +535,9 @@ impl CudaBackend {
         let tiles = self.gemv_q4k_tiles(&mut s, x, n, w);
         for (t0, nt, variant) in gemv_launches(n) {
             let f = self.kernels.func_for(Module::Gemv, "gemv", w.ty, variant)?;
-            let mut grid = blocks(w.rows * split, warps);
-            if tiles != 0 && split == 1 {
-                // Its warps walk the rows (gemv.cu, q4k_tiles_walk).
-                let key = ("gemv", w.ty, variant);
-                grid = grid.min(self.resident_blocks(key, &f, 32 * warps as u32)?);
-            }
             self.launch_fn(
                 &f,
-                Grid::new((grid, 1), 32 * warps as u32),
+                Grid::new((blocks(w.rows * split, warps), 1), 32 * warps as u32),
                 &[
                     Arg::U64(w.ptr),
                     Arg::U64(w.row_bytes as u64),
@@ -953,7 +948,7 @@ impl CudaBackend {
 
     /// Blocks of `threads` threads of `f` (kernel `key`, no dynamic shared memory) the whole
     /// device holds at once: the grid of a kernel whose warps walk its rows grid-stride
-    /// (gemv.cu, `q4k_tiles_walk`).
+    /// (gemv.cu, `gemv_gelu_q4k_tiles`).
     fn resident_blocks(
         &self,
         key: (&'static str, GgmlType, u32),
@@ -1356,7 +1351,7 @@ impl Backend for CudaBackend {
                 .func_for(Module::Gemv, "gemv_gelu", gate.ty, variant)?;
             let mut grid = blocks(ff, warps);
             if tiles != 0 {
-                // Its warps walk the row pairs (gemv.cu, q4k_tiles_walk).
+                // Its warps walk the row pairs (gemv.cu, gemv_gelu_q4k_tiles).
                 let key = ("gemv_gelu", gate.ty, variant);
                 grid = grid.min(self.resident_blocks(key, &f, 32 * warps as u32)?);
             }

@@ -1443,10 +1443,10 @@ struct Q4kProducts {
 }
 
 impl Q4kProducts {
-    /// Rows of the product and the gated pair: more than the warps of their kernels on tiles
-    /// (3 and 2 resident blocks of 8 warps a multiprocessor: 3 168 and 2 112 on an H200), so
-    /// warps walk several rows.
-    const MANY: usize = 4500;
+    /// Rows of the long product and the gated pair: more than the gated kernel's warps on
+    /// tiles (2 resident blocks of 8 warps a multiprocessor: 2 112 on an H200), so its warps
+    /// walk several row pairs.
+    const MANY: usize = 3000;
     const ROWS: [usize; 6] = [Self::MANY, 37, 9, 9, Self::MANY, Self::MANY];
 
     fn new(g: &CudaBackend, r: &mut StdRng, k: usize) -> Q4kProducts {
@@ -1526,9 +1526,9 @@ impl Q4kProducts {
 fn q4k_tiles_from_norms_feed_one_token_q4k_products() {
     let g = gpu_or_skip!();
     let mut r = rng("q4k_tiles");
-    // One super-block; 17 and 33 (the short matrix's rows shared by 2 and 4 warps); 48 (a
-    // whole staged tile; the widest row a norm writes as tiles).
-    for k in [256, 4352, 8448, 12288] {
+    // One super-block; 17 and 32 (the short matrix's rows shared by 2 and 4 warps; 32 the
+    // widest row a norm writes as tiles).
+    for k in [256, 4352, 8192] {
         let mut p = Q4kProducts::new(g, &mut r, k);
         let y = up(g, &uniform(&mut r, k, 3.0));
         let h0 = uniform(&mut r, k, 2.0);
@@ -1540,9 +1540,7 @@ fn q4k_tiles_from_norms_feed_one_token_q4k_products() {
             // residual_norm's x, its h (no next norm), rms_norm's output: the product that
             // takes the tiles equals the one that stages the same values itself, and the CPU
             // reference on them.
-            // (residual_norm holds rows of up to 8 192 values.)
-            let first = if k <= 8192 { 0 } else { 2 };
-            for producer in first..3 {
+            for producer in 0..3 {
                 let what = format!("k={k} product {which} producer {producer}");
                 let mut normed = Vec::new();
                 let taken = with_rounded_copy(g, || {
