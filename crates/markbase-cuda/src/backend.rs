@@ -1224,7 +1224,11 @@ impl Backend for CudaBackend {
         let (w2, x) = next.map_or((0, 0), |(w2, x)| (w2.ptr, x.ptr));
         let out = if w2 == 0 { h.ptr } else { x };
         let mut s = self.scratch()?;
-        let round = self.round_target(&mut s, (n, dim), dim <= Q4K_TILES_MAX_DIM)?;
+        // Q4_K tiles only of a next norm's output (q/k/v, gate/up ahead): the product after a
+        // bare residual (Gemma 4's PLE gate, 32 blocks) stages its row cheaply (docs/perf.md,
+        // session 24).
+        let tiles = w2 != 0 && dim <= Q4K_TILES_MAX_DIM;
+        let round = self.round_target(&mut s, (n, dim), tiles)?;
         self.run(
             Module::Ops,
             "residual_norm",

@@ -1537,27 +1537,25 @@ fn q4k_tiles_from_norms_feed_one_token_q4k_products() {
         for which in 0..5 {
             // A product of this kind first, so producers know how the next one reads.
             p.run(g, which, &x);
-            // residual_norm's x, its h (no next norm), rms_norm's output: the product that
-            // takes the tiles equals the one that stages the same values itself, and the CPU
-            // reference on them.
-            for producer in 0..3 {
-                let what = format!("k={k} product {which} producer {producer}");
+            // residual_norm's x and rms_norm's output (residual_norm without a next norm
+            // writes no tiles): the product that takes the tiles equals the one that stages
+            // the same values itself, and the CPU reference on them.
+            for with_residual in [true, false] {
+                let what = format!("k={k} product {which} residual_norm {with_residual}");
                 let mut normed = Vec::new();
                 let taken = with_rounded_copy(g, || {
                     g.write(&h0, &mut h).unwrap();
-                    match producer {
-                        0 => g.residual_norm(&y, &w, 1e-6, 1, k, &mut h, 1.0, Some((&w, &mut x))),
-                        1 => g.residual_norm(&y, &w, 1e-6, 1, k, &mut h, 0.5, None),
-                        _ => g.rms_norm(&y, Some(&w), 1e-6, 1, k, &mut x, NormOut::Write),
+                    if with_residual {
+                        g.residual_norm(&y, &w, 1e-6, 1, k, &mut h, 1.0, Some((&w, &mut x)))
+                    } else {
+                        g.rms_norm(&y, Some(&w), 1e-6, 1, k, &mut x, NormOut::Write)
                     }
                     .unwrap();
-                    let src = if producer == 1 { &h } else { &x };
-                    let got = p.run(g, which, src);
-                    normed = down(g, src, k);
+                    let got = p.run(g, which, &x);
+                    normed = down(g, &x, k);
                     got
                 });
-                let src = if producer == 1 { &h } else { &x };
-                let staged = p.run(g, which, src);
+                let staged = p.run(g, which, &x);
                 assert_close(&format!("{what}: tiles vs staged"), &taken, &staged, 1e-6);
                 assert_close(&what, &taken, &p.want(which, &normed), 2e-5);
             }
