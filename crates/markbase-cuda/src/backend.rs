@@ -361,6 +361,9 @@ impl CudaBackend {
         let blas = Blas::new(&dev.stream, queue.clone())?.map(Arc::new);
         let graphs = std::env::var("MARKBASE_CUDA_GRAPHS").map_or(true, |v| v != "0");
         let steps = Steps::new(&dev.stream, blas.clone(), graphs)?;
+        if let Some(blas) = &blas {
+            blas.attach(&steps);
+        }
         let err = CudaBuffer::zeroed(&dev.stream, &steps, 1)?;
         // SAFETY: plain page-locked host memory, written only by copies from the device.
         let err_host = unsafe { dev.ctx.alloc_pinned_with_flags::<u32>(1, 0) }

@@ -11,13 +11,14 @@
 
 use std::collections::HashMap;
 use std::ffi::c_void;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::cublaslt::{result as lt, sys};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use markbase_core::{Error, Result};
 use sys::cublasLtMatmulAlgoConfigAttributes_t as ConfigAttr;
 
+use crate::graph::{Steps, WeakSteps};
 use crate::nvrtc::ensure_library;
 use crate::rounded::QueueCount;
 use crate::tune;
@@ -239,6 +240,8 @@ pub(crate) struct Blas {
     stream: Arc<CudaStream>,
     queue: QueueCount,
     tune: Tune,
+    /// The backend's step recorder (which holds this), held while a shape is timed (`call`).
+    steps: OnceLock<WeakSteps>,
 }
 
 // SAFETY: the handle and plans are only used under the backend's operations, which queue on
@@ -286,6 +289,7 @@ impl Blas {
             stream: stream.clone(),
             queue,
             tune: Tune::from_env(),
+            steps: OnceLock::new(),
         }))
     }
 
@@ -623,10 +627,31 @@ impl Blas {
         Ok(self.call(shape, [w[0], x, out[0]]).ok())
     }
 
+    /// Gives the backend's step recorder, which timing a shape holds (`call`).
+    pub(crate) fn attach(&self, steps: &Steps) {
+        let _ = self.steps.set(steps.downgrade());
+    }
+
     /// The product of `shape` on `[A, B, C]`, planned now if it is the shape's first.
     fn call(&self, shape: Shape, ptrs: [u64; 3]) -> Result<GemmCall> {
         let tune = self.tune != Tune::Off && shape.b.cols <= TUNE_MAX_ROWS;
-        self.plan_in(&mut *self.plans()?, shape, tune.then_some(ptrs))?;
+        let new = !self.plans()?.contains_key(&shape);
+        match self.steps.get().and_then(WeakSteps::upgrade) {
+            Some(steps) if tune && new => {
+                // Timing queues products, copies and waits on the backend's stream outside
+                // the recorder: with it locked (before the plans: the recorder's issuing
+                // takes them in that order) no other thread captures a step meanwhile —
+                // its capture would take in the timing's work, or fail — and whatever it
+                // held back for a graph goes first.
+                steps.lock()?.foreign(|| {
+                    self.plan_in(&mut *self.plans()?, shape, Some(ptrs))
+                        .map(|_| ())
+                })?;
+            }
+            _ => {
+                self.plan_in(&mut *self.plans()?, shape, tune.then_some(ptrs))?;
+            }
+        }
         // Counted when asked for (it may be issued later, or again under capture).
         self.queue.bump();
         Ok(GemmCall { shape, ptrs })

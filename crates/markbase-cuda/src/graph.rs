@@ -24,7 +24,7 @@
 //! keys mean equal places, and a replay copies what the step placed so far to the device
 //! before each segment.
 
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use cudarc::driver::{sys, CudaGraph, CudaSlice, CudaStream, PinnedHostSlice};
 use markbase_core::{Error, Result};
@@ -305,7 +305,22 @@ unsafe impl Send for Recorder {}
 #[derive(Clone)]
 pub(crate) struct Steps(Arc<Mutex<Recorder>>);
 
+/// A [`Steps`] that does not keep the recorder alive (for cuBLASLt, which the recorder holds).
+pub(crate) struct WeakSteps(Weak<Mutex<Recorder>>);
+
+impl WeakSteps {
+    /// The recorder, if the backend still has it.
+    pub(crate) fn upgrade(&self) -> Option<Steps> {
+        self.0.upgrade().map(Steps)
+    }
+}
+
 impl Steps {
+    /// A reference that does not keep the recorder alive.
+    pub(crate) fn downgrade(&self) -> WeakSteps {
+        WeakSteps(Arc::downgrade(&self.0))
+    }
+
     /// A recorder queueing on `stream`; graphs on if `enabled`.
     pub(crate) fn new(
         stream: &Arc<CudaStream>,
