@@ -212,9 +212,21 @@ pub fn cache_key(src: &str, target: Target, nvrtc: (i32, i32)) -> String {
         .collect()
 }
 
+/// A temporary file beside the cache file `f`, unique to this process and call: two threads
+/// of one process storing the same unit (two backends starting at once) each write their own
+/// and rename it, so no reader sees a file another writer is still filling.
+fn cache_tmp(f: &Path) -> PathBuf {
+    static WRITES: AtomicUsize = AtomicUsize::new(0);
+    let n = WRITES.fetch_add(1, Ordering::Relaxed);
+    let name = f
+        .file_name()
+        .map_or_else(Default::default, |s| s.to_string_lossy());
+    f.with_file_name(format!(".{name}.{}.{n}.tmp", std::process::id()))
+}
+
 /// `compile`, through the disk cache: a hit skips NVRTC; a miss compiles and stores the result
-/// (write to a temporary file, then rename, so concurrent processes never read a torn file).
-/// Cache failures only cost a recompile.
+/// (written to a temporary file of its own, then renamed, so concurrent processes and threads
+/// never read a torn file). Cache failures only cost a recompile.
 pub fn compile_cached(name: &str, src: &str, target: Target) -> Result<Vec<u8>> {
     let ver = version()?;
     let key = cache_key(src, target, ver);
@@ -230,9 +242,9 @@ pub fn compile_cached(name: &str, src: &str, target: Target) -> Result<Vec<u8>> 
     if let Some(f) = &file {
         if let Some(dir) = f.parent() {
             let _ = std::fs::create_dir_all(dir);
-            let tmp = dir.join(format!(".{name}-{key}.{}.tmp", std::process::id()));
-            if std::fs::write(&tmp, &bytes).is_ok() {
-                let _ = std::fs::rename(&tmp, f);
+            let tmp = cache_tmp(f);
+            if std::fs::write(&tmp, &bytes).is_ok() && std::fs::rename(&tmp, f).is_err() {
+                let _ = std::fs::remove_file(&tmp);
             }
         }
     }
@@ -266,4 +278,22 @@ pub fn on_every_core<T: Sync, R: Send>(items: &[T], f: impl Fn(&T) -> R + Sync) 
     });
     done.sort_by_key(|(i, _)| *i);
     done.into_iter().map(|(_, r)| r).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cache_writes_each_take_a_temporary_file_of_their_own() {
+        let f = Path::new("/cache/gemv-abc.bin");
+        let (a, b) = (cache_tmp(f), cache_tmp(f));
+        assert_ne!(a, b, "two writes of one unit share a temporary file");
+        assert_eq!(a.parent(), f.parent());
+        let name = a.file_name().unwrap().to_string_lossy().into_owned();
+        assert!(
+            name.starts_with(".gemv-abc.bin.") && name.ends_with(".tmp"),
+            "{name}"
+        );
+    }
 }
