@@ -243,7 +243,10 @@ pub fn compile_cached(name: &str, src: &str, target: Target) -> Result<Vec<u8>> 
         if let Some(dir) = f.parent() {
             let _ = std::fs::create_dir_all(dir);
             let tmp = cache_tmp(f);
-            if std::fs::write(&tmp, &bytes).is_ok() && std::fs::rename(&tmp, f).is_err() {
+            if std::fs::write(&tmp, &bytes)
+                .and_then(|()| std::fs::rename(&tmp, f))
+                .is_err()
+            {
                 let _ = std::fs::remove_file(&tmp);
             }
         }

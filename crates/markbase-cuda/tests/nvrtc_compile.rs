@@ -204,4 +204,28 @@ fn every_kernel_module_compiles_to_ptx_for_compute_90() {
     )
     .expect_err("a broken kernel must not compile");
     assert!(err.to_string().contains("undefined_name"), "{err}");
+    // The disk cache, stored by four threads at once (two backends starting together): each
+    // gets the compiled code, and one whole file stays, with no temporary file left.
+    let cache = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("nvrtc-cache-check");
+    let _ = std::fs::remove_dir_all(&cache);
+    std::env::set_var("MARKBASE_CUDA_CACHE", &cache);
+    let src = "extern \"C\" __global__ void k(float* x) { x[threadIdx.x] += 1.f; }";
+    let want = nvrtc::compile("cache-check", src, Target::Ptx(90)).unwrap();
+    let got = nvrtc::on_every_core(&[0, 1, 2, 3], |_| {
+        nvrtc::compile_cached("cache-check", src, Target::Ptx(90)).unwrap()
+    });
+    assert!(got.iter().all(|g| g == &want), "a cached compile differs");
+    let files: Vec<String> = std::fs::read_dir(&cache)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(files.len(), 1, "cache files: {files:?}");
+    assert!(files[0].ends_with(".bin"), "cache files: {files:?}");
+    assert_eq!(
+        std::fs::read(cache.join(&files[0])).unwrap(),
+        want,
+        "the cached file is not the compiled code"
+    );
+    let again = nvrtc::compile_cached("cache-check", src, Target::Ptx(90)).unwrap();
+    assert_eq!(again, want, "a cache hit differs");
 }
