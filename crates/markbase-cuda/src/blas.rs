@@ -635,22 +635,19 @@ impl Blas {
     /// The product of `shape` on `[A, B, C]`, planned now if it is the shape's first.
     fn call(&self, shape: Shape, ptrs: [u64; 3]) -> Result<GemmCall> {
         let tune = self.tune != Tune::Off && shape.b.cols <= TUNE_MAX_ROWS;
-        let new = !self.plans()?.contains_key(&shape);
+        let plan = || {
+            self.plan_in(&mut *self.plans()?, shape, tune.then_some(ptrs))
+                .map(|_| ())
+        };
+        let timed = tune && !self.plans()?.contains_key(&shape);
         match self.steps.get().and_then(WeakSteps::upgrade) {
-            Some(steps) if tune && new => {
-                // Timing queues products, copies and waits on the backend's stream outside
-                // the recorder: with it locked (before the plans: the recorder's issuing
-                // takes them in that order) no other thread captures a step meanwhile —
-                // its capture would take in the timing's work, or fail — and whatever it
-                // held back for a graph goes first.
-                steps.lock()?.foreign(|| {
-                    self.plan_in(&mut *self.plans()?, shape, Some(ptrs))
-                        .map(|_| ())
-                })?;
-            }
-            _ => {
-                self.plan_in(&mut *self.plans()?, shape, tune.then_some(ptrs))?;
-            }
+            // Timing queues products, copies and waits on the backend's stream outside the
+            // recorder: with it locked (before the plans: the recorder's issuing takes them
+            // in that order) no other thread captures a step meanwhile — its capture would
+            // take in the timing's work, or fail — and whatever it held back for a graph
+            // goes first.
+            Some(steps) if timed => steps.lock()?.foreign(plan)?,
+            _ => plan()?,
         }
         // Counted when asked for (it may be issued later, or again under capture).
         self.queue.bump();
