@@ -7,7 +7,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use cudarc::driver::{CudaFunction, PinnedHostSlice};
+use cudarc::driver::CudaFunction;
 use markbase_core::backend::{
     first_visible_key, AttnSpec, Backend, HostMatrix, KvLayout, NormOut, Rope, Strided, ValueRows,
 };
@@ -18,6 +18,7 @@ use crate::attention_flash::{attention_flash_suits, flash_kernel};
 use crate::blas::{Blas, GemmCall, GemmInput, GemmOutput};
 use crate::buffer::{CudaBuffer, CudaMatrix, Growable};
 use crate::device::{driver_err, Device};
+use crate::device_wide::Pinned;
 use crate::graph::{DeviceCopy, Op, Steps};
 use crate::kernels::{Arg, AttnArgs, Grid, Kernels, Launch, ProductArgs, MAX_PRODUCTS};
 use crate::rounded::{CopyForm, QueueCount, RoundTarget, RoundedCopy, ROUND_Q4K_TILES};
@@ -98,7 +99,7 @@ pub struct CudaBackend {
     pub(crate) queue: QueueCount,
     /// Error word raised by kernels (see common.cuh), checked at each `read`.
     err: CudaBuffer,
-    err_host: Mutex<PinnedHostSlice<u32>>,
+    err_host: Mutex<Pinned>,
     /// RoPE frequency tables by (θ bits, linear factor bits, head_dim, rotated pairs).
     rope_tables: Mutex<HashMap<(u32, u32, usize, usize), CudaBuffer>>,
     /// Held from a kernel's index uploads until the kernel is queued, and by a host wait before
@@ -108,6 +109,15 @@ pub struct CudaBackend {
     /// Grids of the grid-stride kernels: resident blocks of (name prefix, format, token-row
     /// variant) on the whole device, from the driver's occupancy.
     resident: Mutex<HashMap<(&'static str, GgmlType, u32), u32>>,
+}
+
+impl Drop for CudaBackend {
+    /// Waits for the stream's work before the fields go (kernel modules, cuBLASLt, buffers): a
+    /// module unloaded under a kernel still running faults it, and the fault stays on the
+    /// context that every backend of the process shares.
+    fn drop(&mut self) {
+        let _ = self.dev.stream.synchronize();
+    }
 }
 
 /// Widest row `residual_norm` holds in registers: 1 024 threads of
@@ -365,9 +375,8 @@ impl CudaBackend {
             blas.attach(&steps);
         }
         let err = CudaBuffer::zeroed(&dev.stream, &steps, 1)?;
-        // SAFETY: plain page-locked host memory, written only by copies from the device.
-        let err_host = unsafe { dev.ctx.alloc_pinned_with_flags::<u32>(1, 0) }
-            .map_err(|e| driver_err("pinned allocation", e))?;
+        // Written only by copies from the device.
+        let err_host = Pinned::alloc(&dev.ctx, 1)?;
         Ok(CudaBackend {
             dev,
             kernels,
@@ -454,7 +463,7 @@ impl CudaBackend {
                 .ok_or_else(|| Error::Invalid("CUDA error word".into()))?;
             self.dev
                 .stream
-                .memcpy_dtoh(&word, &mut *host)
+                .memcpy_dtoh(&word, &mut **host)
                 .map_err(|e| driver_err("error word copy", e))?;
             let out = self.dev.wait(copy);
             let flag = host.as_slice().map(|w| w[0]);

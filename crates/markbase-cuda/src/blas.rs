@@ -18,6 +18,7 @@ use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use markbase_core::{Error, Result};
 use sys::cublasLtMatmulAlgoConfigAttributes_t as ConfigAttr;
 
+use crate::device_wide::device_wide;
 use crate::graph::{Steps, WeakSteps};
 use crate::nvrtc::ensure_library;
 use crate::rounded::QueueCount;
@@ -255,6 +256,7 @@ impl Drop for Blas {
         if let Ok(mut plans) = self.plans.lock() {
             plans.clear();
         }
+        let _held = device_wide();
         // SAFETY: the handle was created by `new` and is destroyed once, after its plans.
         unsafe {
             let _ = lt::destroy_handle(self.handle);
@@ -275,8 +277,10 @@ impl Blas {
         {
             return Ok(None);
         }
-        let handle =
-            lt::create_handle().map_err(|e| Error::Unsupported(format!("cuBLASLt: {e:?}")))?;
+        let handle = {
+            let _held = device_wide();
+            lt::create_handle().map_err(|e| Error::Unsupported(format!("cuBLASLt: {e:?}")))?
+        };
         let workspace = stream
             .alloc_zeros::<u8>(WORKSPACE_BYTES)
             .map_err(|e| Error::Unsupported(format!("cuBLASLt workspace: {e:?}")))?;

@@ -26,11 +26,12 @@
 
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
-use cudarc::driver::{sys, CudaGraph, CudaSlice, CudaStream, PinnedHostSlice};
+use cudarc::driver::{sys, CudaGraph, CudaSlice, CudaStream};
 use markbase_core::{Error, Result};
 
 use crate::blas::{Blas, GemmCall};
 use crate::device::driver_err;
+use crate::device_wide::{capturing, Pinned};
 use crate::kernels::Launch;
 
 /// Graphs kept; the one replayed longest ago goes first.
@@ -203,7 +204,7 @@ struct StepGraph {
 
 /// The host side of a step's index arrays and their device copy.
 struct Arena {
-    host: PinnedHostSlice<u32>,
+    host: Pinned,
     host_ptr: *mut u32,
     _dev: CudaSlice<u32>,
     dev_ptr: u64,
@@ -214,15 +215,13 @@ struct Arena {
     /// (host address of the caller's array, offset, length) of each array placed this step.
     places: Vec<(usize, usize, usize)>,
     /// Earlier host buffers, kept until the step's wait (copies from them may be queued).
-    retired: Vec<PinnedHostSlice<u32>>,
+    retired: Vec<Pinned>,
 }
 
 impl Arena {
     fn new(stream: &Arc<CudaStream>, cap: usize) -> Result<Arena> {
-        // SAFETY: plain page-locked memory (not write-combined: the host compares arrays in
-        // it); written before it is read.
-        let mut host = unsafe { stream.context().alloc_pinned_with_flags::<u32>(cap, 0) }
-            .map_err(|e| driver_err("pinned allocation", e))?;
+        // Plain page-locked memory (not write-combined: the host compares arrays in it).
+        let mut host = Pinned::alloc(stream.context(), cap)?;
         let host_ptr = host
             .as_mut_ptr()
             .map_err(|e| driver_err("pinned allocation", e))?;
@@ -582,6 +581,7 @@ impl Recorder {
     fn record_segments(&mut self) -> Result<Vec<CudaGraph>> {
         self.issued = 0;
         let mut segments = Vec::new();
+        let _capturing = capturing();
         while self.issued < self.ops.len() {
             let end = (self.issued + SEGMENT_OPS).min(self.ops.len());
             let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;

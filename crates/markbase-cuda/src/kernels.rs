@@ -13,6 +13,7 @@ use markbase_core::{Error, Result};
 use crate::backend::format_suffix;
 
 use crate::device::driver_err;
+use crate::device_wide::device_wide;
 use crate::nvrtc::{self, Target};
 use crate::sources::{Module, Unit};
 
@@ -24,6 +25,22 @@ pub(crate) struct Kernels {
     format_funcs: Mutex<HashMap<(&'static str, GgmlType, u32), CudaFunction>>,
     /// Kernels whose dynamic shared memory limit has been raised.
     shared_raised: Mutex<HashSet<&'static str>>,
+}
+
+impl Drop for Kernels {
+    /// Unloads the modules (the kernels hold them too) under `device_wide`.
+    fn drop(&mut self) {
+        let _held = device_wide();
+        self.funcs
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
+        self.format_funcs
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
+        self.units.clear();
+    }
 }
 
 /// Dynamic shared memory a block may have without raising the kernel's limit.
@@ -40,6 +57,7 @@ impl Kernels {
             nvrtc::compile_cached(&u.name(), &u.source(&defines), Target::Cubin(cc))
         });
         let mut units = HashMap::new();
+        let _held = device_wide();
         for (unit, image) in all.into_iter().zip(images) {
             let module = ctx
                 .load_module(Ptx::from_binary(image?))
@@ -70,10 +88,13 @@ impl Kernels {
         if let Some(f) = funcs.get(name) {
             return Ok(f.clone());
         }
-        let f = self
-            .unit(Unit::holding(m, None))?
+        let unit = self.unit(Unit::holding(m, None))?;
+        // A first lookup may load the kernel's code (lazy loading): see device_wide.rs.
+        let held = device_wide();
+        let f = unit
             .load_function(name)
             .map_err(|e| driver_err(&format!("kernel {name}"), e))?;
+        drop(held);
         funcs.insert(name, f.clone());
         Ok(f)
     }
@@ -129,10 +150,12 @@ impl Kernels {
         } else {
             format!("{prefix}_{suffix}")
         };
-        let f = self
-            .unit(Unit::holding(m, Some(suffix)))?
+        let unit = self.unit(Unit::holding(m, Some(suffix)))?;
+        let held = device_wide();
+        let f = unit
             .load_function(&name)
             .map_err(|e| driver_err(&format!("kernel {name}"), e))?;
+        drop(held);
         funcs.insert(key, f.clone());
         Ok(f)
     }

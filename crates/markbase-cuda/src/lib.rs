@@ -17,6 +17,7 @@ mod backend;
 mod blas;
 mod buffer;
 pub mod device;
+mod device_wide;
 mod ffn;
 mod graph;
 mod kernels;
