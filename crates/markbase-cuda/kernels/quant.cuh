@@ -283,6 +283,22 @@ __device__ __forceinline__ void float_row_part(const u8* row, const float* x, in
     for (int t = 0; t < NT; t++) acc[t] = warp_sum(acc[t]);
 }
 
+// Adds group g's products to both rows' sums: a[t] += wa · x_t, b[t] += wb · x_t (t < nt),
+// the group's activations loaded once for the two.
+template <int NT>
+__device__ __forceinline__ void pair_group_fma(const float* wa, const float* wb, const float* x,
+                                               int k, int nt, int g, float* a, float* b) {
+#pragma unroll
+    for (int t = 0; t < NT; t++) {
+        if (t < nt) {
+            const float4* xp = (const float4*)(x + (u64)t * k) + 2 * g;
+            float4 x0 = __ldg(xp), x1 = __ldg(xp + 1);
+            a[t] = fma8(wa, x0, x1, a[t]);
+            b[t] = fma8(wb, x0, x1, b[t]);
+        }
+    }
+}
+
 // Groups of each row float_row_pair loads before using any.
 #ifndef GEMV_PAIR_UNROLL
 #define GEMV_PAIR_UNROLL 2
@@ -312,31 +328,14 @@ __device__ __forceinline__ void float_row_pair(const u8* row_a, const u8* row_b,
             load_group<FMT>(row_b, g + u * WARP, wb[u]);
         }
 #pragma unroll
-        for (int u = 0; u < GEMV_PAIR_UNROLL; u++) {
-#pragma unroll
-            for (int t = 0; t < NT; t++) {
-                if (t < nt) {
-                    const float4* xp = (const float4*)(x + (u64)t * k) + 2 * (g + u * WARP);
-                    float4 x0 = __ldg(xp), x1 = __ldg(xp + 1);
-                    a[t] = fma8(wa[u], x0, x1, a[t]);
-                    b[t] = fma8(wb[u], x0, x1, b[t]);
-                }
-            }
-        }
+        for (int u = 0; u < GEMV_PAIR_UNROLL; u++)
+            pair_group_fma<NT>(wa[u], wb[u], x, k, nt, g + u * WARP, a, b);
     }
     for (; g < groups; g += WARP) {
         float wa[8], wb[8];
         load_group<FMT>(row_a, g, wa);
         load_group<FMT>(row_b, g, wb);
-#pragma unroll
-        for (int t = 0; t < NT; t++) {
-            if (t < nt) {
-                const float4* xp = (const float4*)(x + (u64)t * k) + 2 * g;
-                float4 x0 = __ldg(xp), x1 = __ldg(xp + 1);
-                a[t] = fma8(wa, x0, x1, a[t]);
-                b[t] = fma8(wb, x0, x1, b[t]);
-            }
-        }
+        pair_group_fma<NT>(wa, wb, x, k, nt, g, a, b);
     }
 #pragma unroll
     for (int t = 0; t < NT; t++) {

@@ -3,12 +3,12 @@
 //! A stream capture fails (`CUDA_ERROR_STREAM_CAPTURE_INVALIDATED`) when, meanwhile, another
 //! thread makes a call that waits for every stream of the context: loading or unloading a
 //! module, creating or destroying a cuBLASLt handle, allocating or freeing page-locked host
-//! memory. One
-//! backend never does both at once (its recorder's lock orders them), but a process may hold
-//! several backends on one device, all on its primary context, each driven from its own
-//! thread (the GPU tests do; docs/perf.md, sessions 24–26). So captures hold [`capturing`]
-//! (shared: captures of several backends may overlap) and those calls hold [`device_wide`]
-//! (exclusive): neither starts while the other runs. Nothing that holds one takes the other.
+//! memory, looking a kernel up (which may load its code). One backend never does both at once
+//! (its recorder's lock orders them), but a process may hold several backends on one device,
+//! all on its primary context, each driven from its own thread (the GPU tests do;
+//! docs/perf.md, sessions 24–27). So captures hold [`capturing`] (shared: captures of several
+//! backends may overlap) and those calls hold [`device_wide`] (exclusive): neither starts
+//! while the other runs. Nothing that holds one takes the other.
 
 use std::mem::ManuallyDrop;
 use std::ops::{Deref, DerefMut};

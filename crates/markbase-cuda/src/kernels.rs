@@ -43,6 +43,15 @@ impl Drop for Kernels {
     }
 }
 
+/// Kernel `name` of `module`, looked up under `device_wide`: a first lookup may load the
+/// kernel's code (lazy loading), which synchronizes the context.
+fn load_function(module: &Arc<CudaModule>, name: &str) -> Result<CudaFunction> {
+    let _held = device_wide();
+    module
+        .load_function(name)
+        .map_err(|e| driver_err(&format!("kernel {name}"), e))
+}
+
 /// Dynamic shared memory a block may have without raising the kernel's limit.
 const DEFAULT_SHARED: u32 = 48 << 10;
 
@@ -88,13 +97,7 @@ impl Kernels {
         if let Some(f) = funcs.get(name) {
             return Ok(f.clone());
         }
-        let unit = self.unit(Unit::holding(m, None))?;
-        // A first lookup may load the kernel's code (lazy loading): see device_wide.rs.
-        let held = device_wide();
-        let f = unit
-            .load_function(name)
-            .map_err(|e| driver_err(&format!("kernel {name}"), e))?;
-        drop(held);
+        let f = load_function(self.unit(Unit::holding(m, None))?, name)?;
         funcs.insert(name, f.clone());
         Ok(f)
     }
@@ -150,12 +153,7 @@ impl Kernels {
         } else {
             format!("{prefix}_{suffix}")
         };
-        let unit = self.unit(Unit::holding(m, Some(suffix)))?;
-        let held = device_wide();
-        let f = unit
-            .load_function(&name)
-            .map_err(|e| driver_err(&format!("kernel {name}"), e))?;
-        drop(held);
+        let f = load_function(self.unit(Unit::holding(m, Some(suffix)))?, &name)?;
         funcs.insert(key, f.clone());
         Ok(f)
     }
