@@ -303,6 +303,9 @@ __device__ __forceinline__ void pair_group_fma(const float* wa, const float* wb,
 #ifndef GEMV_PAIR_UNROLL
 #define GEMV_PAIR_UNROLL 2
 #endif
+#if GEMV_PAIR_UNROLL < 1
+#error "GEMV_PAIR_UNROLL must be at least 1"
+#endif
 
 // float_row_part (one warp a row) of two plain-float rows of the same width, a gated
 // feed-forward's gate and up rows, walked together: each step loads a group of both rows
