@@ -5,8 +5,9 @@
 //
 // Quantized rows: one warp per row (8 rows per block), the activations staged per block;
 // Q4_K rows may be shared by `split` warps (1, 2 or 4) like plain rows below, and take 16-bit
-// activations (q4k_rows_i16). Every kernel takes `xt`: for one token row of Q4_K weights, the
-// activations as their producer's Q4_K tiles (rounded.rs), read in place of staging; else null.
+// activations (q4k_rows_i16). `gemv` and `gemv_many` take `xt`: for one token row of Q4_K
+// weights, the activations as their producer's Q4_K tiles (rounded.rs), read in place of
+// staging; else null. The gated kernel for one token row of Q4_K weights is gemv_q4k.cu's.
 // Plain-float rows (f32 / f16 / bf16, k a multiple of 8): `split` warps (1, 2, 4 or 8) share a
 // row, each taking every split-th 16-byte group of it with four loads in flight per lane, and
 // add their sums through shared memory: short matrices (a few hundred rows) then still fill
@@ -106,45 +107,13 @@ __device__ void gemv_impl(const u8* w, u64 row_bytes, int rows, int k, const flo
     }
 }
 
-// gemv_gelu_impl of one token row of Q4_K tiles `xt` (rounded.rs) over Q4_K weights: the
-// launch's warps walk the row pairs grid-stride (the host launches as many blocks as are
-// resident at once), each loading the next pair's first weights before it finishes the
-// current pair, so no warp's loads drain between rows and no block waits on a staging. (The
-// same walk over a plain product's rows measured slower on the H200: docs/perf.md, session 24.)
-__device__ void gemv_gelu_q4k_tiles(const u8* wg, const u8* wu, u64 row_bytes, int rows, int k,
-                                    const uint4* xt, float* out) {
-    int lane = threadIdx.x & 31, sub = lane & 7, nb = k >> 8, first = lane >> 3;
-    int stride = gridDim.x * (blockDim.x >> 5);
-    int r = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    const u8* rw[2] = {wg + (u64)r * row_bytes, wu + (u64)r * row_bytes};
-    Q4kPair<2> p;
-    if (r < rows && first < nb) q4k_load_pair<2>(rw, nb, first, first + 4, sub, p.q, p.h);
-    wait_prior_grid();
-    for (; r < rows; r += stride) {
-        int rn = r + stride;
-        const u8* nw[2] = {wg + (u64)rn * row_bytes, wu + (u64)rn * row_bytes};
-        float acc[2][1] = {{0.f}, {0.f}};
-        q4k_tiles_dot<2>(p, rw, nw, rn < rows, xt, nb, first, 4, sub, acc);
-        float g = warp_sum(acc[0][0]), u = warp_sum(acc[1][0]);
-        if (lane == 0) out[r] = gelu_tanh(g) * u;
-        rw[0] = nw[0];
-        rw[1] = nw[1];
-    }
-}
-
 // The gated feed-forward's first half for up to 8 token rows: out[t, r] =
 // gelu_tanh(x_t · gate_r) · (x_t · up_r), one warp per row pair (gate and up share the
 // stored format and row length), so one launch replaces two GEMVs and the elementwise pass.
-// One token row of Q4_K tiles takes gemv_gelu_q4k_tiles.
+// One token row of Q4_K weights takes gemv_q4k.cu's walk instead.
 template <int FMT, int NT>
 __device__ void gemv_gelu_impl(const u8* wg, const u8* wu, u64 row_bytes, int rows, int k,
-                               const float* x, int nt, float* out, const uint4* xt) {
-    if constexpr (FMT == F_Q4_K && NT == 1) {
-        if (xt) {
-            gemv_gelu_q4k_tiles(wg, wu, row_bytes, rows, k, xt, out);
-            return;
-        }
-    }
+                               const float* x, int nt, float* out) {
     int r = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     bool active = r < rows;
     u64 off = (u64)(active ? r : 0) * row_bytes;
@@ -153,7 +122,7 @@ __device__ void gemv_gelu_impl(const u8* wg, const u8* wu, u64 row_bytes, int ro
         prefetch_row(wu + off, row_bytes, 0, 1, 2048);
     }
     float g[NT], u[NT];
-    warp_row_pair_dot<FMT, NT, true>(active, wg + off, wu + off, x, k, nt, g, u, xt);
+    warp_row_pair_dot<FMT, NT, true>(active, wg + off, wu + off, x, k, nt, g, u);
     if (active && (threadIdx.x & 31) == 0) {
 #pragma unroll
         for (int t = 0; t < NT; t++)
@@ -212,8 +181,8 @@ __device__ void gemv_many_impl(const Products& p, u64 row_bytes, int k, const fl
 #define GEMV_GELU_KERNEL(S, F, NT)                                                            \
     extern "C" __global__ void gemv_gelu_##S##_##NT(const u8* wg, const u8* wu, u64 row_bytes, \
                                                     int rows, int k, const float* x, int nt,   \
-                                                    float* out, const uint4* xt) {             \
-        gemv_gelu_impl<F, NT>(wg, wu, row_bytes, rows, k, x, nt, out, xt);                     \
+                                                    float* out) {                              \
+        gemv_gelu_impl<F, NT>(wg, wu, row_bytes, rows, k, x, nt, out);                         \
     }
 #define GEMV_MANY_KERNEL(S, F, NT, BOUNDS)                                                    \
     extern "C" __global__ void BOUNDS gemv_many_##S##_##NT(Products p, u64 row_bytes, int k,   \
@@ -235,6 +204,20 @@ __device__ void gemv_many_impl(const Products& p, u64 row_bytes, int k, const fl
 #define GEMV_BOUNDS_q4_k
 #define GEMV_BOUNDS_q5_k
 #define GEMV_BOUNDS_q6_k
+// The one-token gated kernel by format suffix: Q4_K's is gemv_q4k.cu's walk.
+#define GEMV_GELU_ONE_f32(S, F) GEMV_GELU_KERNEL(S, F, 1)
+#define GEMV_GELU_ONE_f16 GEMV_GELU_ONE_f32
+#define GEMV_GELU_ONE_bf16 GEMV_GELU_ONE_f32
+#define GEMV_GELU_ONE_q4_0 GEMV_GELU_ONE_f32
+#define GEMV_GELU_ONE_q4_1 GEMV_GELU_ONE_f32
+#define GEMV_GELU_ONE_q5_0 GEMV_GELU_ONE_f32
+#define GEMV_GELU_ONE_q5_1 GEMV_GELU_ONE_f32
+#define GEMV_GELU_ONE_q8_0 GEMV_GELU_ONE_f32
+#define GEMV_GELU_ONE_q2_k GEMV_GELU_ONE_f32
+#define GEMV_GELU_ONE_q3_k GEMV_GELU_ONE_f32
+#define GEMV_GELU_ONE_q4_k(S, F)
+#define GEMV_GELU_ONE_q5_k GEMV_GELU_ONE_f32
+#define GEMV_GELU_ONE_q6_k GEMV_GELU_ONE_f32
 #define GEMV_KERNELS(S, F)                       \
     GEMV_MANY_KERNEL(S, F, 1, GEMV_BOUNDS_##S)   \
     GEMV_MANY_KERNEL(S, F, 2, )                  \
@@ -244,7 +227,7 @@ __device__ void gemv_many_impl(const Products& p, u64 row_bytes, int k, const fl
     GEMV_KERNEL(S, F, 2, )                       \
     GEMV_KERNEL(S, F, 4, )                       \
     GEMV_KERNEL(S, F, 8, )                       \
-    GEMV_GELU_KERNEL(S, F, 1)                    \
+    GEMV_GELU_ONE_##S(S, F)                      \
     GEMV_GELU_KERNEL(S, F, 2)                    \
     GEMV_GELU_KERNEL(S, F, 4)                    \
     GEMV_GELU_KERNEL(S, F, 8)

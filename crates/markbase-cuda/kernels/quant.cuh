@@ -461,17 +461,18 @@ __device__ __forceinline__ void q4k_scale_min(uint4 h, int j, float* s, float* m
 // hold. `q4k_tile` in backend.rs mirrors it.
 __host__ __device__ constexpr int q4k_i16_tile(int nt) { return (48 / nt + 7) / 8 * 8; }
 
-// c + a.lo16 · b.byte0 + a.hi16 · b.byte1 (signed): `dp2a.lo`.
+// c + a.lo16 · b.byte0 + a.hi16 · b.byte1, a's halves signed, b's bytes unsigned (4-bit
+// weights, or weights times 16): `dp2a.lo`.
 __device__ __forceinline__ int dp2a_lo(u32 a, u32 b, int c) {
     int d;
-    asm("dp2a.lo.s32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    asm("dp2a.lo.s32.u32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
     return d;
 }
 
-// c + a.lo16 · b.byte2 + a.hi16 · b.byte3 (signed): `dp2a.hi`.
+// c + a.lo16 · b.byte2 + a.hi16 · b.byte3, a's halves signed, b's bytes unsigned: `dp2a.hi`.
 __device__ __forceinline__ int dp2a_hi(u32 a, u32 b, int c) {
     int d;
-    asm("dp2a.hi.s32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    asm("dp2a.hi.s32.u32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
     return d;
 }
 
@@ -586,32 +587,10 @@ struct Q4kPair {
     uint4 q[2][R], h[2][R];
 };
 
-// Adds to acc[r][0] the products of R Q4_K rows (nb super-blocks each) with one token row of
-// Q4_K tiles `xt` (common.cuh, store_q4k_tiles), the lane's passes from super-block `first`
-// on, `pass` apart, starting from the first pair already in `p`. It loads each next pair
-// before using the one it holds, and after the rows' last pair (with `more`) the first pair of
-// the rows `next` into `p`, so a warp walking rows keeps its loads in flight between them. The lanes read the tiles from L1 / L2 where they use them: no staging, no barrier.
-template <int R>
-__device__ __forceinline__ void q4k_tiles_dot(Q4kPair<R>& p, const u8* const* rows,
-                                              const u8* const* next, bool more, const uint4* xt,
-                                              int nb, int first, int pass, int sub,
-                                              float (*acc)[1]) {
-    const float2* xm = (const float2*)(xt + 32 * nb);
-    for (int b0 = first; b0 < nb; b0 += 2 * pass) {
-        Q4kPair<R> c = p;
-        int ahead = b0 + 2 * pass;
-        if (ahead < nb)
-            q4k_load_pair<R>(rows, nb, ahead, ahead + pass, sub, p.q, p.h);
-        else if (more)
-            q4k_load_pair<R>(next, nb, first, first + pass, sub, p.q, p.h);
-        q4k_i16_block<1, R, true>(c.q[0], c.h[0], xt, xm, b0, sub, 1, acc);
-        if (b0 + pass < nb)
-            q4k_i16_block<1, R, true>(c.q[1], c.h[1], xt, xm, b0 + pass, sub, 1, acc);
-    }
-}
-
 // q4k_rows_i16 for one token row whose activations a producer already wrote as Q4_K tiles
-// (`xt`): the first pair loaded before the wait, then q4k_tiles_dot.
+// (`xt`, common.cuh, store_q4k_tiles): the lane's passes from super-block `first` on, `pass`
+// apart, each next pair loaded before the one it holds is used, the first before the wait.
+// The lanes read the tiles from L1 / L2 where they use them: no staging, no barrier.
 template <int R, bool WAITS>
 __device__ __forceinline__ void q4k_rows_tiles(bool active, const u8* const* rows,
                                                const uint4* xt, int k, int part, int split,
@@ -623,7 +602,17 @@ __device__ __forceinline__ void q4k_rows_tiles(bool active, const u8* const* row
     Q4kPair<R> p;
     if (active && first < nb) q4k_load_pair<R>(rows, nb, first, first + pass, sub, p.q, p.h);
     if (WAITS) wait_prior_grid();
-    if (active) q4k_tiles_dot<R>(p, rows, rows, false, xt, nb, first, pass, sub, acc);
+    const float2* xm = (const float2*)(xt + 32 * nb);
+    if (active) {
+        for (int b0 = first; b0 < nb; b0 += 2 * pass) {
+            Q4kPair<R> c = p;
+            int ahead = b0 + 2 * pass;
+            if (ahead < nb) q4k_load_pair<R>(rows, nb, ahead, ahead + pass, sub, p.q, p.h);
+            q4k_i16_block<1, R, true>(c.q[0], c.h[0], xt, xm, b0, sub, 1, acc);
+            if (b0 + pass < nb)
+                q4k_i16_block<1, R, true>(c.q[1], c.h[1], xt, xm, b0 + pass, sub, 1, acc);
+        }
+    }
 #pragma unroll
     for (int r = 0; r < R; r++) acc[r][0] = warp_sum(acc[r][0]);
 }
@@ -756,11 +745,11 @@ __device__ __forceinline__ void warp_row_dot(bool active, const u8* row, const f
 
 // warp_row_dot of two rows of the same format and width (a gated feed-forward's gate and up
 // rows): plain-float rows (width a multiple of 8) and Q4_K rows share their activation reads,
-// other formats take two passes. WAITS and `xt` as for warp_row_dot.
+// other formats take two passes. WAITS as for warp_row_dot.
 template <int FMT, int NT, bool WAITS = false>
 __device__ __forceinline__ void warp_row_pair_dot(bool active, const u8* row_a, const u8* row_b,
                                                   const float* x, int k, int nt, float* a,
-                                                  float* b, const uint4* xt = nullptr) {
+                                                  float* b) {
     if (WAITS && FMT != F_Q4_K) wait_prior_grid();
     if ((FMT == F_F32 || FMT == F_F16 || FMT == F_BF16) && (k & 7) == 0) {
 #pragma unroll
@@ -769,7 +758,7 @@ __device__ __forceinline__ void warp_row_pair_dot(bool active, const u8* row_a, 
     } else if (FMT == F_Q4_K) {
         const u8* rows[2] = {row_a, row_b};
         float ab[2][NT];
-        q4k_rows_i16<NT, 2, WAITS>(active, rows, x, k, nt, 0, 1, ab, xt);
+        q4k_rows_i16<NT, 2, WAITS>(active, rows, x, k, nt, 0, 1, ab);
 #pragma unroll
         for (int t = 0; t < NT; t++) {
             a[t] = ab[0][t];

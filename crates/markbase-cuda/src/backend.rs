@@ -106,9 +106,9 @@ pub struct CudaBackend {
     /// it starts the next step (which recycles the step's index arena): no other thread's wait
     /// can hand an uploaded array's place to another array before its reader is queued.
     uploads: Mutex<()>,
-    /// Grids of the grid-stride kernels: resident blocks of (name prefix, format, token-row
-    /// variant) on the whole device, from the driver's occupancy.
-    resident: Mutex<HashMap<(&'static str, GgmlType, u32), u32>>,
+    /// Grids of the grid-stride kernels: resident blocks of (name prefix, format, variant,
+    /// dynamic shared bytes a block) on the whole device, from the driver's occupancy.
+    resident: Mutex<HashMap<ResidentKey, u32>>,
 }
 
 impl Drop for CudaBackend {
@@ -119,6 +119,10 @@ impl Drop for CudaBackend {
         let _ = self.dev.stream.synchronize();
     }
 }
+
+/// A grid-stride kernel's occupancy key: its name prefix, format and variant, and the dynamic
+/// shared memory of a block.
+type ResidentKey = (&'static str, GgmlType, u32, u32);
 
 /// Widest row `residual_norm` holds in registers: 1 024 threads of
 /// `RESIDUAL_NORM_PER_THREAD` (8) values (ops.cu).
@@ -958,27 +962,29 @@ impl CudaBackend {
         Ok(p)
     }
 
-    /// Blocks of `threads` threads of `f` (kernel `key`, no dynamic shared memory) the whole
-    /// device holds at once: the grid of a kernel whose warps walk its rows grid-stride
-    /// (gemv.cu, `gemv_gelu_q4k_tiles`).
-    fn resident_blocks(
+    /// Blocks of `threads` threads of `f` (kernel `key`: name prefix, format, variant), each
+    /// with `shared` bytes of dynamic shared memory, the whole device holds at once: the grid
+    /// of a kernel whose warps walk its rows grid-stride.
+    pub(crate) fn resident_blocks(
         &self,
         key: (&'static str, GgmlType, u32),
         f: &CudaFunction,
         threads: u32,
+        shared: u32,
     ) -> Result<u32> {
         let mut cache = self
             .resident
             .lock()
             .map_err(|_| Error::Invalid("CUDA occupancy table poisoned".into()))?;
-        if let Some(&b) = cache.get(&key) {
+        let full = (key.0, key.1, key.2, shared);
+        if let Some(&b) = cache.get(&full) {
             return Ok(b);
         }
         let per_sm = f
-            .occupancy_max_active_blocks_per_multiprocessor(threads, 0, None)
+            .occupancy_max_active_blocks_per_multiprocessor(threads, shared as usize, None)
             .map_err(|e| driver_err(&format!("occupancy of {}", key.0), e))?;
         let b = per_sm.max(1) * self.dev.multiprocessors().max(1) as u32;
-        cache.insert(key, b);
+        cache.insert(full, b);
         Ok(b)
     }
 
@@ -1358,22 +1364,19 @@ impl Backend for CudaBackend {
         need("gated matmul input", x.len(), n * gate.cols)?;
         need("gated matmul output", gate_out.len(), n * ff)?;
         let (rows, k) = (int("rows", ff)?, int("cols", gate.cols)?);
+        if n == 1 && gate.ty == GgmlType::Q4_K {
+            let mut s = self.scratch()?;
+            let tiles = self.gemv_q4k_tiles(&mut s, x.ptr, n, gate);
+            return self.gemv_gelu_q4k(x.ptr, (gate, up), gate_out.ptr, tiles);
+        }
         let warps = gemv_block_warps(gate.ty, 1);
-        let mut s = self.scratch()?;
-        let tiles = self.gemv_q4k_tiles(&mut s, x.ptr, n, gate);
         for (t0, nt, variant) in gemv_launches(n) {
             let f = self
                 .kernels
                 .func_for(Module::Gemv, "gemv_gelu", gate.ty, variant)?;
-            let mut grid = blocks(ff, warps);
-            if tiles != 0 {
-                // Its warps walk the row pairs (gemv.cu, gemv_gelu_q4k_tiles).
-                let key = ("gemv_gelu", gate.ty, variant);
-                grid = grid.min(self.resident_blocks(key, &f, 32 * warps as u32)?);
-            }
             self.launch_fn(
                 &f,
-                Grid::new((grid, 1), 32 * warps as u32),
+                Grid::new((blocks(ff, warps), 1), 32 * warps as u32),
                 &[
                     Arg::U64(gate.ptr),
                     Arg::U64(up.ptr),
@@ -1383,7 +1386,6 @@ impl Backend for CudaBackend {
                     Arg::U64(x.ptr + 4 * (t0 * gate.cols) as u64),
                     Arg::I32(nt as i32),
                     Arg::U64(gate_out.ptr + 4 * (t0 * ff) as u64),
-                    Arg::U64(tiles),
                 ],
             )?;
         }

@@ -1,7 +1,7 @@
 //! Kernel modules compiled for the device (through the NVRTC disk cache), loaded once, and
 //! kernel launches with plain-value arguments.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
 
@@ -23,8 +23,8 @@ pub(crate) struct Kernels {
     funcs: Mutex<HashMap<&'static str, CudaFunction>>,
     /// Per-format kernels by (name prefix, format, variant).
     format_funcs: Mutex<HashMap<(&'static str, GgmlType, u32), CudaFunction>>,
-    /// Kernels whose dynamic shared memory limit has been raised.
-    shared_raised: Mutex<HashSet<&'static str>>,
+    /// Kernels whose dynamic shared memory limit has been raised, and to how many bytes.
+    shared_raised: Mutex<HashMap<String, u32>>,
 }
 
 impl Drop for Kernels {
@@ -77,7 +77,7 @@ impl Kernels {
             units,
             funcs: Mutex::new(HashMap::new()),
             format_funcs: Mutex::new(HashMap::new()),
-            shared_raised: Mutex::new(HashSet::new()),
+            shared_raised: Mutex::new(HashMap::new()),
         })
     }
 
@@ -104,8 +104,7 @@ impl Kernels {
 }
 
 impl Kernels {
-    /// [`Kernels::func`], allowed `shared` bytes of dynamic shared memory a block (the
-    /// function's limit is raised on first use past the default 48 KiB).
+    /// [`Kernels::func`], allowed `shared` bytes of dynamic shared memory a block.
     pub(crate) fn func_with_shared(
         &self,
         m: Module,
@@ -113,19 +112,44 @@ impl Kernels {
         shared: u32,
     ) -> Result<CudaFunction> {
         let f = self.func(m, name)?;
+        self.allow_shared(&f, name, shared)?;
+        Ok(f)
+    }
+
+    /// [`Kernels::func_for`], allowed `shared` bytes of dynamic shared memory a block.
+    pub(crate) fn func_for_with_shared(
+        &self,
+        m: Module,
+        prefix: &'static str,
+        ty: GgmlType,
+        variant: u32,
+        shared: u32,
+    ) -> Result<CudaFunction> {
+        let f = self.func_for(m, prefix, ty, variant)?;
+        self.allow_shared(&f, &format!("{prefix} {ty} {variant}"), shared)?;
+        Ok(f)
+    }
+
+    /// Raises kernel `f`'s (named `key`) dynamic shared memory limit to `shared` bytes where
+    /// that is past the default 48 KiB and past what it was raised to before.
+    fn allow_shared(&self, f: &CudaFunction, key: &str, shared: u32) -> Result<()> {
+        if shared <= DEFAULT_SHARED {
+            return Ok(());
+        }
         let mut raised = self
             .shared_raised
             .lock()
             .map_err(|_| Error::Invalid("CUDA kernel table poisoned".into()))?;
-        if shared > DEFAULT_SHARED && !raised.contains(name) {
-            f.set_attribute(
-                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                shared as i32,
-            )
-            .map_err(|e| driver_err(&format!("shared memory of kernel {name}"), e))?;
-            raised.insert(name);
+        if raised.get(key).is_some_and(|&r| r >= shared) {
+            return Ok(());
         }
-        Ok(f)
+        f.set_attribute(
+            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            shared as i32,
+        )
+        .map_err(|e| driver_err(&format!("shared memory of kernel {key}"), e))?;
+        raised.insert(key.to_string(), shared);
+        Ok(())
     }
 }
 

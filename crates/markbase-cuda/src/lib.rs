@@ -19,6 +19,7 @@ mod buffer;
 pub mod device;
 mod device_wide;
 mod ffn;
+mod gemv_q4k;
 mod graph;
 mod kernels;
 pub mod nvrtc;

@@ -49,6 +49,8 @@ pub fn define_lines(spec: &str) -> Result<String> {
 
 const COMMON: &str = include_str!("../kernels/common.cuh");
 const QUANT: &str = include_str!("../kernels/quant.cuh");
+/// The GEMV module's one-token Q4_K kernels, appended to gemv.cu.
+const GEMV_Q4K: &str = include_str!("../kernels/gemv_q4k.cu");
 
 /// A kernel module.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -146,6 +148,9 @@ fn assemble(m: Module, defines: &str, part: Part) -> String {
         s.push_str(QUANT);
     }
     s.push_str(body);
+    if m == Module::Gemv {
+        s.push_str(GEMV_Q4K);
+    }
     s
 }
 

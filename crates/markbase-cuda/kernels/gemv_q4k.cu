@@ -1,0 +1,255 @@
+// The gated feed-forward's first half for one token row of Q4_K weights (gemv_q4k.rs):
+// out[r] = gelu_tanh(gate_r · x) · (up_r · x). Appended to gemv.cu's module.
+//
+// A warp takes a group of P row pairs, G = 2P rows (gate and up rows alternating). Their
+// G·nb super-blocks' quant bytes are cut into 16-byte units, 8 a super-block, and dealt to the
+// lanes in order: lane l takes units l, l + 32, l + 64, …, all at the same slot `sub` = l % 8
+// of their super-blocks, every 4th super-block of the group's walk; G·nb a multiple of 4
+// gives every lane `per` = G·nb / 4 units a group. The warps walk the groups grid-stride (the
+// launch holds as many blocks as are resident), each lane's units one stream across its
+// groups with Q4K_UNITS_AHEAD of them in flight in a ring: a slot is loaded with its next unit
+// as soon as its unit is used, so no load waits for a batch and no registers are copied. A
+// unit in flight holds its 16 quant bytes and one word of its super-block's 16-byte header
+// (the 8 lanes of a super-block trade the words when they use it).
+//
+// A unit's 32 weights (16 of chunk 2n, 16 of chunk 2n + 1, n = sub / 2) meet their 16-bit
+// activations (common.cuh, store_q4k_tiles) in exact integer dot products, `dp2a` on the
+// 4-bit values where they lie in the byte (the high nibbles as 16·q, the 16 folded into the
+// scale), then one scale and one min a chunk. Each block holds the activations' tiles in
+// shared memory: copied from the producer's tiles, or quantized from the row itself.
+//
+// Measured on the H200 (docs/perf.md, session 28): E4B's gate + up 17.2 → 11.7 µs. The same
+// walk for one matrix (q, k, v, o, down, the PLE products) measured slower than
+// q4k_rows_i16, and reading the producer's tiles from global memory in place of shared
+// memory slowed the step.
+
+#ifndef Q4K_UNITS_AHEAD
+#define Q4K_UNITS_AHEAD 5
+#endif
+#if Q4K_UNITS_AHEAD < 1
+#error "Q4K_UNITS_AHEAD must be at least 1"
+#endif
+
+// What a lane needs to pick its two chunks' 6-bit scales and mins out of a super-block's
+// header (k_scale_min's packing) with two shifts and masks each: chunks 2n and 2n + 1 take
+// bytes 2n, 2n + 1 of the scale words for n < 2, and for n ≥ 2 the low (scale) or high (min)
+// nibbles of bytes 8 + 2(n − 2) .. plus the top two bits of the first words' bytes.
+struct Q4kLaneScales {
+    u32 shift, word_shift, mask, word_mask;
+};
+
+__device__ __forceinline__ Q4kLaneScales q4k_lane_scales(int sub) {
+    int n = sub >> 1, high = n >> 1, sh = 16 * (n & 1);
+    return {(u32)(sh + 2 * high), (u32)sh, high ? 0x3030u : 0x3F3Fu, high ? 0x0F0Fu : 0u};
+}
+
+// The dot product of one unit — lane slot `sub`'s 16 quant bytes q of a super-block whose
+// header is h — with its activations in shared memory: the tile slots xq[0], xq[8], xq[16],
+// xq[24] and the halves' (d, d·Σq) at xm[0] (chunk 2n) and xm[2] (chunk 2n + 1).
+__device__ __forceinline__ float q4k_unit_dot(uint4 q, uint4 h, const uint4* xq,
+                                              const float2* xm, const Q4kLaneScales& c) {
+    const uint4 x0 = xq[0], x1 = xq[8], x2 = xq[16], x3 = xq[24];
+    const float2 m0 = xm[0], m1 = xm[2];
+    const u32 xa[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+    const u32 xb[8] = {x2.x, x2.y, x2.z, x2.w, x3.x, x3.y, x3.z, x3.w};
+    const u32 w[4] = {q.x, q.y, q.z, q.w};
+    int lo = 0, hi = 0;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        u32 wl = w[i] & 0x0F0F0F0Fu, wh = w[i] & 0xF0F0F0F0u;
+        lo = dp2a_hi(xa[2 * i + 1], wl, dp2a_lo(xa[2 * i], wl, lo));
+        hi = dp2a_hi(xb[2 * i + 1], wh, dp2a_lo(xb[2 * i], wh, hi));
+    }
+    u32 sc = ((h.y >> c.shift) & c.mask) | ((h.w >> c.word_shift) & c.word_mask);
+    u32 mn = ((h.z >> c.shift) & c.mask) | ((h.w >> (c.word_shift + 4)) & c.word_mask);
+    float d = f16_to_f32((u16)(h.x & 0xffff)), dmin = f16_to_f32((u16)(h.x >> 16));
+    float s = (float)(sc & 0xff) * m0.x * (float)lo +
+              (float)(sc >> 8) * (m1.x * (1.f / 16.f)) * (float)hi;
+    float m = (float)(mn & 0xff) * m0.y + (float)(mn >> 8) * m1.y;
+    return d * s - dmin * m;
+}
+
+// Super-block s of a G-row group's walk over its rows of nb super-blocks each: row *g,
+// super-block *b of it (s < G·nb; compares, no division).
+template <int G>
+__device__ __forceinline__ void q4k_walk_at(int s, int nb, int* g, int* b) {
+    int r = 0;
+#pragma unroll
+    for (int i = 1; i < G; i++) r += s >= i * nb;
+    *g = r;
+    *b = s - r * nb;
+}
+
+// Every block's copy of the activation row x (k values) as Q4_K tiles in `smem` (640 bytes a
+// super-block): the producer's tiles `xt` copied, or (xt null) x quantized. Synchronises the
+// block; every warp of the block calls it.
+__device__ __forceinline__ void q4k_stage_tiles(const float* x, int k, const uint4* xt,
+                                                uint4* smem) {
+    if (xt) {
+        for (int i = threadIdx.x; i < 40 * (k >> 8); i += blockDim.x) smem[i] = __ldg(xt + i);
+    } else {
+        store_q4k_tiles(x, k, (u8*)smem);
+    }
+    __syncthreads();
+}
+
+// The gated products' rows: `rows` row pairs of the gate and up matrices, P pairs a group
+// (rows 2p and 2p + 1 of group `grp` are gate and up row P·grp + p; pairs past the end repeat
+// the last one, and their results are not stored).
+template <int P>
+struct Q4kGatedRows {
+    const u8 *gate, *up;
+    u64 row_bytes;
+    int rows;
+
+    __device__ void of(int grp, const u8** r) const {
+#pragma unroll
+        for (int p = 0; p < P; p++) {
+            u64 off = (u64)min(P * grp + p, rows - 1) * row_bytes;
+            r[2 * p] = gate + off;
+            r[2 * p + 1] = up + off;
+        }
+    }
+};
+
+// A lane's place in its stream of units: group `grp`, its j-th unit of it (of `per`), and
+// the group's 2P rows.
+template <int P>
+struct Q4kCursor {
+    int grp, j;
+    const u8* rows[2 * P];
+};
+
+// Moves cursor c to its next unit: the next of its group, or the first of the warp's next
+// group (`warps` on).
+template <int P>
+__device__ __forceinline__ void q4k_cursor_next(Q4kCursor<P>& c, int per, int warps,
+                                                const Q4kGatedRows<P>& rows) {
+    if (++c.j == per) {
+        c.j = 0;
+        c.grp += warps;
+        rows.of(c.grp, c.rows);
+    }
+}
+
+// Loads the unit under cursor c — slot `sub` of super-block first + 4·j of its group's walk —
+// into q, and word sub % 4 of the super-block's header into hw.
+template <int P>
+__device__ __forceinline__ void q4k_unit_load(const Q4kCursor<P>& c, int first, int nb, int sub,
+                                              uint4& q, u32& hw) {
+    int g, b;
+    q4k_walk_at<2 * P>(first + 4 * c.j, nb, &g, &b);
+    const u8* row = c.rows[0];
+#pragma unroll
+    for (int i = 1; i < 2 * P; i++)
+        if (g == i) row = c.rows[i];  // a select chain: an indexed pointer goes to the stack
+    const u8* blk = row + (u64)b * 144;
+    q = __ldg((const uint4*)(blk + 16) + sub);
+    hw = __ldg((const u32*)blk + (sub & 3));
+}
+
+// Uses the unit under cursor c (quant bytes q, header word hw): adds its dot product to
+// acc[its row]; after the group's last unit, stores the group's results (lane 0) and clears
+// acc.
+template <int P>
+__device__ __forceinline__ void q4k_unit_use(const Q4kCursor<P>& c, uint4 q, u32 hw, int first,
+                                             int nb, int per, const uint4* xq, const float2* xm,
+                                             const Q4kLaneScales& sc, int rows, float* out,
+                                             float* acc) {
+    int base = threadIdx.x & 24;
+    uint4 h = make_uint4(__shfl_sync(0xffffffffu, hw, base), __shfl_sync(0xffffffffu, hw, base + 1),
+                         __shfl_sync(0xffffffffu, hw, base + 2),
+                         __shfl_sync(0xffffffffu, hw, base + 3));
+    int g, b;
+    q4k_walk_at<2 * P>(first + 4 * c.j, nb, &g, &b);
+    float v = q4k_unit_dot(q, h, xq + 32 * b, xm + 16 * b, sc);
+#pragma unroll
+    for (int i = 0; i < 2 * P; i++) acc[i] += g == i ? v : 0.f;
+    if (c.j == per - 1) {
+#pragma unroll
+        for (int i = 0; i < 2 * P; i++) acc[i] = warp_sum(acc[i]);
+        if ((threadIdx.x & 31) == 0) {
+#pragma unroll
+            for (int p = 0; p < P; p++) {
+                int r = P * c.grp + p;
+                if (r < rows) out[r] = gelu_tanh(acc[2 * p]) * acc[2 * p + 1];
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < 2 * P; i++) acc[i] = 0.f;
+    }
+}
+
+// out[r] = gelu_tanh(gate_r · x) · (up_r · x) for r < rows (k values a row; 2P·k / 1024
+// whole), the activations from the tiles `xt` or (null) x: the walk described at the top.
+template <int P>
+__device__ void gemv_gelu_q4k_walk(const Q4kGatedRows<P>& rows, const float* x, int k,
+                                   const uint4* xt, float* out) {
+    const int A = Q4K_UNITS_AHEAD;
+    extern __shared__ uint4 q4k_staged[];
+    int lane = threadIdx.x & 31, sub = lane & 7, nb = k >> 8, per = 2 * P * nb / 4;
+    int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, warps = (gridDim.x * blockDim.x) >> 5;
+    int groups = (rows.rows + P - 1) / P;
+    // The warp's units (the same count on every lane): `per` for each of its groups.
+    int mine = warp < groups ? (groups - warp + warps - 1) / warps * per : 0;
+    int first = lane >> 3;
+    Q4kLaneScales sc = q4k_lane_scales(sub);
+    Q4kCursor<P> load{warp, 0, {}};
+    rows.of(warp, load.rows);
+    Q4kCursor<P> use = load;
+    uint4 q[A];
+    u32 hw[A];
+#pragma unroll
+    for (int j = 0; j < A; j++) {
+        if (j < mine) {
+            q4k_unit_load<P>(load, first, nb, sub, q[j], hw[j]);
+            q4k_cursor_next<P>(load, per, warps, rows);
+        }
+    }
+    wait_prior_grid();
+    q4k_stage_tiles(x, k, xt, q4k_staged);
+    const uint4* xq = q4k_staged + sub;
+    const float2* xm = (const float2*)(q4k_staged + 32 * nb) + 4 * (sub >> 1) + (sub & 1);
+    float acc[2 * P];
+#pragma unroll
+    for (int g = 0; g < 2 * P; g++) acc[g] = 0.f;
+    // Trips whose A units and the A loads after them all exist, then the rest with checks.
+    int i = 0;
+    for (; i + 2 * A <= mine; i += A) {
+#pragma unroll
+        for (int j = 0; j < A; j++) {
+            q4k_unit_use<P>(use, q[j], hw[j], first, nb, per, xq, xm, sc, rows.rows, out, acc);
+            q4k_cursor_next<P>(use, per, warps, rows);
+            q4k_unit_load<P>(load, first, nb, sub, q[j], hw[j]);
+            q4k_cursor_next<P>(load, per, warps, rows);
+        }
+    }
+    for (; i < mine; i += A) {
+#pragma unroll
+        for (int j = 0; j < A; j++) {
+            if (i + j < mine) {
+                q4k_unit_use<P>(use, q[j], hw[j], first, nb, per, xq, xm, sc, rows.rows, out,
+                                acc);
+                q4k_cursor_next<P>(use, per, warps, rows);
+                if (i + j + A < mine) {
+                    q4k_unit_load<P>(load, first, nb, sub, q[j], hw[j]);
+                    q4k_cursor_next<P>(load, per, warps, rows);
+                }
+            }
+        }
+    }
+}
+
+// The kernels, P = 1 or 2 row pairs a warp's group; blocks of 8 warps with 640 bytes of
+// dynamic shared memory a super-block of the row.
+#if FORMAT_q4_k
+#define GEMV_GELU_WALK_KERNEL(P)                                                              \
+    extern "C" __global__ void gemv_gelu_walk_q4_k_##P(const u8* gate, const u8* up,          \
+                                                        u64 row_bytes, int rows, int k,       \
+                                                        const float* x, float* out,           \
+                                                        const uint4* xt) {                    \
+        gemv_gelu_q4k_walk<P>(Q4kGatedRows<P>{gate, up, row_bytes, rows}, x, k, xt, out);     \
+    }
+GEMV_GELU_WALK_KERNEL(1)
+GEMV_GELU_WALK_KERNEL(2)
+#endif

@@ -1,0 +1,91 @@
+//! The gated feed-forward's first half for one token row of Q4_K weights
+//! (kernels/gemv_q4k.cu): each warp walks groups of gate/up row pairs grid-stride, their
+//! 16-byte units dealt evenly to its lanes, several units' loads in flight a lane. Each block
+//! holds the activations as Q4_K tiles in dynamic shared memory: copied from the producer's
+//! (`gemv_q4k_tiles`), or quantized from the row.
+
+use markbase_core::quant::GgmlType;
+use markbase_core::Result;
+
+use crate::backend::{blocks, int, CudaBackend};
+use crate::buffer::CudaMatrix;
+use crate::kernels::{Arg, Grid};
+use crate::sources::Module;
+
+/// Warps of a block.
+const BLOCK_WARPS: usize = 8;
+
+/// Shared memory a block holds one activation row of `k` values in: 640 bytes a 256-value
+/// super-block (common.cuh, `q4k_tiles_row_bytes`).
+fn tiles_bytes(k: usize) -> usize {
+    640 * (k / 256)
+}
+
+/// Row pairs of a warp's group for rows `k` values wide: 1 where the pair's 16-byte units
+/// (8 a super-block, 2 rows) fall evenly on the 32 lanes, else 2.
+fn pairs_per_group(k: usize) -> usize {
+    if (k / 256).is_multiple_of(2) {
+        1
+    } else {
+        2
+    }
+}
+
+impl CudaBackend {
+    /// `out = gelu_tanh(gate · x) · (up · x)` for one token row `x` (shapes checked by the
+    /// caller; Q4_K rows are whole super-blocks); `tiles`: the row's Q4_K tiles, or 0. As many
+    /// blocks as the groups need, at most as many as are resident at once.
+    pub(crate) fn gemv_gelu_q4k(
+        &self,
+        x: u64,
+        (gate, up): (&CudaMatrix, &CudaMatrix),
+        out: u64,
+        tiles: u64,
+    ) -> Result<()> {
+        let (k, p) = (gate.cols, pairs_per_group(gate.cols));
+        let shared = tiles_bytes(k) as u32;
+        let f = self.kernels.func_for_with_shared(
+            Module::Gemv,
+            "gemv_gelu_walk",
+            GgmlType::Q4_K,
+            p as u32,
+            shared,
+        )?;
+        let threads = 32 * BLOCK_WARPS as u32;
+        let key = ("gemv_gelu_walk", GgmlType::Q4_K, p as u32);
+        let resident = self.resident_blocks(key, &f, threads, shared)?;
+        let groups = gate.rows.div_ceil(p);
+        let mut grid = Grid::new((blocks(groups, BLOCK_WARPS).min(resident), 1), threads);
+        grid.shared = shared;
+        self.launch_fn(
+            &f,
+            grid,
+            &[
+                Arg::U64(gate.ptr),
+                Arg::U64(up.ptr),
+                Arg::U64(gate.row_bytes as u64),
+                Arg::I32(int("rows", gate.rows)?),
+                Arg::I32(int("cols", k)?),
+                Arg::U64(x),
+                Arg::U64(out),
+                Arg::U64(tiles),
+            ],
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_lane_gets_the_same_units() {
+        // E2B's, E4B's, 26B-A4B's and 31B's widths (6, 10, 11 and 21 super-blocks), 256.
+        for (k, want) in [(1536, 1), (2560, 1), (2816, 2), (5376, 2), (256, 2)] {
+            let p = pairs_per_group(k);
+            assert_eq!(p, want, "k = {k}");
+            assert_eq!(2 * p * (k / 256) * 8 % 32, 0, "k = {k}");
+        }
+        assert_eq!(tiles_bytes(2560), 6_400);
+    }
+}
