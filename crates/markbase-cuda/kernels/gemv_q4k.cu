@@ -18,7 +18,7 @@
 // scale), then one scale and one min a chunk. Each block holds the activations' tiles in
 // shared memory: copied from the producer's tiles, or quantized from the row itself.
 //
-// Measured on the H200 (docs/perf.md, session 28): E4B's gate + up 17.2 → 11.7 µs. The same
+// Measured on the H200 (docs/perf.md, session 28): E4B's gate + up 17.2 → 11.9 µs. The same
 // walk for one matrix (q, k, v, o, down, the PLE products) measured slower than
 // q4k_rows_i16, and reading the producer's tiles from global memory in place of shared
 // memory slowed the step.
