@@ -5,7 +5,7 @@
 //! (`gemv_q4k_tiles`), or quantized from the row.
 
 use markbase_core::quant::GgmlType;
-use markbase_core::Result;
+use markbase_core::{Error, Result};
 
 use crate::backend::{blocks, int, CudaBackend};
 use crate::buffer::CudaMatrix;
@@ -44,6 +44,13 @@ impl CudaBackend {
     ) -> Result<()> {
         let (k, p) = (gate.cols, pairs_per_group(gate.cols));
         let shared = tiles_bytes(k) as u32;
+        if shared > self.dev.max_block_shared() {
+            return Err(Error::Unsupported(format!(
+                "cuda gated matmul: rows of {k} values need {shared} bytes of shared memory a \
+                 block for one token row of Q4_K weights, more than the GPU's {}",
+                self.dev.max_block_shared()
+            )));
+        }
         let f = self.kernels.func_for_with_shared(
             Module::Gemv,
             "gemv_gelu_walk",
