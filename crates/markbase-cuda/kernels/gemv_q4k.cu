@@ -15,7 +15,8 @@
 // A unit's 32 weights (16 of chunk 2n, 16 of chunk 2n + 1, n = sub / 2) meet their 16-bit
 // activations (common.cuh, store_q4k_tiles) in exact integer dot products, `dp2a` on the
 // 4-bit values where they lie in the byte (the high nibbles as 16·q, the 16 folded into the
-// scale), then one scale and one min a chunk. Each block holds the activations' tiles in
+// scale; a high chunk's sum, up to 16 times larger, may round in its conversion to float past
+// 2^24), then one scale and one min a chunk. Each block holds the activations' tiles in
 // shared memory: copied from the producer's tiles, or quantized from the row itself.
 //
 // Measured on the H200 (docs/perf.md, session 28): E4B's gate + up 17.2 → 11.9 µs. The same
