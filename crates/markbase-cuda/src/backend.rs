@@ -122,7 +122,7 @@ impl Drop for CudaBackend {
 
 /// A grid-stride kernel's occupancy key: its name prefix, format and variant, and the dynamic
 /// shared memory of a block.
-type ResidentKey = (&'static str, GgmlType, u32, u32);
+pub(crate) type ResidentKey = (&'static str, GgmlType, u32, u32);
 
 /// Widest row `residual_norm` holds in registers: 1 024 threads of
 /// `RESIDUAL_NORM_PER_THREAD` (8) values (ops.cu).
@@ -962,29 +962,27 @@ impl CudaBackend {
         Ok(p)
     }
 
-    /// Blocks of `threads` threads of `f` (kernel `key`: name prefix, format, variant), each
-    /// with `shared` bytes of dynamic shared memory, the whole device holds at once: the grid
-    /// of a kernel whose warps walk its rows grid-stride.
+    /// Blocks of `threads` threads of `f` (kernel `key`: name prefix, format, variant, and the
+    /// dynamic shared bytes of a block) the whole device holds at once: the grid of a kernel
+    /// whose warps walk its rows grid-stride.
     pub(crate) fn resident_blocks(
         &self,
-        key: (&'static str, GgmlType, u32),
+        key: ResidentKey,
         f: &CudaFunction,
         threads: u32,
-        shared: u32,
     ) -> Result<u32> {
         let mut cache = self
             .resident
             .lock()
             .map_err(|_| Error::Invalid("CUDA occupancy table poisoned".into()))?;
-        let full = (key.0, key.1, key.2, shared);
-        if let Some(&b) = cache.get(&full) {
+        if let Some(&b) = cache.get(&key) {
             return Ok(b);
         }
         let per_sm = f
-            .occupancy_max_active_blocks_per_multiprocessor(threads, shared as usize, None)
+            .occupancy_max_active_blocks_per_multiprocessor(threads, key.3 as usize, None)
             .map_err(|e| driver_err(&format!("occupancy of {}", key.0), e))?;
         let b = per_sm.max(1) * self.dev.multiprocessors().max(1) as u32;
-        cache.insert(full, b);
+        cache.insert(key, b);
         Ok(b)
     }
 
@@ -1363,12 +1361,12 @@ impl Backend for CudaBackend {
         }
         need("gated matmul input", x.len(), n * gate.cols)?;
         need("gated matmul output", gate_out.len(), n * ff)?;
-        let (rows, k) = (int("rows", ff)?, int("cols", gate.cols)?);
         if n == 1 && gate.ty == GgmlType::Q4_K {
             let mut s = self.scratch()?;
             let tiles = self.gemv_q4k_tiles(&mut s, x.ptr, n, gate);
             return self.gemv_gelu_q4k(x.ptr, (gate, up), gate_out.ptr, tiles);
         }
+        let (rows, k) = (int("rows", ff)?, int("cols", gate.cols)?);
         let warps = gemv_block_warps(gate.ty, 1);
         for (t0, nt, variant) in gemv_launches(n) {
             let f = self

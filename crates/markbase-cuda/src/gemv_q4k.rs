@@ -59,8 +59,8 @@ impl CudaBackend {
             shared,
         )?;
         let threads = 32 * BLOCK_WARPS as u32;
-        let key = ("gemv_gelu_walk", GgmlType::Q4_K, p as u32);
-        let resident = self.resident_blocks(key, &f, threads, shared)?;
+        let key = ("gemv_gelu_walk", GgmlType::Q4_K, p as u32, shared);
+        let resident = self.resident_blocks(key, &f, threads)?;
         let groups = gate.rows.div_ceil(p);
         let mut grid = Grid::new((blocks(groups, BLOCK_WARPS).min(resident), 1), threads);
         grid.shared = shared;

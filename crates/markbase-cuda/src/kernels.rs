@@ -23,8 +23,9 @@ pub(crate) struct Kernels {
     funcs: Mutex<HashMap<&'static str, CudaFunction>>,
     /// Per-format kernels by (name prefix, format, variant).
     format_funcs: Mutex<HashMap<(&'static str, GgmlType, u32), CudaFunction>>,
-    /// Kernels whose dynamic shared memory limit has been raised, and to how many bytes.
-    shared_raised: Mutex<HashMap<String, u32>>,
+    /// Kernels (by function handle) whose dynamic shared memory limit has been raised, and to
+    /// how many bytes.
+    shared_raised: Mutex<HashMap<usize, u32>>,
 }
 
 impl Drop for Kernels {
@@ -112,7 +113,7 @@ impl Kernels {
         shared: u32,
     ) -> Result<CudaFunction> {
         let f = self.func(m, name)?;
-        self.allow_shared(&f, name, shared)?;
+        self.allow_shared(&f, shared, || name.to_string())?;
         Ok(f)
     }
 
@@ -126,13 +127,18 @@ impl Kernels {
         shared: u32,
     ) -> Result<CudaFunction> {
         let f = self.func_for(m, prefix, ty, variant)?;
-        self.allow_shared(&f, &format!("{prefix} {ty} {variant}"), shared)?;
+        self.allow_shared(&f, shared, || format!("{prefix} {ty} {variant}"))?;
         Ok(f)
     }
 
-    /// Raises kernel `f`'s (named `key`) dynamic shared memory limit to `shared` bytes where
-    /// that is past the default 48 KiB and past what it was raised to before.
-    fn allow_shared(&self, f: &CudaFunction, key: &str, shared: u32) -> Result<()> {
+    /// Raises kernel `f`'s dynamic shared memory limit to `shared` bytes where that is past the
+    /// default 48 KiB and past what it was raised to before; `name` names it in an error.
+    fn allow_shared(
+        &self,
+        f: &CudaFunction,
+        shared: u32,
+        name: impl FnOnce() -> String,
+    ) -> Result<()> {
         if shared <= DEFAULT_SHARED {
             return Ok(());
         }
@@ -140,15 +146,16 @@ impl Kernels {
             .shared_raised
             .lock()
             .map_err(|_| Error::Invalid("CUDA kernel table poisoned".into()))?;
-        if raised.get(key).is_some_and(|&r| r >= shared) {
+        let key = f.cu_function() as usize;
+        if raised.get(&key).is_some_and(|&r| r >= shared) {
             return Ok(());
         }
         f.set_attribute(
             sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             shared as i32,
         )
-        .map_err(|e| driver_err(&format!("shared memory of kernel {key}"), e))?;
-        raised.insert(key.to_string(), shared);
+        .map_err(|e| driver_err(&format!("shared memory of kernel {}", name()), e))?;
+        raised.insert(key, shared);
         Ok(())
     }
 }
