@@ -337,6 +337,54 @@ fn gelu_gated_matmul_matches_reference_for_every_format() {
     assert!(err.to_string().contains("9 outputs"), "{err}");
 }
 
+/// One token row's products over more rows than the GPU holds warps at once: each warp of the
+/// gated Q4_K walk (grid-stride over the resident blocks) takes several groups of rows, and
+/// the one-warp-a-row kernels run several waves of blocks.
+#[test]
+fn one_token_products_over_many_rows_match_reference() {
+    let g = gpu_or_skip!();
+    let mut r = rng("one-token walks");
+    let rows = 9_001;
+    for (ty, k) in [
+        (GgmlType::BF16, 512),
+        (GgmlType::F16, 256),
+        (GgmlType::BF16, 2_560),
+        (GgmlType::Q4_K, 512),
+        (GgmlType::Q4_K, 768),
+    ] {
+        let (gm, um) = (
+            random_matrix(&mut r, ty, rows, k),
+            random_matrix(&mut r, ty, rows, k),
+        );
+        let (gw, uw) = (g.load_matrix(&gm).unwrap(), g.load_matrix(&um).unwrap());
+        let x = uniform(&mut r, k, 1.0);
+        let ((sx, sg), (_, su)) = (as_seen(g, &gm, 1, &x), as_seen(g, &um, 1, &x));
+        let (gate, upv) = (
+            reference::matmul(&sx, 1, &sg).unwrap(),
+            reference::matmul(&sx, 1, &su).unwrap(),
+        );
+        let xb = up(g, &x);
+        let mut out = poisoned(g, rows);
+        g.matmul(&xb, 1, &gw, &mut out).unwrap();
+        assert_close(
+            &format!("matmul {ty} k={k} rows={rows}"),
+            &down(g, &out, rows),
+            &gate,
+            2e-5,
+        );
+        let (mut go, mut uo) = (poisoned(g, rows), poisoned(g, rows));
+        g.gelu_gated_matmul(&xb, 1, &gw, &uw, rows, &mut go, &mut uo)
+            .unwrap();
+        let want = reference::gelu_tanh_mul(&gate, &upv);
+        assert_close(
+            &format!("gated {ty} k={k} rows={rows}"),
+            &down(g, &go, rows),
+            &want,
+            2e-5,
+        );
+    }
+}
+
 #[test]
 fn gelu_matmul_mul_matches_reference_for_every_format() {
     let g = gpu_or_skip!();
