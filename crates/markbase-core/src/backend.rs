@@ -245,6 +245,20 @@ pub enum ValueRows<'a, Buf> {
     },
 }
 
+/// The new keys and values a layer brings to the cache in [`Backend::rope_attention`]: its
+/// raw key rows `k` (`n_kv_heads · head_dim` per token), normed with `k_norm` and turned by
+/// RoPE, and its value rows `v`, both written to cache rows `slots[t]`.
+pub struct NewKv<'a, B: Backend + ?Sized> {
+    /// The key projection's rows (contents unspecified afterwards).
+    pub k: &'a mut B::Buffer,
+    /// The value rows.
+    pub v: ValueRows<'a, B::Buffer>,
+    /// The per-head key norm's weights.
+    pub k_norm: &'a B::Vector,
+    /// The cache row of each token: the slot `layout` maps its position to.
+    pub slots: &'a [u32],
+}
+
 /// What [`Backend::rms_norm`] does with its result.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum NormOut {
@@ -461,6 +475,32 @@ pub trait Backend: Send + Sync {
         layout: &KvLayout<'_>,
         out: &mut Self::Buffer,
     ) -> Result<()>;
+    /// A layer's attention from its raw query rows `q`: per-head RMSNorm of `q` (weights
+    /// `q_norm`, epsilon `eps`) and RoPE at `layout.positions[t]`; with `new_kv`, its keys
+    /// normed and turned alike (weights `k_norm`, the same `eps`) and written with its values
+    /// to the cache (as [`Backend::rope_write_kv`]); then [`Backend::attention`] into `out`.
+    /// Without `new_kv` (a layer reading another layer's cache) the cache is only read.
+    /// Afterwards the contents of `q` and of `new_kv`'s `k` (and a [`ValueRows::Normed`]
+    /// scratch) are unspecified: a backend may leave them raw. The default is
+    /// [`rope_attention_in_steps`]; a backend may fuse it into one pass, e.g. for decode steps.
+    #[allow(clippy::too_many_arguments)]
+    fn rope_attention(
+        &self,
+        q: &mut Self::Buffer,
+        q_norm: &Self::Vector,
+        eps: f32,
+        new_kv: Option<NewKv<'_, Self>>,
+        rope: &Rope,
+        spec: &AttnSpec,
+        layout: &KvLayout<'_>,
+        k_cache: &mut Self::Buffer,
+        v_cache: &mut Self::Buffer,
+        out: &mut Self::Buffer,
+    ) -> Result<()> {
+        rope_attention_in_steps(
+            self, q, q_norm, eps, new_kv, rope, spec, layout, k_cache, v_cache, out,
+        )
+    }
     /// Mixture-of-experts routing of `n` tokens, each a row of `n_experts` router logits:
     /// softmax over all experts, keep the `top_k` most probable (ties: lower id first),
     /// renormalise those probabilities to sum 1 and multiply each by `expert_scale[e]`. Writes
@@ -617,6 +657,53 @@ pub fn gelu_matmul_mul_in_steps<B: Backend + ?Sized>(
     be.copy_rows(other, from, scratch, to, n, rows)?;
     be.matmul(x, n, w, out)?;
     be.gelu_tanh_mul(out, scratch, n * rows)
+}
+
+/// [`Backend::rope_attention`] as two operations: [`Backend::rope_write_kv`] (or, without
+/// new keys, [`Backend::head_norm_rope`] of the queries), then [`Backend::attention`].
+#[allow(clippy::too_many_arguments)]
+pub fn rope_attention_in_steps<B: Backend + ?Sized>(
+    be: &B,
+    q: &mut B::Buffer,
+    q_norm: &B::Vector,
+    eps: f32,
+    new_kv: Option<NewKv<'_, B>>,
+    rope: &Rope,
+    spec: &AttnSpec,
+    layout: &KvLayout<'_>,
+    k_cache: &mut B::Buffer,
+    v_cache: &mut B::Buffer,
+    out: &mut B::Buffer,
+) -> Result<()> {
+    let positions = layout.positions;
+    match new_kv {
+        Some(NewKv {
+            k,
+            v,
+            k_norm,
+            slots,
+        }) => be.rope_write_kv(
+            q,
+            k,
+            v,
+            spec,
+            (q_norm, k_norm, eps),
+            rope,
+            positions,
+            slots,
+            k_cache,
+            v_cache,
+        )?,
+        None => be.head_norm_rope(
+            q,
+            spec.n_heads,
+            spec.head_dim,
+            Some((q_norm, eps)),
+            rope,
+            positions,
+        )?,
+    }
+    be.attention(q, k_cache, v_cache, spec, layout, out)
 }
 
 #[cfg(test)]
