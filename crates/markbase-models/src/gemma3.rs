@@ -6,7 +6,7 @@
 
 use std::sync::Mutex;
 
-use markbase_core::backend::{AttnSpec, Backend, NormOut, Rope, ValueRows};
+use markbase_core::backend::{AttnSpec, Backend, NewKv, NormOut, Rope, ValueRows};
 use markbase_core::config::{Gemma3Config, LayerKind, RopeConfig};
 use markbase_core::{Error, Result};
 
@@ -255,19 +255,24 @@ impl<B: Backend> Gemma3<B> {
                 window,
                 softcap: cfg.attn_logit_softcap.map(|c| c as f32),
             };
-            be.rope_write_kv(
+            let new_kv = NewKv {
+                k: &mut w.k,
+                v: ValueRows::AsIs(&w.v),
+                k_norm: &layer.k_norm,
+                slots: l.slots(layer.kind),
+            };
+            be.rope_attention(
                 &mut w.q,
-                &mut w.k,
-                ValueRows::AsIs(&w.v),
-                &spec,
-                (&layer.q_norm, &layer.k_norm, eps),
+                &layer.q_norm,
+                eps,
+                Some(new_kv),
                 &rope,
-                &l.positions,
-                l.slots(layer.kind),
+                &spec,
+                &l.kv(layer.kind),
                 kc,
                 vc,
+                &mut w.attn,
             )?;
-            be.attention(&w.q, kc, vc, &spec, &l.kv(layer.kind), &mut w.attn)?;
             be.matmul(&w.attn, n, &layer.o, &mut w.proj)?;
             be.residual_norm(
                 &w.proj,

@@ -25,7 +25,9 @@
 
 use std::sync::Mutex;
 
-use markbase_core::backend::{AttnSpec, Backend, HostMatrix, NormOut, Rope, Strided, ValueRows};
+use markbase_core::backend::{
+    AttnSpec, Backend, HostMatrix, NewKv, NormOut, Rope, Strided, ValueRows,
+};
 use markbase_core::config::LayerKind;
 use markbase_core::quant::GgmlType;
 use markbase_core::{Error, Result};
@@ -114,6 +116,8 @@ struct Workspace<B: Backend> {
     q: B::Buffer,
     k: B::Buffer,
     v: B::Buffer,
+    /// The raw value projection, before v_norm (read while attention writes `attn`).
+    v_raw: B::Buffer,
     attn: B::Buffer,
     proj: B::Buffer,
     gate: B::Buffer,
@@ -328,6 +332,7 @@ impl<B: Backend> Gemma4<B> {
             q: backend.alloc(b * max_q)?,
             k: backend.alloc(b * max_kv)?,
             v: backend.alloc(b * max_kv)?,
+            v_raw: backend.alloc(b * max_kv)?,
             attn: backend.alloc(b * max_q)?,
             proj: backend.alloc(b * d)?,
             gate: backend.alloc(b * max_ff)?,
@@ -499,7 +504,7 @@ impl<B: Backend> Gemma4<B> {
             Some((k, Some(v))) => be.matmul_many(
                 &w.x,
                 n,
-                &mut [(&layer.q, &mut w.q), (k, &mut w.k), (v, &mut w.attn)],
+                &mut [(&layer.q, &mut w.q), (k, &mut w.k), (v, &mut w.v_raw)],
             )?,
             Some((k, None)) => {
                 be.matmul_many(&w.x, n, &mut [(&layer.q, &mut w.q), (k, &mut w.k)])?
@@ -515,43 +520,43 @@ impl<B: Backend> Gemma4<B> {
             softcap: None,
         };
         let (kc, vc, _) = &mut paged.layers[layer.cache];
-        match &layer.kv {
+        // q (and k) normed and turned, new keys and values written, attention: one call, which
+        // a backend may run as one pass on decode steps.
+        let new_kv = match &layer.kv {
             Some(kv) => {
-                // v_norm: weightless RMSNorm of V (its raw projection is in `attn`), on the
+                // v_norm: weightless RMSNorm of V (its raw projection is in `v_raw`), on the
                 // way to the cache; under k_eq_v V is the raw K projection, normed here
-                // before `k` is normed and turned in place.
+                // before `k` is normed and turned.
                 let v = if kv.v.is_some() {
                     ValueRows::Normed {
-                        raw: &w.attn,
+                        raw: &w.v_raw,
                         scratch: &mut w.v,
                     }
                 } else {
                     be.rms_norm(&w.k, None, eps, n * kvh, hd, &mut w.v, NormOut::Write)?;
                     ValueRows::AsIs(&w.v)
                 };
-                be.rope_write_kv(
-                    &mut w.q,
-                    &mut w.k,
+                Some(NewKv {
+                    k: &mut w.k,
                     v,
-                    &spec,
-                    (&layer.q_norm, &kv.k_norm, eps),
-                    &rope,
-                    &l.positions,
-                    l.slots(layer.geo.kind),
-                    kc,
-                    vc,
-                )?;
+                    k_norm: &kv.k_norm,
+                    slots: l.slots(layer.geo.kind),
+                })
             }
-            None => be.head_norm_rope(
-                &mut w.q,
-                cfg.n_heads,
-                hd,
-                Some((&layer.q_norm, eps)),
-                &rope,
-                &l.positions,
-            )?,
-        }
-        be.attention(&w.q, kc, vc, &spec, &l.kv(layer.geo.kind), &mut w.attn)?;
+            None => None,
+        };
+        be.rope_attention(
+            &mut w.q,
+            &layer.q_norm,
+            eps,
+            new_kv,
+            &rope,
+            &spec,
+            &l.kv(layer.geo.kind),
+            kc,
+            vc,
+            &mut w.attn,
+        )?;
         be.matmul(&w.attn, n, &layer.o, &mut w.proj)?;
         be.residual_norm(
             &w.proj,
