@@ -7,7 +7,10 @@
 // attn_partial_V: one block per (token, query head, key split), its warps sharing the split's
 // keys; lane l holds head dims [l·V, l·V + V) (V = head_dim / 32). Keys are visited four at a
 // time with an online softmax. With one split the result is written straight to `out`;
-// otherwise (m, l, acc[head_dim]) go to `part` and attn_combine merges them. Needs common.cuh.
+// otherwise (m, l, acc[head_dim]) go to `part` and attn_combine merges them.
+// attn_rope_partial_V: the same for a decode step from the raw query rows (and the raw new keys
+// and values), normed, turned and written to the cache in the blocks (AttnRope, below), in
+// place of rope_write_kv / head_norm_rope ahead of attn_partial. Needs common.cuh.
 
 struct AttnArgs {
     const float* q;
@@ -52,26 +55,11 @@ __device__ __forceinline__ void kv_slots(const AttnArgs& a, const u32* table, in
     for (int b = 0; b < KB; b++) slot[b] = (u32)kv_slot(a, table, j + b);
 }
 
-// Folds the KB keys in cache slots `slot` into this warp's online softmax (m, l, acc).
+// Folds KB keys into a warp's online softmax (m, l, acc): `s` holds this lane's parts of their
+// scores (reduced over the warp here), `vr` its values of them.
 template <int V, int KB>
-__device__ __forceinline__ void attn_keys(const AttnArgs& a, const u32* slot, int kvh, int lane,
-                                          const float* qv, float& m, float& l, float* acc) {
-    u64 kv_w = (u64)a.n_kv_heads * a.head_dim;
-    float s[KB];
-    // The values are loaded with the keys, before the scores' reductions: a decode row is a
-    // chain of these groups, and their latency is its cost.
-    float vr[KB][V];
-#pragma unroll
-    for (int b = 0; b < KB; b++) {
-        u64 base = (u64)slot[b] * kv_w + (u64)kvh * a.head_dim + lane * V;
-        float kr[V];
-        load_v<V>(a.k_cache + base, kr);
-        load_v<V>(a.v_cache + base, vr[b]);
-        float d = 0.f;
-#pragma unroll
-        for (int i = 0; i < V; i++) d = fmaf(qv[i], kr[i], d);
-        s[b] = d;
-    }
+__device__ __forceinline__ void attn_fold(const AttnArgs& a, float* s, float (*vr)[V], float& m,
+                                          float& l, float* acc) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
 #pragma unroll
@@ -98,21 +86,150 @@ __device__ __forceinline__ void attn_keys(const AttnArgs& a, const u32* slot, in
     m = mn;
 }
 
+// Folds the KB keys in cache slots `slot` into this warp's online softmax (m, l, acc).
+template <int V, int KB>
+__device__ __forceinline__ void attn_keys(const AttnArgs& a, const u32* slot, int kvh, int lane,
+                                          const float* qv, float& m, float& l, float* acc) {
+    u64 kv_w = (u64)a.n_kv_heads * a.head_dim;
+    float s[KB];
+    // The values are loaded with the keys, before the scores' reductions: a decode row is a
+    // chain of these groups, and their latency is its cost.
+    float vr[KB][V];
+#pragma unroll
+    for (int b = 0; b < KB; b++) {
+        u64 base = (u64)slot[b] * kv_w + (u64)kvh * a.head_dim + lane * V;
+        float kr[V];
+        load_v<V>(a.k_cache + base, kr);
+        load_v<V>(a.v_cache + base, vr[b]);
+        float d = 0.f;
+#pragma unroll
+        for (int i = 0; i < V; i++) d = fmaf(qv[i], kr[i], d);
+        s[b] = d;
+    }
+    attn_fold<V, KB>(a, s, vr, m, l, acc);
+}
+
 // Warps of an attn_partial block (ATTN_ROW_WARPS in backend.rs): they share one row's key
 // chunk, groups of four keys dealt round-robin, so a short decode row is a chain of one or two
 // groups instead of all of them; the block merges their softmax states in shared memory.
 #define ATTN_ROW_WARPS 8
 
+// What attn_rope_partial adds to attn_partial (rope_attention in backend.rs, for decode steps:
+// each sequence brings one query row, at its position p): the raw query rows in AttnArgs::q
+// are normed and turned in the block (norm_rope_head's arithmetic, ops.cu), and with new keys
+// the row's own key and value too — the split holding p folds key p into its softmax from
+// registers, every split reads the cache only below p, and one block per (token, KV head)
+// stores the key and value in cache row slots[t].
+struct AttnRope {
+    const float* k;       // raw new keys [n_tokens, n_kv_heads · head_dim]; null: none
+    const float* v;       // new values, the same shape (raw with v_norm, else as stored)
+    const float* q_norm;  // per-head norm weights [head_dim]
+    const float* k_norm;
+    float eps;
+    const float* freqs;  // the RoPE frequencies of the `pairs` pairs that turn
+    int pairs;
+    int v_norm;       // 1: each value head through a weightless RMSNorm before it is stored
+    const u32* slots;  // the cache row of each token's new key and value
+};
+
+// The warp of an attn_rope_partial block that takes the row's new key (first, before its
+// keys from the cache): the last, which gets the fewest groups of four and no tail key.
+#define ATTN_NEW_KEY_WARP (ATTN_ROW_WARPS - 1)
+
+template <int V>
+__device__ __forceinline__ void store_v(float* p, const float* r) {
+    if (V % 4 == 0) {
+#pragma unroll
+        for (int i = 0; i < V / 4; i++)
+            ((float4*)p)[i] = make_float4(r[4 * i], r[4 * i + 1], r[4 * i + 2], r[4 * i + 3]);
+    } else {
+#pragma unroll
+        for (int i = 0; i < V; i++) p[i] = r[i];
+    }
+}
+
+// RMSNorm (weights w) and half-split RoPE (cosines c and sines s of the head's pairs; pairs
+// that do not turn have 1 and 0) of the head a warp holds as attn_partial's lanes do: lane l
+// holds dims [l·V, l·V + V), so pair (l mod 16)·V + i is value i of lanes l and l ^ 16. w, c
+// and s in shared memory. The arithmetic is norm_rope_head's (ops.cu).
+template <int V>
+__device__ __forceinline__ void norm_rope_lane(float* x, const float* w, const float* c,
+                                               const float* s, float eps, int head_dim) {
+    int lane = threadIdx.x & 31;
+    float ss = 0.f;
+#pragma unroll
+    for (int i = 0; i < V; i++) ss = fmaf(x[i], x[i], ss);
+    float inv = 1.f / sqrtf(warp_sum(ss) / (float)head_dim + eps);
+#pragma unroll
+    for (int i = 0; i < V; i++) x[i] = x[i] * inv * w[lane * V + i];
+    int pair = (lane & 15) * V;
+#pragma unroll
+    for (int i = 0; i < V; i++) {
+        float o = __shfl_xor_sync(0xffffffffu, x[i], 16);
+        float ci = c[pair + i], si = s[pair + i];
+        x[i] = lane < 16 ? x[i] * ci - o * si : x[i] * ci + o * si;
+    }
+}
+
+// attn_rope_partial's queries (and, in the warp with `key`, the row's new key kn and value
+// vn): the norm weights and the turns at position pos go to shared memory before the wait for
+// the kernel ahead (they come from weights, the RoPE table and the step's positions, which no
+// kernel writes; the double-precision sincos then overlaps that kernel), the raw rows are
+// loaded after it. Every thread of the block calls it.
+template <int V>
+__device__ __forceinline__ void attn_rope_prologue(const AttnArgs& a, const AttnRope& r, int t,
+                                                   int row, int kvh, float pos, bool key,
+                                                   float* qv, float* kn, float* vn) {
+    __shared__ float wq[32 * V], wk[32 * V], cs[16 * V], sn[16 * V];
+    int hd = a.head_dim, lane = threadIdx.x & 31;
+    for (int i = threadIdx.x; i < hd; i += blockDim.x) {
+        wq[i] = r.q_norm[i];
+        if (r.k) wk[i] = r.k_norm[i];
+    }
+    for (int i = threadIdx.x; i < hd / 2; i += blockDim.x) {
+        float c = 1.f, s = 0.f;
+        if (i < r.pairs) {
+            double sd, cd;
+            sincos((double)(pos * r.freqs[i]), &sd, &cd);
+            c = (float)cd;
+            s = (float)sd;
+        }
+        cs[i] = c;
+        sn[i] = s;
+    }
+    wait_prior_grid();
+    load_v<V>(a.q + (u64)row * hd + lane * V, qv);
+    if (key) {
+        u64 src = ((u64)t * a.n_kv_heads + kvh) * hd + lane * V;
+        load_v<V>(r.k + src, kn);
+        load_v<V>(r.v + src, vn);
+    }
+    __syncthreads();
+    norm_rope_lane<V>(qv, wq, cs, sn, r.eps, hd);
+    if (!key) return;
+    norm_rope_lane<V>(kn, wk, cs, sn, r.eps, hd);
+    if (r.v_norm) {
+        float ss = 0.f;
+#pragma unroll
+        for (int i = 0; i < V; i++) ss = fmaf(vn[i], vn[i], ss);
+        float inv = 1.f / sqrtf(warp_sum(ss) / (float)hd + r.eps);
+#pragma unroll
+        for (int i = 0; i < V; i++) vn[i] *= inv;
+    }
+}
+
 // Waits for the kernel ahead (wait_prior_grid) after reading what comes from the step's index
 // arrays (positions, sequences, block tables: no kernel writes them) and finding the slots of
 // the warp's first four keys, so a short decode row's chain after the wait starts at its keys.
-template <int V>
-__device__ void attn_partial_impl(const AttnArgs& a) {
+// ROPE: attn_rope_partial (AttnRope), else r is unused.
+template <int V, bool ROPE>
+__device__ void attn_partial_impl(const AttnArgs& a, const AttnRope& r) {
     __shared__ float merge[ATTN_ROW_WARPS][2 + 32 * V];
     int row = blockIdx.x;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int t = row / a.n_heads, h = row % a.n_heads;
-    int kvh = h / (a.n_heads / a.n_kv_heads);
+    int group = a.n_heads / a.n_kv_heads;
+    int kvh = h / group;
     // The row's sequence: the last s with seq_start[s] <= t (empty sequences are skipped).
     int lo_s = 0, hi_s = a.n_seqs - 1;
     while (lo_s < hi_s) {
@@ -124,16 +241,42 @@ __device__ void attn_partial_impl(const AttnArgs& a) {
     int lo = a.window > 0 ? max(0, p - a.window + 1) : 0;
     int j0 = lo + blockIdx.y * a.chunk;
     int j1 = min(p, j0 + a.chunk - 1);
+    // With new keys, key p comes from registers in the split that holds it (its warp
+    // ATTN_NEW_KEY_WARP) and the cache is read only below p: its slot is being written.
+    bool new_key = false;
+    if (ROPE && r.k) {
+        new_key = j0 <= p && p <= j1;
+        j1 = min(j1, p - 1);
+    }
     int groups = (j1 - j0 + 1) >> 2;  // negative chunks (past the row's keys) give none
     int tail = j0 + 4 * max(groups, 0) + warp;  // at most three keys: one a warp
     u32 slot[4];
     if (warp < groups) kv_slots<4>(a, table, j0 + 4 * warp, slot);
-    wait_prior_grid();
     float qv[V], acc[V];
-    load_v<V>(a.q + (u64)row * a.head_dim + lane * V, qv);
 #pragma unroll
     for (int i = 0; i < V; i++) acc[i] = 0.f;
     float m = NEG_INF, l = 0.f;
+    if (ROPE) {
+        bool key = new_key && warp == ATTN_NEW_KEY_WARP;
+        u32 dst = key ? r.slots[t] : 0;
+        float kn[V], vn[1][V];
+        attn_rope_prologue<V>(a, r, t, row, kvh, (float)p, key, qv, kn, vn[0]);
+        if (key) {
+            // One block per (token, KV head) stores them: its group's first query head's.
+            if (h % group == 0) {
+                u64 at = ((u64)dst * a.n_kv_heads + kvh) * a.head_dim + lane * V;
+                store_v<V>((float*)a.k_cache + at, kn);
+                store_v<V>((float*)a.v_cache + at, vn[0]);
+            }
+            float s[1] = {0.f};
+#pragma unroll
+            for (int i = 0; i < V; i++) s[0] = fmaf(qv[i], kn[i], s[0]);
+            attn_fold<V, 1>(a, s, vn, m, l, acc);
+        }
+    } else {
+        wait_prior_grid();
+        load_v<V>(a.q + (u64)row * a.head_dim + lane * V, qv);
+    }
     for (int g = warp; g < groups; g += ATTN_ROW_WARPS) {
         attn_keys<V, 4>(a, slot, kvh, lane, qv, m, l, acc);
         if (g + ATTN_ROW_WARPS < groups) kv_slots<4>(a, table, j0 + 4 * (g + ATTN_ROW_WARPS), slot);
@@ -174,15 +317,24 @@ __device__ void attn_partial_impl(const AttnArgs& a) {
     }
 }
 
-// The head-dim-256 kernel is held to 80 registers (3 blocks a multiprocessor, as before its
-// key slots were found ahead of the wait: the compiler's own choice was 88, 2 blocks).
-#define ATTN_KERNEL(V, BOUNDS) \
-    extern "C" __global__ void BOUNDS attn_partial_##V(AttnArgs a) { attn_partial_impl<V>(a); }
-ATTN_KERNEL(1, )
-ATTN_KERNEL(2, )
-ATTN_KERNEL(4, )
-ATTN_KERNEL(8, __launch_bounds__(32 * ATTN_ROW_WARPS, 3))
-ATTN_KERNEL(16, )
+// The head-dim-256 kernels are held to 80 registers (3 blocks a multiprocessor, as before its
+// key slots were found ahead of the wait: the compiler's own choice was 88, 2 blocks); the
+// head-dim-512 fused kernel to 128, 2 blocks like attn_partial_16 (its own choice was 141).
+#define ATTN_KERNEL(V, BOUNDS, ROPE_BOUNDS)                                                    \
+    extern "C" __global__ void BOUNDS attn_partial_##V(AttnArgs a) {                          \
+        attn_partial_impl<V, false>(a, AttnRope{});                                           \
+    }                                                                                         \
+    extern "C" __global__ void ROPE_BOUNDS attn_rope_partial_##V(                             \
+        AttnArgs a, const float* k, const float* v, const float* q_norm, const float* k_norm, \
+        float eps, const float* freqs, int pairs, int v_norm, const u32* slots) {             \
+        AttnRope r = {k, v, q_norm, k_norm, eps, freqs, pairs, v_norm, slots};                \
+        attn_partial_impl<V, true>(a, r);                                                     \
+    }
+ATTN_KERNEL(1, , )
+ATTN_KERNEL(2, , )
+ATTN_KERNEL(4, , )
+ATTN_KERNEL(8, __launch_bounds__(32 * ATTN_ROW_WARPS, 3), __launch_bounds__(32 * ATTN_ROW_WARPS, 3))
+ATTN_KERNEL(16, , __launch_bounds__(32 * ATTN_ROW_WARPS, 2))
 
 // Merges the `splits` partial results of each (token, head) row: one warp per row.
 extern "C" __global__ void attn_combine(const float* part, int rows, int splits, int head_dim,

@@ -9,7 +9,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use cudarc::driver::CudaFunction;
 use markbase_core::backend::{
-    first_visible_key, AttnSpec, Backend, HostMatrix, KvLayout, NormOut, Rope, Strided, ValueRows,
+    first_visible_key, rope_attention_in_steps, AttnSpec, Backend, HostMatrix, KvLayout, NewKv,
+    NormOut, Rope, Strided, ValueRows,
 };
 use markbase_core::quant::GgmlType;
 use markbase_core::{Error, Result};
@@ -301,6 +302,45 @@ fn tile_rows(elements: usize, w: &CudaMatrix) -> usize {
     } else {
         (fit / TILE_ROW_MULTIPLE).max(1) * TILE_ROW_MULTIPLE
     }
+}
+
+/// Whether the split-K attention kernels take `spec`: head_dim 32 · (1, 2, 4, 8 or 16), whole
+/// query-head groups, a window of at least one key.
+fn split_attention_suits(spec: &AttnSpec) -> bool {
+    spec.head_dim.is_multiple_of(32)
+        && [1, 2, 4, 8, 16].contains(&(spec.head_dim / 32))
+        && spec.n_kv_heads > 0
+        && spec.n_heads.is_multiple_of(spec.n_kv_heads)
+        && spec.window != Some(0)
+}
+
+/// What `attn_rope_partial_*` takes besides `AttnArgs` (`AttnRope` in attention.cu): the
+/// query norm, the RoPE table and the new keys and values, if any.
+struct FusedRope<'a> {
+    /// Query norm weights.
+    q_norm: u64,
+    /// The norms' epsilon.
+    eps: f32,
+    /// The RoPE frequencies (`rope_table`).
+    freqs: u64,
+    /// Pairs that turn.
+    pairs: i32,
+    /// The new keys and values; `None` on a layer that only reads the cache.
+    new: Option<NewRows<'a>>,
+}
+
+/// A fused step's new keys and values on the device.
+struct NewRows<'a> {
+    /// Raw key rows.
+    k: u64,
+    /// Value rows (raw when `v_norm` is 1).
+    v: u64,
+    /// Key norm weights.
+    k_norm: u64,
+    /// 1: the values go through a weightless RMSNorm on the way to the cache.
+    v_norm: i32,
+    /// The cache row of each token.
+    slots: &'a [u32],
 }
 
 /// Errors unless the RoPE kernels can turn heads of `head_dim` by `rope`.
@@ -933,6 +973,211 @@ impl CudaBackend {
         }))
     }
 
+    /// [`Backend::attention`], or with `fused` the split-K kernel's variant that norms and
+    /// turns the raw queries (and the new keys, which it also stores) itself: the fused
+    /// [`Backend::rope_attention`] of a step that [`CudaBackend::fuses_rope_attention`] accepts.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_checked(
+        &self,
+        q: &CudaBuffer,
+        k_cache: &CudaBuffer,
+        v_cache: &CudaBuffer,
+        spec: &AttnSpec,
+        layout: &KvLayout<'_>,
+        out: &mut CudaBuffer,
+        fused: Option<FusedRope<'_>>,
+    ) -> Result<()> {
+        let positions = layout.positions;
+        let hd = spec.head_dim;
+        if !split_attention_suits(spec) {
+            return Err(Error::Invalid(format!(
+                "cuda attention: unsupported spec {spec:?} (head_dim must be 32, 64, 128, 256 or 512)"
+            )));
+        }
+        let len = positions.len() * spec.n_heads * hd;
+        need("attention query", q.len(), len)?;
+        need("attention output", out.len(), len)?;
+        let block = layout.block_size * spec.n_kv_heads * hd;
+        let n_blocks = k_cache.len().min(v_cache.len()) / block.max(1);
+        layout.check(spec.window, n_blocks)?;
+        if positions.is_empty() {
+            return Ok(());
+        }
+        let flash =
+            (fused.is_none() && self.dev.capability().0 >= 8 && attention_flash_suits(layout))
+                .then(|| flash_kernel(hd, self.dev.max_block_shared()))
+                .flatten();
+        if let Some(kernel) = flash {
+            return self.attention_flash(kernel, q, k_cache, v_cache, spec, layout, out);
+        }
+        let window = spec.window.unwrap_or(0);
+        let max_vis = positions
+            .iter()
+            .map(|&p| {
+                let p = p as usize;
+                p - first_visible_key(p, spec.window) + 1
+            })
+            .max()
+            .unwrap_or(1);
+        let rows = positions.len() * spec.n_heads;
+        let want = ATTN_TARGET_WARPS.div_ceil(rows * ATTN_ROW_WARPS).max(1);
+        let chunk = max_vis.div_ceil(want).max(ATTN_MIN_CHUNK);
+        let splits = max_vis.div_ceil(chunk);
+        let mut s = self.scratch()?;
+        let held = self.uploads()?;
+        let pos = self.upload_idx(&held, positions)?;
+        let seq_start = self.upload_idx(&held, layout.seq_start)?;
+        let tables = self.upload_idx(&held, layout.block_tables)?;
+        let part = if splits > 1 {
+            s.floats.get(&self.dev.stream, rows * splits * (hd + 2))?
+        } else {
+            0
+        };
+        let args = AttnArgs {
+            q: q.ptr,
+            k_cache: k_cache.ptr,
+            v_cache: v_cache.ptr,
+            positions: pos,
+            seq_start,
+            block_tables: tables,
+            out: out.ptr,
+            part,
+            n_tokens: int("tokens", positions.len())?,
+            n_heads: spec.n_heads as i32,
+            n_kv_heads: spec.n_kv_heads as i32,
+            head_dim: hd as i32,
+            scale: spec.scale,
+            window: int("window", window)?,
+            softcap: spec.softcap.unwrap_or(0.0),
+            n_seqs: int("sequences", layout.n_seqs())?,
+            table_width: int("table width", layout.table_width)?,
+            block_size: int("block size", layout.block_size)?,
+            chunk: chunk as i32,
+            splits: splits as i32,
+        };
+        let grid = Grid::new(
+            (int("attention rows", rows)? as u32, splits as u32),
+            32 * ATTN_ROW_WARPS as u32,
+        );
+        match fused {
+            None => {
+                let name = match hd / 32 {
+                    1 => "attn_partial_1",
+                    2 => "attn_partial_2",
+                    4 => "attn_partial_4",
+                    8 => "attn_partial_8",
+                    _ => "attn_partial_16",
+                };
+                self.run(Module::Attention, name, grid, &[Arg::Attn(args)])?;
+            }
+            Some(f) => {
+                let name = match hd / 32 {
+                    1 => "attn_rope_partial_1",
+                    2 => "attn_rope_partial_2",
+                    4 => "attn_rope_partial_4",
+                    8 => "attn_rope_partial_8",
+                    _ => "attn_rope_partial_16",
+                };
+                let (k, v, k_norm, v_norm, slots) = match f.new {
+                    Some(r) => (
+                        r.k,
+                        r.v,
+                        r.k_norm,
+                        r.v_norm,
+                        self.upload_idx(&held, r.slots)?,
+                    ),
+                    None => (0, 0, 0, 0, 0),
+                };
+                self.run(
+                    Module::Attention,
+                    name,
+                    grid,
+                    &[
+                        Arg::Attn(args),
+                        Arg::U64(k),
+                        Arg::U64(v),
+                        Arg::U64(f.q_norm),
+                        Arg::U64(k_norm),
+                        Arg::F32(f.eps),
+                        Arg::U64(f.freqs),
+                        Arg::I32(f.pairs),
+                        Arg::I32(v_norm),
+                        Arg::U64(slots),
+                    ],
+                )?;
+            }
+        }
+        if splits > 1 {
+            self.run(
+                Module::Attention,
+                "attn_combine",
+                Grid::new((blocks(rows, 4), 1), 128),
+                &[
+                    Arg::U64(part),
+                    Arg::I32(rows as i32),
+                    Arg::I32(splits as i32),
+                    Arg::I32(hd as i32),
+                    Arg::U64(out.ptr),
+                ],
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Whether [`Backend::rope_attention`] runs as one split-K kernel (`attn_rope_partial_*`)
+    /// for this step: a decode step (no sequence brings more than one query row, so no row
+    /// needs another row's new key, and the split-K path is the one attention takes) on a spec
+    /// and RoPE the kernels take, whose new keys (if any) go to the very cache rows the layout
+    /// maps their positions to (the kernel takes key `p` from registers, not from the cache).
+    /// `slots`: the new keys' cache rows; `None` for a layer without new keys.
+    pub fn fuses_rope_attention(
+        &self,
+        spec: &AttnSpec,
+        rope: &Rope,
+        layout: &KvLayout<'_>,
+        slots: Option<&[u32]>,
+    ) -> bool {
+        let positions = layout.positions;
+        let decode = !positions.is_empty()
+            && layout.seq_start.first() == Some(&0)
+            && layout.seq_start.last().map(|&l| l as usize) == Some(positions.len())
+            && layout
+                .seq_start
+                .windows(2)
+                .all(|w| w[0] <= w[1] && w[1] - w[0] <= 1);
+        if !decode
+            || !split_attention_suits(spec)
+            || check_rope(rope, spec.head_dim).is_err()
+            || attention_flash_suits(layout)
+        {
+            return false;
+        }
+        let Some(slots) = slots else {
+            return true;
+        };
+        if slots.len() != positions.len() || layout.block_size == 0 {
+            return false;
+        }
+        // Sequence s's one row is row seq_start[s].
+        layout.seq_start.windows(2).enumerate().all(|(s, w)| {
+            let t = w[0] as usize;
+            if w[1] == w[0] {
+                return true;
+            }
+            let p = positions[t] as usize;
+            let entry = (p / layout.block_size < layout.table_width)
+                .then(|| {
+                    layout
+                        .block_tables
+                        .get(s * layout.table_width + p / layout.block_size)
+                })
+                .flatten();
+            entry.is_some_and(|&b| {
+                b as usize * layout.block_size + p % layout.block_size == slots[t] as usize
+            })
+        })
+    }
+
     /// The device address of the RoPE frequencies `θ^(−2i/head_dim) / linear_factor` of the
     /// rotated pairs, computed on the host in f32 exactly as the CPU backend does (so both
     /// backends turn by bit-identical angles), uploaded once per parameter set.
@@ -1562,6 +1807,62 @@ impl Backend for CudaBackend {
         )
     }
 
+    fn rope_attention(
+        &self,
+        q: &mut CudaBuffer,
+        q_norm: &CudaBuffer,
+        eps: f32,
+        new_kv: Option<NewKv<'_, Self>>,
+        rope: &Rope,
+        spec: &AttnSpec,
+        layout: &KvLayout<'_>,
+        k_cache: &mut CudaBuffer,
+        v_cache: &mut CudaBuffer,
+        out: &mut CudaBuffer,
+    ) -> Result<()> {
+        if !self.fuses_rope_attention(spec, rope, layout, new_kv.as_ref().map(|kv| kv.slots)) {
+            return rope_attention_in_steps(
+                self, q, q_norm, eps, new_kv, rope, spec, layout, k_cache, v_cache, out,
+            );
+        }
+        let (hd, kvh, n) = (spec.head_dim, spec.n_kv_heads, layout.positions.len());
+        need("rope_attention query norm", q_norm.len(), hd)?;
+        let new = match new_kv {
+            Some(NewKv {
+                k,
+                v,
+                k_norm,
+                slots,
+            }) => {
+                // Normed values go from the raw rows straight to the cache (the scratch is
+                // not used).
+                let (v, v_norm) = match v {
+                    ValueRows::AsIs(v) => (v, 0),
+                    ValueRows::Normed { raw, .. } => (raw, 1),
+                };
+                need("rope_attention keys", k.len().min(v.len()), n * kvh * hd)?;
+                need("rope_attention key norm", k_norm.len(), hd)?;
+                check_slots(slots, kvh * hd, k_cache, v_cache)?;
+                Some(NewRows {
+                    k: k.ptr,
+                    v: v.ptr,
+                    k_norm: k_norm.ptr,
+                    v_norm,
+                    slots,
+                })
+            }
+            None => None,
+        };
+        let fused = FusedRope {
+            q_norm: q_norm.ptr,
+            eps,
+            freqs: self.rope_table(rope, hd)?,
+            pairs: rope.rotated_pairs as i32,
+            new,
+        };
+        self.attention_checked(q, k_cache, v_cache, spec, layout, out, Some(fused))
+    }
+
     fn attention(
         &self,
         q: &CudaBuffer,
@@ -1571,110 +1872,7 @@ impl Backend for CudaBackend {
         layout: &KvLayout<'_>,
         out: &mut CudaBuffer,
     ) -> Result<()> {
-        let positions = layout.positions;
-        let hd = spec.head_dim;
-        let per_lane = hd / 32;
-        if !hd.is_multiple_of(32)
-            || ![1, 2, 4, 8, 16].contains(&per_lane)
-            || spec.n_kv_heads == 0
-            || !spec.n_heads.is_multiple_of(spec.n_kv_heads)
-            || spec.window == Some(0)
-        {
-            return Err(Error::Invalid(format!(
-                "cuda attention: unsupported spec {spec:?} (head_dim must be 32, 64, 128, 256 or 512)"
-            )));
-        }
-        let len = positions.len() * spec.n_heads * hd;
-        need("attention query", q.len(), len)?;
-        need("attention output", out.len(), len)?;
-        let block = layout.block_size * spec.n_kv_heads * hd;
-        let n_blocks = k_cache.len().min(v_cache.len()) / block.max(1);
-        layout.check(spec.window, n_blocks)?;
-        if positions.is_empty() {
-            return Ok(());
-        }
-        let flash = (self.dev.capability().0 >= 8 && attention_flash_suits(layout))
-            .then(|| flash_kernel(hd, self.dev.max_block_shared()))
-            .flatten();
-        if let Some(kernel) = flash {
-            return self.attention_flash(kernel, q, k_cache, v_cache, spec, layout, out);
-        }
-        let window = spec.window.unwrap_or(0);
-        let max_vis = positions
-            .iter()
-            .map(|&p| {
-                let p = p as usize;
-                p - first_visible_key(p, spec.window) + 1
-            })
-            .max()
-            .unwrap_or(1);
-        let rows = positions.len() * spec.n_heads;
-        let want = ATTN_TARGET_WARPS.div_ceil(rows * ATTN_ROW_WARPS).max(1);
-        let chunk = max_vis.div_ceil(want).max(ATTN_MIN_CHUNK);
-        let splits = max_vis.div_ceil(chunk);
-        let mut s = self.scratch()?;
-        let held = self.uploads()?;
-        let pos = self.upload_idx(&held, positions)?;
-        let seq_start = self.upload_idx(&held, layout.seq_start)?;
-        let tables = self.upload_idx(&held, layout.block_tables)?;
-        let part = if splits > 1 {
-            s.floats.get(&self.dev.stream, rows * splits * (hd + 2))?
-        } else {
-            0
-        };
-        let args = AttnArgs {
-            q: q.ptr,
-            k_cache: k_cache.ptr,
-            v_cache: v_cache.ptr,
-            positions: pos,
-            seq_start,
-            block_tables: tables,
-            out: out.ptr,
-            part,
-            n_tokens: int("tokens", positions.len())?,
-            n_heads: spec.n_heads as i32,
-            n_kv_heads: spec.n_kv_heads as i32,
-            head_dim: hd as i32,
-            scale: spec.scale,
-            window: int("window", window)?,
-            softcap: spec.softcap.unwrap_or(0.0),
-            n_seqs: int("sequences", layout.n_seqs())?,
-            table_width: int("table width", layout.table_width)?,
-            block_size: int("block size", layout.block_size)?,
-            chunk: chunk as i32,
-            splits: splits as i32,
-        };
-        let name = match per_lane {
-            1 => "attn_partial_1",
-            2 => "attn_partial_2",
-            4 => "attn_partial_4",
-            8 => "attn_partial_8",
-            _ => "attn_partial_16",
-        };
-        self.run(
-            Module::Attention,
-            name,
-            Grid::new(
-                (int("attention rows", rows)? as u32, splits as u32),
-                32 * ATTN_ROW_WARPS as u32,
-            ),
-            &[Arg::Attn(args)],
-        )?;
-        if splits > 1 {
-            self.run(
-                Module::Attention,
-                "attn_combine",
-                Grid::new((blocks(rows, 4), 1), 128),
-                &[
-                    Arg::U64(part),
-                    Arg::I32(rows as i32),
-                    Arg::I32(splits as i32),
-                    Arg::I32(hd as i32),
-                    Arg::U64(out.ptr),
-                ],
-            )?;
-        }
-        Ok(())
+        self.attention_checked(q, k_cache, v_cache, spec, layout, out, None)
     }
 
     fn moe_route(
