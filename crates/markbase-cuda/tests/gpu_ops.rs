@@ -11,7 +11,7 @@ use std::sync::{Arc, OnceLock};
 
 use half::{bf16, f16};
 use markbase_core::backend::{
-    AttnSpec, Backend, HostBytes, HostMatrix, KvLayout, NormOut, Rope, Strided, ValueRows,
+    AttnSpec, Backend, HostBytes, HostMatrix, KvLayout, NewKv, NormOut, Rope, Strided, ValueRows,
 };
 use markbase_core::quant::GgmlType;
 use markbase_cpu::reference;
@@ -1115,6 +1115,204 @@ fn write_kv_then_attention_match_reference() {
             && seqs.iter().any(|p| !p.is_empty());
         let tol = if products { 5e-3 } else { 1e-5 };
         assert_close(&format!("attention {spec:?} bs={bs}"), &got, &want, tol);
+    }
+}
+
+/// `rope_attention` on `be` from host data (output poisoned with NaN first): the raw queries,
+/// with `new_kv = Some(normed)` the raw keys and values (normed or as they are) going to cache
+/// rows `slots`; returns the output and both caches.
+#[allow(clippy::too_many_arguments)]
+fn run_rope_attention<B: Backend>(
+    be: &B,
+    (q, k, v): (&[f32], &[f32], &[f32]),
+    (q_norm, k_norm): (&[f32], &[f32]),
+    new_kv: Option<bool>,
+    rope: &Rope,
+    spec: &AttnSpec,
+    layout: &KvLayout<'_>,
+    slots: &[u32],
+    (k_cache, v_cache): (&[f32], &[f32]),
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let buf = |x: &[f32]| {
+        let mut b = be.alloc(x.len()).unwrap();
+        be.write(x, &mut b).unwrap();
+        b
+    };
+    let get = |b: &B::Buffer, len: usize| {
+        let mut h = vec![0f32; len];
+        be.read(b, &mut h).unwrap();
+        h
+    };
+    let (mut qb, mut kb, vb) = (buf(q), buf(k), buf(v));
+    let mut scratch = be.alloc(v.len()).unwrap();
+    let (mut kc, mut vc) = (buf(k_cache), buf(v_cache));
+    let mut out = buf(&vec![f32::NAN; q.len()]);
+    let (qn, kn) = (
+        be.load_vector(q_norm).unwrap(),
+        be.load_vector(k_norm).unwrap(),
+    );
+    let new = new_kv.map(|normed| NewKv {
+        k: &mut kb,
+        v: match normed {
+            true => ValueRows::Normed {
+                raw: &vb,
+                scratch: &mut scratch,
+            },
+            false => ValueRows::AsIs(&vb),
+        },
+        k_norm: &kn,
+        slots,
+    });
+    be.rope_attention(
+        &mut qb, &qn, 1e-6, new, rope, spec, layout, &mut kc, &mut vc, &mut out,
+    )
+    .unwrap();
+    (
+        get(&out, q.len()),
+        get(&kc, k_cache.len()),
+        get(&vc, v_cache.len()),
+    )
+}
+
+/// `rope_attention` (one fused kernel on a decode step) against the CPU backend's steps
+/// (`rope_write_kv` or `head_norm_rope`, then `attention`): decode steps of several sequences
+/// (one at position 0, an empty one, one in the first splits and one long enough for several
+/// key splits) over a cache of random rows, head dims 256 and 512 (proportional RoPE), 8 query
+/// heads over 2 or 1 KV heads, full causal, a sliding window with a soft-cap and a window of
+/// one key (only the new key), values normed and as they are, and a KV-shared layer (no new
+/// keys); a prefill step beside a decode row takes the unfused path. The cache rows the new
+/// keys go to start as NaN, so a block that read them from the cache fails; every other row
+/// must come back unchanged.
+#[test]
+fn rope_attention_matches_cpu_backend() {
+    let g = gpu_or_skip!();
+    let cpu = markbase_cpu::CpuBackend::new(2).unwrap();
+    let mut r = rng("rope_attention");
+    let bs = 16;
+    let decode = vec![vec![0], vec![], vec![r.random_range(1..700)], vec![2999]];
+    let prefill = vec![vec![40, 41, 42], vec![r.random_range(1..300)]];
+    for (hd, pairs) in [(256, 128), (512, 64)] {
+        for kvh in [2, 1] {
+            for window in [None, Some(512), Some(1)] {
+                for new_kv in [Some(true), Some(false), None] {
+                    let mut steps = vec![&decode];
+                    if kvh == 2 && window.is_none() {
+                        steps.push(&prefill);
+                    }
+                    for seqs in steps {
+                        let row = kvh * hd;
+                        let (tables, width, n_blocks) = random_tables(&mut r, seqs, bs, window);
+                        let slots_total = n_blocks * bs;
+                        let positions: Vec<u32> = seqs.iter().flatten().copied().collect();
+                        let mut seq_start = vec![0u32];
+                        let mut slots = Vec::new();
+                        for (s, ps) in seqs.iter().enumerate() {
+                            seq_start.push(seq_start.last().unwrap() + ps.len() as u32);
+                            for &p in ps {
+                                let block = tables[s * width + p as usize / bs];
+                                slots.push(block * bs as u32 + p % bs as u32);
+                            }
+                        }
+                        let layout = KvLayout {
+                            block_size: bs,
+                            positions: &positions,
+                            seq_start: &seq_start,
+                            block_tables: &tables,
+                            table_width: width,
+                        };
+                        let n = positions.len();
+                        let spec = AttnSpec {
+                            n_heads: 8,
+                            n_kv_heads: kvh,
+                            head_dim: hd,
+                            scale: 1.0 / (hd as f32).sqrt(),
+                            window,
+                            softcap: window.filter(|&w| w > 1).map(|_| 30.0),
+                        };
+                        let rope = Rope {
+                            theta: 1_000_000.0,
+                            linear_factor: 1.0,
+                            rotated_pairs: pairs,
+                        };
+                        let mut kc = uniform(&mut r, slots_total * row, 1.0);
+                        let mut vc = uniform(&mut r, slots_total * row, 1.0);
+                        let written: &[u32] = if new_kv.is_some() { &slots } else { &[] };
+                        for &s in written {
+                            kc[s as usize * row..][..row].fill(f32::NAN);
+                            vc[s as usize * row..][..row].fill(f32::NAN);
+                        }
+                        let q = uniform(&mut r, n * spec.n_heads * hd, 2.0);
+                        let k = uniform(&mut r, n * row, 2.0);
+                        let v = uniform(&mut r, n * row, 2.0);
+                        let (qn, kn) = (uniform(&mut r, hd, 1.0), uniform(&mut r, hd, 1.0));
+                        let what = format!(
+                            "rope_attention hd={hd} heads=8/{kvh} window={window:?} \
+                             new_kv(v_norm)={new_kv:?} rows={seqs:?}"
+                        );
+                        let one_row_each = seqs.iter().all(|p| p.len() <= 1);
+                        assert_eq!(
+                            g.fuses_rope_attention(
+                                &spec,
+                                &rope,
+                                &layout,
+                                new_kv.map(|_| &slots[..])
+                            ),
+                            one_row_each,
+                            "{what}: fused exactly on decode steps"
+                        );
+                        let inputs = (&q[..], &k[..], &v[..]);
+                        let caches = (&kc[..], &vc[..]);
+                        let want = run_rope_attention(
+                            &cpu,
+                            inputs,
+                            (&qn, &kn),
+                            new_kv,
+                            &rope,
+                            &spec,
+                            &layout,
+                            &slots,
+                            caches,
+                        );
+                        let got = run_rope_attention(
+                            g,
+                            inputs,
+                            (&qn, &kn),
+                            new_kv,
+                            &rope,
+                            &spec,
+                            &layout,
+                            &slots,
+                            caches,
+                        );
+                        assert_close(&what, &got.0, &want.0, 1e-4);
+                        for (name, got_c, want_c) in
+                            [("K", &got.1, &want.1), ("V", &got.2, &want.2)]
+                        {
+                            for &s in written {
+                                let rows = s as usize * row..(s as usize + 1) * row;
+                                assert_close(
+                                    &format!("{what}: {name} cache row {s}"),
+                                    &got_c[rows.clone()],
+                                    &want_c[rows],
+                                    1e-5,
+                                );
+                            }
+                            let others = |c: &[f32]| -> Vec<u32> {
+                                c.chunks(row)
+                                    .enumerate()
+                                    .filter(|(i, _)| !written.contains(&(*i as u32)))
+                                    .flat_map(|(_, x)| x.iter().map(|v| v.to_bits()))
+                                    .collect()
+                            };
+                            assert!(
+                                others(got_c) == others(want_c),
+                                "{what}: {name} cache rows other than the new ones changed"
+                            );
+                        }
+                    }
+                }
+            }
+        }
     }
 }
 
