@@ -230,7 +230,8 @@ impl KvLayout<'_> {
     }
 }
 
-/// The value rows [`Backend::rope_write_kv`] writes to the cache.
+/// The value rows that [`Backend::rope_write_kv`] and [`Backend::rope_attention`] write to the
+/// cache.
 pub enum ValueRows<'a, Buf> {
     /// Stored as they are.
     AsIs(&'a Buf),
