@@ -1,5 +1,6 @@
 // The gated feed-forward's first half for one token row of Q4_K weights (gemv_q4k.rs):
-// out[r] = gelu_tanh(gate_r · x) · (up_r · x). Appended to gemv.cu's module.
+// out[r] = gelu_tanh(gate_r · x) · (up_r · x); and the same walk over one matrix's two halves
+// as its row pairs (an LM head: out[r] and out[rows + r]). Appended to gemv.cu's module.
 //
 // A warp takes a group of P row pairs, G = 2P rows (gate and up rows alternating). Their
 // G·nb super-blocks' quant bytes are cut into 16-byte units, 8 a super-block, and dealt to the
@@ -22,7 +23,8 @@
 // Measured on the H200 (docs/perf.md, session 28): E4B's gate + up 17.2 → 11.9 µs. The same
 // walk for one matrix (q, k, v, o, down, the PLE products) measured slower than
 // q4k_rows_i16, and reading the producer's tiles from global memory in place of shared
-// memory slowed the step. Units in flight through a cp.async ring in shared memory in place
+// memory slowed the step; for E4B's LM head (262 144 rows) it is 193.8 → 124.8 µs (1.9 →
+// 3.0 TB/s, session 30). Units in flight through a cp.async ring in shared memory in place
 // of registers (4–16 slots a lane) made gate + up 11.8 → 13.9 µs (session 29).
 
 #ifndef Q4K_UNITS_AHEAD
@@ -95,9 +97,10 @@ __device__ __forceinline__ void q4k_stage_tiles(const float* x, int k, const uin
     __syncthreads();
 }
 
-// The gated products' rows: `rows` row pairs of the gate and up matrices, P pairs a group
-// (rows 2p and 2p + 1 of group `grp` are gate and up row P·grp + p; pairs past the end repeat
-// the last one, and their results are not stored).
+// The walk's rows: `rows` row pairs of two matrices (the gate and up matrices, or one matrix's
+// two halves), P pairs a group (rows 2p and 2p + 1 of group `grp` are row P·grp + p of the
+// first and of the second; pairs past the end repeat the last one, and their results are not
+// stored).
 template <int P>
 struct Q4kGatedRows {
     const u8 *gate, *up;
@@ -152,8 +155,9 @@ __device__ __forceinline__ void q4k_unit_load(const Q4kCursor<P>& c, int first, 
 
 // Uses the unit under cursor c (quant bytes q, header word hw): adds its dot product to
 // acc[its row]; after the group's last unit, stores the group's results (lane 0) and clears
-// acc.
-template <int P>
+// acc. GATED: out[r] = gelu_tanh(gate_r · x) · (up_r · x); else the two rows' products apart,
+// out[r] and out[rows + r] (one matrix walked as two halves, gemv_halves_walk below).
+template <int P, bool GATED>
 __device__ __forceinline__ void q4k_unit_use(const Q4kCursor<P>& c, uint4 q, u32 hw, int first,
                                              int nb, int per, const uint4* xq, const float2* xm,
                                              const Q4kLaneScales& sc, int rows, float* out,
@@ -174,7 +178,11 @@ __device__ __forceinline__ void q4k_unit_use(const Q4kCursor<P>& c, uint4 q, u32
 #pragma unroll
             for (int p = 0; p < P; p++) {
                 int r = P * c.grp + p;
-                if (r < rows) out[r] = gelu_tanh(acc[2 * p]) * acc[2 * p + 1];
+                if (r < rows && GATED) out[r] = gelu_tanh(acc[2 * p]) * acc[2 * p + 1];
+                if (r < rows && !GATED) {
+                    out[r] = acc[2 * p];
+                    out[rows + r] = acc[2 * p + 1];
+                }
             }
         }
 #pragma unroll
@@ -184,9 +192,10 @@ __device__ __forceinline__ void q4k_unit_use(const Q4kCursor<P>& c, uint4 q, u32
 
 // out[r] = gelu_tanh(gate_r · x) · (up_r · x) for r < rows (k values a row; 2P·k / 1024
 // whole), the activations from the tiles `xt` or (null) x: the walk described at the top.
-template <int P>
-__device__ void gemv_gelu_q4k_walk(const Q4kGatedRows<P>& rows, const float* x, int k,
-                                   const uint4* xt, float* out) {
+// Not GATED: out[r] = gate_r · x and out[rows + r] = up_r · x.
+template <int P, bool GATED>
+__device__ void gemv_q4k_walk(const Q4kGatedRows<P>& rows, const float* x, int k,
+                              const uint4* xt, float* out) {
     const int A = Q4K_UNITS_AHEAD;
     extern __shared__ uint4 q4k_staged[];
     int lane = threadIdx.x & 31, sub = lane & 7, nb = k >> 8, per = 2 * P * nb / 4;
@@ -220,7 +229,8 @@ __device__ void gemv_gelu_q4k_walk(const Q4kGatedRows<P>& rows, const float* x, 
     for (; i + 2 * A <= mine; i += A) {
 #pragma unroll
         for (int j = 0; j < A; j++) {
-            q4k_unit_use<P>(use, q[j], hw[j], first, nb, per, xq, xm, sc, rows.rows, out, acc);
+            q4k_unit_use<P, GATED>(use, q[j], hw[j], first, nb, per, xq, xm, sc, rows.rows, out,
+                                   acc);
             q4k_cursor_next<P>(use, per, warps, rows);
             q4k_unit_load<P>(load, first, nb, sub, q[j], hw[j]);
             q4k_cursor_next<P>(load, per, warps, rows);
@@ -230,8 +240,8 @@ __device__ void gemv_gelu_q4k_walk(const Q4kGatedRows<P>& rows, const float* x, 
 #pragma unroll
         for (int j = 0; j < A; j++) {
             if (i + j < mine) {
-                q4k_unit_use<P>(use, q[j], hw[j], first, nb, per, xq, xm, sc, rows.rows, out,
-                                acc);
+                q4k_unit_use<P, GATED>(use, q[j], hw[j], first, nb, per, xq, xm, sc, rows.rows,
+                                       out, acc);
                 q4k_cursor_next<P>(use, per, warps, rows);
                 if (i + j + A < mine) {
                     q4k_unit_load<P>(load, first, nb, sub, q[j], hw[j]);
@@ -243,15 +253,24 @@ __device__ void gemv_gelu_q4k_walk(const Q4kGatedRows<P>& rows, const float* x, 
 }
 
 // The kernels, P = 1 or 2 row pairs a warp's group; blocks of 8 warps with 640 bytes of
-// dynamic shared memory a super-block of the row.
+// dynamic shared memory a super-block of the row. gemv_halves_walk: one matrix of 2·rows
+// rows (w) as the walk's pairs, row r with row rows + r (the LM head's product), held to 85
+// registers so three blocks fit a multiprocessor as for the gated walk (its own choice, 92,
+// fits two).
 #if FORMAT_q4_k
-#define GEMV_GELU_WALK_KERNEL(P)                                                              \
+#define GEMV_WALK_KERNELS(P)                                                                  \
     extern "C" __global__ void gemv_gelu_walk_q4_k_##P(const u8* gate, const u8* up,          \
                                                         u64 row_bytes, int rows, int k,       \
                                                         const float* x, float* out,           \
                                                         const uint4* xt) {                    \
-        gemv_gelu_q4k_walk<P>(Q4kGatedRows<P>{gate, up, row_bytes, rows}, x, k, xt, out);     \
+        gemv_q4k_walk<P, true>(Q4kGatedRows<P>{gate, up, row_bytes, rows}, x, k, xt, out);    \
+    }                                                                                         \
+    extern "C" __global__ void __launch_bounds__(256, 3)                                      \
+        gemv_halves_walk_q4_k_##P(const u8* w, u64 row_bytes, int rows, int k, const float* x, \
+                                  float* out, const uint4* xt) {                               \
+        Q4kGatedRows<P> halves{w, w + (u64)rows * row_bytes, row_bytes, rows};                \
+        gemv_q4k_walk<P, false>(halves, x, k, xt, out);                                       \
     }
-GEMV_GELU_WALK_KERNEL(1)
-GEMV_GELU_WALK_KERNEL(2)
+GEMV_WALK_KERNELS(1)
+GEMV_WALK_KERNELS(2)
 #endif

@@ -20,6 +20,7 @@ use crate::blas::{Blas, GemmCall, GemmInput, GemmOutput};
 use crate::buffer::{CudaBuffer, CudaMatrix, Growable};
 use crate::device::{driver_err, Device};
 use crate::device_wide::Pinned;
+use crate::gemv_q4k::HALVES_WALK_MIN_ROWS;
 use crate::graph::{DeviceCopy, Op, Steps};
 use crate::kernels::{Arg, AttnArgs, Grid, Kernels, Launch, ProductArgs, MAX_PRODUCTS};
 use crate::rounded::{CopyForm, QueueCount, RoundTarget, RoundedCopy, ROUND_Q4K_TILES};
@@ -589,6 +590,15 @@ impl CudaBackend {
         let (mul, mul_stride) = mul.unwrap_or((0, 0));
         let mut s = self.scratch()?;
         let tiles = self.gemv_q4k_tiles(&mut s, x, n, w);
+        let halves = w.ty == GgmlType::Q4_K
+            && n == 1
+            && mul == 0
+            && w.rows >= HALVES_WALK_MIN_ROWS
+            && w.rows.is_multiple_of(2)
+            && w.cols.is_multiple_of(256);
+        if halves {
+            return self.gemv_halves_q4k(x, w, out, tiles);
+        }
         for (t0, nt, variant) in gemv_launches(n) {
             let f = self.kernels.func_for(Module::Gemv, "gemv", w.ty, variant)?;
             self.launch_fn(

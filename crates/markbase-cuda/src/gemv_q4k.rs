@@ -1,9 +1,11 @@
-//! The gated feed-forward's first half for one token row of Q4_K weights
-//! (kernels/gemv_q4k.cu): each warp walks groups of gate/up row pairs grid-stride, their
-//! 16-byte units dealt evenly to its lanes, several units' loads in flight a lane. Each block
-//! holds the activations as Q4_K tiles in dynamic shared memory: copied from the producer's
-//! (`gemv_q4k_tiles`), or quantized from the row.
+//! The gated feed-forward's first half for one token row of Q4_K weights, and the product of
+//! one token row with a matrix of many rows (an LM head), as walks (kernels/gemv_q4k.cu): each
+//! warp walks groups of row pairs (a gate row and its up row; or rows r and rows/2 + r of one
+//! matrix) grid-stride, their 16-byte units dealt evenly to its lanes, several units' loads in
+//! flight a lane. Each block holds the activations as Q4_K tiles in dynamic shared memory:
+//! copied from the producer's (`gemv_q4k_tiles`), or quantized from the row.
 
+use cudarc::driver::CudaFunction;
 use markbase_core::quant::GgmlType;
 use markbase_core::{Error, Result};
 
@@ -31,6 +33,11 @@ fn pairs_per_group(k: usize) -> usize {
     }
 }
 
+/// Rows from which a one-token Q4_K product walks its matrix as two halves
+/// (`gemv_halves_walk`): LM heads (E4B's 262 144 rows ran at 1.9 TB/s as `gemv`, docs/perf.md
+/// session 30). Smaller matrices measured no faster on the walk (session 28).
+pub(crate) const HALVES_WALK_MIN_ROWS: usize = 65_536;
+
 impl CudaBackend {
     /// `out = gelu_tanh(gate · x) · (up · x)` for one token row `x` (shapes checked by the
     /// caller; Q4_K rows are whole super-blocks); `tiles`: the row's Q4_K tiles, or 0. As many
@@ -42,28 +49,8 @@ impl CudaBackend {
         out: u64,
         tiles: u64,
     ) -> Result<()> {
-        let (k, p) = (gate.cols, pairs_per_group(gate.cols));
-        let shared = tiles_bytes(k) as u32;
-        if shared > self.dev.max_block_shared() {
-            return Err(Error::Unsupported(format!(
-                "cuda gated matmul: rows of {k} values need {shared} bytes of shared memory a \
-                 block for one token row of Q4_K weights, more than the GPU's {}",
-                self.dev.max_block_shared()
-            )));
-        }
-        let f = self.kernels.func_for_with_shared(
-            Module::Gemv,
-            "gemv_gelu_walk",
-            GgmlType::Q4_K,
-            p as u32,
-            shared,
-        )?;
-        let threads = 32 * BLOCK_WARPS as u32;
-        let key = ("gemv_gelu_walk", GgmlType::Q4_K, p as u32, shared);
-        let resident = self.resident_blocks(key, &f, threads)?;
-        let groups = gate.rows.div_ceil(p);
-        let mut grid = Grid::new((blocks(groups, BLOCK_WARPS).min(resident), 1), threads);
-        grid.shared = shared;
+        let k = gate.cols;
+        let (f, grid) = self.walk_kernel("gemv_gelu_walk", k, gate.rows)?;
         self.launch_fn(
             &f,
             grid,
@@ -78,6 +65,66 @@ impl CudaBackend {
                 Arg::U64(tiles),
             ],
         )
+    }
+
+    /// `out = w · x` for one token row `x` and a Q4_K matrix of an even number of rows (shapes
+    /// checked by the caller), walked as the pairs of its two halves; `tiles` as for
+    /// [`CudaBackend::gemv_gelu_q4k`].
+    pub(crate) fn gemv_halves_q4k(
+        &self,
+        x: u64,
+        w: &CudaMatrix,
+        out: u64,
+        tiles: u64,
+    ) -> Result<()> {
+        let (k, half) = (w.cols, w.rows / 2);
+        let (f, grid) = self.walk_kernel("gemv_halves_walk", k, half)?;
+        self.launch_fn(
+            &f,
+            grid,
+            &[
+                Arg::U64(w.ptr),
+                Arg::U64(w.row_bytes as u64),
+                Arg::I32(int("rows", half)?),
+                Arg::I32(int("cols", k)?),
+                Arg::U64(x),
+                Arg::U64(out),
+                Arg::U64(tiles),
+            ],
+        )
+    }
+
+    /// The walk kernel `prefix` for `pairs` row pairs of `k` values, and its grid: as many
+    /// blocks as the groups need, at most as many as are resident at once.
+    fn walk_kernel(
+        &self,
+        prefix: &'static str,
+        k: usize,
+        pairs: usize,
+    ) -> Result<(CudaFunction, Grid)> {
+        let p = pairs_per_group(k);
+        let shared = tiles_bytes(k) as u32;
+        if shared > self.dev.max_block_shared() {
+            return Err(Error::Unsupported(format!(
+                "cuda {prefix}: rows of {k} values need {shared} bytes of shared memory a block \
+                 for one token row of Q4_K weights, more than the GPU's {}",
+                self.dev.max_block_shared()
+            )));
+        }
+        let f = self.kernels.func_for_with_shared(
+            Module::Gemv,
+            prefix,
+            GgmlType::Q4_K,
+            p as u32,
+            shared,
+        )?;
+        let threads = 32 * BLOCK_WARPS as u32;
+        let key = (prefix, GgmlType::Q4_K, p as u32, shared);
+        let resident = self.resident_blocks(key, &f, threads)?;
+        let groups = pairs.div_ceil(p);
+        let mut grid = Grid::new((blocks(groups, BLOCK_WARPS).min(resident), 1), threads);
+        grid.shared = shared;
+        Ok((f, grid))
     }
 }
 

@@ -386,6 +386,37 @@ fn one_token_products_over_many_rows_match_reference() {
 }
 
 #[test]
+fn one_token_products_over_an_lm_head_of_rows_match_reference() {
+    let g = gpu_or_skip!();
+    let mut r = rng("one-token halves walk");
+    // Q4_K matrices of 65 536 rows and more walk as two halves (pairs of 1 and of 2 rows a
+    // warp's group: 2 and 11 super-blocks a row); an odd count takes the plain GEMV. Two
+    // products of each matrix, with fresh activations.
+    for (rows, k) in [
+        (65_538, 512),
+        (65_540, 2_816),
+        (65_537, 256),
+        (70_000, 2_560),
+    ] {
+        let m = random_matrix(&mut r, GgmlType::Q4_K, rows, k);
+        let w = g.load_matrix(&m).unwrap();
+        for round in 0..2 {
+            let x = uniform(&mut r, k, 1.0);
+            let (sx, sm) = as_seen(g, &m, 1, &x);
+            let want = reference::matmul(&sx, 1, &sm).unwrap();
+            let mut out = poisoned(g, rows);
+            g.matmul(&up(g, &x), 1, &w, &mut out).unwrap();
+            assert_close(
+                &format!("matmul Q4_K k={k} rows={rows} round {round}"),
+                &down(g, &out, rows),
+                &want,
+                2e-5,
+            );
+        }
+    }
+}
+
+#[test]
 fn gelu_matmul_mul_matches_reference_for_every_format() {
     let g = gpu_or_skip!();
     let mut r = rng("gelu_matmul_mul");
