@@ -355,6 +355,16 @@ fn check_rope(rope: &Rope, head_dim: usize) -> Result<()> {
     Ok(())
 }
 
+/// The rows a KV-writing kernel reads the values from and its `v_norm` flag: normed values go
+/// from the raw rows straight to the cache through the kernel's weightless RMSNorm (the
+/// scratch is not used).
+fn value_rows(v: ValueRows<'_, CudaBuffer>) -> (&CudaBuffer, i32) {
+    match v {
+        ValueRows::AsIs(v) => (v, 0),
+        ValueRows::Normed { raw, .. } => (raw, 1),
+    }
+}
+
 /// Errors unless a cache holds row `slots.max()` of width `row`.
 fn check_slots(
     slots: &[u32],
@@ -585,8 +595,6 @@ impl CudaBackend {
         mul: Option<(u64, usize)>,
     ) -> Result<()> {
         let (rows, k) = (int("rows", w.rows)?, int("cols", w.cols)?);
-        let split = gemv_split(w, n, self.dev.multiprocessors() as usize);
-        let warps = gemv_block_warps(w.ty, split);
         let (mul, mul_stride) = mul.unwrap_or((0, 0));
         let mut s = self.scratch()?;
         let tiles = self.gemv_q4k_tiles(&mut s, x, n, w);
@@ -599,6 +607,8 @@ impl CudaBackend {
         if halves {
             return self.gemv_halves_q4k(x, w, out, tiles);
         }
+        let split = gemv_split(w, n, self.dev.multiprocessors() as usize);
+        let warps = gemv_block_warps(w.ty, split);
         for (t0, nt, variant) in gemv_launches(n) {
             let f = self.kernels.func_for(Module::Gemv, "gemv", w.ty, variant)?;
             self.launch_fn(
@@ -1730,11 +1740,7 @@ impl Backend for CudaBackend {
         v_cache: &mut CudaBuffer,
     ) -> Result<()> {
         let (q_norm, k_norm, eps) = norms;
-        // Normed values go from the raw rows straight to the cache (the scratch is not used).
-        let (v, v_norm) = match v {
-            ValueRows::AsIs(v) => (v, 0),
-            ValueRows::Normed { raw, .. } => (raw, 1),
-        };
+        let (v, v_norm) = value_rows(v);
         let (hd, kvh, n) = (spec.head_dim, spec.n_kv_heads, positions.len());
         check_rope(rope, hd)?;
         need("rope_write_kv queries", q.len(), n * spec.n_heads * hd)?;
@@ -1844,12 +1850,7 @@ impl Backend for CudaBackend {
                 k_norm,
                 slots,
             }) => {
-                // Normed values go from the raw rows straight to the cache (the scratch is
-                // not used).
-                let (v, v_norm) = match v {
-                    ValueRows::AsIs(v) => (v, 0),
-                    ValueRows::Normed { raw, .. } => (raw, 1),
-                };
+                let (v, v_norm) = value_rows(v);
                 need("rope_attention keys", k.len().min(v.len()), n * kvh * hd)?;
                 need("rope_attention key norm", k_norm.len(), hd)?;
                 check_slots(slots, kvh * hd, k_cache, v_cache)?;
