@@ -30,6 +30,14 @@ __device__ __forceinline__ void wait_prior_grid() {
 #endif
 }
 
+// The shared-memory address of generic pointer p (into shared memory), for cp.async and
+// ldmatrix.
+__device__ __forceinline__ u32 shared_address(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
 __device__ __forceinline__ float bf16_to_f32(u16 h) { return __uint_as_float(((u32)h) << 16); }
 
 __device__ __forceinline__ float f16_to_f32(u16 h) {

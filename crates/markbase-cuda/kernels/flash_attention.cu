@@ -62,12 +62,6 @@ extern "C" __global__ void kv_gather_f16(const float* k_cache, const float* v_ca
 
 #if __CUDA_ARCH__ >= 800
 
-__device__ __forceinline__ u32 shared_address(const void* p) {
-    u32 a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-    return a;
-}
-
 // 16 bytes from global to shared memory, asynchronously; `bytes` = 0 fills zeros.
 __device__ __forceinline__ void cp_async16(u32 dst, const void* src, int bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes));

@@ -23,6 +23,7 @@ use crate::device_wide::Pinned;
 use crate::gemv_q4k::HALVES_WALK_MIN_ROWS;
 use crate::graph::{DeviceCopy, Op, Steps};
 use crate::kernels::{Arg, AttnArgs, Grid, Kernels, Launch, ProductArgs, MAX_PRODUCTS};
+use crate::mmq_q4k::{q4k_mma_suits, TICKETS as MMQ_TICKETS};
 use crate::rounded::{CopyForm, QueueCount, RoundTarget, RoundedCopy, ROUND_Q4K_TILES};
 use crate::sources::Module;
 
@@ -101,6 +102,9 @@ pub struct CudaBackend {
     pub(crate) queue: QueueCount,
     /// Error word raised by kernels (see common.cuh), checked at each `read`.
     err: CudaBuffer,
+    /// The tensor-core Q4_K products' tickets, one a row tile, zero between launches
+    /// (`mmq_q4k`).
+    mmq_tickets: CudaBuffer,
     err_host: Mutex<Pinned>,
     /// RoPE frequency tables by (θ bits, linear factor bits, head_dim, rotated pairs).
     rope_tables: Mutex<HashMap<(u32, u32, usize, usize), CudaBuffer>>,
@@ -200,9 +204,10 @@ fn gemv_block_warps(ty: GgmlType, split: usize) -> usize {
 }
 
 /// Whether a product of `n` token rows with weights stored as `ty` runs as GEMV launches
-/// (otherwise cuBLAS, where it is present).
+/// (otherwise, where cuBLAS is present, on the tensor cores: cuBLAS, or for Q4_K weights of
+/// 3–32 rows the kernel of `mmq_q4k`, on devices of compute capability 8.0 and newer).
 fn gemv_suits(n: usize, ty: GgmlType) -> bool {
-    n <= GEMV_UP_TO && !(ty == GgmlType::BF16 && n > BF16_GEMV_UP_TO)
+    n <= GEMV_UP_TO && !(ty == GgmlType::BF16 && n > BF16_GEMV_UP_TO) && !q4k_mma_suits(ty, n)
 }
 
 /// Whether a product of `n` token rows that takes its inputs as `inputs` under cuBLAS rounds
@@ -222,6 +227,17 @@ fn reads_copy(form: CopyForm, n: usize) -> bool {
     match form {
         CopyForm::Rounded(inputs) => rounds_rows(inputs, n),
         CopyForm::Q4kTiles => n == 1,
+        CopyForm::Q4kMma => q4k_mma_suits(GgmlType::Q4_K, n),
+    }
+}
+
+/// The form in which a tensor-core product of `n` token rows with weights stored as `ty`,
+/// taking `inputs`, reads its activations' rounded copy.
+fn rounded_form(ty: GgmlType, n: usize, inputs: ProductInputs) -> CopyForm {
+    if q4k_mma_suits(ty, n) {
+        CopyForm::Q4kMma
+    } else {
+        CopyForm::Rounded(inputs)
     }
 }
 
@@ -430,6 +446,7 @@ impl CudaBackend {
             blas.attach(&steps);
         }
         let err = CudaBuffer::zeroed(&dev.stream, &steps, 1)?;
+        let mmq_tickets = CudaBuffer::zeroed(&dev.stream, &steps, MMQ_TICKETS)?;
         // Written only by copies from the device.
         let err_host = Pinned::alloc(&dev.ctx, 1)?;
         Ok(CudaBackend {
@@ -445,6 +462,7 @@ impl CudaBackend {
             steps,
             queue,
             err,
+            mmq_tickets,
             err_host: Mutex::new(err_host),
             rope_tables: Mutex::new(HashMap::new()),
             resident: Mutex::new(HashMap::new()),
@@ -456,6 +474,11 @@ impl CudaBackend {
     /// before them wrote, instead of rounding them in a pass of their own.
     pub fn rounded_copies_used(&self) -> Result<u64> {
         Ok(self.scratch()?.rounded.used())
+    }
+
+    /// The tensor-core Q4_K products' tickets (`mmq_q4k`).
+    pub(crate) fn mmq_tickets(&self) -> u64 {
+        self.mmq_tickets.ptr
     }
 
     /// The opened device.
@@ -734,25 +757,22 @@ impl CudaBackend {
         )
     }
 
-    /// The `len` activations at `x` rounded for a tensor-core product taking `inputs` (bf16,
-    /// or f16 for `F16`) into the float scratch (`len` even: they take len / 2 float slots);
-    /// returns their address.
+    /// The `len` activations at `x` rounded for a tensor-core product that reads them in
+    /// `form` (bf16 for `Rounded(Bf16)`, else f16) into the float scratch (`len` even: they
+    /// take len / 2 float slots); returns their address.
     pub(crate) fn round_inputs(
         &self,
         s: &mut Scratch,
-        inputs: ProductInputs,
+        form: CopyForm,
         x: u64,
         len: usize,
     ) -> Result<u64> {
-        if let Some(at) = s
-            .rounded
-            .take(x, len, CopyForm::Rounded(inputs), &self.queue)
-        {
+        if let Some(at) = s.rounded.take(x, len, form, &self.queue) {
             return Ok(at);
         }
-        let kernel = match inputs {
-            ProductInputs::F16 => "f32_to_f16",
-            _ => "f32_to_bf16",
+        let kernel = match form {
+            CopyForm::Rounded(ProductInputs::Bf16) => "f32_to_bf16",
+            _ => "f32_to_f16",
         };
         let xh = s.floats.get(&self.dev.stream, len / 2)?;
         self.run(
@@ -779,7 +799,7 @@ impl CudaBackend {
                     return Ok(false);
                 }
                 let mut s = self.scratch()?;
-                let xh = self.round_inputs(&mut s, inputs, x, n * k)?;
+                let xh = self.round_inputs(&mut s, rounded_form(w0.ty, n, inputs), x, n * k)?;
                 let mut rest = products;
                 while let Some((&(w, out), after)) = rest.split_first() {
                     rest = after;
@@ -873,7 +893,7 @@ impl CudaBackend {
         let mut s = self.scratch()?;
         let inputs = product_inputs(w.ty, k, n);
         if inputs != ProductInputs::F32 {
-            let xh = self.round_inputs(&mut s, inputs, x, n * k)?;
+            let xh = self.round_inputs(&mut s, rounded_form(w.ty, n, inputs), x, n * k)?;
             return self.gemm_half(blas, &mut s, xh, n, w, out);
         }
         let tile = tile_rows(DEQUANT_TILE, w);
@@ -882,8 +902,9 @@ impl CudaBackend {
     }
 
     /// `out = x · wᵀ` on the tensor cores from `xh`, the `n` activation rows already rounded
-    /// as `product_inputs` says: bf16 weights as stored, quantized ones dequantized to f16 a
-    /// tile of rows at a time (sizes checked by the caller).
+    /// as `product_inputs` says: bf16 weights as stored, Q4_K ones of 3–32 token rows by
+    /// `mmq_q4k`, other quantized ones dequantized to f16 a tile of rows at a time (sizes
+    /// checked by the caller).
     fn gemm_half(
         &self,
         blas: &Blas,
@@ -894,6 +915,9 @@ impl CudaBackend {
         out: u64,
     ) -> Result<()> {
         let k = w.cols;
+        if q4k_mma_suits(w.ty, n) && self.dev.capability().0 >= 8 {
+            return self.mmq_q4k(s, xh, n, w, out);
+        }
         if w.ty == GgmlType::BF16 {
             // SAFETY: `xh` holds n·k bf16 values, `w` rows·k; `out` rows·n.
             return self.queue_gemm(unsafe {

@@ -15,6 +15,7 @@ use crate::backend::{blocks, need, CudaBackend, ProductInputs};
 use crate::blas::{Blas, GemmInput, GemmOutput};
 use crate::buffer::{CudaBuffer, CudaMatrix};
 use crate::kernels::{Arg, Grid};
+use crate::rounded::CopyForm;
 use crate::sources::Module;
 
 impl CudaBackend {
@@ -45,7 +46,7 @@ impl CudaBackend {
         need("feed-forward up scratch", up_out.len(), n * ff)?;
         need("feed-forward output", out.len(), n * d)?;
         let mut s = self.scratch()?;
-        let xh = self.round_inputs(&mut s, ProductInputs::Bf16, x.ptr, n * k)?;
+        let xh = self.round_inputs(&mut s, CopyForm::Rounded(ProductInputs::Bf16), x.ptr, n * k)?;
         // Gate and up in bf16 share up_out (2 · n·ff bf16 values in n·ff floats); the
         // activations go to gate_out as bf16.
         let (gh, uh) = (up_out.ptr, up_out.ptr + 2 * (n * ff) as u64);

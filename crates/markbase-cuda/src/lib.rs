@@ -22,6 +22,7 @@ mod ffn;
 mod gemv_q4k;
 mod graph;
 mod kernels;
+mod mmq_q4k;
 pub mod nvrtc;
 mod rounded;
 mod sample;
@@ -34,4 +35,5 @@ pub use backend::{
     BF16_GEMV_UP_TO,
 };
 pub use buffer::{CudaBuffer, CudaMatrix};
+pub use mmq_q4k::q4k_mma_suits;
 pub use sample::{SampleParams, MAX_TOP_K};

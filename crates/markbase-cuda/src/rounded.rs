@@ -47,6 +47,21 @@ pub(crate) enum CopyForm {
     Rounded(ProductInputs),
     /// One token row as the 16-bit tiles of a one-token Q4_K GEMV (640 bytes per 256 values).
     Q4kTiles,
+    /// Rounded to f16 for a tensor-core Q4_K product of 3–32 token rows (mmq_q4k.rs): the
+    /// values of `Rounded(F16)`, made for products of fewer token rows.
+    Q4kMma,
+}
+
+impl CopyForm {
+    /// The copy's contents: forms with the same kind hold the same values.
+    fn kind(self) -> i32 {
+        match self {
+            CopyForm::Rounded(ProductInputs::Bf16) => 1,
+            CopyForm::Rounded(ProductInputs::F16) | CopyForm::Q4kMma => 2,
+            CopyForm::Q4kTiles => ROUND_Q4K_TILES,
+            CopyForm::Rounded(ProductInputs::F32) => 0,
+        }
+    }
 }
 
 /// The copy of `len` values at `src` in `form`, stored at `at`, made when the queue count was
@@ -123,10 +138,9 @@ impl RoundedCopy {
         let Some(form) = self.last.filter(|&f| reads(f, rows)) else {
             return Ok(RoundTarget::NONE);
         };
-        let (kind, len) = match form {
-            CopyForm::Rounded(ProductInputs::Bf16) => (1, rows * dim),
-            CopyForm::Rounded(ProductInputs::F16) => (2, rows * dim),
-            CopyForm::Q4kTiles if tiles && dim.is_multiple_of(256) => {
+        let (kind, len) = match form.kind() {
+            1 | 2 => (form.kind(), rows * dim),
+            ROUND_Q4K_TILES if tiles && dim.is_multiple_of(256) => {
                 (ROUND_Q4K_TILES, rows * dim / 256 * 320)
             }
             _ => return Ok(RoundTarget::NONE),
@@ -154,8 +168,9 @@ impl RoundedCopy {
     }
 
     /// For a product about to read the `len` values at `src` in `form`: the address of the
-    /// held copy if it is exactly that and nothing was queued since it was made. Forgets the
-    /// held copy either way and remembers `form` for the next producer.
+    /// held copy if it holds exactly those values so (a form of the same kind) and nothing was
+    /// queued since it was made. Forgets the held copy either way and remembers `form` for the
+    /// next producer.
     pub(crate) fn take(
         &mut self,
         src: u64,
@@ -167,7 +182,9 @@ impl RoundedCopy {
         let at = self
             .held
             .take()
-            .filter(|h| (h.src, h.len, h.form, h.queued) == (src, len, form, queue.now()))
+            .filter(|h| {
+                (h.src, h.len, h.form.kind(), h.queued) == (src, len, form.kind(), queue.now())
+            })
             .map(|h| h.at);
         self.used += at.is_some() as u64;
         at

@@ -16,8 +16,8 @@ use markbase_core::backend::{
 use markbase_core::quant::GgmlType;
 use markbase_cpu::reference;
 use markbase_cuda::{
-    gemv_takes_16_bit_activations, moe_groups_pairs, product_inputs, CudaBackend, CudaBuffer,
-    CudaMatrix, ProductInputs, SampleParams, ATTN_FLASH_MIN_ROWS,
+    gemv_takes_16_bit_activations, moe_groups_pairs, product_inputs, q4k_mma_suits, CudaBackend,
+    CudaBuffer, CudaMatrix, ProductInputs, SampleParams, ATTN_FLASH_MIN_ROWS,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, RngCore, SeedableRng};
@@ -170,7 +170,8 @@ fn random_matrix(r: &mut StdRng, ty: GgmlType, rows: usize, cols: usize) -> Host
 
 /// The activations `x` (`n` rows) and the weights `m` as a product sees them
 /// (`product_inputs`, with cuBLAS): activations rounded to bf16 for bf16 weights; activations
-/// and dequantized weights rounded to f16 for quantized ones; otherwise as they are, or as
+/// and dequantized weights rounded to f16 for quantized ones (Q4_K weights of the tensor-core
+/// kernel's products as it dequantizes them, `q4k_as_f16_fma`); otherwise as they are, or as
 /// 16-bit integers per 32 values where the GEMVs take them so (`as_16_bit`).
 fn as_seen(g: &CudaBackend, m: &HostMatrix, n: usize, x: &[f32]) -> (Vec<f32>, HostMatrix) {
     let inputs = if g.has_cublas() {
@@ -193,6 +194,9 @@ fn as_seen(g: &CudaBackend, m: &HostMatrix, n: usize, x: &[f32]) -> (Vec<f32>, H
         }
         ProductInputs::F16 => {
             let xs = x.iter().map(|&v| f16::from_f32(v).to_f32()).collect();
+            if q4k_mma_suits(m.ty, n) && g.device().capability().0 >= 8 {
+                return (xs, q4k_as_f16_fma(m));
+            }
             let w = reference::dequantize_matrix(m).unwrap();
             let bytes: Vec<u8> = w
                 .iter()
@@ -207,6 +211,57 @@ fn as_seen(g: &CudaBackend, m: &HostMatrix, n: usize, x: &[f32]) -> (Vec<f32>, H
             };
             (xs, seen)
         }
+    }
+}
+
+/// A Q4_K matrix as the tensor-core kernel (mmq_q4k.cu) dequantizes it to f16: each weight
+/// fma(q, S, −M) rounded once, S = f16(d · scale) and M = f16(dmin · min) each rounded once
+/// (saturating at ±65 504). Checked against the reference's dequantization to within those
+/// roundings.
+fn q4k_as_f16_fma(m: &HostMatrix) -> HostMatrix {
+    let f16_sat = |v: f32| f16::from_f32(v.clamp(-65_504.0, 65_504.0));
+    let mut w = Vec::with_capacity(m.rows * m.cols);
+    for b in m.bytes.as_slice().chunks_exact(144) {
+        let d = f16::from_le_bytes([b[0], b[1]]).to_f32();
+        let dmin = f16::from_le_bytes([b[2], b[3]]).to_f32();
+        let sc = &b[4..16];
+        for p in 0..256 {
+            let (j, l) = (p / 64, p % 64);
+            let chunk = 2 * j + l / 32;
+            let (s, mn) = if chunk < 4 {
+                (sc[chunk] & 63, sc[chunk + 4] & 63)
+            } else {
+                (
+                    (sc[chunk + 4] & 15) | ((sc[chunk - 4] >> 6) << 4),
+                    (sc[chunk + 4] >> 4) | ((sc[chunk] >> 6) << 4),
+                )
+            };
+            let byte = b[16 + 32 * j + l % 32];
+            let q = if l < 32 { byte & 15 } else { byte >> 4 };
+            let s16 = f16_sat(d * f32::from(s)).to_f64();
+            let m16 = f16_sat(dmin * f32::from(mn)).to_f64();
+            w.push(f16::from_f64(f64::from(q) * s16 - m16));
+        }
+    }
+    let exact = reference::dequantize_matrix(m).unwrap();
+    for (i, (a, e)) in w.iter().zip(&exact).enumerate() {
+        let b = &m.bytes.as_slice()[144 * (i / 256)..];
+        let scale = f16::from_le_bytes([b[0], b[1]]).to_f32().abs() * 63.0 * 15.0
+            + f16::from_le_bytes([b[2], b[3]]).to_f32().abs() * 63.0;
+        let err = (a.to_f32() - e).abs();
+        assert!(
+            err <= scale / 1024.0,
+            "weight {i}: {a} as the kernel's f16, {e} dequantized"
+        );
+    }
+    HostMatrix {
+        name: format!("{} as the tensor cores' f16", m.name),
+        ty: GgmlType::F16,
+        rows: m.rows,
+        cols: m.cols,
+        bytes: HostBytes::Owned(Arc::from(
+            w.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>(),
+        )),
     }
 }
 
@@ -250,7 +305,7 @@ fn matmul_matches_reference_for_every_format_and_batch() {
             let w = g.load_matrix(&m).unwrap();
             // 1–8: one GEMV launch; 13: two; 40: cuBLAS (f32 and f16 weights in f32, bf16 and
             // quantized ones on the tensor cores, see `as_seen`); bf16 weights take the tensor
-            // cores from 3 rows.
+            // cores from 3 rows, Q4_K weights the tensor-core kernel for 3–32 (`q4k_mma_suits`).
             for n in [1, 2, 3, 8, 13, 40] {
                 let x = uniform(&mut r, n * k, 1.0);
                 let (sx, sm) = as_seen(g, &m, n, &x);
@@ -313,7 +368,8 @@ fn gelu_gated_matmul_matches_reference_for_every_format() {
         );
         let (gw, uw) = (g.load_matrix(&gm).unwrap(), g.load_matrix(&um).unwrap());
         // 1–8 rows: the fused GEMV (one warp per gate / up row pair); 13: two launches; 40:
-        // two cuBLAS products and the elementwise pass.
+        // two cuBLAS products and the elementwise pass (Q4_K weights from 3 rows: two products
+        // of the tensor-core kernel up to 32, then the pass).
         for n in [1, 3, 8, 13, 40] {
             let x = uniform(&mut r, n * k, 1.0);
             let ((sx, sg), (_, su)) = (as_seen(g, &gm, n, &x), as_seen(g, &um, n, &x));
@@ -416,6 +472,33 @@ fn one_token_products_over_an_lm_head_of_rows_match_reference() {
     }
 }
 
+/// Q4_K products of 3–32 token rows on the tensor cores over matrices of many row tiles and
+/// long rows (tiles whose super-blocks several blocks share, part-filled tiles and stages),
+/// every n-tile count and a part-filled n-tile; a second run gives the same bits.
+#[test]
+fn q4k_tensor_core_products_match_reference_and_repeat_exactly() {
+    let g = gpu_with_cublas_or_skip!();
+    let mut r = rng("q4k tensor cores");
+    for (rows, k) in [(2_560, 10_240), (4_100, 2_560), (333, 2_816)] {
+        let m = random_matrix(&mut r, GgmlType::Q4_K, rows, k);
+        let w = g.load_matrix(&m).unwrap();
+        for n in [3, 7, 16, 29, 32] {
+            let x = uniform(&mut r, n * k, 1.0);
+            let (sx, sm) = as_seen(g, &m, n, &x);
+            let want = reference::matmul(&sx, n, &sm).unwrap();
+            let xb = up(g, &x);
+            let mut out = poisoned(g, n * rows);
+            g.matmul(&xb, n, &w, &mut out).unwrap();
+            let got = down(g, &out, n * rows);
+            assert_close(&format!("Q4_K [{rows}, {k}] n={n}"), &got, &want, 2e-5);
+            let mut again = poisoned(g, n * rows);
+            g.matmul(&xb, n, &w, &mut again).unwrap();
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&down(g, &again, n * rows)), bits(&got), "n={n} rerun");
+        }
+    }
+}
+
 #[test]
 fn gelu_matmul_mul_matches_reference_for_every_format() {
     let g = gpu_or_skip!();
@@ -431,7 +514,7 @@ fn gelu_matmul_mul_matches_reference_for_every_format() {
             stride: 4 * rows,
         };
         // 1–8 rows: one GEMV launch reading the slice in place; 13: two; 40: the product, a
-        // copy of the slice and the elementwise pass.
+        // copy of the slice and the elementwise pass (so too Q4_K weights from 3 rows).
         for n in [1, 3, 8, 13, 40] {
             let x = uniform(&mut r, n * k, 1.0);
             let other = uniform(&mut r, from.at(n), 2.0);
@@ -1643,9 +1726,14 @@ fn with_rounded_copy(g: &CudaBackend, mut attempt: impl FnMut() -> Vec<f32>) -> 
 fn rounded_copies_feed_the_next_product_exactly_and_only_while_fresh() {
     let g = gpu_with_cublas_or_skip!();
     let mut r = rng("rounded_copies");
-    let (d, ff) = (256, 96);
-    // bf16 weights at 8 rows (tensor cores from 3) and Q8_0 at 20 (f16 from 17).
-    for (ty, n) in [(GgmlType::BF16, 8), (GgmlType::Q8_0, 20)] {
+    let d = 256;
+    // bf16 weights at 8 rows (tensor cores from 3), Q8_0 at 20 (f16 from 17) and Q4_K at 8
+    // (its tensor-core kernel from 2).
+    for (ty, n, ff) in [
+        (GgmlType::BF16, 8, 96),
+        (GgmlType::Q8_0, 20, 96),
+        (GgmlType::Q4_K, 8, 256),
+    ] {
         let wo = g.load_matrix(&random_matrix(&mut r, ty, ff, d)).unwrap();
         let gate = g.load_matrix(&random_matrix(&mut r, ty, ff, d)).unwrap();
         let upm = g.load_matrix(&random_matrix(&mut r, ty, ff, d)).unwrap();
