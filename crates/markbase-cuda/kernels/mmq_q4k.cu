@@ -5,16 +5,16 @@
 // grow with the tokens), and cuBLAS needs them dequantized into memory first. Appended to
 // gemv.cu's module (its Q4_K unit).
 //
-// A block of 8 warps takes 16·WM rows (WM warps of 16 rows each) and a share of the rows'
-// super-blocks (blockIdx.y of the launch's `splits`), walked in stages of WK super-blocks,
-// one a warp: WM·WK = 8 and the launch's NT n-tiles of 8 tokens make WK = 8 / NT, so every
-// stage stages WK · 8·NT = 64 token slices of 256 activations. The stages' activations (f16,
-// as a product's rounded copy, rounded.rs) go to shared memory by cp.async, two stages in a
-// ring; each warp loads its next super-block's weights into registers while it multiplies the
-// current one (the first before waiting for the kernel ahead). Warps of one row tile add their
-// sums through shared memory in order; with several splits each block stores its sums as a
-// part, and the tile's last block (a ticket a tile, reset by that block) adds the parts in
-// split order. Every run gives the same bits.
+// The work is items — a row tile of 16 rows of one of the launch's matrices (up to 4 of one
+// width: q, k, v or gate, up) over one split of the rows' super-blocks (blockIdx.y of the
+// launch's `splits`) — and an item's units, one super-block each. A block's 8 warps walk
+// the tiles grid-stride over the split's blocks, one item at a time, each warp a stream of
+// units with MMQ_UNITS_AHEAD of them loaded into registers ahead of the one it multiplies
+// (the first before waiting for the kernel ahead). The block first stages its split's
+// activations for all the tokens in shared memory (f16, as a product's rounded copy,
+// rounded.rs; by cp.async). With one split a warp stores its item's sums; with several it
+// stores them as the split's part, and the item's last warp (a ticket a tile, reset by that
+// warp) adds the parts in split order. Every run gives the same bits.
 //
 // Fragments: a lane (g = lane / 4, c = lane % 4) holds for rows g and g + 8 of its warp's
 // tile the quant bytes 32c .. 32c + 31 of each super-block: chunk 2c's 32 weights (low
@@ -36,14 +36,24 @@
 // 4 groups) hit 32 different banks.
 #define MMQ_GROUP_BYTES 144
 #define MMQ_TOKEN_BYTES (4 * MMQ_GROUP_BYTES)
-// Token slices a stage holds (WK super-blocks × 8·NT tokens) and its bytes.
-#define MMQ_STAGE_SLICES 64
-#define MMQ_STAGE_BYTES (MMQ_STAGE_SLICES * MMQ_TOKEN_BYTES)
+// Units (16 rows × one super-block) a warp has loaded ahead of the one it multiplies.
+#ifndef MMQ_UNITS_AHEAD
+#define MMQ_UNITS_AHEAD 2
+#endif
+// Accumulator sets of a warp for up to 16 tokens (one for more): a unit's products of chunk
+// 2c and of chunk 2c + 1 go to two chains of dependent mma instructions, not one.
+#ifndef MMQ_CHAINS
+#define MMQ_CHAINS 2
+#endif
 
-// d = the f16 pair (lo, hi) of two floats clamped to f16's finite range.
+// The f16 pair (lo, hi) of two floats, saturating at ±65 504 (f16_range).
 __device__ __forceinline__ u32 mmq_f16x2(float lo, float hi) {
     u32 r;
+#if __CUDA_ARCH__ >= 900
+    asm("cvt.rn.satfinite.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#else
     asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(f16_range(hi)), "f"(f16_range(lo)));
+#endif
     return r;
 }
 
@@ -81,35 +91,23 @@ __device__ __forceinline__ void mmq_cp16(u32 smem, const void* g) {
 
 __device__ __forceinline__ void mmq_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 
-__device__ __forceinline__ void mmq_wait_one() {
-    asm volatile("cp.async.wait_group 1;" ::: "memory");
+__device__ __forceinline__ void mmq_wait_all() {
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
 }
 
-// A float another block wrote (read from L2, not a stale L1 line).
+// A float another warp wrote (read from L2, not a stale L1 line).
 __device__ __forceinline__ float mmq_load_l2(const float* p) {
     float v;
     asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
     return v;
 }
 
-// A lane's share of one super-block of its two rows: the 16-byte headers and quant bytes
-// 32c .. 32c + 31.
-struct MmqRows {
+// A lane's share of one unit (16 rows × one super-block): its two rows' 16-byte headers and
+// quant bytes 32c .. 32c + 31.
+struct MmqUnit {
     uint4 h[2];
     uint4 q[2][2];
 };
-
-__device__ __forceinline__ void mmq_load(const u8* row0, const u8* row1, int sb, int c,
-                                         MmqRows& a) {
-    const u8* b0 = row0 + (u64)sb * 144;
-    const u8* b1 = row1 + (u64)sb * 144;
-    a.h[0] = __ldg((const uint4*)b0);
-    a.h[1] = __ldg((const uint4*)b1);
-    a.q[0][0] = __ldg((const uint4*)(b0 + 16 + 32 * c));
-    a.q[0][1] = __ldg((const uint4*)(b0 + 32 + 32 * c));
-    a.q[1][0] = __ldg((const uint4*)(b1 + 16 + 32 * c));
-    a.q[1][1] = __ldg((const uint4*)(b1 + 32 + 32 * c));
-}
 
 // Word i (0..7) of a lane's 32 quant bytes of one row.
 __device__ __forceinline__ u32 mmq_word(const uint4* q, int i) {
@@ -118,11 +116,11 @@ __device__ __forceinline__ u32 mmq_word(const uint4* q, int i) {
     return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w;
 }
 
-// acc[j] (n-tile j) += the lane's rows' super-block in `a` times the staged activations `xs`
-// (this warp's slot of the stage; lane (g, c) reads token 8j + g's group c).
-template <int NT>
-__device__ __forceinline__ void mmq_super_block(const MmqRows& a, const u8* xs, int g, int c,
-                                                float (*acc)[4]) {
+// acc[h % CH][j] (n-tile j) += the unit `a`'s chunk 2c + h times the staged activations of
+// its super-block `xs` (lane (g, c) reads token 8j + g's group c).
+template <int NT, int CH>
+__device__ __forceinline__ void mmq_unit(const MmqUnit& a, const u8* xs, int g, int c,
+                                         float (*acc)[NT][4]) {
     // The lane's chunk pair's scales as broadcast f16 pairs: S[row][hi], −M[row][hi].
     u32 S[2][2], M[2][2];
 #pragma unroll
@@ -164,130 +162,202 @@ __device__ __forceinline__ void mmq_super_block(const MmqRows& a, const u8* xs, 
         for (int j = 0; j < NT; j++) {
             const u8* xt = xl + 8 * j * MMQ_TOKEN_BYTES + 16 * ip;
             uint4 lo = *(const uint4*)xt, hi = *(const uint4*)(xt + 64);
-            mmq_mma(acc[j], A[0][0], lo.x, lo.y);
-            mmq_mma(acc[j], A[1][0], lo.z, lo.w);
-            mmq_mma(acc[j], A[0][1], hi.x, hi.y);
-            mmq_mma(acc[j], A[1][1], hi.z, hi.w);
+            mmq_mma(acc[0][j], A[0][0], lo.x, lo.y);
+            mmq_mma(acc[0][j], A[1][0], lo.z, lo.w);
+            mmq_mma(acc[1 % CH][j], A[0][1], hi.x, hi.y);
+            mmq_mma(acc[1 % CH][j], A[1][1], hi.z, hi.w);
         }
     }
 }
 
-// Copies stage `st`'s activations (super-blocks sb0 + st·WK .. of the split, below sb_end)
-// into shared memory `buf`: slot s, token t at (s · 8NT + t) · MMQ_TOKEN_BYTES.
-template <int NT>
-__device__ __forceinline__ void mmq_stage(const u16* xh, int k, int n, int sb0, int sb_end,
-                                          int st, u32 buf) {
-    const int WK = 8 / NT, per = WK * 8 * NT * 32;  // 16-byte pieces a stage
-    for (int p = threadIdx.x; p < per; p += blockDim.x) {
-        int piece = p & 31, slice = p >> 5, t = slice % (8 * NT), s = slice / (8 * NT);
-        int sb = sb0 + st * WK + s;
-        if (t < n && sb < sb_end) {
-            const u16* src = xh + (u64)t * k + sb * 256 + 8 * piece;
-            u32 dst = buf + slice * MMQ_TOKEN_BYTES + (piece >> 3) * MMQ_GROUP_BYTES +
-                      16 * (piece & 7);
-            mmq_cp16(dst, src);
+// A warp's place in its stream of units: its item (a row tile of one matrix, over the
+// block's split) — the tile's first row in the matrix, the matrix (its weights, output and
+// rows), the tile's first row among all the matrices' rows — and the unit's super-block of
+// the split.
+struct MmqCursor {
+    int tile, i;
+    int r0, rows, g0;
+    u64 w, out;
+};
+
+// Points cursor u at tile `tile` (of all matrices' tiles of 16 rows, in order), unit 0;
+// constant indices into `p` (a runtime index copies it to the stack).
+__device__ __forceinline__ void mmq_seek(const Products& p, int tile, MmqCursor& u) {
+    u.tile = tile;
+    u.i = 0;
+    u.g0 = 0;
+    u.w = p.w[0];
+    u.out = p.out[0];
+    u.rows = p.rows[0];
+    int t = tile;
+#pragma unroll
+    for (int i = 1; i < 4; i++) {
+        int tiles = (u.rows + 15) >> 4;
+        if (i < p.count && t >= tiles) {
+            t -= tiles;
+            u.g0 += u.rows;
+            u.w = p.w[i];
+            u.out = p.out[i];
+            u.rows = p.rows[i];
         }
     }
+    u.r0 = 16 * t;
 }
 
+// The unit under cursor u: rows r0 + g and r0 + g + 8 (the last row past the end) of its
+// matrix, super-block sb0 + u.i.
+__device__ __forceinline__ void mmq_load(u64 row_bytes, const MmqCursor& u, int sb0, int g,
+                                         int c, MmqUnit& a) {
+    const u8* base = (const u8*)u.w + (u64)(sb0 + u.i) * 144;
+    const u8* b0 = base + (u64)min(u.r0 + g, u.rows - 1) * row_bytes;
+    const u8* b1 = base + (u64)min(u.r0 + g + 8, u.rows - 1) * row_bytes;
+    a.h[0] = __ldg((const uint4*)b0);
+    a.h[1] = __ldg((const uint4*)b1);
+    a.q[0][0] = __ldg((const uint4*)(b0 + 16 + 32 * c));
+    a.q[0][1] = __ldg((const uint4*)(b0 + 32 + 32 * c));
+    a.q[1][0] = __ldg((const uint4*)(b1 + 16 + 32 * c));
+    a.q[1][1] = __ldg((const uint4*)(b1 + 32 + 32 * c));
+}
+
+// Moves cursor u to the next unit: the next super-block of the split, or unit 0 of the
+// warp's next tile (`stride` tiles on).
+__device__ __forceinline__ void mmq_next(const Products& p, int count, int stride,
+                                         MmqCursor& u) {
+    if (++u.i == count) mmq_seek(p, u.tile + stride, u);
+}
+
+// Stores the warp's sums of item u (lane (g, c): rows g, g + 8 — v 0, 1 and 2, 3 — tokens
+// 8j + 2c + (v & 1)): to its matrix's output, or with several splits as this split's part,
+// the item's last warp adding the parts in split order.
 template <int NT>
-__device__ void mmq_q4k_impl(const u8* w, u64 row_bytes, int rows, int k, const u16* xh, int n,
-                             float* out, float* parts, u32* tickets, int splits, int per_split) {
-    constexpr int WK = 8 / NT, WM = NT;
-    extern __shared__ uint4 mmq_smem[];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
-    const int wm = warp / WK, wk = warp % WK;
-    const int nb = k >> 8, sb0 = blockIdx.y * per_split, sb_end = min(nb, sb0 + per_split);
-    const int stages = (sb_end - sb0 + WK - 1) / WK;
-    const int r0 = blockIdx.x * 16 * WM + 16 * wm;
-    const u8* row0 = w + (u64)min(r0 + g, rows - 1) * row_bytes;
-    const u8* row1 = w + (u64)min(r0 + g + 8, rows - 1) * row_bytes;
-    const u32 smem = shared_address(mmq_smem);
-
-    MmqRows a, next;
-    if (sb0 + wk < sb_end) mmq_load(row0, row1, sb0 + wk, c, a);
-    wait_prior_grid();
-    mmq_stage<NT>(xh, k, n, sb0, sb_end, 0, smem);
-    mmq_commit();
-
-    float acc[NT][4];
-#pragma unroll
-    for (int j = 0; j < NT; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-    for (int st = 0; st < stages; st++) {
-        const int sb = sb0 + st * WK + wk, sb_next = sb + WK;
-        if (st + 1 < stages)
-            mmq_stage<NT>(xh, k, n, sb0, sb_end, st + 1, smem + ((st + 1) & 1) * MMQ_STAGE_BYTES);
-        mmq_commit();
-        if (sb_next < sb_end) mmq_load(row0, row1, sb_next, c, next);
-        mmq_wait_one();
-        __syncthreads();
-        if (sb < sb_end) {
-            const u8* xs = (const u8*)mmq_smem + (st & 1) * MMQ_STAGE_BYTES +
-                           wk * 8 * NT * MMQ_TOKEN_BYTES;
-            mmq_super_block<NT>(a, xs, g, c, acc);
-        }
-        __syncthreads();
-        a = next;
-    }
-
-    // The tile's warps add their sums in order: warp (wm, 0) holds the total.
-    float* red = (float*)mmq_smem;
-    if (WK > 1) {
-#pragma unroll
-        for (int j = 0; j < NT; j++)
-#pragma unroll
-            for (int v = 0; v < 4; v++) red[((warp * NT + j) * 4 + v) * 32 + lane] = acc[j][v];
-        __syncthreads();
-        if (wk == 0) {
-            for (int o = 1; o < WK; o++)
-#pragma unroll
-                for (int j = 0; j < NT; j++)
-#pragma unroll
-                    for (int v = 0; v < 4; v++)
-                        acc[j][v] += red[(((warp + o) * NT + j) * 4 + v) * 32 + lane];
-        }
-    }
-    // Lane (g, c) holds rows g (v 0, 1) and g + 8 (v 2, 3), tokens 8j + 2c + (v & 1).
-    float* dst = splits > 1 ? parts + (u64)blockIdx.y * n * rows : out;
-    if (wk == 0) {
+__device__ __forceinline__ void mmq_store(const MmqCursor& u, float (*acc)[4], int n,
+                                          int total_rows, float* parts, u32* tickets,
+                                          int splits, int g, int c) {
+    const int rows = u.rows;
+    float* out = (float*)u.out;
+    if (splits == 1) {
 #pragma unroll
         for (int j = 0; j < NT; j++)
 #pragma unroll
             for (int v = 0; v < 4; v++) {
-                int r = r0 + g + 8 * (v >> 1), t = 8 * j + 2 * c + (v & 1);
-                if (r < rows && t < n) dst[(u64)t * rows + r] = acc[j][v];
+                int r = u.r0 + g + 8 * (v >> 1), t = 8 * j + 2 * c + (v & 1);
+                if (r < rows && t < n) out[(u64)t * rows + r] = acc[j][v];
             }
+        return;
     }
-    if (splits == 1) return;
-
-    // The tile's last block adds the parts in split order.
-    __shared__ u32 last;
+    float* part = parts + (u64)blockIdx.y * n * total_rows + u.g0;
+#pragma unroll
+    for (int j = 0; j < NT; j++)
+#pragma unroll
+        for (int v = 0; v < 4; v++) {
+            int r = u.r0 + g + 8 * (v >> 1), t = 8 * j + 2 * c + (v & 1);
+            if (r < rows && t < n) part[(u64)t * total_rows + r] = acc[j][v];
+        }
     __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        u32 ticket = atomicAdd(&tickets[blockIdx.x], 1u);
-        last = ticket == (u32)splits - 1;
-        if (last) tickets[blockIdx.x] = 0;
-    }
-    __syncthreads();
-    if (!last) return;
+    __syncwarp();
+    u32 ticket = 0;
+    if ((threadIdx.x & 31) == 0) ticket = atomicAdd(&tickets[u.tile], 1u);
+    ticket = __shfl_sync(0xffffffffu, ticket, 0);
+    if (ticket != (u32)splits - 1) return;
+    if ((threadIdx.x & 31) == 0) tickets[u.tile] = 0;
     __threadfence();
-    const int tile0 = blockIdx.x * 16 * WM, tile_rows = min(16 * WM, rows - tile0);
-    for (int i = threadIdx.x; i < tile_rows * n; i += blockDim.x) {
-        int t = i / tile_rows, r = tile0 + i % tile_rows;
+    for (int i = threadIdx.x & 31; i < 16 * n; i += 32) {
+        int r = u.r0 + (i & 15), t = i >> 4;
+        if (r >= rows) continue;
         float s = 0.f;
-        for (int p = 0; p < splits; p++) s += mmq_load_l2(parts + ((u64)p * n + t) * rows + r);
+        for (int q = 0; q < splits; q++)
+            s += mmq_load_l2(parts + ((u64)q * n + t) * total_rows + u.g0 + r);
         out[(u64)t * rows + r] = s;
     }
 }
 
-// The kernels for NT = 1, 2, 4 n-tiles (up to 8, 16, 32 token rows); blocks of 256
-// threads with 2 · MMQ_STAGE_BYTES of dynamic shared memory.
-#define MMQ_KERNEL(NT)                                                                         \
-    extern "C" __global__ void __launch_bounds__(256, 2)                                       \
-        mmq_q4_k_##NT(const u8* w, u64 row_bytes, int rows, int k, const u16* xh, int n,       \
-                      float* out, float* parts, u32* tickets, int splits, int per_split) {     \
-        mmq_q4k_impl<NT>(w, row_bytes, rows, k, xh, n, out, parts, tickets, splits, per_split); \
+// The warps of the launch walk the tiles of 16 rows of `p`'s matrices grid-stride over the
+// blocks of their split (blockIdx.y: super-blocks blockIdx.y · per_split ..), each through
+// its units with MMQ_UNITS_AHEAD of them loaded ahead. The block stages its split's
+// activations once: token t's super-block i at (i · 8NT + t) · MMQ_TOKEN_BYTES.
+template <int NT>
+__device__ void mmq_q4k_impl(const Products& p, u64 row_bytes, int k, const u16* xh, int n,
+                             int total_rows, float* parts, u32* tickets, int splits,
+                             int per_split) {
+    constexpr int D = MMQ_UNITS_AHEAD;
+    extern __shared__ uint4 mmq_smem[];
+    const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+    const int sb0 = blockIdx.y * per_split, count = min(k >> 8, sb0 + per_split) - sb0;
+    const int stride = gridDim.x * (blockDim.x >> 5);
+    const int first = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    int tiles = 0;
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+        if (i < p.count) tiles += (p.rows[i] + 15) >> 4;
+    const int mine = first < tiles ? (tiles - first + stride - 1) / stride * count : 0;
+
+    MmqCursor load, use;
+    mmq_seek(p, first, load);
+    use = load;
+    MmqUnit a[D];
+#pragma unroll
+    for (int j = 0; j < D; j++)
+        if (j < mine) {
+            mmq_load(row_bytes, load, sb0, g, c, a[j]);
+            mmq_next(p, count, stride, load);
+        }
+    wait_prior_grid();
+    const u32 smem = shared_address(mmq_smem);
+    for (int q = threadIdx.x; q < count * 8 * NT * 32; q += blockDim.x) {
+        int piece = q & 31, slice = q >> 5, t = slice % (8 * NT), i = slice / (8 * NT);
+        if (t < n)
+            mmq_cp16(smem + slice * MMQ_TOKEN_BYTES + (piece >> 3) * MMQ_GROUP_BYTES +
+                         16 * (piece & 7),
+                     xh + (u64)t * k + (sb0 + i) * 256 + 8 * piece);
+    }
+    mmq_commit();
+    mmq_wait_all();
+    __syncthreads();
+
+    constexpr int CH = NT <= 2 ? MMQ_CHAINS : 1;
+    float acc[CH][NT][4];
+#pragma unroll
+    for (int h = 0; h < CH; h++)
+#pragma unroll
+        for (int j = 0; j < NT; j++) acc[h][j][0] = acc[h][j][1] = acc[h][j][2] = acc[h][j][3] = 0.f;
+    for (int q = 0; q < mine; q += D) {
+#pragma unroll
+        for (int j = 0; j < D; j++) {
+            if (q + j < mine) {
+                mmq_unit<NT, CH>(a[j], (const u8*)mmq_smem + use.i * 8 * NT * MMQ_TOKEN_BYTES, g,
+                                 c, acc);
+                if (use.i == count - 1) {
+#pragma unroll
+                    for (int h = 1; h < CH; h++)
+#pragma unroll
+                        for (int t = 0; t < NT; t++)
+#pragma unroll
+                            for (int v = 0; v < 4; v++) acc[0][t][v] += acc[h][t][v];
+                    mmq_store<NT>(use, acc[0], n, total_rows, parts, tickets, splits, g, c);
+#pragma unroll
+                    for (int h = 0; h < CH; h++)
+#pragma unroll
+                        for (int t = 0; t < NT; t++)
+                            acc[h][t][0] = acc[h][t][1] = acc[h][t][2] = acc[h][t][3] = 0.f;
+                }
+                mmq_next(p, count, stride, use);
+                if (q + j + D < mine) {
+                    mmq_load(row_bytes, load, sb0, g, c, a[j]);
+                    mmq_next(p, count, stride, load);
+                }
+            }
+        }
+    }
+}
+
+// The kernels for NT = 1, 2, 4 n-tiles (up to 8, 16, 32 token rows); blocks of 256 threads
+// with 8·NT · per_split · MMQ_TOKEN_BYTES of dynamic shared memory.
+#define MMQ_KERNEL(NT)                                                                        \
+    extern "C" __global__ void __launch_bounds__(256, 2)                                      \
+        mmq_q4_k_##NT(Products p, u64 row_bytes, int k, const u16* xh, int n, int total_rows, \
+                      float* parts, u32* tickets, int splits, int per_split) {                \
+        mmq_q4k_impl<NT>(p, row_bytes, k, xh, n, total_rows, parts, tickets, splits,          \
+                         per_split);                                                          \
     }
 MMQ_KERNEL(1)
 MMQ_KERNEL(2)

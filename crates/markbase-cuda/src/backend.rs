@@ -476,6 +476,12 @@ impl CudaBackend {
         Ok(self.scratch()?.rounded.used())
     }
 
+    /// Whether a product of `n` token rows with weights stored as `ty` runs on the tensor-core
+    /// Q4_K kernel (`mmq_q4k`): its token rows, on a device of compute capability 8.0 or newer.
+    fn mma_q4k(&self, ty: GgmlType, n: usize) -> bool {
+        q4k_mma_suits(ty, n) && self.dev.capability().0 >= 8
+    }
+
     /// The tensor-core Q4_K products' tickets (`mmq_q4k`).
     pub(crate) fn mmq_tickets(&self) -> u64 {
         self.mmq_tickets.ptr
@@ -800,6 +806,9 @@ impl CudaBackend {
                 }
                 let mut s = self.scratch()?;
                 let xh = self.round_inputs(&mut s, rounded_form(w0.ty, n, inputs), x, n * k)?;
+                if self.mma_q4k(w0.ty, n) && self.mmq_q4k(&mut s, xh, n, products)? {
+                    return Ok(true);
+                }
                 let mut rest = products;
                 while let Some((&(w, out), after)) = rest.split_first() {
                     rest = after;
@@ -915,8 +924,8 @@ impl CudaBackend {
         out: u64,
     ) -> Result<()> {
         let k = w.cols;
-        if q4k_mma_suits(w.ty, n) && self.dev.capability().0 >= 8 {
-            return self.mmq_q4k(s, xh, n, w, out);
+        if self.mma_q4k(w.ty, n) && self.mmq_q4k(s, xh, n, &[(w, out)])? {
+            return Ok(());
         }
         if w.ty == GgmlType::BF16 {
             // SAFETY: `xh` holds n·k bf16 values, `w` rows·k; `out` rows·n.

@@ -1,33 +1,41 @@
 //! Products of 3–32 token rows with Q4_K weights on the tensor cores (kernels/mmq_q4k.cu):
 //! the 4-bit weights stream once for all the tokens and are dequantized to f16 in registers,
-//! the activations come as their f16 rounded copy. Blocks take tiles of 16 rows a warp; a
-//! matrix with few tiles splits its super-blocks over several blocks a tile, whose parts the
-//! tile's last block adds in order (a ticket a tile in `tickets`).
+//! the activations come as their f16 rounded copy. Up to `MAX_PRODUCTS` matrices of one width
+//! take one launch. Warps walk row tiles of 16 rows; matrices of few tiles split their
+//! super-blocks over several items a tile, whose parts the tile's last warp adds in order (a
+//! ticket a tile in `tickets`).
 
 use markbase_core::quant::GgmlType;
 use markbase_core::Result;
 
 use crate::backend::{int, CudaBackend, Scratch};
 use crate::buffer::CudaMatrix;
-use crate::kernels::{Arg, Grid};
+use crate::kernels::{Arg, Grid, ProductArgs};
 use crate::sources::Module;
 
 /// Token rows from which a Q4_K product runs here rather than as GEMVs, and up to which it
 /// does (more take cuBLAS on weights dequantized to f16): 4 n-tiles of 8 at most
 /// (`MMQ_KERNEL(4)`). Measured on the H200 (E4B Q4_K, `bench -p 0 -n 32`, docs/perf.md session
-/// 31): 2 sequences 570.74 t/s as GEMVs against 527.86 here; 64 sequences 6 058.32 on cuBLAS
-/// against 4 968.65 here (8 n-tiles); 4 / 8 / 16 / 32 sequences 764 / 862 / 878 / 3 164 before,
-/// 1 011 / 1 879 / 3 231 / 5 004 here.
+/// 31): 2 sequences 573 t/s as GEMVs against 584 here (within noise, so GEMVs keep them); 64
+/// sequences 6 058 on cuBLAS against 4 969 on this kernel's first version (8 n-tiles);
+/// 3 / 4 / 8 / 16 / 32 sequences 684 / 761 / 861 / 887 / 3 176 before, 936 / 1 242 / 2 255 /
+/// 3 602 / 4 838 here.
 pub(crate) const MMQ_TOKENS: std::ops::RangeInclusive<usize> = 3..=32;
 /// Warps of a block.
-const BLOCK_WARPS: u32 = 8;
-/// Dynamic shared memory of a block: two stages of 64 token slices of 576 bytes
-/// (`MMQ_STAGE_BYTES`).
-const SHARED_BYTES: u32 = 2 * 64 * 576;
+const BLOCK_WARPS: usize = 8;
+/// Bytes one token's 256 activations of a super-block take in shared memory
+/// (`MMQ_TOKEN_BYTES`).
+const TOKEN_BYTES: usize = 576;
+/// Most dynamic shared memory of a block (a split's activations): two blocks fit a
+/// multiprocessor.
+const MAX_SHARED: usize = 100 << 10;
 /// Row tiles whose launches may split their super-blocks: one ticket each.
 pub(crate) const TICKETS: usize = 1 << 16;
-/// Blocks a launch aims for a multiprocessor: matrices of fewer row tiles split their
-/// super-blocks until they have that many (or one stage a split).
+/// Items (a row tile over a split) a launch aims for a multiprocessor: matrices of fewer row
+/// tiles split their super-blocks until they have that many, one a warp. 16 made E4B's
+/// 8-sequence step 15 % slower (the parts' fix-up; docs/perf.md session 31).
+const ITEMS_PER_SM: usize = 8;
+/// Blocks resident on a multiprocessor (`__launch_bounds__(256, 2)`).
 const BLOCKS_PER_SM: usize = 2;
 
 /// Whether a product of `n` token rows with weights stored as `ty` runs here.
@@ -35,90 +43,115 @@ pub fn q4k_mma_suits(ty: GgmlType, n: usize) -> bool {
     ty == GgmlType::Q4_K && MMQ_TOKENS.contains(&n)
 }
 
-/// How a launch covers a matrix: `nt` n-tiles of 8 tokens, `tiles` row tiles of 16·nt rows,
-/// each tile's super-blocks in `splits` runs of `per_split`.
+/// How a launch covers its matrices' `tiles` row tiles of 16 rows: `nt` n-tiles of 8 tokens,
+/// each tile's super-blocks in `splits` runs of `per_split`, `blocks` blocks a split.
 #[derive(Debug, PartialEq, Eq)]
 struct Shape {
     nt: usize,
-    tiles: usize,
     splits: usize,
     per_split: usize,
+    blocks: usize,
 }
 
-/// The launch shape for `n` tokens (`MMQ_TOKENS`) and a matrix of `rows` rows of `k` values (a
-/// multiple of 256) on `sms` multiprocessors.
-fn shape(rows: usize, k: usize, n: usize, sms: usize) -> Shape {
+impl Shape {
+    /// Dynamic shared memory of a block: its split's activations.
+    fn shared(&self) -> usize {
+        8 * self.nt * self.per_split * TOKEN_BYTES
+    }
+}
+
+/// The launch shape for `n` tokens (`MMQ_TOKENS`) and `tiles` row tiles of `k` values (a
+/// multiple of 256) on `sms` multiprocessors; None where the tiles are too many to split.
+fn shape(tiles: usize, k: usize, n: usize, sms: usize) -> Option<Shape> {
     let nt = match n.div_ceil(8) {
         1 => 1,
         2 => 2,
         _ => 4,
     };
-    // A stage takes one super-block a warp of each row tile's 8 / nt warps.
-    let wk = 8 / nt;
-    let tiles = rows.div_ceil(16 * nt);
     let blocks = k / 256;
-    let stages = blocks.div_ceil(wk);
-    let want = if tiles > TICKETS {
-        1
-    } else {
-        (BLOCKS_PER_SM * sms).div_ceil(tiles).clamp(1, stages)
-    };
-    let per_split = stages.div_ceil(want) * wk;
-    Shape {
-        nt,
-        tiles,
-        splits: blocks.div_ceil(per_split),
-        per_split,
+    let most_per_split = (MAX_SHARED / (8 * nt * TOKEN_BYTES)).min(blocks);
+    let want = (ITEMS_PER_SM * sms)
+        .div_ceil(tiles)
+        .clamp(blocks.div_ceil(most_per_split), blocks);
+    let per_split = blocks.div_ceil(want);
+    let splits = blocks.div_ceil(per_split);
+    if splits > 1 && tiles > TICKETS {
+        return None;
     }
+    let resident = (BLOCKS_PER_SM * sms / splits).max(1);
+    Some(Shape {
+        nt,
+        splits,
+        per_split,
+        blocks: tiles.div_ceil(BLOCK_WARPS).min(resident),
+    })
 }
 
 impl CudaBackend {
-    /// `out = x · wᵀ` for `n` token rows (`MMQ_TOKENS`) whose activations `xh` are rounded to
-    /// f16, with Q4_K weights `w` (sizes checked by the caller). The parts of split tiles go to
-    /// the f16 tile scratch, which the caller does not hold `xh` in.
+    /// `out_i = x · w_iᵀ` for `n` token rows (`MMQ_TOKENS`) whose activations `xh` are rounded
+    /// to f16, with Q4_K matrices of one width (up to `MAX_PRODUCTS`; sizes checked by the
+    /// caller), in one launch; false (nothing queued) where the matrices have too many rows.
+    /// The parts of split tiles go to the f16 tile scratch, which the caller does not hold
+    /// `xh` in.
     pub(crate) fn mmq_q4k(
         &self,
         s: &mut Scratch,
         xh: u64,
         n: usize,
-        w: &CudaMatrix,
-        out: u64,
-    ) -> Result<()> {
-        let sh = shape(w.rows, w.cols, n, self.dev.multiprocessors() as usize);
+        products: &[(&CudaMatrix, u64)],
+    ) -> Result<bool> {
+        let w0 = products[0].0;
+        let tiles: usize = products.iter().map(|(w, _)| w.rows.div_ceil(16)).sum();
+        let total_rows: usize = products.iter().map(|(w, _)| w.rows).sum();
+        let sms = self.dev.multiprocessors() as usize;
+        let Some(sh) = shape(tiles, w0.cols, n, sms) else {
+            return Ok(false);
+        };
         let parts = if sh.splits > 1 {
-            s.tiles.get(&self.dev.stream, 2 * sh.splits * n * w.rows)?
+            s.tiles
+                .get(&self.dev.stream, 2 * sh.splits * n * total_rows)?
         } else {
             0
         };
+        let mut args = ProductArgs {
+            count: products.len() as i32,
+            ..ProductArgs::default()
+        };
+        for (i, &(w, out)) in products.iter().enumerate() {
+            args.w[i] = w.ptr;
+            args.out[i] = out;
+            args.rows[i] = int("rows", w.rows)?;
+        }
+        let shared = sh.shared() as u32;
         let f = self.kernels.func_for_with_shared(
             Module::Gemv,
             "mmq",
             GgmlType::Q4_K,
             sh.nt as u32,
-            SHARED_BYTES,
+            shared,
         )?;
         let mut grid = Grid::new(
-            (int("row tiles", sh.tiles)? as u32, sh.splits as u32),
-            32 * BLOCK_WARPS,
+            (sh.blocks as u32, sh.splits as u32),
+            32 * BLOCK_WARPS as u32,
         );
-        grid.shared = SHARED_BYTES;
+        grid.shared = shared;
         self.launch_fn(
             &f,
             grid,
             &[
-                Arg::U64(w.ptr),
-                Arg::U64(w.row_bytes as u64),
-                Arg::I32(int("rows", w.rows)?),
-                Arg::I32(int("cols", w.cols)?),
+                Arg::Products(args),
+                Arg::U64(w0.row_bytes as u64),
+                Arg::I32(int("cols", w0.cols)?),
                 Arg::U64(xh),
                 Arg::I32(n as i32),
-                Arg::U64(out),
+                Arg::I32(int("rows", total_rows)?),
                 Arg::U64(parts),
                 Arg::U64(self.mmq_tickets()),
                 Arg::I32(sh.splits as i32),
                 Arg::I32(sh.per_split as i32),
             ],
-        )
+        )?;
+        Ok(true)
     }
 }
 
@@ -127,46 +160,45 @@ mod tests {
     use super::*;
 
     #[test]
-    fn shapes_cover_every_super_block_once_and_fill_the_gpu() {
-        // E4B's products on an H200 (132 multiprocessors): o / down, gate, k, q, the LM head.
-        for (rows, k) in [
-            (2560, 2048),
-            (2560, 10_240),
-            (10_240, 2560),
-            (512, 2560),
-            (2048, 2560),
-            (262_144, 2560),
-            (2560, 256),
-            (67, 12_800),
+    fn shapes_cover_every_super_block_once_and_fit_shared_memory() {
+        // E4B's launches on an H200 (132 multiprocessors), as (row tiles, width): q/k/v, o,
+        // gate + up, down, the PLE gate and projection, the LM head; a short odd matrix.
+        for (tiles, k) in [
+            (192, 2560),
+            (160, 2048),
+            (1280, 2560),
+            (160, 10_240),
+            (16, 2560),
+            (160, 256),
+            (16_384, 2560),
+            (5, 12_800),
         ] {
             for n in [3, 8, 9, 16, 17, 25, 32] {
-                let sh = shape(rows, k, n, 132);
+                let sh = shape(tiles, k, n, 132).unwrap();
                 let blocks = k / 256;
                 assert!(sh.nt * 8 >= n && (sh.nt == 1 || sh.nt * 4 < n), "{n}");
-                assert_eq!(sh.tiles, rows.div_ceil(16 * sh.nt));
-                assert_eq!(sh.per_split % (8 / sh.nt), 0);
                 assert!(sh.splits * sh.per_split >= blocks);
                 assert!((sh.splits - 1) * sh.per_split < blocks, "no empty split");
-                if sh.splits > 1 {
-                    assert!(sh.tiles <= TICKETS);
-                }
-                // At least half the blocks aimed for, or as many splits as stages.
-                let stages = blocks.div_ceil(8 / sh.nt);
+                assert!(sh.shared() <= MAX_SHARED, "{tiles}x{k} n={n}: {sh:?}");
+                assert!(sh.blocks * sh.splits <= 2 * 132 || sh.blocks == 1);
+                assert!(sh.blocks >= 1 && sh.blocks <= tiles.div_ceil(8));
+                // Enough items, or one super-block a split.
                 assert!(
-                    2 * sh.tiles * sh.splits >= (264).min(sh.tiles * stages),
-                    "{rows}x{k} n={n}: {sh:?}"
+                    2 * tiles * sh.splits >= 8 * 132 || sh.per_split == 1,
+                    "{tiles}x{k} n={n}: {sh:?}"
                 );
             }
         }
         assert_eq!(
-            shape(2560, 10_240, 8, 132),
-            Shape {
+            shape(160, 10_240, 8, 132),
+            Some(Shape {
                 nt: 1,
-                tiles: 160,
-                splits: 2,
-                per_split: 24
-            }
+                splits: 7,
+                per_split: 6,
+                blocks: 20
+            })
         );
+        assert_eq!(shape(TICKETS + 1, 12_800, 32, 132), None);
     }
 
     #[test]

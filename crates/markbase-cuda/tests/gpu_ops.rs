@@ -473,8 +473,9 @@ fn one_token_products_over_an_lm_head_of_rows_match_reference() {
 }
 
 /// Q4_K products of 3–32 token rows on the tensor cores over matrices of many row tiles and
-/// long rows (tiles whose super-blocks several blocks share, part-filled tiles and stages),
-/// every n-tile count and a part-filled n-tile; a second run gives the same bits.
+/// long rows (tiles whose super-blocks several blocks share, part-filled tiles and splits),
+/// every n-tile count and a part-filled n-tile; a second run gives the same bits. Then
+/// several matrices in one launch.
 #[test]
 fn q4k_tensor_core_products_match_reference_and_repeat_exactly() {
     let g = gpu_with_cublas_or_skip!();
@@ -495,6 +496,25 @@ fn q4k_tensor_core_products_match_reference_and_repeat_exactly() {
             g.matmul(&xb, n, &w, &mut again).unwrap();
             let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&down(g, &again, n * rows)), bits(&got), "n={n} rerun");
+        }
+    }
+    // Three matrices in one launch (q, k, v-like), tiles of each split over several blocks.
+    let k = 2_560;
+    let mats: Vec<HostMatrix> = [2_048, 512, 520]
+        .iter()
+        .map(|&rows| random_matrix(&mut r, GgmlType::Q4_K, rows, k))
+        .collect();
+    let ws: Vec<_> = mats.iter().map(|m| g.load_matrix(m).unwrap()).collect();
+    for n in [5, 24] {
+        let x = uniform(&mut r, n * k, 1.0);
+        let mut outs: Vec<CudaBuffer> = mats.iter().map(|m| poisoned(g, n * m.rows)).collect();
+        let mut products: Vec<_> = ws.iter().zip(outs.iter_mut()).collect();
+        g.matmul_many(&up(g, &x), n, &mut products).unwrap();
+        for (m, out) in mats.iter().zip(&outs) {
+            let (sx, sm) = as_seen(g, m, n, &x);
+            let want = reference::matmul(&sx, n, &sm).unwrap();
+            let what = format!("matmul_many Q4_K rows {} n={n}", m.rows);
+            assert_close(&what, &down(g, out, n * m.rows), &want, 2e-5);
         }
     }
 }
