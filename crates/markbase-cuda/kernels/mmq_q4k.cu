@@ -1,4 +1,4 @@
-// Products of 3–32 token rows with Q4_K weights on the tensor cores (mma.sync m16n8k16: f16
+// Products of 2–32 token rows with Q4_K weights on the tensor cores (mma.sync m16n8k16: f16
 // weights and activations, f32 sums): out[t, r] = Σ_k x[t, k] · w[r, k]. The weights stream
 // from memory once for all the tokens, as 4-bit values, and are dequantized to f16 in
 // registers; the GEMVs they replace read each weight once a token row (their dot products
@@ -235,24 +235,17 @@ __device__ __forceinline__ void mmq_store(const MmqCursor& u, float (*acc)[4], i
                                           int splits, int g, int c) {
     const int rows = u.rows;
     float* out = (float*)u.out;
-    if (splits == 1) {
-#pragma unroll
-        for (int j = 0; j < NT; j++)
-#pragma unroll
-            for (int v = 0; v < 4; v++) {
-                int r = u.r0 + g + 8 * (v >> 1), t = 8 * j + 2 * c + (v & 1);
-                if (r < rows && t < n) out[(u64)t * rows + r] = acc[j][v];
-            }
-        return;
-    }
-    float* part = parts + (u64)blockIdx.y * n * total_rows + u.g0;
+    // The sums' place: the output (rows a token), or this split's part (total_rows a token).
+    float* dst = splits == 1 ? out : parts + (u64)blockIdx.y * n * total_rows + u.g0;
+    const int ld = splits == 1 ? rows : total_rows;
 #pragma unroll
     for (int j = 0; j < NT; j++)
 #pragma unroll
         for (int v = 0; v < 4; v++) {
             int r = u.r0 + g + 8 * (v >> 1), t = 8 * j + 2 * c + (v & 1);
-            if (r < rows && t < n) part[(u64)t * total_rows + r] = acc[j][v];
+            if (r < rows && t < n) dst[(u64)t * ld + r] = acc[j][v];
         }
+    if (splits == 1) return;
     __threadfence();
     __syncwarp();
     u32 ticket = 0;

@@ -1,4 +1,4 @@
-//! Products of 3–32 token rows with Q4_K weights on the tensor cores (kernels/mmq_q4k.cu):
+//! Products of 2–32 token rows with Q4_K weights on the tensor cores (kernels/mmq_q4k.cu):
 //! the 4-bit weights stream once for all the tokens and are dequantized to f16 in registers,
 //! the activations come as their f16 rounded copy. Up to `MAX_PRODUCTS` matrices of one width
 //! take one launch. Warps walk row tiles of 16 rows; matrices of few tiles split their
@@ -16,11 +16,10 @@ use crate::sources::Module;
 /// Token rows from which a Q4_K product runs here rather than as GEMVs, and up to which it
 /// does (more take cuBLAS on weights dequantized to f16): 4 n-tiles of 8 at most
 /// (`MMQ_KERNEL(4)`). Measured on the H200 (E4B Q4_K, `bench -p 0 -n 32`, docs/perf.md session
-/// 31): 2 sequences 573 t/s as GEMVs against 584 here (within noise, so GEMVs keep them); 64
-/// sequences 6 058 on cuBLAS against 4 969 on this kernel's first version (8 n-tiles);
-/// 3 / 4 / 8 / 16 / 32 sequences 684 / 761 / 861 / 887 / 3 176 before, 936 / 1 242 / 2 255 /
-/// 3 602 / 4 838 here.
-pub(crate) const MMQ_TOKENS: std::ops::RangeInclusive<usize> = 3..=32;
+/// 31): 2 / 3 / 4 / 8 / 16 / 32 sequences 581 / 684 / 761 / 861 / 887 / 3 176 t/s before,
+/// 647 / 936 / 1 242 / 2 255 / 3 602 / 4 838 here; 64 sequences 6 058 on cuBLAS against
+/// 4 969 on this kernel's first version (8 n-tiles).
+pub(crate) const MMQ_TOKENS: std::ops::RangeInclusive<usize> = 2..=32;
 /// Warps of a block.
 const BLOCK_WARPS: usize = 8;
 /// Bytes one token's 256 activations of a super-block take in shared memory
@@ -33,7 +32,8 @@ const MAX_SHARED: usize = 100 << 10;
 pub(crate) const TICKETS: usize = 1 << 16;
 /// Items (a row tile over a split) a launch aims for a multiprocessor: matrices of fewer row
 /// tiles split their super-blocks until they have that many, one a warp. 16 made E4B's
-/// 8-sequence step 15 % slower (the parts' fix-up; docs/perf.md session 31).
+/// 8-sequence step 15 % slower (the parts' fix-up), 4 up to 4 % slower (docs/perf.md
+/// session 31).
 const ITEMS_PER_SM: usize = 8;
 /// Blocks resident on a multiprocessor (`__launch_bounds__(256, 2)`).
 const BLOCKS_PER_SM: usize = 2;
@@ -173,7 +173,7 @@ mod tests {
             (16_384, 2560),
             (5, 12_800),
         ] {
-            for n in [3, 8, 9, 16, 17, 25, 32] {
+            for n in [2, 8, 9, 16, 17, 25, 32] {
                 let sh = shape(tiles, k, n, 132).unwrap();
                 let blocks = k / 256;
                 assert!(sh.nt * 8 >= n && (sh.nt == 1 || sh.nt * 4 < n), "{n}");
@@ -202,9 +202,9 @@ mod tests {
     }
 
     #[test]
-    fn q4k_products_of_3_to_32_rows_take_the_tensor_cores() {
-        assert!(!q4k_mma_suits(GgmlType::Q4_K, 2));
-        assert!(q4k_mma_suits(GgmlType::Q4_K, 3) && q4k_mma_suits(GgmlType::Q4_K, 32));
+    fn q4k_products_of_2_to_32_rows_take_the_tensor_cores() {
+        assert!(!q4k_mma_suits(GgmlType::Q4_K, 1));
+        assert!(q4k_mma_suits(GgmlType::Q4_K, 2) && q4k_mma_suits(GgmlType::Q4_K, 32));
         assert!(!q4k_mma_suits(GgmlType::Q4_K, 33));
         assert!(!q4k_mma_suits(GgmlType::Q6_K, 8));
     }

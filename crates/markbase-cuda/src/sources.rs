@@ -51,7 +51,7 @@ const COMMON: &str = include_str!("../kernels/common.cuh");
 const QUANT: &str = include_str!("../kernels/quant.cuh");
 /// The GEMV module's one-token Q4_K kernels, appended to gemv.cu.
 const GEMV_Q4K: &str = include_str!("../kernels/gemv_q4k.cu");
-/// The GEMV module's tensor-core Q4_K products of 3–32 token rows, appended after GEMV_Q4K.
+/// The GEMV module's tensor-core Q4_K products of 2–32 token rows, appended after GEMV_Q4K.
 const MMQ_Q4K: &str = include_str!("../kernels/mmq_q4k.cu");
 
 /// A kernel module.

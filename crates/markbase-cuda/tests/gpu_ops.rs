@@ -294,6 +294,26 @@ fn widths(ty: GgmlType) -> Vec<usize> {
     }
 }
 
+/// `g`'s product of the `n` rows `x` (on the device: `xb`) with `w` (stored as `m`), checked
+/// against the reference as the product sees its inputs (`as_seen`); returns it.
+fn matmul_checked(
+    g: &CudaBackend,
+    m: &HostMatrix,
+    w: &CudaMatrix,
+    n: usize,
+    xb: &CudaBuffer,
+    x: &[f32],
+    what: &str,
+) -> Vec<f32> {
+    let (sx, sm) = as_seen(g, m, n, x);
+    let want = reference::matmul(&sx, n, &sm).unwrap();
+    let mut out = poisoned(g, n * m.rows);
+    g.matmul(xb, n, w, &mut out).unwrap();
+    let got = down(g, &out, n * m.rows);
+    assert_close(&format!("{what} n={n}"), &got, &want, 2e-5);
+    got
+}
+
 #[test]
 fn matmul_matches_reference_for_every_format_and_batch() {
     let g = gpu_or_skip!();
@@ -305,16 +325,10 @@ fn matmul_matches_reference_for_every_format_and_batch() {
             let w = g.load_matrix(&m).unwrap();
             // 1–8: one GEMV launch; 13: two; 40: cuBLAS (f32 and f16 weights in f32, bf16 and
             // quantized ones on the tensor cores, see `as_seen`); bf16 weights take the tensor
-            // cores from 3 rows, Q4_K weights the tensor-core kernel for 3–32 (`q4k_mma_suits`).
+            // cores from 3 rows, Q4_K weights the tensor-core kernel for 2–32 (`q4k_mma_suits`).
             for n in [1, 2, 3, 8, 13, 40] {
                 let x = uniform(&mut r, n * k, 1.0);
-                let (sx, sm) = as_seen(g, &m, n, &x);
-                let want = reference::matmul(&sx, n, &sm).unwrap();
-                let xb = up(g, &x);
-                let mut out = poisoned(g, n * rows);
-                g.matmul(&xb, n, &w, &mut out).unwrap();
-                let got = down(g, &out, n * rows);
-                assert_close(&format!("matmul {ty} k={k} n={n}"), &got, &want, 2e-5);
+                matmul_checked(g, &m, &w, n, &up(g, &x), &x, &format!("matmul {ty} k={k}"));
             }
         }
     }
@@ -368,7 +382,7 @@ fn gelu_gated_matmul_matches_reference_for_every_format() {
         );
         let (gw, uw) = (g.load_matrix(&gm).unwrap(), g.load_matrix(&um).unwrap());
         // 1–8 rows: the fused GEMV (one warp per gate / up row pair); 13: two launches; 40:
-        // two cuBLAS products and the elementwise pass (Q4_K weights from 3 rows: two products
+        // two cuBLAS products and the elementwise pass (Q4_K weights from 2 rows: two products
         // of the tensor-core kernel up to 32, then the pass).
         for n in [1, 3, 8, 13, 40] {
             let x = uniform(&mut r, n * k, 1.0);
@@ -472,7 +486,7 @@ fn one_token_products_over_an_lm_head_of_rows_match_reference() {
     }
 }
 
-/// Q4_K products of 3–32 token rows on the tensor cores over matrices of many row tiles and
+/// Q4_K products of 2–32 token rows on the tensor cores over matrices of many row tiles and
 /// long rows (tiles whose super-blocks several blocks share, part-filled tiles and splits),
 /// every n-tile count and a part-filled n-tile; a second run gives the same bits. Then
 /// several matrices in one launch.
@@ -483,15 +497,10 @@ fn q4k_tensor_core_products_match_reference_and_repeat_exactly() {
     for (rows, k) in [(2_560, 10_240), (4_100, 2_560), (333, 2_816)] {
         let m = random_matrix(&mut r, GgmlType::Q4_K, rows, k);
         let w = g.load_matrix(&m).unwrap();
-        for n in [3, 7, 16, 29, 32] {
+        for n in [2, 7, 16, 29, 32] {
             let x = uniform(&mut r, n * k, 1.0);
-            let (sx, sm) = as_seen(g, &m, n, &x);
-            let want = reference::matmul(&sx, n, &sm).unwrap();
             let xb = up(g, &x);
-            let mut out = poisoned(g, n * rows);
-            g.matmul(&xb, n, &w, &mut out).unwrap();
-            let got = down(g, &out, n * rows);
-            assert_close(&format!("Q4_K [{rows}, {k}] n={n}"), &got, &want, 2e-5);
+            let got = matmul_checked(g, &m, &w, n, &xb, &x, &format!("Q4_K [{rows}, {k}]"));
             let mut again = poisoned(g, n * rows);
             g.matmul(&xb, n, &w, &mut again).unwrap();
             let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
@@ -534,7 +543,7 @@ fn gelu_matmul_mul_matches_reference_for_every_format() {
             stride: 4 * rows,
         };
         // 1–8 rows: one GEMV launch reading the slice in place; 13: two; 40: the product, a
-        // copy of the slice and the elementwise pass (so too Q4_K weights from 3 rows).
+        // copy of the slice and the elementwise pass (so too Q4_K weights from 2 rows).
         for n in [1, 3, 8, 13, 40] {
             let x = uniform(&mut r, n * k, 1.0);
             let other = uniform(&mut r, from.at(n), 2.0);
