@@ -90,7 +90,9 @@ fn shape(tiles: usize, k: usize, n: usize, sms: usize) -> Option<Shape> {
 impl CudaBackend {
     /// `out_i = x · w_iᵀ` for `n` token rows (`MMQ_TOKENS`) whose activations `xh` are rounded
     /// to f16, with Q4_K matrices of one width (up to `MAX_PRODUCTS`; sizes checked by the
-    /// caller), in one launch; false (nothing queued) where the matrices have too many rows.
+    /// caller), in one launch; false (nothing queued) where the matrices have too many rows,
+    /// or a block would need more shared memory than the device gives one (GPUs of compute
+    /// capability 8.6 and 8.9 give 99 KB).
     /// The parts of split tiles go to the f16 tile scratch, which the caller does not hold
     /// `xh` in.
     pub(crate) fn mmq_q4k(
@@ -107,6 +109,9 @@ impl CudaBackend {
         let Some(sh) = shape(tiles, w0.cols, n, sms) else {
             return Ok(false);
         };
+        if sh.shared() > self.dev.max_block_shared() as usize {
+            return Ok(false);
+        }
         let parts = if sh.splits > 1 {
             s.tiles
                 .get(&self.dev.stream, 2 * sh.splits * n * total_rows)?
