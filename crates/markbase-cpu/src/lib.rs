@@ -1,5 +1,5 @@
 //! MarkBase CPU backend: f32 activations, weights used in place from the mapped file, work
-//! spread over a thread pool. Every fast operation has a plain twin in [`reference`].
+//! spread over a thread pool. Every fast operation has a plain twin in [`reference`](mod@reference).
 
 mod attention;
 pub mod backend;

@@ -39,7 +39,7 @@ pub struct Scratch {
 /// Token counts from which block-quantized weights take the f32 path.
 pub const F32_FROM_TOKENS: usize = 16;
 
-/// Whether [`matmul`] uses 16-bit quantized activations for `n` tokens of weights `ty`.
+/// Whether `matmul` uses 16-bit quantized activations for `n` tokens of weights `ty`.
 pub fn uses_quantized_activations(ty: markbase_core::quant::GgmlType, n: usize) -> bool {
     supports(ty) && n < F32_FROM_TOKENS
 }

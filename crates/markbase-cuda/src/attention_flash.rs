@@ -15,7 +15,7 @@ use crate::buffer::CudaBuffer;
 use crate::kernels::{Arg, Grid};
 use crate::sources::Module;
 
-/// Fewest query rows every sequence of a step needs for [`CudaBackend::attention_flash`]
+/// Fewest query rows every sequence of a step needs for `CudaBackend::attention_flash`
 /// (fewer, e.g. decode rows, take the split-K kernel).
 pub const ATTN_FLASH_MIN_ROWS: usize = 32;
 /// Query rows ((token, head) pairs) of a block (`FA_ROWS` in flash_attention.cu).

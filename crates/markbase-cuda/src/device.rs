@@ -88,7 +88,7 @@ impl Device {
         })
     }
 
-    /// Host waits for the device so far (calls of [`Device::wait`]).
+    /// Host waits for the device so far (calls of `Device::wait`).
     pub fn host_waits(&self) -> u64 {
         self.waits.load(Ordering::Relaxed)
     }

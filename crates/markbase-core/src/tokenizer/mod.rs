@@ -61,7 +61,7 @@ enum Backend {
 impl Tokenizer {
     /// Builds the tokenizer a GGUF file describes in its `tokenizer.ggml.*` metadata:
     /// score-based SentencePiece (`tokenizer.ggml.model == "llama"`, Gemma 3) or merge-rank
-    /// BPE (`"gemma4"`, see [`gguf_bpe`]).
+    /// BPE (`"gemma4"`, see `gguf_bpe`).
     pub fn from_gguf(gguf: &GgufFile) -> Result<Self> {
         let path = gguf.path().display();
         let model = gguf.get_str("tokenizer.ggml.model")?.ok_or_else(|| {
