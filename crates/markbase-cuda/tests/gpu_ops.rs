@@ -472,16 +472,8 @@ fn one_token_products_over_an_lm_head_of_rows_match_reference() {
         let w = g.load_matrix(&m).unwrap();
         for round in 0..2 {
             let x = uniform(&mut r, k, 1.0);
-            let (sx, sm) = as_seen(g, &m, 1, &x);
-            let want = reference::matmul(&sx, 1, &sm).unwrap();
-            let mut out = poisoned(g, rows);
-            g.matmul(&up(g, &x), 1, &w, &mut out).unwrap();
-            assert_close(
-                &format!("matmul Q4_K k={k} rows={rows} round {round}"),
-                &down(g, &out, rows),
-                &want,
-                2e-5,
-            );
+            let what = format!("matmul Q4_K k={k} rows={rows} round {round}");
+            matmul_checked(g, &m, &w, 1, &up(g, &x), &x, &what);
         }
     }
 }
