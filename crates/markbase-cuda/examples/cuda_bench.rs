@@ -219,6 +219,7 @@ fn gemv_bandwidth(be: &CudaBackend, shapes: &LayerShapes, n: usize) {
             ("o", bytes(d, q), 2),
             ("gate + up", 2.0 * bytes(ff, d), 3),
             ("down", bytes(d, ff), 4),
+            ("feed-forward", 3.0 * bytes(ff, d), 7),
         ];
         if ple > 0 {
             products.extend([
@@ -244,6 +245,9 @@ fn gemv_bandwidth(be: &CudaBackend, shapes: &LayerShapes, n: usize) {
                         .unwrap(),
                     4 => be.matmul(&x, n, &m[6], &mut a).unwrap(),
                     5 => be.matmul(&x, n, &m[7], &mut a).unwrap(),
+                    7 => be
+                        .gated_ffn(&x, n, &m[4], &m[5], &m[6], ff, &mut a, &mut b, &mut c)
+                        .unwrap(),
                     _ => be.matmul(&x, n, &m[8], &mut a).unwrap(),
                 }
             };

@@ -23,7 +23,7 @@ use crate::device_wide::Pinned;
 use crate::gemv_q4k::HALVES_WALK_MIN_ROWS;
 use crate::graph::{DeviceCopy, Op, Steps};
 use crate::kernels::{Arg, AttnArgs, Grid, Kernels, Launch, ProductArgs, MAX_PRODUCTS};
-use crate::mmq_q4k::{q4k_mma_suits, TICKETS as MMQ_TICKETS};
+use crate::mmq::{mma_suits, Job, TICKETS as MMQ_TICKETS};
 use crate::rounded::{CopyForm, QueueCount, RoundTarget, RoundedCopy, ROUND_Q4K_TILES};
 use crate::sources::Module;
 
@@ -103,7 +103,7 @@ pub struct CudaBackend {
     /// Error word raised by kernels (see common.cuh), checked at each `read`.
     err: CudaBuffer,
     /// The tensor-core Q4_K products' tickets, one a row tile, zero between launches
-    /// (`mmq_q4k`).
+    /// (`mmq`).
     mmq_tickets: CudaBuffer,
     err_host: Mutex<Pinned>,
     /// RoPE frequency tables by (θ bits, linear factor bits, head_dim, rotated pairs).
@@ -205,9 +205,9 @@ fn gemv_block_warps(ty: GgmlType, split: usize) -> usize {
 
 /// Whether a product of `n` token rows with weights stored as `ty` runs as GEMV launches
 /// (otherwise, where cuBLAS is present, on the tensor cores: cuBLAS, or for Q4_K weights of
-/// 2–32 rows the kernel of `mmq_q4k`, on devices of compute capability 8.0 and newer).
+/// 2–32 rows the kernel of `mmq`, on devices of compute capability 8.0 and newer).
 fn gemv_suits(n: usize, ty: GgmlType) -> bool {
-    n <= GEMV_UP_TO && !(ty == GgmlType::BF16 && n > BF16_GEMV_UP_TO) && !q4k_mma_suits(ty, n)
+    n <= GEMV_UP_TO && !(ty == GgmlType::BF16 && n > BF16_GEMV_UP_TO) && !mma_suits(ty, n)
 }
 
 /// Whether a product of `n` token rows that takes its inputs as `inputs` under cuBLAS rounds
@@ -227,14 +227,14 @@ fn reads_copy(form: CopyForm, n: usize) -> bool {
     match form {
         CopyForm::Rounded(inputs) => rounds_rows(inputs, n),
         CopyForm::Q4kTiles => n == 1,
-        CopyForm::Q4kMma => q4k_mma_suits(GgmlType::Q4_K, n),
+        CopyForm::Q4kMma => mma_suits(GgmlType::Q4_K, n),
     }
 }
 
 /// The form in which a tensor-core product of `n` token rows with weights stored as `ty`,
 /// taking `inputs`, reads its activations' rounded copy.
-fn rounded_form(ty: GgmlType, n: usize, inputs: ProductInputs) -> CopyForm {
-    if q4k_mma_suits(ty, n) {
+pub(crate) fn rounded_form(ty: GgmlType, n: usize, inputs: ProductInputs) -> CopyForm {
+    if ty == GgmlType::Q4_K && mma_suits(ty, n) {
         CopyForm::Q4kMma
     } else {
         CopyForm::Rounded(inputs)
@@ -476,13 +476,7 @@ impl CudaBackend {
         Ok(self.scratch()?.rounded.used())
     }
 
-    /// Whether a product of `n` token rows with weights stored as `ty` runs on the tensor-core
-    /// Q4_K kernel (`mmq_q4k`): its token rows, on a device of compute capability 8.0 or newer.
-    fn mma_q4k(&self, ty: GgmlType, n: usize) -> bool {
-        q4k_mma_suits(ty, n) && self.dev.capability().0 >= 8
-    }
-
-    /// The tensor-core Q4_K products' tickets (`mmq_q4k`).
+    /// The tensor-core products' tickets (`mmq`).
     pub(crate) fn mmq_tickets(&self) -> u64 {
         self.mmq_tickets.ptr
     }
@@ -806,7 +800,7 @@ impl CudaBackend {
                 }
                 let mut s = self.scratch()?;
                 let xh = self.round_inputs(&mut s, rounded_form(w0.ty, n, inputs), x, n * k)?;
-                if self.mma_q4k(w0.ty, n) && self.mmq_q4k(&mut s, xh, n, products)? {
+                if self.mmq(&mut s, xh, n, Job::Products(products))? {
                     return Ok(true);
                 }
                 let mut rest = products;
@@ -912,8 +906,8 @@ impl CudaBackend {
 
     /// `out = x · wᵀ` on the tensor cores from `xh`, the `n` activation rows already rounded
     /// as `product_inputs` says: bf16 weights as stored, Q4_K ones of 2–32 token rows by
-    /// `mmq_q4k`, other quantized ones dequantized to f16 a tile of rows at a time (sizes
-    /// checked by the caller).
+    /// `mmq`, other quantized ones dequantized to f16 a tile of rows at a time (sizes checked
+    /// by the caller).
     fn gemm_half(
         &self,
         blas: &Blas,
@@ -924,7 +918,7 @@ impl CudaBackend {
         out: u64,
     ) -> Result<()> {
         let k = w.cols;
-        if self.mma_q4k(w.ty, n) && self.mmq_q4k(s, xh, n, &[(w, out)])? {
+        if self.mmq(s, xh, n, Job::Products(&[(w, out)]))? {
             return Ok(());
         }
         if w.ty == GgmlType::BF16 {
@@ -1617,6 +1611,9 @@ impl Backend for CudaBackend {
         up_out: &mut CudaBuffer,
         out: &mut CudaBuffer,
     ) -> Result<()> {
+        if self.gated_ffn_mma(x, n, (gate, up, down), ff, gate_out, out)? {
+            return Ok(());
+        }
         if let Some(blas) = &self.blas {
             let bf16 = [gate.ty, up.ty, down.ty]
                 .iter()

@@ -8,17 +8,61 @@
 //! the up weights lie above the gate weights in device memory: E4B bf16 on the H200 (session
 //! 22) tg32@b64 12 002.77 / 12 021.03 → 12 290.31 / 12 248.16 t/s, tg32@b8 1 705.89 /
 //! 1 712.75 → 1 748.05 / 1 741.16, pp4096 unchanged.
+//!
+//! Decode-sized steps over Q4_K weights take our tensor-core kernel (mmq.rs) where it suits:
+//! one launch computes gate and up and stores gelu_tanh(gate) · up as the f16 activations the
+//! down product (a second launch) reads. E4B Q4_K on the H200 (docs/perf.md session 32, with
+//! the split parts' faster addition): 8 / 16 / 32 sequences 2 196 / 3 567 / 4 838 →
+//! 2 434 / 3 918 / 5 564 t/s.
 
 use markbase_core::{Error, Result};
 
-use crate::backend::{blocks, need, CudaBackend, ProductInputs};
+use crate::backend::{blocks, need, product_inputs, rounded_form, CudaBackend, ProductInputs};
 use crate::blas::{Blas, GemmInput, GemmOutput};
 use crate::buffer::{CudaBuffer, CudaMatrix};
 use crate::kernels::{Arg, Grid};
+use crate::mmq::Job;
 use crate::rounded::CopyForm;
 use crate::sources::Module;
 
 impl CudaBackend {
+    /// [`markbase_core::backend::Backend::gated_ffn`] as two tensor-core launches (mmq.rs): the
+    /// gated pair, storing gelu_tanh(gate) · up rounded into `gate_out`, then the down product
+    /// on them. False (nothing queued) where the three matrices are not of one format, or the
+    /// kernels do not take both launches for `n` rows.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn gated_ffn_mma(
+        &self,
+        x: &CudaBuffer,
+        n: usize,
+        (gate, up, down): (&CudaMatrix, &CudaMatrix, &CudaMatrix),
+        ff: usize,
+        gate_out: &mut CudaBuffer,
+        out: &mut CudaBuffer,
+    ) -> Result<bool> {
+        let (k, d) = (gate.cols, down.rows);
+        let one_format = gate.ty == up.ty && up.ty == down.ty;
+        let shapes = (gate.rows, up.rows, up.cols, down.cols) == (ff, ff, k, ff);
+        let fused = Job::Gated {
+            gate,
+            up,
+            out: gate_out.ptr,
+        };
+        let downs = [(down, out.ptr)];
+        let down_job = Job::Products(&downs);
+        if !(one_format && shapes && self.mmq_takes(&fused, n) && self.mmq_takes(&down_job, n)) {
+            return Ok(false);
+        }
+        need("feed-forward input", x.len(), n * k)?;
+        need("feed-forward gate scratch", gate_out.len(), n * ff)?;
+        need("feed-forward output", out.len(), n * d)?;
+        let mut s = self.scratch()?;
+        let form = rounded_form(gate.ty, n, product_inputs(gate.ty, k, n));
+        let xh = self.round_inputs(&mut s, form, x.ptr, n * k)?;
+        self.mmq(&mut s, xh, n, fused)?;
+        self.mmq(&mut s, gate_out.ptr, n, down_job)
+    }
+
     /// [`markbase_core::backend::Backend::gated_ffn`] with bf16 activations between the
     /// products (the caller checked: bf16 weights, tensor-core products for `n` rows, and
     /// `n · ff` a multiple of 8).

@@ -9,7 +9,7 @@
 //!
 //! Weights stay in their stored format on the device (GGUF blocks, BF16, F16, F32); decode
 //! products are warp-per-row GEMVs that read each weight row once for up to 8 token rows
-//! (Q4_K products of 2–32 token rows run on the tensor cores, [`q4k_mma_suits`]); prefill
+//! (Q4_K products of 2–32 token rows run on the tensor cores, [`mma_suits`]); prefill
 //! products dequantize tiles and call cuBLAS, and prefill attention runs as batched products.
 //! Activations are f32.
 
@@ -23,7 +23,7 @@ mod ffn;
 mod gemv_q4k;
 mod graph;
 mod kernels;
-mod mmq_q4k;
+mod mmq;
 pub mod nvrtc;
 mod rounded;
 mod sample;
@@ -36,5 +36,5 @@ pub use backend::{
     BF16_GEMV_UP_TO,
 };
 pub use buffer::{CudaBuffer, CudaMatrix};
-pub use mmq_q4k::q4k_mma_suits;
+pub use mmq::mma_suits;
 pub use sample::{SampleParams, MAX_TOP_K};

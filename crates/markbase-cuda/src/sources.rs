@@ -51,8 +51,9 @@ const COMMON: &str = include_str!("../kernels/common.cuh");
 const QUANT: &str = include_str!("../kernels/quant.cuh");
 /// The GEMV module's one-token Q4_K kernels, appended to gemv.cu.
 const GEMV_Q4K: &str = include_str!("../kernels/gemv_q4k.cu");
-/// The GEMV module's tensor-core Q4_K products of 2–32 token rows, appended after GEMV_Q4K.
-const MMQ_Q4K: &str = include_str!("../kernels/mmq_q4k.cu");
+/// The GEMV module's tensor-core products of a few token rows (Q4_K and bf16 weights),
+/// appended after GEMV_Q4K.
+const MMQ: &str = include_str!("../kernels/mmq.cu");
 
 /// A kernel module.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -152,7 +153,7 @@ fn assemble(m: Module, defines: &str, part: Part) -> String {
     s.push_str(body);
     if m == Module::Gemv {
         s.push_str(GEMV_Q4K);
-        s.push_str(MMQ_Q4K);
+        s.push_str(MMQ);
     }
     s
 }

@@ -1,0 +1,442 @@
+// Products of 2–32 token rows on the tensor cores (mma.sync m16n8k16, f32 sums):
+// out[t, r] = Σ_k x[t, k] · w[r, k], for Q4_K weights (dequantized to f16 in registers, f16
+// activations). The weights stream from memory once for all the tokens, straight into
+// registers; the GEMVs they replace read each weight once a token row (their dot products
+// grow with the tokens), and cuBLAS needs them dequantized into memory first. The walk is
+// written over a format's unit (F: its loads, its products, its staging), one format so far.
+// Appended to gemv.cu's module (its Q4_K unit).
+//
+// The work is items — a row tile of one of the launch's matrices (up to 4 of one width: q, k,
+// v or gate, up) over one split of the rows' units (blockIdx.y of the launch's `splits`) —
+// and an item's units of F::K values (a Q4_K super-block). A block's 8
+// warps walk the tiles grid-stride over the split's blocks, one item at a time, each warp a
+// stream of units with MMQ_UNITS_AHEAD of them loaded into registers ahead of the one it
+// multiplies (the first before waiting for the kernel ahead). The block first stages its
+// split's activations for all the tokens in shared memory (the product's rounded copy,
+// rounded.rs; by cp.async). With one split a warp stores its item's sums; with several it
+// stores them as the split's part, and the item's last warp (a ticket a tile, reset by that
+// warp) adds the parts in split order. Every run gives the same bits.
+//
+// A tile is 16 rows of one matrix, a lane (g = lane / 4, c = lane % 4) holding rows g and
+// g + 8 of it. A gated launch (gate and up, `gated` 1) pairs them instead: tile τ's rows g are
+// gate row 8τ + g and its rows g + 8 up row 8τ + g, so each lane holds both sums of an output
+// and stores gelu_tanh(gate) · up rounded to the activations' 16-bit type (the rounded copy
+// the down product reads) to out[0]. Within a unit the k order of a k16 slab is a
+// permutation shared by the A (weight) and B (activation) fragments, so the sums are the
+// product's.
+
+#if FORMAT_q4_k && __CUDA_ARCH__ >= 800  // mma.sync m16n8k16 and cp.async
+
+// Units a warp has loaded ahead of the one it multiplies.
+#ifndef MMQ_UNITS_AHEAD
+#define MMQ_UNITS_AHEAD 2
+#endif
+// Accumulator sets of a warp for up to 16 tokens (one for more): a unit's products go to two
+// chains of dependent mma instructions, not one.
+#ifndef MMQ_CHAINS
+#define MMQ_CHAINS 2
+#endif
+
+__device__ __forceinline__ void mmq_cp16(u32 smem, const void* g) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem), "l"(g) : "memory");
+}
+
+__device__ __forceinline__ void mmq_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+__device__ __forceinline__ void mmq_wait_all() {
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+}
+
+// s += the 4 floats at p (16-byte aligned) that other warps wrote (read from L2, not from a
+// stale L1 line).
+__device__ __forceinline__ void mmq_add4(float4& s, const float* p) {
+    float x, y, z, w;
+    asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];"
+                 : "=f"(x), "=f"(y), "=f"(z), "=f"(w)
+                 : "l"(p));
+    s.x += x;
+    s.y += y;
+    s.z += z;
+    s.w += w;
+}
+
+// The f16 pair (lo, hi) of two floats, saturating at ±65 504 (f16_range).
+__device__ __forceinline__ u32 mmq_f16x2(float lo, float hi) {
+    u32 r;
+#if __CUDA_ARCH__ >= 900
+    asm("cvt.rn.satfinite.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#else
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(f16_range(hi)), "f"(f16_range(lo)));
+#endif
+    return r;
+}
+
+__device__ __forceinline__ u32 mmq_hfma2(u32 a, u32 b, u32 c) {
+    u32 d;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+__device__ __forceinline__ u32 mmq_hsub2(u32 a, u32 b) {
+    u32 d;
+    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+
+// (a & b) | c.
+__device__ __forceinline__ u32 mmq_and_or(u32 a, u32 b, u32 c) {
+    u32 d;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+// c += a · b on the tensor cores (16 × 16 f16 A, 16 × 8 f16 B, f32 C).
+__device__ __forceinline__ void mmq_mma_f16(float* c, const u32* a, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Word i (0..7) of a lane's 32 quant bytes of one row.
+__device__ __forceinline__ u32 mmq_word(const uint4* q, int i) {
+    const uint4 v = q[i >> 2];
+    const int j = i & 3;
+    return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w;
+}
+
+// Q4_K weights. A unit is a super-block (256 values, 144 bytes a row). A lane holds for each
+// of its two rows the 16-byte header and quant bytes 32c .. 32c + 31: chunk 2c's 32 weights
+// (low nibbles) and chunk 2c + 1's (high nibbles), so it needs one chunk pair's scales. Word
+// i of those bytes gives one k16 slab per chunk: its weights 4i, 4i + 1 in the A fragment's
+// first k pair and 4i + 2, 4i + 3 in its second; the B fragment takes the same four
+// activations of token g, contiguous in shared memory.
+//
+// Dequantization: a nibble n becomes the f16 1024 + n (or 1024 + 16n from the high nibble)
+// by one lop3 with 0x6400, then the exact n by a subtraction (or 1/16 · v − 64), then
+// w = fma(n, S, −M) rounded once to f16, with S = f16(d · scale) and M = f16(dmin · min) (each
+// rounded once, saturating at ±65 504). Tests model exactly this rounding.
+struct MmqQ4k {
+    // Values a unit covers, its bytes in a row.
+    static constexpr int K = 256, UNIT_BYTES = 144;
+    // Shared memory one token's unit of activations takes: the 4 lanes' groups of 64 (128
+    // bytes each) padded to 144, so a quarter warp's 16-byte loads (2 tokens, 4 groups) hit
+    // 32 different banks; and its 16-byte pieces.
+    static constexpr int GROUP_BYTES = 144, TOKEN_BYTES = 4 * GROUP_BYTES, PIECES = 32;
+
+    struct Unit {
+        uint4 h[2];
+        uint4 q[2][2];
+    };
+
+    // The unit of rows `lo` and `hi` (each at the unit's first byte).
+    static __device__ __forceinline__ void load(const u8* lo, const u8* hi, int c, Unit& a) {
+        a.h[0] = __ldg((const uint4*)lo);
+        a.h[1] = __ldg((const uint4*)hi);
+        a.q[0][0] = __ldg((const uint4*)(lo + 16 + 32 * c));
+        a.q[0][1] = __ldg((const uint4*)(lo + 32 + 32 * c));
+        a.q[1][0] = __ldg((const uint4*)(hi + 16 + 32 * c));
+        a.q[1][1] = __ldg((const uint4*)(hi + 32 + 32 * c));
+    }
+
+    // Where 16-byte piece `piece` of token t's unit (its values 8 · piece ..) lies in the
+    // token's slot.
+    static __device__ __forceinline__ int piece_at(int piece, int) {
+        return (piece >> 3) * GROUP_BYTES + 16 * (piece & 7);
+    }
+
+    // A gated output as the activations' type (f16).
+    static __device__ __forceinline__ u16 round(float v) { return to_f16(v); }
+
+    // acc[h % CH][j] (n-tile j) += the unit's chunk 2c + h times the staged activations of its
+    // super-block `xs` (lane (g, c) reads token 8j + g's group c).
+    template <int NT, int CH>
+    static __device__ __forceinline__ void mul(const Unit& a, const u8* xs, int g, int c,
+                                               float (*acc)[NT][4]) {
+        // The lane's chunk pair's scales as broadcast f16 pairs: S[row][hi], −M[row][hi].
+        u32 S[2][2], M[2][2];
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+            float d = f16_to_f32((u16)(a.h[e].x & 0xffff)), dm = f16_to_f32((u16)(a.h[e].x >> 16));
+#pragma unroll
+            for (int hi = 0; hi < 2; hi++) {
+                float s, m;
+                q4k_scale_min(a.h[e], 2 * c + hi, &s, &m);
+                S[e][hi] = mmq_f16x2(d * s, d * s);
+                M[e][hi] = mmq_f16x2(-(dm * m), -(dm * m));
+            }
+        }
+        const u8* xl = xs + g * TOKEN_BYTES + c * GROUP_BYTES;
+#pragma unroll
+        for (int ip = 0; ip < 4; ip++) {
+            // A fragments of words 2ip and 2ip + 1: [word][hi] = {row g first pair, row g + 8
+            // first pair, row g second pair, row g + 8 second pair}.
+            u32 A[2][2][4];
+#pragma unroll
+            for (int wi = 0; wi < 2; wi++) {
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    // Bytes 0, 2, 1, 3: each 16-bit half then holds two consecutive weights.
+                    u32 w = __byte_perm(mmq_word(a.q[e], 2 * ip + wi), 0, 0x3120), w8 = w >> 8;
+                    u32 l0 = mmq_hsub2(mmq_and_or(w, 0x000F000Fu, 0x64006400u), 0x64006400u);
+                    u32 l1 = mmq_hsub2(mmq_and_or(w8, 0x000F000Fu, 0x64006400u), 0x64006400u);
+                    u32 h0 = mmq_hfma2(mmq_and_or(w, 0x00F000F0u, 0x64006400u), 0x2C002C00u,
+                                       0xD400D400u);
+                    u32 h1 = mmq_hfma2(mmq_and_or(w8, 0x00F000F0u, 0x64006400u), 0x2C002C00u,
+                                       0xD400D400u);
+                    A[wi][0][e] = mmq_hfma2(l0, S[e][0], M[e][0]);
+                    A[wi][0][2 + e] = mmq_hfma2(l1, S[e][0], M[e][0]);
+                    A[wi][1][e] = mmq_hfma2(h0, S[e][1], M[e][1]);
+                    A[wi][1][2 + e] = mmq_hfma2(h1, S[e][1], M[e][1]);
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < NT; j++) {
+                const u8* xt = xl + 8 * j * TOKEN_BYTES + 16 * ip;
+                uint4 lo = *(const uint4*)xt, hi = *(const uint4*)(xt + 64);
+                mmq_mma_f16(acc[0][j], A[0][0], lo.x, lo.y);
+                mmq_mma_f16(acc[0][j], A[1][0], lo.z, lo.w);
+                mmq_mma_f16(acc[1 % CH][j], A[0][1], hi.x, hi.y);
+                mmq_mma_f16(acc[1 % CH][j], A[1][1], hi.z, hi.w);
+            }
+        }
+    }
+};
+
+// A warp's place in its stream of units: its item (a row tile, over the block's split) — the
+// tile's first row, its output and rows, the bytes of its lane's two rows — and the unit of
+// the split.
+struct MmqCursor {
+    int tile, i;
+    int r0, rows;
+    u64 out;
+    const u8* lo;
+    const u8* hi;
+};
+
+// Points cursor u at tile `tile` (of all the launch's tiles, in order), unit 0; constant
+// indices into `p` (a runtime index copies it to the stack).
+__device__ __forceinline__ void mmq_seek(const Products& p, int gated, u64 row_bytes, int g,
+                                         int tile, MmqCursor& u) {
+    u.tile = tile;
+    u.i = 0;
+    u.out = p.out[0];
+    u.rows = p.rows[0];
+    if (gated) {
+        u.r0 = 8 * tile;
+        const u64 at = (u64)min(u.r0 + g, u.rows - 1) * row_bytes;
+        u.lo = (const u8*)p.w[0] + at;
+        u.hi = (const u8*)p.w[1] + at;
+        return;
+    }
+    u64 w = p.w[0];
+    int t = tile;
+#pragma unroll
+    for (int i = 1; i < 4; i++) {
+        int tiles = (u.rows + 15) >> 4;
+        if (i < p.count && t >= tiles) {
+            t -= tiles;
+            w = p.w[i];
+            u.out = p.out[i];
+            u.rows = p.rows[i];
+        }
+    }
+    u.r0 = 16 * t;
+    u.lo = (const u8*)w + (u64)min(u.r0 + g, u.rows - 1) * row_bytes;
+    u.hi = (const u8*)w + (u64)min(u.r0 + g + 8, u.rows - 1) * row_bytes;
+}
+
+// Moves cursor u to the next unit: the next of the split, or unit 0 of the warp's next tile
+// (`stride` tiles on).
+__device__ __forceinline__ void mmq_next(const Products& p, int gated, u64 row_bytes, int g,
+                                         int count, int stride, MmqCursor& u) {
+    if (++u.i == count) mmq_seek(p, gated, row_bytes, g, u.tile + stride, u);
+}
+
+// Output r of token t from its sums: the row's sum, or (gated) gelu_tanh(gate) · up rounded.
+template <class F>
+__device__ __forceinline__ void mmq_put(const MmqCursor& u, int gated, int t, int r, float a,
+                                        float b) {
+    if (gated)
+        ((u16*)u.out)[(u64)t * u.rows + r] = F::round(gelu_tanh(a) * b);
+    else
+        ((float*)u.out)[(u64)t * u.rows + r] = a;
+}
+
+// Stores the warp's sums of item u (lane (g, c): the tile's rows g, g + 8 — v 0, 1 and 2, 3 —
+// for tokens 8j + 2c + (v & 1)): as outputs, or with several splits as this split's part
+// (parts[split][token][tile][16]), the item's last warp adding the parts in split order.
+// The gated tile's rows 0..7 are gate rows, 8..15 the up rows of the same outputs.
+template <class F, int NT>
+__device__ __forceinline__ void mmq_store(const MmqCursor& u, int gated, float (*acc)[4], int n,
+                                          int tiles, float* parts, u32* tickets, int splits,
+                                          int g, int c) {
+    const int rows = u.rows;
+    if (splits == 1) {
+#pragma unroll
+        for (int j = 0; j < NT; j++)
+#pragma unroll
+            for (int v = 0; v < 4; v++) {
+                int t = 8 * j + 2 * c + (v & 1);
+                if (gated) {
+                    if (v < 2 && u.r0 + g < rows && t < n)
+                        mmq_put<F>(u, 1, t, u.r0 + g, acc[j][v], acc[j][v + 2]);
+                } else {
+                    int r = u.r0 + g + 8 * (v >> 1);
+                    if (r < rows && t < n) mmq_put<F>(u, 0, t, r, acc[j][v], 0.f);
+                }
+            }
+        return;
+    }
+    const u64 ld = 16 * (u64)tiles;
+    float* part = parts + (u64)blockIdx.y * n * ld + 16 * u.tile;
+#pragma unroll
+    for (int j = 0; j < NT; j++)
+#pragma unroll
+        for (int v = 0; v < 4; v++) {
+            int t = 8 * j + 2 * c + (v & 1);
+            if (t < n) part[t * ld + g + 8 * (v >> 1)] = acc[j][v];
+        }
+    __threadfence();
+    __syncwarp();
+    u32 ticket = 0;
+    if ((threadIdx.x & 31) == 0) ticket = atomicAdd(&tickets[u.tile], 1u);
+    ticket = __shfl_sync(0xffffffffu, ticket, 0);
+    if (ticket != (u32)splits - 1) return;
+    if ((threadIdx.x & 31) == 0) tickets[u.tile] = 0;
+    __threadfence();
+    // The parts as float4s of 4 rows: 4 a token (gated: the gate's first 2, each with the up
+    // rows 8 on), NT a lane at most; the splits' loads of all of them in flight at once.
+    const int quads = gated ? 2 * n : 4 * n;
+    constexpr int NB = NT > 1 ? NT / 2 : 1;  // a lane's gated quads (n ≤ 8 · NT)
+    float4 a[NT], b[NB];
+#pragma unroll
+    for (int j = 0; j < NT; j++) a[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int j = 0; j < NB; j++) b[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+    const float* base = parts + 16 * u.tile;
+    for (int q = 0; q < splits; q++) {
+#pragma unroll
+        for (int j = 0; j < NT; j++) {
+            const int i = (threadIdx.x & 31) + 32 * j, t = gated ? i >> 1 : i >> 2,
+                      quad = gated ? i & 1 : i & 3;
+            if (i < quads) {
+                const float* at = base + ((u64)q * n + t) * ld + 4 * quad;
+                mmq_add4(a[j], at);
+                if (gated && j < NB) mmq_add4(b[j < NB ? j : 0], at + 8);
+            }
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < NT; j++) {
+        const int i = (threadIdx.x & 31) + 32 * j, t = gated ? i >> 1 : i >> 2,
+                  quad = gated ? i & 1 : i & 3;
+        if (i >= quads) continue;
+        const float4 bj = b[j < NB ? j : 0];
+        const float av[4] = {a[j].x, a[j].y, a[j].z, a[j].w}, bv[4] = {bj.x, bj.y, bj.z, bj.w};
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int r = u.r0 + 4 * quad + e;
+            if (r < rows) mmq_put<F>(u, gated, t, r, av[e], bv[e]);
+        }
+    }
+}
+
+// The warps of the launch walk the row tiles of `p`'s matrices grid-stride over the blocks of
+// their split (blockIdx.y: units blockIdx.y · per_split ..), each through its units with
+// MMQ_UNITS_AHEAD of them loaded ahead. The block stages its split's activations once: token t's
+// unit i at (i · 8NT + t) · F::TOKEN_BYTES.
+template <class F, int NT>
+__device__ void mmq_impl(const Products& p, u64 row_bytes, int k, const u16* xh, int n,
+                         int gated, float* parts, u32* tickets, int splits, int per_split) {
+    constexpr int D = MMQ_UNITS_AHEAD;
+    extern __shared__ uint4 mmq_smem[];
+    const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+    const int sb0 = blockIdx.y * per_split, count = min(k / F::K, sb0 + per_split) - sb0;
+    const int stride = gridDim.x * (blockDim.x >> 5);
+    const int first = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    int tiles = 0;
+    if (gated) {
+        tiles = (p.rows[0] + 7) >> 3;
+    } else {
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+            if (i < p.count) tiles += (p.rows[i] + 15) >> 4;
+    }
+    const int mine = first < tiles ? (tiles - first + stride - 1) / stride * count : 0;
+
+    MmqCursor load, use;
+    mmq_seek(p, gated, row_bytes, g, first, load);
+    use = load;
+    typename F::Unit a[D];
+#pragma unroll
+    for (int j = 0; j < D; j++)
+        if (j < mine) {
+            const u64 at = (u64)(sb0 + load.i) * F::UNIT_BYTES;
+            F::load(load.lo + at, load.hi + at, c, a[j]);
+            mmq_next(p, gated, row_bytes, g, count, stride, load);
+        }
+    wait_prior_grid();
+    const u32 smem = shared_address(mmq_smem);
+    for (int q = threadIdx.x; q < count * 8 * NT * F::PIECES; q += blockDim.x) {
+        int piece = q % F::PIECES, slice = q / F::PIECES, t = slice % (8 * NT),
+            i = slice / (8 * NT);
+        if (t < n)
+            mmq_cp16(smem + slice * F::TOKEN_BYTES + F::piece_at(piece, t),
+                     xh + (u64)t * k + (sb0 + i) * F::K + 8 * piece);
+    }
+    mmq_commit();
+    mmq_wait_all();
+    __syncthreads();
+
+    constexpr int CH = NT <= 2 ? MMQ_CHAINS : 1;
+    float acc[CH][NT][4];
+#pragma unroll
+    for (int h = 0; h < CH; h++)
+#pragma unroll
+        for (int j = 0; j < NT; j++) acc[h][j][0] = acc[h][j][1] = acc[h][j][2] = acc[h][j][3] = 0.f;
+    for (int q = 0; q < mine; q += D) {
+#pragma unroll
+        for (int j = 0; j < D; j++) {
+            if (q + j < mine) {
+                F::template mul<NT, CH>(
+                    a[j], (const u8*)mmq_smem + use.i * 8 * NT * F::TOKEN_BYTES, g, c, acc);
+                if (use.i == count - 1) {
+#pragma unroll
+                    for (int h = 1; h < CH; h++)
+#pragma unroll
+                        for (int t = 0; t < NT; t++)
+#pragma unroll
+                            for (int v = 0; v < 4; v++) acc[0][t][v] += acc[h][t][v];
+                    mmq_store<F, NT>(use, gated, acc[0], n, tiles, parts, tickets, splits, g, c);
+#pragma unroll
+                    for (int h = 0; h < CH; h++)
+#pragma unroll
+                        for (int t = 0; t < NT; t++)
+                            acc[h][t][0] = acc[h][t][1] = acc[h][t][2] = acc[h][t][3] = 0.f;
+                }
+                mmq_next(p, gated, row_bytes, g, count, stride, use);
+                if (q + j + D < mine) {
+                    const u64 at = (u64)(sb0 + load.i) * F::UNIT_BYTES;
+                    F::load(load.lo + at, load.hi + at, c, a[j]);
+                    mmq_next(p, gated, row_bytes, g, count, stride, load);
+                }
+            }
+        }
+    }
+}
+
+// The kernels mmq_<format>_<NT> for NT n-tiles (up to 8 · NT token rows); blocks of 256
+// threads with 8·NT · per_split · F::TOKEN_BYTES of dynamic shared memory.
+#define MMQ_KERNEL(SUFFIX, F, NT)                                                              \
+    extern "C" __global__ void __launch_bounds__(256, 2)                                       \
+        mmq_##SUFFIX##_##NT(Products p, u64 row_bytes, int k, const u16* xh, int n, int gated, \
+                            float* parts, u32* tickets, int splits, int per_split) {           \
+        mmq_impl<F, NT>(p, row_bytes, k, xh, n, gated, parts, tickets, splits, per_split);     \
+    }
+MMQ_KERNEL(q4_k, MmqQ4k, 1)
+MMQ_KERNEL(q4_k, MmqQ4k, 2)
+MMQ_KERNEL(q4_k, MmqQ4k, 4)
+
+#endif

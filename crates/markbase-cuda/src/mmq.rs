@@ -1,0 +1,284 @@
+//! Products of a few token rows on the tensor cores (kernels/mmq.cu): Q4_K weights of 2–32
+//! token rows, dequantized to f16 in registers, on the f16 rounded copy of the activations.
+//! The weights stream once for all the tokens. Up to `MAX_PRODUCTS` matrices of one width take one launch, or a gated pair (gate
+//! and up) whose launch stores gelu_tanh(gate) · up as the 16-bit activations of the down
+//! product. Warps walk row tiles of 16 rows; matrices of few tiles split their units over
+//! several items a tile, whose parts the tile's last warp adds in order (a ticket a tile in
+//! `tickets`).
+
+use markbase_core::quant::GgmlType;
+use markbase_core::Result;
+
+use crate::backend::{int, CudaBackend, Scratch};
+use crate::buffer::CudaMatrix;
+use crate::kernels::{Arg, Grid, ProductArgs};
+use crate::sources::Module;
+
+/// Token rows for which a Q4_K product runs here rather than as GEMVs (fewer) or as cuBLAS on
+/// weights dequantized to f16 (more): 4 n-tiles of 8 at most (`MMQ_KERNEL(q4_k, …, 4)`).
+/// Measured on the H200 (E4B Q4_K, `bench -p 0 -n 32`, docs/perf.md session 31): 2 / 3 / 4 /
+/// 8 / 16 / 32 sequences 581 / 684 / 761 / 861 / 887 / 3 176 t/s before, 647 / 936 / 1 242 /
+/// 2 255 / 3 602 / 4 838 here; 64 sequences 6 058 on cuBLAS against 4 969 on this kernel's
+/// first version (8 n-tiles). Session 32 (the gated pair in one launch, the split parts added
+/// as float4s): 8 / 16 / 32 sequences 2 196 / 3 567 / 4 838 → 2 434 / 3 918 / 5 564.
+const Q4K_TOKENS: std::ops::RangeInclusive<usize> = 2..=32;
+/// Warps of a block.
+const BLOCK_WARPS: usize = 8;
+/// Most dynamic shared memory of a block (a split's activations): two blocks fit a
+/// multiprocessor.
+const MAX_SHARED: usize = 100 << 10;
+/// Row tiles whose launches may split their units: one ticket each.
+pub(crate) const TICKETS: usize = 1 << 16;
+/// Items (a row tile over a split) a launch aims for a multiprocessor: matrices of fewer row
+/// tiles split their units until they have that many, one a warp. 16 made E4B Q4_K's
+/// 8-sequence step 15 % slower (the parts' fix-up), 4 up to 4 % slower (docs/perf.md
+/// session 31).
+const ITEMS_PER_SM: usize = 8;
+/// Blocks resident on a multiprocessor (`__launch_bounds__(256, 2)`).
+const BLOCKS_PER_SM: usize = 2;
+
+/// How the kernels of a weight format cut a row (mmq.cu's `MmqQ4k`).
+struct Format {
+    /// Values a unit covers (`F::K`).
+    unit: usize,
+    /// Shared memory a token's unit of activations takes (`F::TOKEN_BYTES`).
+    token_bytes: usize,
+    /// The most n-tiles of 8 tokens a kernel takes.
+    most_nt: usize,
+}
+
+/// The kernels' cut of rows stored as `ty`, for the formats they take.
+fn format(ty: GgmlType) -> Option<Format> {
+    match ty {
+        GgmlType::Q4_K => Some(Format {
+            unit: 256,
+            token_bytes: 576,
+            most_nt: 4,
+        }),
+        _ => None,
+    }
+}
+
+/// Whether a product of `n` token rows with weights stored as `ty` runs here (where the device
+/// and the rows' width allow, `CudaBackend::mmq_takes` says).
+pub fn mma_suits(ty: GgmlType, n: usize) -> bool {
+    ty == GgmlType::Q4_K && Q4K_TOKENS.contains(&n)
+}
+
+/// How a launch covers its matrices' `tiles` row tiles: `nt` n-tiles of 8 tokens, each tile's
+/// units in `splits` runs of `per_split`, `blocks` blocks a split.
+#[derive(Debug, PartialEq, Eq)]
+struct Shape {
+    nt: usize,
+    splits: usize,
+    per_split: usize,
+    blocks: usize,
+}
+
+/// The launch shape for `n` tokens (at most 8 · `f.most_nt`) and `tiles` row tiles of `k`
+/// values (a multiple of `f.unit`) on `sms` multiprocessors; None where the tiles are too many
+/// to split.
+fn shape(f: &Format, tiles: usize, k: usize, n: usize, sms: usize) -> Option<Shape> {
+    let nt = n.div_ceil(8).next_power_of_two().min(f.most_nt);
+    let units = k / f.unit;
+    let most_per_split = (MAX_SHARED / (8 * nt * f.token_bytes)).min(units);
+    let want = (ITEMS_PER_SM * sms)
+        .div_ceil(tiles)
+        .clamp(units.div_ceil(most_per_split), units);
+    let per_split = units.div_ceil(want);
+    let splits = units.div_ceil(per_split);
+    if splits > 1 && tiles > TICKETS {
+        return None;
+    }
+    let resident = (BLOCKS_PER_SM * sms / splits).max(1);
+    Some(Shape {
+        nt,
+        splits,
+        per_split,
+        blocks: tiles.div_ceil(BLOCK_WARPS).min(resident),
+    })
+}
+
+/// What one launch computes: products of matrices of one width, or a gated pair.
+pub(crate) enum Job<'a> {
+    /// `out_i = x · w_iᵀ` as f32 (up to `MAX_PRODUCTS` matrices).
+    Products(&'a [(&'a CudaMatrix, u64)]),
+    /// `out = gelu_tanh(x · gateᵀ) · (x · upᵀ)` rounded to the activations' 16-bit type.
+    Gated {
+        gate: &'a CudaMatrix,
+        up: &'a CudaMatrix,
+        out: u64,
+    },
+}
+
+impl Job<'_> {
+    /// The first matrix (all share its format and width) and the launch's row tiles.
+    fn first_and_tiles(&self) -> (&CudaMatrix, usize) {
+        match self {
+            Job::Products(products) => (
+                products[0].0,
+                products.iter().map(|(w, _)| w.rows.div_ceil(16)).sum(),
+            ),
+            Job::Gated { gate, .. } => (gate, gate.rows.div_ceil(8)),
+        }
+    }
+}
+
+impl CudaBackend {
+    /// The launch shape and shared memory of `job` for `n` token rows, if the kernels take it:
+    /// a format they have, a device of compute capability 8.0 or newer, `mma_suits` rows, a
+    /// width that is a multiple of the format's unit, tiles few enough to split, and shared
+    /// memory the device gives a block (GPUs of compute capability 8.6 and 8.9 give 99 KB).
+    fn mmq_plan(&self, job: &Job<'_>, n: usize) -> Option<(Shape, usize)> {
+        let (w0, tiles) = job.first_and_tiles();
+        let f = format(w0.ty)?;
+        let capable = self.dev.capability().0 >= 8;
+        if !capable || !mma_suits(w0.ty, n) || !w0.cols.is_multiple_of(f.unit) {
+            return None;
+        }
+        let sh = shape(&f, tiles, w0.cols, n, self.dev.multiprocessors() as usize)?;
+        let shared = 8 * sh.nt * sh.per_split * f.token_bytes;
+        (shared <= self.dev.max_block_shared() as usize).then_some((sh, shared))
+    }
+
+    /// Whether `mmq` takes `job` for `n` token rows.
+    pub(crate) fn mmq_takes(&self, job: &Job<'_>, n: usize) -> bool {
+        self.mmq_plan(job, n).is_some()
+    }
+
+    /// Runs `job` for `n` token rows whose activations `xh` are rounded to the 16-bit type of
+    /// the weights' products (f16 for Q4_K), sizes checked by the caller, in
+    /// one launch; false (nothing queued) where the kernels do not take it (`mmq_plan`). The
+    /// parts of split tiles go to the f16 tile scratch, which the caller does not hold `xh`
+    /// in.
+    pub(crate) fn mmq(&self, s: &mut Scratch, xh: u64, n: usize, job: Job<'_>) -> Result<bool> {
+        let Some((sh, shared)) = self.mmq_plan(&job, n) else {
+            return Ok(false);
+        };
+        let (w0, tiles) = job.first_and_tiles();
+        let mut args = ProductArgs::default();
+        let gated = match job {
+            Job::Products(products) => {
+                args.count = products.len() as i32;
+                for (i, &(w, out)) in products.iter().enumerate() {
+                    args.w[i] = w.ptr;
+                    args.out[i] = out;
+                    args.rows[i] = int("rows", w.rows)?;
+                }
+                false
+            }
+            Job::Gated { gate, up, out } => {
+                args.count = 2;
+                args.w[..2].copy_from_slice(&[gate.ptr, up.ptr]);
+                args.out[0] = out;
+                args.rows[..2].copy_from_slice(&[int("rows", gate.rows)?; 2]);
+                true
+            }
+        };
+        let parts = if sh.splits > 1 {
+            // 16 floats a tile, token and split, in f16 slots.
+            s.tiles.get(&self.dev.stream, 32 * sh.splits * n * tiles)?
+        } else {
+            0
+        };
+        let kernel = self.kernels.func_for_with_shared(
+            Module::Gemv,
+            "mmq",
+            w0.ty,
+            sh.nt as u32,
+            shared as u32,
+        )?;
+        let mut grid = Grid::new(
+            (sh.blocks as u32, sh.splits as u32),
+            32 * BLOCK_WARPS as u32,
+        );
+        grid.shared = shared as u32;
+        self.launch_fn(
+            &kernel,
+            grid,
+            &[
+                Arg::Products(args),
+                Arg::U64(w0.row_bytes as u64),
+                Arg::I32(int("cols", w0.cols)?),
+                Arg::U64(xh),
+                Arg::I32(n as i32),
+                Arg::I32(gated.into()),
+                Arg::U64(parts),
+                Arg::U64(self.mmq_tickets()),
+                Arg::I32(sh.splits as i32),
+                Arg::I32(sh.per_split as i32),
+            ],
+        )?;
+        Ok(true)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shapes_cover_every_unit_once_and_fit_shared_memory() {
+        // E4B's launches on an H200 (132 multiprocessors), as (row tiles, width): q/k/v, o,
+        // gate + up (as two matrices and as a gated pair), down, the PLE gate and projection,
+        // the LM head; a short odd matrix.
+        for ty in [GgmlType::Q4_K] {
+            let f = format(ty).unwrap();
+            for (tiles, k) in [
+                (192, 2560),
+                (160, 2048),
+                (1280, 2560),
+                (2560, 2560),
+                (160, 10_240),
+                (16, 2560),
+                (160, 256),
+                (16_384, 2560),
+                (5, 12_800),
+            ] {
+                for n in [2, 3, 8, 9, 16, 17, 25, 32, 33, 48, 64] {
+                    if !mma_suits(ty, n) {
+                        continue;
+                    }
+                    let sh = shape(&f, tiles, k, n, 132).unwrap();
+                    let units = k / f.unit;
+                    assert!(sh.nt * 8 >= n && (sh.nt == 1 || sh.nt * 4 < n), "{n}");
+                    assert!(sh.nt <= f.most_nt && sh.nt.is_power_of_two());
+                    assert!(sh.splits * sh.per_split >= units);
+                    assert!((sh.splits - 1) * sh.per_split < units, "no empty split");
+                    let shared = 8 * sh.nt * sh.per_split * f.token_bytes;
+                    assert!(shared <= MAX_SHARED, "{ty} {tiles}x{k} n={n}: {sh:?}");
+                    assert!(sh.blocks * sh.splits <= 2 * 132 || sh.blocks == 1);
+                    assert!(sh.blocks >= 1 && sh.blocks <= tiles.div_ceil(8));
+                    // Enough items, or one unit a split, or as many splits as shared memory
+                    // asks.
+                    assert!(
+                        2 * tiles * sh.splits >= 8 * 132
+                            || sh.per_split == 1
+                            || sh.splits
+                                == units.div_ceil(MAX_SHARED / (8 * sh.nt * f.token_bytes)),
+                        "{ty} {tiles}x{k} n={n}: {sh:?}"
+                    );
+                }
+            }
+        }
+        let q4k = format(GgmlType::Q4_K).unwrap();
+        assert_eq!(
+            shape(&q4k, 160, 10_240, 8, 132),
+            Some(Shape {
+                nt: 1,
+                splits: 7,
+                per_split: 6,
+                blocks: 20
+            })
+        );
+        assert_eq!(shape(&q4k, TICKETS + 1, 12_800, 32, 132), None);
+    }
+
+    #[test]
+    fn few_token_products_take_the_tensor_cores() {
+        assert!(!mma_suits(GgmlType::Q4_K, 1));
+        assert!(mma_suits(GgmlType::Q4_K, 2) && mma_suits(GgmlType::Q4_K, 32));
+        assert!(!mma_suits(GgmlType::Q4_K, 33));
+        assert!(!mma_suits(GgmlType::Q6_K, 8) && !mma_suits(GgmlType::BF16, 8));
+    }
+}
