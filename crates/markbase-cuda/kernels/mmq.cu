@@ -1,4 +1,4 @@
-// Products of 2–32 token rows on the tensor cores (mma.sync m16n8k16, f32 sums):
+// Products of 2–32 token rows a launch on the tensor cores (mma.sync m16n8k16, f32 sums):
 // out[t, r] = Σ_k x[t, k] · w[r, k], for Q4_K weights (dequantized to f16 in registers, f16
 // activations). The weights stream from memory once for all the tokens, straight into
 // registers; the GEMVs they replace read each weight once a token row (their dot products

@@ -205,7 +205,7 @@ fn gemv_block_warps(ty: GgmlType, split: usize) -> usize {
 
 /// Whether a product of `n` token rows with weights stored as `ty` runs as GEMV launches
 /// (otherwise, where cuBLAS is present, on the tensor cores: cuBLAS, or for Q4_K weights of
-/// 2–32 rows the kernel of `mmq`, on devices of compute capability 8.0 and newer).
+/// 2–48 rows the kernel of `mmq`, on devices of compute capability 8.0 and newer).
 fn gemv_suits(n: usize, ty: GgmlType) -> bool {
     n <= GEMV_UP_TO && !(ty == GgmlType::BF16 && n > BF16_GEMV_UP_TO) && !mma_suits(ty, n)
 }
@@ -905,7 +905,7 @@ impl CudaBackend {
     }
 
     /// `out = x · wᵀ` on the tensor cores from `xh`, the `n` activation rows already rounded
-    /// as `product_inputs` says: bf16 weights as stored, Q4_K ones of 2–32 token rows by
+    /// as `product_inputs` says: bf16 weights as stored, Q4_K ones of 2–48 token rows by
     /// `mmq`, other quantized ones dequantized to f16 a tile of rows at a time (sizes checked
     /// by the caller).
     fn gemm_half(

@@ -9,7 +9,7 @@
 //!
 //! Weights stay in their stored format on the device (GGUF blocks, BF16, F16, F32); decode
 //! products are warp-per-row GEMVs that read each weight row once for up to 8 token rows
-//! (Q4_K products of 2–32 token rows run on the tensor cores, [`mma_suits`]); prefill
+//! (Q4_K products of 2–48 token rows run on the tensor cores, [`mma_suits`]); prefill
 //! products dequantize tiles and call cuBLAS, and prefill attention runs as batched products.
 //! Activations are f32.
 

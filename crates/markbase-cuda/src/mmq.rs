@@ -1,6 +1,6 @@
-//! Products of a few token rows on the tensor cores (kernels/mmq.cu): Q4_K weights of 2–32
+//! Products of a few token rows on the tensor cores (kernels/mmq.cu): Q4_K weights of 2–48
 //! token rows, dequantized to f16 in registers, on the f16 rounded copy of the activations.
-//! The weights stream once for all the tokens. Up to `MAX_PRODUCTS` matrices of one width take one launch, or a gated pair (gate
+//! The weights stream once for up to 32 tokens (a launch). Up to `MAX_PRODUCTS` matrices of one width take one launch, or a gated pair (gate
 //! and up) whose launch stores gelu_tanh(gate) · up as the 16-bit activations of the down
 //! product. Warps walk row tiles of 16 rows; matrices of few tiles split their units over
 //! several items a tile, whose parts the tile's last warp adds in order (a ticket a tile in
@@ -15,13 +15,18 @@ use crate::kernels::{Arg, Grid, ProductArgs};
 use crate::sources::Module;
 
 /// Token rows for which a Q4_K product runs here rather than as GEMVs (fewer) or as cuBLAS on
-/// weights dequantized to f16 (more): 4 n-tiles of 8 at most (`MMQ_KERNEL(q4_k, …, 4)`).
-/// Measured on the H200 (E4B Q4_K, `bench -p 0 -n 32`, docs/perf.md session 31): 2 / 3 / 4 /
-/// 8 / 16 / 32 sequences 581 / 684 / 761 / 861 / 887 / 3 176 t/s before, 647 / 936 / 1 242 /
-/// 2 255 / 3 602 / 4 838 here; 64 sequences 6 058 on cuBLAS against 4 969 on this kernel's
-/// first version (8 n-tiles). Session 32 (the gated pair in one launch, the split parts added
-/// as float4s): 8 / 16 / 32 sequences 2 196 / 3 567 / 4 838 → 2 434 / 3 918 / 5 564.
-const Q4K_TOKENS: std::ops::RangeInclusive<usize> = 2..=32;
+/// weights dequantized to f16 (more). Measured on the H200 (E4B Q4_K, `bench -p 0 -n 32`,
+/// docs/perf.md sessions 31–32): 2 / 3 / 4 / 8 / 16 / 32 sequences 581 / 684 / 761 / 861 /
+/// 887 / 3 176 t/s before, 647 / 936 / 1 242 / 2 255 / 3 602 / 4 838 here (session 31), and
+/// with the gated pair in one launch and the split parts added in parallel 8 / 16 / 32
+/// sequences 2 196 / 3 567 / 4 838 → 2 434 / 3 918 / 5 564. More than `LAUNCH_TOKENS` run as
+/// two launches: 40 / 48 sequences 3 870 / 4 663 on cuBLAS → 4 755 / 5 227 here, but 64
+/// sequences 6 088 → 5 693, so 64 stay on cuBLAS.
+const Q4K_TOKENS: std::ops::RangeInclusive<usize> = 2..=48;
+/// Token rows one launch takes at most (4 n-tiles of 8, `MMQ_KERNEL(q4_k, …, 4)`); more run
+/// as several launches, each reading the weights. 8 n-tiles in one launch spilled 752 bytes
+/// and ran 48 / 64 sequences at 3 355 / 3 700 t/s (session 32).
+const LAUNCH_TOKENS: usize = 32;
 /// Warps of a block.
 const BLOCK_WARPS: usize = 8;
 /// Most dynamic shared memory of a block (a split's activations): two blocks fit a
@@ -125,20 +130,29 @@ impl Job<'_> {
 }
 
 impl CudaBackend {
-    /// The launch shape and shared memory of `job` for `n` token rows, if the kernels take it:
-    /// a format they have, a device of compute capability 8.0 or newer, `mma_suits` rows, a
+    /// The launches of `job` for `n` token rows, if the kernels take it — (first token row,
+    /// token rows, shape, shared memory) each, at most `LAUNCH_TOKENS` rows a launch: a
+    /// format they have, a device of compute capability 8.0 or newer, `mma_suits` rows, a
     /// width that is a multiple of the format's unit, tiles few enough to split, and shared
     /// memory the device gives a block (GPUs of compute capability 8.6 and 8.9 give 99 KB).
-    fn mmq_plan(&self, job: &Job<'_>, n: usize) -> Option<(Shape, usize)> {
+    fn mmq_plan(&self, job: &Job<'_>, n: usize) -> Option<Vec<(usize, usize, Shape, usize)>> {
         let (w0, tiles) = job.first_and_tiles();
         let f = format(w0.ty)?;
         let capable = self.dev.capability().0 >= 8;
         if !capable || !mma_suits(w0.ty, n) || !w0.cols.is_multiple_of(f.unit) {
             return None;
         }
-        let sh = shape(&f, tiles, w0.cols, n, self.dev.multiprocessors() as usize)?;
-        let shared = 8 * sh.nt * sh.per_split * f.token_bytes;
-        (shared <= self.dev.max_block_shared() as usize).then_some((sh, shared))
+        let sms = self.dev.multiprocessors() as usize;
+        let most = self.dev.max_block_shared() as usize;
+        (0..n)
+            .step_by(LAUNCH_TOKENS)
+            .map(|t0| {
+                let len = (n - t0).min(LAUNCH_TOKENS);
+                let sh = shape(&f, tiles, w0.cols, len, sms)?;
+                let shared = 8 * sh.nt * sh.per_split * f.token_bytes;
+                (shared <= most).then_some((t0, len, sh, shared))
+            })
+            .collect()
     }
 
     /// Whether `mmq` takes `job` for `n` token rows.
@@ -147,68 +161,72 @@ impl CudaBackend {
     }
 
     /// Runs `job` for `n` token rows whose activations `xh` are rounded to the 16-bit type of
-    /// the weights' products (f16 for Q4_K), sizes checked by the caller, in
-    /// one launch; false (nothing queued) where the kernels do not take it (`mmq_plan`). The
-    /// parts of split tiles go to the f16 tile scratch, which the caller does not hold `xh`
-    /// in.
+    /// the weights' products (f16 for Q4_K), sizes checked by the caller, in one launch a
+    /// `LAUNCH_TOKENS` rows; false (nothing queued) where the kernels do not take it
+    /// (`mmq_plan`). The parts of split tiles go to the f16 tile scratch, which the caller
+    /// does not hold `xh` in.
     pub(crate) fn mmq(&self, s: &mut Scratch, xh: u64, n: usize, job: Job<'_>) -> Result<bool> {
-        let Some((sh, shared)) = self.mmq_plan(&job, n) else {
+        let Some(launches) = self.mmq_plan(&job, n) else {
             return Ok(false);
         };
         let (w0, tiles) = job.first_and_tiles();
-        let mut args = ProductArgs::default();
-        let gated = match job {
-            Job::Products(products) => {
-                args.count = products.len() as i32;
-                for (i, &(w, out)) in products.iter().enumerate() {
-                    args.w[i] = w.ptr;
-                    args.out[i] = out;
-                    args.rows[i] = int("rows", w.rows)?;
+        let k = w0.cols;
+        for (t0, len, sh, shared) in launches {
+            let mut args = ProductArgs::default();
+            let gated = match job {
+                Job::Products(products) => {
+                    args.count = products.len() as i32;
+                    for (i, &(w, out)) in products.iter().enumerate() {
+                        args.w[i] = w.ptr;
+                        args.out[i] = out + 4 * (t0 * w.rows) as u64;
+                        args.rows[i] = int("rows", w.rows)?;
+                    }
+                    false
                 }
-                false
-            }
-            Job::Gated { gate, up, out } => {
-                args.count = 2;
-                args.w[..2].copy_from_slice(&[gate.ptr, up.ptr]);
-                args.out[0] = out;
-                args.rows[..2].copy_from_slice(&[int("rows", gate.rows)?; 2]);
-                true
-            }
-        };
-        let parts = if sh.splits > 1 {
-            // 16 floats a tile, token and split, in f16 slots.
-            s.tiles.get(&self.dev.stream, 32 * sh.splits * n * tiles)?
-        } else {
-            0
-        };
-        let kernel = self.kernels.func_for_with_shared(
-            Module::Gemv,
-            "mmq",
-            w0.ty,
-            sh.nt as u32,
-            shared as u32,
-        )?;
-        let mut grid = Grid::new(
-            (sh.blocks as u32, sh.splits as u32),
-            32 * BLOCK_WARPS as u32,
-        );
-        grid.shared = shared as u32;
-        self.launch_fn(
-            &kernel,
-            grid,
-            &[
-                Arg::Products(args),
-                Arg::U64(w0.row_bytes as u64),
-                Arg::I32(int("cols", w0.cols)?),
-                Arg::U64(xh),
-                Arg::I32(n as i32),
-                Arg::I32(gated.into()),
-                Arg::U64(parts),
-                Arg::U64(self.mmq_tickets()),
-                Arg::I32(sh.splits as i32),
-                Arg::I32(sh.per_split as i32),
-            ],
-        )?;
+                Job::Gated { gate, up, out } => {
+                    args.count = 2;
+                    args.w[..2].copy_from_slice(&[gate.ptr, up.ptr]);
+                    args.out[0] = out + 2 * (t0 * gate.rows) as u64;
+                    args.rows[..2].copy_from_slice(&[int("rows", gate.rows)?; 2]);
+                    true
+                }
+            };
+            let parts = if sh.splits > 1 {
+                // 16 floats a tile, token and split, in f16 slots.
+                s.tiles
+                    .get(&self.dev.stream, 32 * sh.splits * len * tiles)?
+            } else {
+                0
+            };
+            let kernel = self.kernels.func_for_with_shared(
+                Module::Gemv,
+                "mmq",
+                w0.ty,
+                sh.nt as u32,
+                shared as u32,
+            )?;
+            let mut grid = Grid::new(
+                (sh.blocks as u32, sh.splits as u32),
+                32 * BLOCK_WARPS as u32,
+            );
+            grid.shared = shared as u32;
+            self.launch_fn(
+                &kernel,
+                grid,
+                &[
+                    Arg::Products(args),
+                    Arg::U64(w0.row_bytes as u64),
+                    Arg::I32(int("cols", k)?),
+                    Arg::U64(xh + 2 * (t0 * k) as u64),
+                    Arg::I32(len as i32),
+                    Arg::I32(gated.into()),
+                    Arg::U64(parts),
+                    Arg::U64(self.mmq_tickets()),
+                    Arg::I32(sh.splits as i32),
+                    Arg::I32(sh.per_split as i32),
+                ],
+            )?;
+        }
         Ok(true)
     }
 }
@@ -236,7 +254,7 @@ mod tests {
                 (5, 12_800),
             ] {
                 for n in [2, 3, 8, 9, 16, 17, 25, 32, 33, 48, 64] {
-                    if !mma_suits(ty, n) {
+                    if !mma_suits(ty, n) || n > LAUNCH_TOKENS {
                         continue;
                     }
                     let sh = shape(&f, tiles, k, n, 132).unwrap();
@@ -277,8 +295,9 @@ mod tests {
     #[test]
     fn few_token_products_take_the_tensor_cores() {
         assert!(!mma_suits(GgmlType::Q4_K, 1));
-        assert!(mma_suits(GgmlType::Q4_K, 2) && mma_suits(GgmlType::Q4_K, 32));
-        assert!(!mma_suits(GgmlType::Q4_K, 33));
+        assert!(mma_suits(GgmlType::Q4_K, 2));
+        assert!(mma_suits(GgmlType::Q4_K, 33) && mma_suits(GgmlType::Q4_K, 48));
+        assert!(!mma_suits(GgmlType::Q4_K, 49));
         assert!(!mma_suits(GgmlType::Q6_K, 8) && !mma_suits(GgmlType::BF16, 8));
     }
 }

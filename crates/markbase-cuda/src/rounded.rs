@@ -47,7 +47,7 @@ pub(crate) enum CopyForm {
     Rounded(ProductInputs),
     /// One token row as the 16-bit tiles of a one-token Q4_K GEMV (640 bytes per 256 values).
     Q4kTiles,
-    /// Rounded to f16 for a tensor-core Q4_K product of 2–32 token rows (mmq.rs): the
+    /// Rounded to f16 for a tensor-core Q4_K product of 2–48 token rows (mmq.rs): the
     /// values of `Rounded(F16)`, made for products of fewer token rows.
     Q4kMma,
 }

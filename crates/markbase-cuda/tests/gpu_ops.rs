@@ -337,7 +337,7 @@ fn matmul_matches_reference_for_every_format_and_batch() {
             let w = g.load_matrix(&m).unwrap();
             // 1–8: one GEMV launch; 13: two; 40: cuBLAS (f32 and f16 weights in f32, bf16 and
             // quantized ones on the tensor cores, see `as_seen`); bf16 weights take the tensor
-            // cores from 3 rows, Q4_K weights the tensor-core kernel for 2–32 (`mma_suits`).
+            // cores from 3 rows, Q4_K weights the tensor-core kernel for 2–48 (`mma_suits`).
             for n in [1, 2, 3, 8, 13, 40] {
                 let x = uniform(&mut r, n * k, 1.0);
                 matmul_checked(g, &m, &w, n, &up(g, &x), &x, &format!("matmul {ty} k={k}"));
@@ -490,7 +490,7 @@ fn one_token_products_over_an_lm_head_of_rows_match_reference() {
     }
 }
 
-/// Q4_K products of 2–32 token rows on the tensor cores over matrices of many row tiles and
+/// Q4_K products of 2–48 token rows on the tensor cores over matrices of many row tiles and
 /// long rows (tiles whose super-blocks several blocks share, part-filled tiles and splits),
 /// every n-tile count and a part-filled n-tile; a second run gives the same bits. Then
 /// several matrices in one launch.
@@ -501,7 +501,8 @@ fn q4k_tensor_core_products_match_reference_and_repeat_exactly() {
     for (rows, k) in [(2_560, 10_240), (4_100, 2_560), (333, 2_816)] {
         let m = random_matrix(&mut r, GgmlType::Q4_K, rows, k);
         let w = g.load_matrix(&m).unwrap();
-        for n in [2, 7, 16, 29, 32] {
+        // 33–48: two launches; 64: cuBLAS on the weights dequantized as the kernel does.
+        for n in [2, 7, 16, 29, 32, 41, 48, 64] {
             let x = uniform(&mut r, n * k, 1.0);
             let xb = up(g, &x);
             let got = matmul_checked(g, &m, &w, n, &xb, &x, &format!("Q4_K [{rows}, {k}]"));
@@ -518,7 +519,7 @@ fn q4k_tensor_core_products_match_reference_and_repeat_exactly() {
         .map(|&rows| random_matrix(&mut r, GgmlType::Q4_K, rows, k))
         .collect();
     let ws: Vec<_> = mats.iter().map(|m| g.load_matrix(m).unwrap()).collect();
-    for n in [5, 24] {
+    for n in [5, 24, 50] {
         let x = uniform(&mut r, n * k, 1.0);
         let mut outs: Vec<CudaBuffer> = mats.iter().map(|m| poisoned(g, n * m.rows)).collect();
         let mut products: Vec<_> = ws.iter().zip(outs.iter_mut()).collect();
@@ -552,7 +553,7 @@ fn gated_ffn_on_tensor_cores_matches_reference_and_repeats_exactly() {
             random_matrix(&mut r, ty, d, ff),
         );
         let [gw, uw, dw] = [&gm, &um, &dm].map(|m| g.load_matrix(m).unwrap());
-        for n in [2, 8, 29] {
+        for n in [2, 8, 29, 45] {
             let x = uniform(&mut r, n * k, 1.0);
             let (sx, sg) = as_seen(g, &gm, n, &x);
             let (_, su) = as_seen(g, &um, n, &x);
