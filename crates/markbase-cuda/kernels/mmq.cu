@@ -140,9 +140,9 @@ struct MmqQ4k {
         a.q[1][1] = __ldg((const uint4*)(hi + 32 + 32 * c));
     }
 
-    // Where 16-byte piece `piece` of token t's unit (its values 8 · piece ..) lies in the
+    // Where 16-byte piece `piece` of a token's unit (its values 8 · piece ..) lies in the
     // token's slot.
-    static __device__ __forceinline__ int piece_at(int piece, int) {
+    static __device__ __forceinline__ int piece_at(int piece) {
         return (piece >> 3) * GROUP_BYTES + 16 * (piece & 7);
     }
 
@@ -264,6 +264,13 @@ __device__ __forceinline__ void mmq_put(const MmqCursor& u, int gated, int t, in
         ((float*)u.out)[(u64)t * u.rows + r] = a;
 }
 
+// The token and float4 of 4 rows that fix-up index i of a tile's parts stands for: 4 a token,
+// or (gated) 2, the gate rows' (the up rows 8 on go with them).
+__device__ __forceinline__ void mmq_quad(int i, int gated, int& t, int& quad) {
+    t = gated ? i >> 1 : i >> 2;
+    quad = gated ? i & 1 : i & 3;
+}
+
 // Stores the warp's sums of item u (lane (g, c): the tile's rows g, g + 8 — v 0, 1 and 2, 3 —
 // for tokens 8j + 2c + (v & 1)): as outputs, or with several splits as this split's part
 // (parts[split][token][tile][16]), the item's last warp adding the parts in split order.
@@ -319,8 +326,9 @@ __device__ __forceinline__ void mmq_store(const MmqCursor& u, int gated, float (
     for (int q = 0; q < splits; q++) {
 #pragma unroll
         for (int j = 0; j < NT; j++) {
-            const int i = (threadIdx.x & 31) + 32 * j, t = gated ? i >> 1 : i >> 2,
-                      quad = gated ? i & 1 : i & 3;
+            const int i = (threadIdx.x & 31) + 32 * j;
+            int t, quad;
+            mmq_quad(i, gated, t, quad);
             if (i < quads) {
                 const float* at = base + ((u64)q * n + t) * ld + 4 * quad;
                 mmq_add4(a[j], at);
@@ -330,8 +338,9 @@ __device__ __forceinline__ void mmq_store(const MmqCursor& u, int gated, float (
     }
 #pragma unroll
     for (int j = 0; j < NT; j++) {
-        const int i = (threadIdx.x & 31) + 32 * j, t = gated ? i >> 1 : i >> 2,
-                  quad = gated ? i & 1 : i & 3;
+        const int i = (threadIdx.x & 31) + 32 * j;
+        int t, quad;
+        mmq_quad(i, gated, t, quad);
         if (i >= quads) continue;
         const float4 bj = b[j < NB ? j : 0];
         const float av[4] = {a[j].x, a[j].y, a[j].z, a[j].w}, bv[4] = {bj.x, bj.y, bj.z, bj.w};
@@ -383,7 +392,7 @@ __device__ void mmq_impl(const Products& p, u64 row_bytes, int k, const u16* xh,
         int piece = q % F::PIECES, slice = q / F::PIECES, t = slice % (8 * NT),
             i = slice / (8 * NT);
         if (t < n)
-            mmq_cp16(smem + slice * F::TOKEN_BYTES + F::piece_at(piece, t),
+            mmq_cp16(smem + slice * F::TOKEN_BYTES + F::piece_at(piece),
                      xh + (u64)t * k + (sb0 + i) * F::K + 8 * piece);
     }
     mmq_commit();

@@ -1,8 +1,8 @@
 //! Products of a few token rows on the tensor cores (kernels/mmq.cu): Q4_K weights of 2–48
 //! token rows, dequantized to f16 in registers, on the f16 rounded copy of the activations.
-//! The weights stream once for up to 32 tokens (a launch). Up to `MAX_PRODUCTS` matrices of one width take one launch, or a gated pair (gate
-//! and up) whose launch stores gelu_tanh(gate) · up as the 16-bit activations of the down
-//! product. Warps walk row tiles of 16 rows; matrices of few tiles split their units over
+//! The weights stream once for up to 32 tokens (a launch). Up to `MAX_PRODUCTS` matrices of
+//! one width take one launch, or a gated pair (gate and up) whose launch stores
+//! gelu_tanh(gate) · up as the 16-bit activations of the down product. Warps walk row tiles of 16 rows; matrices of few tiles split their units over
 //! several items a tile, whose parts the tile's last warp adds in order (a ticket a tile in
 //! `tickets`).
 
@@ -80,6 +80,13 @@ struct Shape {
     blocks: usize,
 }
 
+impl Shape {
+    /// Dynamic shared memory of a block: its split's activations.
+    fn shared(&self, f: &Format) -> usize {
+        8 * self.nt * self.per_split * f.token_bytes
+    }
+}
+
 /// The launch shape for `n` tokens (at most 8 · `f.most_nt`) and `tiles` row tiles of `k`
 /// values (a multiple of `f.unit`) on `sms` multiprocessors; None where the tiles are too many
 /// to split.
@@ -149,7 +156,7 @@ impl CudaBackend {
             .map(|t0| {
                 let len = (n - t0).min(LAUNCH_TOKENS);
                 let sh = shape(&f, tiles, w0.cols, len, sms)?;
-                let shared = 8 * sh.nt * sh.per_split * f.token_bytes;
+                let shared = sh.shared(&f);
                 (shared <= most).then_some((t0, len, sh, shared))
             })
             .collect()
@@ -238,48 +245,37 @@ mod tests {
     #[test]
     fn shapes_cover_every_unit_once_and_fit_shared_memory() {
         // E4B's launches on an H200 (132 multiprocessors), as (row tiles, width): q/k/v, o,
-        // gate + up (as two matrices and as a gated pair), down, the PLE gate and projection,
-        // the LM head; a short odd matrix.
-        for ty in [GgmlType::Q4_K] {
-            let f = format(ty).unwrap();
-            for (tiles, k) in [
-                (192, 2560),
-                (160, 2048),
-                (1280, 2560),
-                (2560, 2560),
-                (160, 10_240),
-                (16, 2560),
-                (160, 256),
-                (16_384, 2560),
-                (5, 12_800),
-            ] {
-                for n in [2, 3, 8, 9, 16, 17, 25, 32, 33, 48, 64] {
-                    if !mma_suits(ty, n) || n > LAUNCH_TOKENS {
-                        continue;
-                    }
-                    let sh = shape(&f, tiles, k, n, 132).unwrap();
-                    let units = k / f.unit;
-                    assert!(sh.nt * 8 >= n && (sh.nt == 1 || sh.nt * 4 < n), "{n}");
-                    assert!(sh.nt <= f.most_nt && sh.nt.is_power_of_two());
-                    assert!(sh.splits * sh.per_split >= units);
-                    assert!((sh.splits - 1) * sh.per_split < units, "no empty split");
-                    let shared = 8 * sh.nt * sh.per_split * f.token_bytes;
-                    assert!(shared <= MAX_SHARED, "{ty} {tiles}x{k} n={n}: {sh:?}");
-                    assert!(sh.blocks * sh.splits <= 2 * 132 || sh.blocks == 1);
-                    assert!(sh.blocks >= 1 && sh.blocks <= tiles.div_ceil(8));
-                    // Enough items, or one unit a split, or as many splits as shared memory
-                    // asks.
-                    assert!(
-                        2 * tiles * sh.splits >= 8 * 132
-                            || sh.per_split == 1
-                            || sh.splits
-                                == units.div_ceil(MAX_SHARED / (8 * sh.nt * f.token_bytes)),
-                        "{ty} {tiles}x{k} n={n}: {sh:?}"
-                    );
-                }
+        // gate + up (two matrices, or the gated pair: 1 280 tiles either way), down, the PLE
+        // gate and projection, the LM head; a short odd matrix.
+        let q4k = format(GgmlType::Q4_K).unwrap();
+        for (tiles, k) in [
+            (192, 2560),
+            (160, 2048),
+            (1280, 2560),
+            (160, 10_240),
+            (16, 2560),
+            (160, 256),
+            (16_384, 2560),
+            (5, 12_800),
+        ] {
+            // One launch's token rows (more take several).
+            for n in [2, 8, 9, 16, 17, 25, 32] {
+                let sh = shape(&q4k, tiles, k, n, 132).unwrap();
+                let units = k / q4k.unit;
+                assert!(sh.nt * 8 >= n && (sh.nt == 1 || sh.nt * 4 < n), "{n}");
+                assert!(sh.nt <= q4k.most_nt && sh.nt.is_power_of_two());
+                assert!(sh.splits * sh.per_split >= units);
+                assert!((sh.splits - 1) * sh.per_split < units, "no empty split");
+                assert!(sh.shared(&q4k) <= MAX_SHARED, "{tiles}x{k} n={n}: {sh:?}");
+                assert!(sh.blocks * sh.splits <= 2 * 132 || sh.blocks == 1);
+                assert!(sh.blocks >= 1 && sh.blocks <= tiles.div_ceil(8));
+                // Enough items, or one super-block a split.
+                assert!(
+                    2 * tiles * sh.splits >= 8 * 132 || sh.per_split == 1,
+                    "{tiles}x{k} n={n}: {sh:?}"
+                );
             }
         }
-        let q4k = format(GgmlType::Q4_K).unwrap();
         assert_eq!(
             shape(&q4k, 160, 10_240, 8, 132),
             Some(Shape {
