@@ -4,10 +4,10 @@
 // launch's tokens (weights dominate the bytes). Larger decode batches take several launches.
 //
 // Quantized rows: one warp per row (8 rows per block), the activations staged per block;
-// Q4_K rows may be shared by `split` warps (1, 2 or 4) like plain rows below, and take 16-bit
-// activations (q4k_rows_i16). `gemv` and `gemv_many` take `xt`: for one token row of Q4_K
-// weights, the activations as their producer's Q4_K tiles (rounded.rs), read in place of
-// staging; else null. The gated kernel for one token row of Q4_K weights is gemv_q4k.cu's.
+// Q4_K rows and Q8_0 rows of a multiple of 256 values may be shared by `split` warps (1, 2 or
+// 4) like plain rows below, and take 16-bit activations (i16_rows). `gemv` and `gemv_many`
+// take `xt`: for one token row of such weights, the activations as their producer's Q4_K tiles
+// (rounded.rs), read in place of staging; else null. The gated kernel for one token row of Q4_K weights is gemv_q4k.cu's.
 // Plain-float rows (f32 / f16 / bf16, k a multiple of 8): `split` warps (1, 2, 4 or 8) share a
 // row, each taking every split-th 16-byte group of it with four loads in flight per lane, and
 // add their sums through shared memory: short matrices (a few hundred rows) then still fill
@@ -53,17 +53,18 @@ template <int FMT, int NT>
 __device__ void gemv_impl(const u8* w, u64 row_bytes, int rows, int k, const float* x, int nt,
                           float* out, int split, const float* mul, u64 mul_stride,
                           const uint4* xt) {
-    if (((FMT == F_F32 || FMT == F_F16 || FMT == F_BF16) && (k & 7) == 0) || FMT == F_Q4_K) {
+    const bool i16 = i16_takes(FMT, k);
+    if (((FMT == F_F32 || FMT == F_F16 || FMT == F_BF16) && (k & 7) == 0) || i16) {
         __shared__ float part_sums[8][NT];
         int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
         int r = (blockIdx.x * (blockDim.x >> 5) + warp) / split, part = warp % split;
         if (r < rows) prefetch_row(w + (u64)r * row_bytes, row_bytes, part, split, 512);
-        if (FMT != F_Q4_K) wait_prior_grid();  // Q4_K rows wait after their first loads
+        if (!i16) wait_prior_grid();  // i16_rows wait after their first loads
         float acc[NT];
-        if constexpr (FMT == F_Q4_K) {
+        if constexpr (fmt_i16(FMT)) {
             const u8* row = w + (u64)(r < rows ? r : 0) * row_bytes;
             float a[1][NT];
-            q4k_rows_i16<NT, 1, true>(r < rows, &row, x, k, nt, part, split, a, xt);
+            i16_rows<FMT, NT, 1, true>(r < rows, &row, x, k, nt, part, split, a, xt);
 #pragma unroll
             for (int t = 0; t < NT; t++) acc[t] = a[0][t];
         } else if (r < rows && split == 1) {

@@ -41,8 +41,24 @@ __device__ __forceinline__ void k_scale_min(const u8* sc, int j, int* s, int* m)
     }
 }
 
-// Weights 32·c .. 32·c + 31 of `row` (a row of `k` weights) into w; for the float formats only
-// the first `kv` (≤ 32) are read, the rest set to 0.
+// Q8_0 rows as they lie on the device (layout.rs): each full group of 8 blocks (256 values) as
+// its 8 f16 scales then its 256 quants, the blocks after the last full group as stored (scale,
+// 32 quants). Returns the address of block c's scale in a row of k values (c and k counted from
+// `row`, where a group starts) and sets *q to its quants'.
+__device__ __forceinline__ const u8* q8_0_block(const u8* row, int c, int k, const u8** q) {
+    const int full = k >> 8, g = c >> 3;
+    if (g < full) {
+        const u8* grp = row + 272 * (u64)g;
+        *q = grp + 16 + 32 * (c & 7);
+        return grp + 2 * (c & 7);
+    }
+    const u8* b = row + 272 * (u64)full + 34 * (c - 8 * full);
+    *q = b + 2;
+    return b;
+}
+
+// Weights 32·c .. 32·c + 31 of `row` (a row of `k` weights from `row` on) into w; for the float
+// formats only the first `kv` (≤ 32) are read, the rest set to 0.
 template <int FMT>
 __device__ __forceinline__ void deq32(const u8* row, int c, int kv, int k, float* w) {
     if (FMT == F_F32) {
@@ -117,10 +133,10 @@ __device__ __forceinline__ void deq32(const u8* row, int c, int kv, int k, float
             }
         }
     } else if (FMT == F_Q8_0) {
-        const u8* b = row + (size_t)c * 34;
-        float d = f16_to_f32(ld16(b));
+        const u8* qs;
+        float d = f16_to_f32(ld16(q8_0_block(row, c, k, &qs)));
         u8 q[32];
-        ld_bytes<16>(b + 2, q);
+        ld_bytes<16>(qs, q);
 #pragma unroll
         for (int j = 0; j < 32; j++) w[j] = (float)(signed char)q[j] * d;
     } else if (FMT == F_Q2_K) {
@@ -383,11 +399,15 @@ __device__ __forceinline__ void stage_x(const float* x, int k, int t, int c0, in
     __syncthreads();
 }
 
+// The block's shared memory for staging NT token rows (defined below, after q4k_i16_tile).
+template <int NT>
+__device__ __forceinline__ uint4* block_stage();
+
 template <int FMT, int NT>
 __device__ __forceinline__ void staged_row_dot(bool active, const u8* row, const float* x, int k,
                                                int nt, float* acc) {
-    __shared__ __align__(16) u8 wst[STAGE_WARPS][STAGE_W_BYTES];
-    __shared__ __align__(16) float xst[32 * STAGE_X_STRIDE];
+    u8(*wst)[STAGE_W_BYTES] = (u8(*)[STAGE_W_BYTES])block_stage<NT>();
+    float* xst = (float*)(wst + STAGE_WARPS);
     const int TS = fmt_block_bytes(FMT), CPB = fmt_chunks_per_block(FMT);
     int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & (STAGE_WARPS - 1);
     u8* ws = wst[warp];
@@ -409,7 +429,7 @@ __device__ __forceinline__ void staged_row_dot(bool active, const u8* row, const
                     ((u16*)ws)[i] = __ldg((const u16*)src + i);
             }
             __syncwarp();
-            if (lane < nch) deq32<FMT>(ws, lane, 32, k, w);
+            if (lane < nch) deq32<FMT>(ws, lane, 32, k - 32 * c0, w);
         }
 #pragma unroll
         for (int t = 0; t < NT; t++) {
@@ -461,6 +481,23 @@ __device__ __forceinline__ void q4k_scale_min(uint4 h, int j, float* s, float* m
 // hold. `q4k_tile` in backend.rs mirrors it.
 __host__ __device__ constexpr int q4k_i16_tile(int nt) { return (48 / nt + 7) / 8 * 8; }
 
+// Bytes of shared memory a block stages NT token rows in: i16_rows' tile (640 bytes a unit and
+// token row), or staged_row_dot's weights and activations, whichever is more.
+__host__ __device__ constexpr int block_stage_bytes(int nt) {
+    return 640 * nt * q4k_i16_tile(nt) > STAGE_WARPS * STAGE_W_BYTES + 128 * STAGE_X_STRIDE
+               ? 640 * nt * q4k_i16_tile(nt)
+               : STAGE_WARPS * STAGE_W_BYTES + 128 * STAGE_X_STRIDE;
+}
+
+// One array for every staging path of NT token rows (i16_rows of any format and row count,
+// staged_row_dot): a kernel that holds several of them, of which a launch takes one (Q8_0 rows
+// of whole 256-value groups or not), holds the array once.
+template <int NT>
+__device__ __forceinline__ uint4* block_stage() {
+    __shared__ uint4 stage[block_stage_bytes(NT) / 16];
+    return stage;
+}
+
 // c + a.lo16 · b.byte0 + a.hi16 · b.byte1, a's halves signed, b's bytes unsigned (4-bit
 // weights, or weights times 16): `dp2a.lo`.
 __device__ __forceinline__ int dp2a_lo(u32 a, u32 b, int c) {
@@ -502,35 +539,109 @@ __device__ __forceinline__ void stage_x_i16(const float* x, int k, int nt, int s
     __syncthreads();
 }
 
-// Adds to acc[r][t] (t < nt) the products of R Q4_K rows' super-block b of the staged tile (its
-// 16-byte quant slice q[r] and header h[r] as lane `sub` of the super-block's 8 loaded them)
-// with token t's staged activations; the weights are unpacked once for all the tokens.
-// TILES: xq and xm are a producer's tiles of one token row in global memory (NT = 1).
-template <int NT, int R, bool TILES = false>
-__device__ __forceinline__ void q4k_i16_block(const uint4* q, const uint4* h, const uint4* xq,
-                                              const float2* xm, int b, int sub, int nt,
-                                              float (*acc)[NT]) {
+// c + a.lo16 · b.byte0 + a.hi16 · b.byte1 with b's bytes signed (Q8_0 quants): `dp2a.lo`.
+__device__ __forceinline__ int dp2a_lo_s8(u32 a, u32 b, int c) {
+    int d;
+    asm("dp2a.lo.s32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+// c + a.lo16 · b.byte2 + a.hi16 · b.byte3 with b's bytes signed: `dp2a.hi`.
+__device__ __forceinline__ int dp2a_hi_s8(u32 a, u32 b, int c) {
+    int d;
+    asm("dp2a.hi.s32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+// Formats whose rows of a multiple of 256 values run on 16-bit activations (i16_rows): Q4_K,
+// and Q8_0 as regrouped on the device (q8_0_block).
+__host__ __device__ constexpr bool fmt_i16(int f) { return f == F_Q4_K || f == F_Q8_0; }
+
+// Whether rows of format f, k values wide, run on 16-bit activations: Q4_K rows (always whole
+// super-blocks), Q8_0 rows of whole 256-value groups.
+__device__ __forceinline__ bool i16_takes(int f, int k) {
+    return f == F_Q4_K || (f == F_Q8_0 && (k & 255) == 0);
+}
+
+// Bytes of a 256-value unit of an fmt_i16 row: a Q4_K super-block, a Q8_0 group.
+__host__ __device__ constexpr int i16_unit_bytes(int f) { return f == F_Q4_K ? 144 : 272; }
+
+// Lane `sub`'s (of a unit's 8) share of one unit of one row: values 16·(sub & 1) .. + 15 of
+// the unit's chunks 2·(sub >> 1) and the one after it (32-value chunks), and their scales.
+// Q4_K: the 16 quant bytes holding both chunks' values (low and high nibbles) and the
+// super-block's 16-byte header. Q8_0: each chunk's 16 quants and the word of their two f16
+// scales.
+template <int FMT>
+struct I16Slice;
+template <>
+struct I16Slice<F_Q4_K> {
+    uint4 q, h;
+};
+template <>
+struct I16Slice<F_Q8_0> {
+    uint4 lo, hi;
+    u32 d;
+};
+
+// Loads lane `sub`'s slice of unit b of `row`.
+template <int FMT>
+__device__ __forceinline__ void i16_load(const u8* row, int b, int sub, I16Slice<FMT>& s) {
+    const u8* unit = row + (u64)b * i16_unit_bytes(FMT);
+    if constexpr (FMT == F_Q4_K) {
+        s.q = __ldg((const uint4*)(unit + 16) + sub);
+        s.h = __ldg((const uint4*)unit);
+    } else {
+        const int n = sub >> 1, half = sub & 1;
+        s.lo = __ldg((const uint4*)(unit + 16 + 64 * n + 16 * half));
+        s.hi = __ldg((const uint4*)(unit + 48 + 64 * n + 16 * half));
+        s.d = __ldg((const u32*)unit + n);
+    }
+}
+
+// Adds to acc[r][t] (t < nt) the products of R rows' unit b of the staged tile (lane `sub`'s
+// slices s[r], i16_load) with token t's staged activations; the weights are unpacked once for
+// all the tokens. TILES: xq and xm are a producer's tiles of one token row in global memory
+// (NT = 1).
+template <int FMT, int NT, int R, bool TILES = false>
+__device__ __forceinline__ void i16_block(const I16Slice<FMT>* s, const uint4* xq,
+                                          const float2* xm, int b, int sub, int nt,
+                                          float (*acc)[NT]) {
     const int TILE = q4k_i16_tile(NT);
     int n = sub >> 1, half = sub & 1;
-    // Per row: the low (chunk 2n) and high (chunk 2n + 1) nibbles, and each chunk's d·sc, dmin·m.
+    // Per row: the weights of chunk 2n and of chunk 2n + 1 as bytes (Q4_K: the low and high
+    // nibbles), and each chunk's scale (and Q4_K's min term).
     u32 lo[R][4], hi[R][4];
     float d0[R], c0[R], d1[R], c1[R];
 #pragma unroll
     for (int r = 0; r < R; r++) {
-        u32 w[4] = {q[r].x, q[r].y, q[r].z, q[r].w};
+        if constexpr (FMT == F_Q4_K) {
+            u32 w[4] = {s[r].q.x, s[r].q.y, s[r].q.z, s[r].q.w};
 #pragma unroll
-        for (int i = 0; i < 4; i++) {
-            lo[r][i] = w[i] & 0x0F0F0F0Fu;
-            hi[r][i] = (w[i] >> 4) & 0x0F0F0F0Fu;
+            for (int i = 0; i < 4; i++) {
+                lo[r][i] = w[i] & 0x0F0F0F0Fu;
+                hi[r][i] = (w[i] >> 4) & 0x0F0F0F0Fu;
+            }
+            float d = f16_to_f32((u16)(s[r].h.x & 0xffff)),
+                  dmin = f16_to_f32((u16)(s[r].h.x >> 16));
+            float sc, mn;
+            q4k_scale_min(s[r].h, 2 * n, &sc, &mn);
+            d0[r] = d * sc;
+            c0[r] = dmin * mn;
+            q4k_scale_min(s[r].h, 2 * n + 1, &sc, &mn);
+            d1[r] = d * sc;
+            c1[r] = dmin * mn;
+        } else {
+            u32 a[4] = {s[r].lo.x, s[r].lo.y, s[r].lo.z, s[r].lo.w};
+            u32 b4[4] = {s[r].hi.x, s[r].hi.y, s[r].hi.z, s[r].hi.w};
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                lo[r][i] = a[i];
+                hi[r][i] = b4[i];
+            }
+            d0[r] = f16_to_f32((u16)(s[r].d & 0xffff));
+            d1[r] = f16_to_f32((u16)(s[r].d >> 16));
+            c0[r] = c1[r] = 0.f;
         }
-        float d = f16_to_f32((u16)(h[r].x & 0xffff)), dmin = f16_to_f32((u16)(h[r].x >> 16));
-        float sc, mn;
-        q4k_scale_min(h[r], 2 * n, &sc, &mn);
-        d0[r] = d * sc;
-        c0[r] = dmin * mn;
-        q4k_scale_min(h[r], 2 * n + 1, &sc, &mn);
-        d1[r] = d * sc;
-        c1[r] = dmin * mn;
     }
 #pragma unroll
     for (int t = 0; t < NT; t++) {
@@ -553,95 +664,96 @@ __device__ __forceinline__ void q4k_i16_block(const uint4* q, const uint4* h, co
             int sl = 0, sh = 0;
 #pragma unroll
             for (int i = 0; i < 4; i++) {
-                sl = dp2a_hi(xa[2 * i + 1], lo[r][i], dp2a_lo(xa[2 * i], lo[r][i], sl));
-                sh = dp2a_hi(xb[2 * i + 1], hi[r][i], dp2a_lo(xb[2 * i], hi[r][i], sh));
+                if constexpr (FMT == F_Q4_K) {
+                    sl = dp2a_hi(xa[2 * i + 1], lo[r][i], dp2a_lo(xa[2 * i], lo[r][i], sl));
+                    sh = dp2a_hi(xb[2 * i + 1], hi[r][i], dp2a_lo(xb[2 * i], hi[r][i], sh));
+                } else {
+                    sl = dp2a_hi_s8(xa[2 * i + 1], lo[r][i], dp2a_lo_s8(xa[2 * i], lo[r][i], sl));
+                    sh = dp2a_hi_s8(xb[2 * i + 1], hi[r][i], dp2a_lo_s8(xb[2 * i], hi[r][i], sh));
+                }
             }
-            acc[r][t] += d0[r] * m0.x * (float)sl - c0[r] * m0.y;
-            acc[r][t] += d1[r] * m1.x * (float)sh - c1[r] * m1.y;
+            if constexpr (FMT == F_Q4_K) {
+                acc[r][t] += d0[r] * m0.x * (float)sl - c0[r] * m0.y;
+                acc[r][t] += d1[r] * m1.x * (float)sh - c1[r] * m1.y;
+            } else {
+                acc[r][t] += d0[r] * m0.x * (float)sl;
+                acc[r][t] += d1[r] * m1.x * (float)sh;
+            }
         }
     }
 }
 
-// Loads lane `sub`'s slices of super-blocks b0 and b1 (when below `end`) of R Q4_K rows: the
-// quant slices into q[0..1][r], the 16-byte headers into h[0..1][r].
-template <int R>
-__device__ __forceinline__ void q4k_load_pair(const u8* const* rows, int end, int b0, int b1,
-                                              int sub, uint4 (*q)[R], uint4 (*h)[R]) {
+// Loads lane `sub`'s slices of units b0 and b1 (when below `end`) of R rows into s[0..1][r].
+template <int FMT, int R>
+__device__ __forceinline__ void i16_load_pair(const u8* const* rows, int end, int b0, int b1,
+                                              int sub, I16Slice<FMT> (*s)[R]) {
 #pragma unroll
     for (int r = 0; r < R; r++) {
-        const u8* blk = rows[r] + (u64)b0 * 144;
-        q[0][r] = __ldg((const uint4*)(blk + 16) + sub);
-        h[0][r] = __ldg((const uint4*)blk);
-        if (b1 < end) {
-            blk = rows[r] + (u64)b1 * 144;
-            q[1][r] = __ldg((const uint4*)(blk + 16) + sub);
-            h[1][r] = __ldg((const uint4*)blk);
-        }
+        i16_load<FMT>(rows[r], b0, sub, s[0][r]);
+        if (b1 < end) i16_load<FMT>(rows[r], b1, sub, s[1][r]);
     }
 }
 
-// Lane `sub`'s weights of a pair of passes of R Q4_K rows (q4k_load_pair), loaded ahead of
-// their use.
-template <int R>
-struct Q4kPair {
-    uint4 q[2][R], h[2][R];
+// Lane `sub`'s slices of a pair of passes of R rows (i16_load_pair), loaded ahead of their use.
+template <int FMT, int R>
+struct I16Pair {
+    I16Slice<FMT> s[2][R];
 };
 
-// q4k_rows_i16 for one token row whose activations a producer already wrote as Q4_K tiles
-// (`xt`, common.cuh, store_q4k_tiles): the lane's passes from super-block `first` on, `pass`
-// apart, each next pair loaded before the one it holds is used, the first before the wait.
-// The lanes read the tiles from L1 / L2 where they use them: no staging, no barrier.
-template <int R, bool WAITS>
-__device__ __forceinline__ void q4k_rows_tiles(bool active, const u8* const* rows,
+// i16_rows for one token row whose activations a producer already wrote as Q4_K tiles (`xt`,
+// common.cuh, store_q4k_tiles): the lane's passes from unit `first` on, `pass` apart, each
+// next pair loaded before the one it holds is used, the first before the wait. The lanes read
+// the tiles from L1 / L2 where they use them: no staging, no barrier.
+template <int FMT, int R, bool WAITS>
+__device__ __forceinline__ void i16_rows_tiles(bool active, const u8* const* rows,
                                                const uint4* xt, int k, int part, int split,
                                                float (*acc)[1]) {
     int lane = threadIdx.x & 31, sub = lane & 7;
 #pragma unroll
     for (int r = 0; r < R; r++) acc[r][0] = 0.f;
     int nb = k >> 8, first = 4 * part + (lane >> 3), pass = 4 * split;
-    Q4kPair<R> p;
-    if (active && first < nb) q4k_load_pair<R>(rows, nb, first, first + pass, sub, p.q, p.h);
+    I16Pair<FMT, R> p;
+    if (active && first < nb) i16_load_pair<FMT, R>(rows, nb, first, first + pass, sub, p.s);
     if (WAITS) wait_prior_grid();
     const float2* xm = (const float2*)(xt + 32 * nb);
     if (active) {
         for (int b0 = first; b0 < nb; b0 += 2 * pass) {
-            Q4kPair<R> c = p;
+            I16Pair<FMT, R> c = p;
             int ahead = b0 + 2 * pass;
-            if (ahead < nb) q4k_load_pair<R>(rows, nb, ahead, ahead + pass, sub, p.q, p.h);
-            q4k_i16_block<1, R, true>(c.q[0], c.h[0], xt, xm, b0, sub, 1, acc);
-            if (b0 + pass < nb)
-                q4k_i16_block<1, R, true>(c.q[1], c.h[1], xt, xm, b0 + pass, sub, 1, acc);
+            if (ahead < nb) i16_load_pair<FMT, R>(rows, nb, ahead, ahead + pass, sub, p.s);
+            i16_block<FMT, 1, R, true>(c.s[0], xt, xm, b0, sub, 1, acc);
+            if (b0 + pass < nb) i16_block<FMT, 1, R, true>(c.s[1], xt, xm, b0 + pass, sub, 1, acc);
         }
     }
 #pragma unroll
     for (int r = 0; r < R; r++) acc[r][0] = warp_sum(acc[r][0]);
 }
 
-// Dot products of R Q4_K rows (k weights each) with the activation rows x[t·k ..] (t < nt ≤
-// NT), on 16-bit activations (see q4k_i16_tile); R rows of one warp share the activation reads
-// (R = 2: the gate and up rows of a gated feed-forward). `split` warps may share the rows, each
-// taking every split-th pass of 4 super-blocks of a tile (the caller adds their sums; beyond
-// q4k_i16_tile(NT) / 4 warps some would have no pass). A lane works through pairs of passes;
-// for one token row it loads the weights of its next pair (in this tile or the next) before
-// it uses the ones it holds, so a weight load's latency overlaps the work before it, and the
-// first pair before the activations are staged. WAITS: waits for the kernel ahead
-// (wait_prior_grid) first — for one token row after those first loads, which then overlap
-// that kernel's end. Every warp of the block must call it (active = false where it has no
-// row): it synchronises the block around each tile's staging. One token row with `xt` (not
-// null: its producer's Q4_K tiles) takes q4k_rows_tiles instead.
-template <int NT, int R, bool WAITS = false>
-__device__ __forceinline__ void q4k_rows_i16(bool active, const u8* const* rows, const float* x,
-                                             int k, int nt, int part, int split,
-                                             float (*acc)[NT], const uint4* xt = nullptr) {
+// Dot products of R rows of an fmt_i16 format (k weights each, a multiple of 256) with the
+// activation rows x[t·k ..] (t < nt ≤ NT), on 16-bit activations (see q4k_i16_tile); R rows of
+// one warp share the activation reads (R = 2: the gate and up rows of a gated feed-forward).
+// `split` warps may share the rows, each taking every split-th pass of 4 units of a tile (the
+// caller adds their sums; beyond q4k_i16_tile(NT) / 4 warps some would have no pass). A lane
+// works through pairs of passes; for one token row it loads the weights of its next pair (in
+// this tile or the next) before it uses the ones it holds, so a weight load's latency overlaps
+// the work before it, and the first pair before the activations are staged. WAITS: waits for
+// the kernel ahead (wait_prior_grid) first — for one token row after those first loads, which
+// then overlap that kernel's end. Every warp of the block must call it (active = false where
+// it has no row): it synchronises the block around each tile's staging. One token row with
+// `xt` (not null: its producer's Q4_K tiles) takes i16_rows_tiles instead.
+template <int FMT, int NT, int R, bool WAITS = false>
+__device__ __forceinline__ void i16_rows(bool active, const u8* const* rows, const float* x,
+                                         int k, int nt, int part, int split, float (*acc)[NT],
+                                         const uint4* xt = nullptr) {
     if constexpr (NT == 1) {
         if (xt) {
-            q4k_rows_tiles<R, WAITS>(active, rows, xt, k, part, split, acc);
+            i16_rows_tiles<FMT, R, WAITS>(active, rows, xt, k, part, split, acc);
             return;
         }
     }
     const int TILE = q4k_i16_tile(NT);
-    __shared__ uint4 xq[NT * TILE * 32];
-    __shared__ float2 xm[NT * TILE * 16];
+    uint4* xq = block_stage<NT>();
+    float2* xm = (float2*)(xq + NT * TILE * 32);
     int lane = threadIdx.x & 31, sub = lane & 7;
 #pragma unroll
     for (int r = 0; r < R; r++)
@@ -653,25 +765,22 @@ __device__ __forceinline__ void q4k_rows_i16(bool active, const u8* const* rows,
     // where it is used.
     const bool AHEAD = NT == 1;
     int nb = k >> 8, first = 4 * part + (lane >> 3), pass = 4 * split;
-    uint4 q[2][R], h[2][R];
+    I16Slice<FMT> s[2][R];
     if (AHEAD && active && first < min(TILE, nb))
-        q4k_load_pair<R>(rows, min(TILE, nb), first, first + pass, sub, q, h);
+        i16_load_pair<FMT, R>(rows, min(TILE, nb), first, first + pass, sub, s);
     if (WAITS) wait_prior_grid();
     for (int s0 = 0; s0 < nb; s0 += TILE) {
         int ntb = min(TILE, nb - s0);
         stage_x_i16<NT>(x, k, nt, s0, ntb, xq, xm);
         if (!active) continue;
         for (int b0 = first; b0 < ntb; b0 += 2 * pass) {
-            // The pair used now (cq, ch) and, loading ahead, the next one (q, h after it).
-            uint4 cq[2][R], ch[2][R];
+            // The pair used now (cs) and, loading ahead, the next one (s after it).
+            I16Slice<FMT> cs[2][R];
             if (AHEAD) {
 #pragma unroll
                 for (int i = 0; i < 2; i++)
 #pragma unroll
-                    for (int r = 0; r < R; r++) {
-                        cq[i][r] = q[i][r];
-                        ch[i][r] = h[i][r];
-                    }
+                    for (int r = 0; r < R; r++) cs[i][r] = s[i][r];
                 // Every tile but the last has a pair for each lane (TILE ≥ pass > first), so the
                 // pair loaded ahead for the next tile is that tile's first.
                 int next = b0 + 2 * pass, next_s0 = s0;
@@ -681,13 +790,12 @@ __device__ __forceinline__ void q4k_rows_i16(bool active, const u8* const* rows,
                 }
                 next += next_s0;
                 if (next < nb)
-                    q4k_load_pair<R>(rows, min(nb, next_s0 + TILE), next, next + pass, sub, q, h);
+                    i16_load_pair<FMT, R>(rows, min(nb, next_s0 + TILE), next, next + pass, sub, s);
             } else {
-                q4k_load_pair<R>(rows, s0 + ntb, s0 + b0, s0 + b0 + pass, sub, cq, ch);
+                i16_load_pair<FMT, R>(rows, s0 + ntb, s0 + b0, s0 + b0 + pass, sub, cs);
             }
-            q4k_i16_block<NT, R>(cq[0], ch[0], xq, xm, b0, sub, nt, acc);
-            if (b0 + pass < ntb)
-                q4k_i16_block<NT, R>(cq[1], ch[1], xq, xm, b0 + pass, sub, nt, acc);
+            i16_block<FMT, NT, R>(cs[0], xq, xm, b0, sub, nt, acc);
+            if (b0 + pass < ntb) i16_block<FMT, NT, R>(cs[1], xq, xm, b0 + pass, sub, nt, acc);
         }
     }
 #pragma unroll
@@ -696,11 +804,12 @@ __device__ __forceinline__ void q4k_rows_i16(bool active, const u8* const* rows,
         for (int t = 0; t < NT; t++) acc[r][t] = warp_sum(acc[r][t]);
 }
 
-template <int NT, bool WAITS>
-__device__ __forceinline__ void q4k_row_dot(bool active, const u8* row, const float* x, int k,
+// i16_rows of one row.
+template <int FMT, int NT, bool WAITS>
+__device__ __forceinline__ void i16_row_dot(bool active, const u8* row, const float* x, int k,
                                             int nt, float* acc, const uint4* xt) {
     float a[1][NT];
-    q4k_rows_i16<NT, 1, WAITS>(active, &row, x, k, nt, 0, 1, a, xt);
+    i16_rows<FMT, NT, 1, WAITS>(active, &row, x, k, nt, 0, 1, a, xt);
 #pragma unroll
     for (int t = 0; t < NT; t++) acc[t] = a[0][t];
 }
@@ -709,14 +818,16 @@ __device__ __forceinline__ void q4k_row_dot(bool active, const u8* row, const fl
 // computed by one warp of a 256-thread block; every lane returns the sums. Every warp of the
 // block must call it (with active = false where it has no row): the quantized paths
 // synchronise the block. Plain floats of a width that is a multiple of 8 and every quantized
-// format take the coalesced paths above; other plain rows fall back to a chunk per lane.
-// WAITS: it waits for the kernel ahead (wait_prior_grid) itself, Q4_K rows after their first
-// weight loads. `xt`: the activations' Q4_K tiles for one token row of Q4_K weights, or null.
+// format take the coalesced paths above (Q4_K rows and Q8_0 rows of a multiple of 256 values
+// i16_rows, the other quantized rows staged_row_dot); other plain rows fall back to a chunk per
+// lane. WAITS: it waits for the kernel ahead (wait_prior_grid) itself, i16_rows after their
+// first weight loads. `xt`: the activations' Q4_K tiles for one token row, or null.
 template <int FMT, int NT, bool WAITS = false>
 __device__ __forceinline__ void warp_row_dot(bool active, const u8* row, const float* x, int k,
                                              int nt, float* acc, const uint4* xt = nullptr) {
-    if (WAITS && FMT != F_Q4_K) wait_prior_grid();
-    if (FMT == F_F32 || FMT == F_F16 || FMT == F_BF16) {
+    const bool i16 = i16_takes(FMT, k);
+    if (WAITS && !i16) wait_prior_grid();
+    if constexpr (FMT == F_F32 || FMT == F_F16 || FMT == F_BF16) {
 #pragma unroll
         for (int t = 0; t < NT; t++) acc[t] = 0.f;
         if (!active) return;
@@ -736,29 +847,33 @@ __device__ __forceinline__ void warp_row_dot(bool active, const u8* row, const f
         }
 #pragma unroll
         for (int t = 0; t < NT; t++) acc[t] = warp_sum(acc[t]);
-    } else if (FMT == F_Q4_K) {
-        q4k_row_dot<NT, WAITS>(active, row, x, k, nt, acc, xt);
+    } else if constexpr (fmt_i16(FMT)) {
+        if (i16)
+            i16_row_dot<FMT, NT, WAITS>(active, row, x, k, nt, acc, xt);
+        else
+            staged_row_dot<FMT, NT>(active, row, x, k, nt, acc);
     } else {
         staged_row_dot<FMT, NT>(active, row, x, k, nt, acc);
     }
 }
 
 // warp_row_dot of two rows of the same format and width (a gated feed-forward's gate and up
-// rows): plain-float rows (width a multiple of 8) and Q4_K rows share their activation reads,
-// other formats take two passes. WAITS as for warp_row_dot.
+// rows): plain-float rows (width a multiple of 8) and i16_rows share their activation reads,
+// other rows take two passes. WAITS as for warp_row_dot.
 template <int FMT, int NT, bool WAITS = false>
 __device__ __forceinline__ void warp_row_pair_dot(bool active, const u8* row_a, const u8* row_b,
                                                   const float* x, int k, int nt, float* a,
                                                   float* b) {
-    if (WAITS && FMT != F_Q4_K) wait_prior_grid();
+    const bool i16 = i16_takes(FMT, k);
+    if (WAITS && !i16) wait_prior_grid();
     if ((FMT == F_F32 || FMT == F_F16 || FMT == F_BF16) && (k & 7) == 0) {
 #pragma unroll
         for (int t = 0; t < NT; t++) a[t] = b[t] = 0.f;
         if (active) float_row_pair<FMT, NT>(row_a, row_b, x, k, nt, a, b);
-    } else if (FMT == F_Q4_K) {
+    } else if (i16) {
         const u8* rows[2] = {row_a, row_b};
         float ab[2][NT];
-        q4k_rows_i16<NT, 2, WAITS>(active, rows, x, k, nt, 0, 1, ab);
+        if constexpr (fmt_i16(FMT)) i16_rows<FMT, NT, 2, WAITS>(active, rows, x, k, nt, 0, 1, ab);
 #pragma unroll
         for (int t = 0; t < NT; t++) {
             a[t] = ab[0][t];

@@ -156,16 +156,16 @@ pub(crate) fn need(what: &str, have: usize, want: usize) -> Result<()> {
 
 /// Warps per weight row of a GEMV (gemv.cu): plain-float rows are shared by up to 8 warps
 /// until the launch has `GEMV_WARPS_PER_SM` warps per multiprocessor, so a matrix of a few
-/// hundred rows still keeps every multiprocessor reading. Q4_K rows (quant.cuh,
-/// `q4k_rows_i16`) take one warp each in matrices of 2 blocks' rows or more per multiprocessor,
+/// hundred rows still keeps every multiprocessor reading. Rows on 16-bit activations (quant.cuh,
+/// `i16_rows`: Q4_K, Q8_0 of 256-value groups; units of 256 values) take one warp each in matrices of 2 blocks' rows or more per multiprocessor,
 /// for launches of any number of token rows: each block stages all the activations of its
 /// tokens, so sharing rows between more warps only means more blocks staging the same values.
-/// Shorter matrices share rows of 16 or more super-blocks by 2 and of 32 or more by 4, so a
+/// Shorter matrices share rows of 16 or more units by 2 and of 32 or more by 4, so a
 /// long row is not one warp's serial walk through its passes, but by no more warps than a
-/// staged tile has passes of 4 super-blocks (`q4k_tile`: 2 for 8 token rows), which would
+/// staged tile has passes of 4 units (`q4k_tile`: 2 for 8 token rows), which would
 /// leave the others idle. Other quantized rows take one warp each.
 fn gemv_split(w: &CudaMatrix, n: usize, multiprocessors: usize) -> usize {
-    if w.ty == GgmlType::Q4_K {
+    if gemv_takes_16_bit_activations(w.ty, w.cols) {
         if w.rows >= 2 * 8 * multiprocessors {
             return 1;
         }
@@ -273,12 +273,13 @@ pub enum ProductInputs {
     F16,
 }
 
-/// Whether a product with weights stored as `ty` that runs as GEMV launches
+/// Whether a product with weights stored as `ty`, rows `cols` wide, that runs as GEMV launches
 /// (`ProductInputs::F32`) takes its activations quantized to 16 bits (each 32 values as
-/// integers times max|x| / 32767, the CPU path's scheme): every token row of a Q4_K launch
-/// (quant.cuh, `q4k_rows_i16`), the MoE expert products included.
-pub fn gemv_takes_16_bit_activations(ty: GgmlType) -> bool {
-    ty == GgmlType::Q4_K
+/// integers times max|x| / 32767, the CPU path's scheme): every token row of a launch of Q4_K
+/// rows, or of Q8_0 rows of a multiple of 256 values (quant.cuh, `i16_rows`), the MoE expert
+/// products included.
+pub fn gemv_takes_16_bit_activations(ty: GgmlType, cols: usize) -> bool {
+    ty == GgmlType::Q4_K || (ty == GgmlType::Q8_0 && cols.is_multiple_of(256))
 }
 
 /// Super-blocks of the tile in which a Q4_K GEMV kernel of `variant` token rows stages its
@@ -1292,10 +1293,10 @@ impl CudaBackend {
 
     /// For a product of `n` token rows with `w` about to read its activations at `x`: the
     /// address of their Q4_K tiles where a producer just wrote them and the product is a
-    /// one-token Q4_K GEMV (which then reads them instead of staging its activations), else 0.
-    /// The caller holds `s` until the product is queued.
+    /// one-token GEMV on 16-bit activations (which then reads them instead of staging its
+    /// activations), else 0. The caller holds `s` until the product is queued.
     fn gemv_q4k_tiles(&self, s: &mut Scratch, x: u64, n: usize, w: &CudaMatrix) -> u64 {
-        if w.ty != GgmlType::Q4_K || n != 1 || !w.cols.is_multiple_of(256) {
+        if !gemv_takes_16_bit_activations(w.ty, w.cols) || n != 1 || !w.cols.is_multiple_of(256) {
             return 0;
         }
         s.rounded

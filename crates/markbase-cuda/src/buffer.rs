@@ -10,6 +10,7 @@ use markbase_core::Result;
 
 use crate::device::driver_err;
 use crate::graph::Steps;
+use crate::layout;
 
 /// The raw address of a device allocation.
 pub(crate) fn addr<T>(s: &CudaSlice<T>, stream: &CudaStream) -> u64 {
@@ -64,7 +65,7 @@ impl CudaBuffer {
     }
 }
 
-/// A weight matrix in device memory, blocks as stored.
+/// A weight matrix in device memory, blocks as stored (Q8_0 rows regrouped, layout.rs).
 pub struct CudaMatrix {
     /// Freed in `drop`, with the step recorder locked.
     mem: ManuallyDrop<CudaSlice<u8>>,
@@ -91,7 +92,8 @@ impl Drop for CudaMatrix {
 }
 
 impl CudaMatrix {
-    /// Copies `bytes` (rows × row_bytes, as stored) to the device.
+    /// Copies `bytes` (rows × row_bytes, as stored) to the device, in the device's layout of
+    /// `ty` (layout.rs).
     pub(crate) fn upload(
         stream: &Arc<CudaStream>,
         steps: &Steps,
@@ -102,7 +104,7 @@ impl CudaMatrix {
         name: &str,
     ) -> Result<CudaMatrix> {
         let mem = stream
-            .clone_htod(bytes)
+            .clone_htod(layout::device_bytes(ty, bytes, rows).as_ref())
             .map_err(|e| driver_err(&format!("uploading '{name}'"), e))?;
         let ptr = addr(&mem, stream);
         Ok(CudaMatrix {

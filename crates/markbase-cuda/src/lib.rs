@@ -7,7 +7,8 @@
 //! dynamically, so the crate builds and its non-GPU tests run on machines without CUDA;
 //! [`CudaBackend::new`] says clearly what is missing on such a machine.
 //!
-//! Weights stay in their stored format on the device (GGUF blocks, BF16, F16, F32); decode
+//! Weights stay in their stored format on the device (GGUF blocks, BF16, F16, F32; Q8_0 rows
+//! regrouped so their blocks are aligned, `layout`); decode
 //! products are warp-per-row GEMVs that read each weight row once for up to 8 token rows
 //! (Q4_K products of 2–48 token rows run on the tensor cores, [`mma_suits`]); prefill
 //! products dequantize tiles and call cuBLAS, and prefill attention runs as batched products.
@@ -23,6 +24,7 @@ mod ffn;
 mod gemv_q4k;
 mod graph;
 mod kernels;
+mod layout;
 mod mmq;
 pub mod nvrtc;
 mod rounded;

@@ -181,7 +181,7 @@ fn as_seen(g: &CudaBackend, m: &HostMatrix, n: usize, x: &[f32]) -> (Vec<f32>, H
     };
     match inputs {
         ProductInputs::F32 => {
-            let xs = if gemv_takes_16_bit_activations(m.ty) {
+            let xs = if gemv_takes_16_bit_activations(m.ty, m.cols) {
                 x.chunks(m.cols).flat_map(as_16_bit).collect()
             } else {
                 x.to_vec()
@@ -286,6 +286,10 @@ fn as_16_bit(x: &[f32]) -> Vec<f32> {
 fn widths(ty: GgmlType) -> Vec<usize> {
     match ty.block_size() {
         1 => vec![8, 12, 40, 264, 2056, 4104],
+        // Q8_0 rows lie on the device in groups of 8 blocks (layout.rs): 96 is a tail alone,
+        // 800 three groups and a tail (staged), 512 / 4352 / 12800 whole groups on 16-bit
+        // activations like Q4_K's super-blocks below.
+        32 if ty == GgmlType::Q8_0 => vec![96, 512, 800, 4352, 12800],
         32 => vec![96, 512],
         // 17 and 33 super-blocks: Q4_K rows shared by 2 and 4 warps (2 at 8 token rows), a
         // last pass part-filled; 50: Q4_K activations staged in several tiles, the last
@@ -684,17 +688,18 @@ impl Experts {
     }
 
     /// `moe_ffn` on the reference twins: token t adds w · expert_e(x_t) for each (w, e) of its
-    /// `top_k` routes (e = None: a bad id, which adds nothing). `rounded`: the products take
-    /// their activations as 16-bit integers (`gemv_takes_16_bit_activations`).
-    fn reference(
-        &self,
-        x: &[f32],
-        route: &[(f32, Option<usize>)],
-        top_k: usize,
-        rounded: bool,
-    ) -> Vec<f32> {
+    /// `top_k` routes (e = None: a bad id, which adds nothing). Both paths' products are GEMVs:
+    /// those that take their activations as 16-bit integers
+    /// (`gemv_takes_16_bit_activations`) see them so.
+    fn reference(&self, x: &[f32], route: &[(f32, Option<usize>)], top_k: usize) -> Vec<f32> {
         let (d, f) = (self.gate_up.cols, self.down.cols);
-        let seen = |v: &[f32]| if rounded { as_16_bit(v) } else { v.to_vec() };
+        let seen = |v: &[f32]| {
+            if gemv_takes_16_bit_activations(self.gate_up.ty, v.len()) {
+                as_16_bit(v)
+            } else {
+                v.to_vec()
+            }
+        };
         let mut want = vec![0f32; x.len()];
         for (t, routes) in route.chunks(top_k).enumerate() {
             let xt = seen(&x[t * d..(t + 1) * d]);
@@ -780,6 +785,10 @@ fn moe_ffn_matches_reference_for_every_format() {
         if ty.block_size() == 1 {
             shapes.push((260, 36));
         }
+        if ty == GgmlType::Q8_0 {
+            // Rows of whole 256-value groups: the products on 16-bit activations.
+            shapes.push((512, 256));
+        }
         for (d, f) in shapes {
             // (tokens, experts, top_k, an expert no token chooses): 3 tokens take the per-pair
             // path; 13 tokens over 3 experts of which one is left out, the grouped path with
@@ -802,10 +811,8 @@ fn moe_ffn_matches_reference_for_every_format() {
                 let ids: Vec<f32> = route.iter().map(|&(_, e)| e as f32).collect();
                 let out = experts.run(g, &x, top_k, &weights, &ids);
                 let got = down(g, &out, n * d);
-                // Both paths' products are GEMVs: Q4_K ones take 16-bit activations.
-                let rounded = gemv_takes_16_bit_activations(ty);
                 let route: Vec<_> = route.iter().map(|&(w, e)| (w, Some(e))).collect();
-                let want = experts.reference(&x, &route, top_k, rounded);
+                let want = experts.reference(&x, &route, top_k);
                 assert_close(
                     &format!("moe_ffn {ty} d={d} f={f} n={n} experts={n_experts} top_k={top_k}"),
                     &got,
@@ -859,7 +866,7 @@ fn moe_ffn_reports_a_bad_expert_id_on_both_paths() {
                 .read(&out, &mut got)
                 .expect_err("a bad expert id must be reported");
             assert!(err.to_string().contains("expert id"), "{err}");
-            let want = experts.reference(&x, &route, top_k, false); // bf16: f32 activations
+            let want = experts.reference(&x, &route, top_k);
             assert_close(
                 &format!("moe_ffn n={n} with id {bad} at pair {which}"),
                 &got,
