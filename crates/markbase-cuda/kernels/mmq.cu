@@ -1,16 +1,16 @@
 // Products of 2–32 token rows a launch on the tensor cores (mma.sync m16n8k16, f32 sums):
-// out[t, r] = Σ_k x[t, k] · w[r, k], for Q4_K weights (dequantized to f16 in registers, f16
-// activations). The weights stream from memory once for all the tokens, straight into
+// out[t, r] = Σ_k x[t, k] · w[r, k], for Q4_K and Q8_0 weights (dequantized to f16 in
+// registers, f16 activations). The weights stream from memory once for all the tokens, straight into
 // registers; the GEMVs they replace read each weight once a token row (their dot products
 // grow with the tokens), and cuBLAS needs them dequantized into memory first. The walk is
-// written over a format's unit (F: its loads, its products, its staging), one format so far.
-// Appended to gemv.cu's module (its Q4_K unit).
+// written over a format's unit (F: its loads, its products, its staging).
+// Appended to gemv.cu's module (its Q4_K and Q8_0 units).
 //
 // The work is items — a row tile of one of the launch's matrices (up to 4 of one width: q, k,
 // v or gate, up) over one split of the rows' units (blockIdx.y of the launch's `splits`) —
 // and an item's units of F::K values (a Q4_K super-block). A block's 8
 // warps walk the tiles grid-stride over the split's blocks, one item at a time, each warp a
-// stream of units with MMQ_UNITS_AHEAD of them loaded into registers ahead of the one it
+// stream of units with F::AHEAD of them loaded into registers ahead of the one it
 // multiplies (the first before waiting for the kernel ahead). The block first stages its
 // split's activations for all the tokens in shared memory (the product's rounded copy,
 // rounded.rs; by cp.async). With one split a warp stores its item's sums; with several it
@@ -25,11 +25,15 @@
 // permutation shared by the A (weight) and B (activation) fragments, so the sums are the
 // product's.
 
-#if FORMAT_q4_k && __CUDA_ARCH__ >= 800  // mma.sync m16n8k16 and cp.async
+#if (FORMAT_q4_k || FORMAT_q8_0) && __CUDA_ARCH__ >= 800  // mma.sync m16n8k16 and cp.async
 
-// Units a warp has loaded ahead of the one it multiplies.
+// Units a warp has loaded ahead of the one it multiplies: Q4_K's (48 bytes a lane), Q8_0's
+// (68 bytes a lane; two spilled 320 bytes at 4 n-tiles).
 #ifndef MMQ_UNITS_AHEAD
 #define MMQ_UNITS_AHEAD 2
+#endif
+#ifndef MMQ_Q8_0_UNITS_AHEAD
+#define MMQ_Q8_0_UNITS_AHEAD 1
 #endif
 // Accumulator sets of a warp for up to 16 tokens (one for more): a unit's products go to two
 // chains of dependent mma instructions, not one.
@@ -77,6 +81,12 @@ __device__ __forceinline__ u32 mmq_hfma2(u32 a, u32 b, u32 c) {
     return d;
 }
 
+__device__ __forceinline__ u32 mmq_hmul2(u32 a, u32 b) {
+    u32 d;
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+
 __device__ __forceinline__ u32 mmq_hsub2(u32 a, u32 b) {
     u32 d;
     asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
@@ -106,6 +116,44 @@ __device__ __forceinline__ u32 mmq_word(const uint4* q, int i) {
     return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w;
 }
 
+// The activations every format's unit reads (256 values a unit): token t's unit in shared
+// memory as the 4 lanes' groups of 64 values (lane c: the unit's chunks 2c and 2c + 1), 128
+// bytes each padded to 144, so a quarter warp's 16-byte loads (2 tokens, 4 groups) hit 32
+// different banks.
+struct MmqSlots {
+    // Values a unit covers.
+    static constexpr int K = 256;
+    // Shared memory a group, a token's unit of activations; its 16-byte pieces.
+    static constexpr int GROUP_BYTES = 144, TOKEN_BYTES = 4 * GROUP_BYTES, PIECES = 32;
+
+    // Where 16-byte piece `piece` of a token's unit (its values 8 · piece ..) lies in the
+    // token's slot.
+    static __device__ __forceinline__ int piece_at(int piece) {
+        return (piece >> 3) * GROUP_BYTES + 16 * (piece & 7);
+    }
+
+    // A gated output as the activations' type (f16).
+    static __device__ __forceinline__ u16 round(float v) { return to_f16(v); }
+
+    // acc[h % CH][j] (n-tile j) += the A fragments of words 2ip and 2ip + 1 of a lane's two
+    // chunks — A[word][chunk] = {row g first pair, row g + 8 first pair, row g second pair,
+    // row g + 8 second pair}, word i holding the chunk's values 4i .. 4i + 3 — times the
+    // activations of its group `xl` (lane (g, c): token 8j + g's group c).
+    template <int NT, int CH>
+    static __device__ __forceinline__ void mma(const u32 (*A)[2][4], const u8* xl, int ip,
+                                               float (*acc)[NT][4]) {
+#pragma unroll
+        for (int j = 0; j < NT; j++) {
+            const u8* xt = xl + 8 * j * TOKEN_BYTES + 16 * ip;
+            uint4 lo = *(const uint4*)xt, hi = *(const uint4*)(xt + 64);
+            mmq_mma_f16(acc[0][j], A[0][0], lo.x, lo.y);
+            mmq_mma_f16(acc[0][j], A[1][0], lo.z, lo.w);
+            mmq_mma_f16(acc[1 % CH][j], A[0][1], hi.x, hi.y);
+            mmq_mma_f16(acc[1 % CH][j], A[1][1], hi.z, hi.w);
+        }
+    }
+};
+
 // Q4_K weights. A unit is a super-block (256 values, 144 bytes a row). A lane holds for each
 // of its two rows the 16-byte header and quant bytes 32c .. 32c + 31: chunk 2c's 32 weights
 // (low nibbles) and chunk 2c + 1's (high nibbles), so it needs one chunk pair's scales. Word
@@ -117,13 +165,9 @@ __device__ __forceinline__ u32 mmq_word(const uint4* q, int i) {
 // by one lop3 with 0x6400, then the exact n by a subtraction (or 1/16 · v − 64), then
 // w = fma(n, S, −M) rounded once to f16, with S = f16(d · scale) and M = f16(dmin · min) (each
 // rounded once, saturating at ±65 504). Tests model exactly this rounding.
-struct MmqQ4k {
-    // Values a unit covers, its bytes in a row.
-    static constexpr int K = 256, UNIT_BYTES = 144;
-    // Shared memory one token's unit of activations takes: the 4 lanes' groups of 64 (128
-    // bytes each) padded to 144, so a quarter warp's 16-byte loads (2 tokens, 4 groups) hit
-    // 32 different banks; and its 16-byte pieces.
-    static constexpr int GROUP_BYTES = 144, TOKEN_BYTES = 4 * GROUP_BYTES, PIECES = 32;
+struct MmqQ4k : MmqSlots {
+    // A unit's bytes in a row; units a warp loads ahead.
+    static constexpr int UNIT_BYTES = 144, AHEAD = MMQ_UNITS_AHEAD;
 
     struct Unit {
         uint4 h[2];
@@ -139,15 +183,6 @@ struct MmqQ4k {
         a.q[1][0] = __ldg((const uint4*)(hi + 16 + 32 * c));
         a.q[1][1] = __ldg((const uint4*)(hi + 32 + 32 * c));
     }
-
-    // Where 16-byte piece `piece` of a token's unit (its values 8 · piece ..) lies in the
-    // token's slot.
-    static __device__ __forceinline__ int piece_at(int piece) {
-        return (piece >> 3) * GROUP_BYTES + 16 * (piece & 7);
-    }
-
-    // A gated output as the activations' type (f16).
-    static __device__ __forceinline__ u16 round(float v) { return to_f16(v); }
 
     // acc[h % CH][j] (n-tile j) += the unit's chunk 2c + h times the staged activations of its
     // super-block `xs` (lane (g, c) reads token 8j + g's group c).
@@ -170,8 +205,6 @@ struct MmqQ4k {
         const u8* xl = xs + g * TOKEN_BYTES + c * GROUP_BYTES;
 #pragma unroll
         for (int ip = 0; ip < 4; ip++) {
-            // A fragments of words 2ip and 2ip + 1: [word][hi] = {row g first pair, row g + 8
-            // first pair, row g second pair, row g + 8 second pair}.
             u32 A[2][2][4];
 #pragma unroll
             for (int wi = 0; wi < 2; wi++) {
@@ -191,15 +224,74 @@ struct MmqQ4k {
                     A[wi][1][2 + e] = mmq_hfma2(h1, S[e][1], M[e][1]);
                 }
             }
+            MmqSlots::mma<NT, CH>(A, xl, ip, acc);
+        }
+    }
+};
+
+// Q8_0 weights as regrouped on the device (layout.rs): a unit is a group of 8 blocks (256
+// values, 272 bytes a row: 8 f16 scales, then the quants). A lane holds for each of its two
+// rows the quants of chunks 2c and 2c + 1 (blocks of the group) and the word of their two
+// scales; word i of a chunk's 32 quants gives its k16 slab's weights 4i .. 4i + 3, as for
+// Q4_K. Dequantization: a quant q (signed byte, offset by 128) becomes the f16 1024 + 128 + q
+// by a byte permutation with 0x64, then the exact q by a subtraction, then w = q · d rounded
+// once to f16 (d the block's f16 scale as stored): the product's dequantized weights rounded
+// to f16, which the tests model.
+struct MmqQ8_0 : MmqSlots {
+    // A unit's bytes in a row; units a warp loads ahead.
+    static constexpr int UNIT_BYTES = 272, AHEAD = MMQ_Q8_0_UNITS_AHEAD;
+
+    struct Unit {
+        uint4 q[2][4];
+        u32 d[2];
+    };
+
+    // The unit of rows `lo` and `hi` (each at the unit's first byte).
+    static __device__ __forceinline__ void load(const u8* lo, const u8* hi, int c, Unit& a) {
+        const u8* r[2] = {lo, hi};
 #pragma unroll
-            for (int j = 0; j < NT; j++) {
-                const u8* xt = xl + 8 * j * TOKEN_BYTES + 16 * ip;
-                uint4 lo = *(const uint4*)xt, hi = *(const uint4*)(xt + 64);
-                mmq_mma_f16(acc[0][j], A[0][0], lo.x, lo.y);
-                mmq_mma_f16(acc[0][j], A[1][0], lo.z, lo.w);
-                mmq_mma_f16(acc[1 % CH][j], A[0][1], hi.x, hi.y);
-                mmq_mma_f16(acc[1 % CH][j], A[1][1], hi.z, hi.w);
+        for (int e = 0; e < 2; e++) {
+            a.d[e] = __ldg((const u32*)r[e] + c);
+#pragma unroll
+            for (int i = 0; i < 4; i++) a.q[e][i] = __ldg((const uint4*)(r[e] + 16 + 64 * c) + i);
+        }
+    }
+
+    // The f16 pair of a word's signed bytes b0, b1 (sel 0x4140) or b2, b3 (sel 0x4342) times
+    // the broadcast f16 scale s, each rounded once; w has its bytes offset by 128.
+    static __device__ __forceinline__ u32 pair(u32 w, u32 sel, u32 s) {
+        return mmq_hmul2(mmq_hsub2(__byte_perm(w, 0x64646464u, sel), 0x64806480u), s);
+    }
+
+    // acc[h % CH][j] (n-tile j) += the unit's chunk 2c + h times the staged activations of its
+    // group `xs` (lane (g, c) reads token 8j + g's group c).
+    template <int NT, int CH>
+    static __device__ __forceinline__ void mul(const Unit& a, const u8* xs, int g, int c,
+                                               float (*acc)[NT][4]) {
+        // The chunks' scales as broadcast f16 pairs: S[row][hi].
+        u32 S[2][2];
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+            S[e][0] = (a.d[e] & 0xffffu) * 0x10001u;
+            S[e][1] = (a.d[e] >> 16) * 0x10001u;
+        }
+        const u8* xl = xs + g * TOKEN_BYTES + c * GROUP_BYTES;
+#pragma unroll
+        for (int ip = 0; ip < 4; ip++) {
+            u32 A[2][2][4];
+#pragma unroll
+            for (int wi = 0; wi < 2; wi++) {
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+#pragma unroll
+                    for (int hi = 0; hi < 2; hi++) {
+                        u32 w = mmq_word(a.q[e] + 2 * hi, 2 * ip + wi) ^ 0x80808080u;
+                        A[wi][hi][e] = pair(w, 0x4140u, S[e][hi]);
+                        A[wi][hi][2 + e] = pair(w, 0x4342u, S[e][hi]);
+                    }
+                }
             }
+            MmqSlots::mma<NT, CH>(A, xl, ip, acc);
         }
     }
 };
@@ -354,12 +446,12 @@ __device__ __forceinline__ void mmq_store(const MmqCursor& u, int gated, float (
 
 // The warps of the launch walk the row tiles of `p`'s matrices grid-stride over the blocks of
 // their split (blockIdx.y: units blockIdx.y · per_split ..), each through its units with
-// MMQ_UNITS_AHEAD of them loaded ahead. The block stages its split's activations once: token t's
+// F::AHEAD of them loaded ahead. The block stages its split's activations once: token t's
 // unit i at (i · 8NT + t) · F::TOKEN_BYTES.
 template <class F, int NT>
 __device__ void mmq_impl(const Products& p, u64 row_bytes, int k, const u16* xh, int n,
                          int gated, float* parts, u32* tickets, int splits, int per_split) {
-    constexpr int D = MMQ_UNITS_AHEAD;
+    constexpr int D = F::AHEAD;
     extern __shared__ uint4 mmq_smem[];
     const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
     const int sb0 = blockIdx.y * per_split, count = min(k / F::K, sb0 + per_split) - sb0;
@@ -444,8 +536,15 @@ __device__ void mmq_impl(const Products& p, u64 row_bytes, int k, const u16* xh,
                             float* parts, u32* tickets, int splits, int per_split) {           \
         mmq_impl<F, NT>(p, row_bytes, k, xh, n, gated, parts, tickets, splits, per_split);     \
     }
+#if FORMAT_q4_k
 MMQ_KERNEL(q4_k, MmqQ4k, 1)
 MMQ_KERNEL(q4_k, MmqQ4k, 2)
 MMQ_KERNEL(q4_k, MmqQ4k, 4)
+#endif
+#if FORMAT_q8_0
+MMQ_KERNEL(q8_0, MmqQ8_0, 1)
+MMQ_KERNEL(q8_0, MmqQ8_0, 2)
+MMQ_KERNEL(q8_0, MmqQ8_0, 4)
+#endif
 
 #endif

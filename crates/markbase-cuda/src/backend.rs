@@ -20,10 +20,10 @@ use crate::blas::{Blas, GemmCall, GemmInput, GemmOutput};
 use crate::buffer::{CudaBuffer, CudaMatrix, Growable};
 use crate::device::{driver_err, Device};
 use crate::device_wide::Pinned;
-use crate::gemv_q4k::HALVES_WALK_MIN_ROWS;
+use crate::gemv_walk::HALVES_WALK_MIN_ROWS;
 use crate::graph::{DeviceCopy, Op, Steps};
 use crate::kernels::{Arg, AttnArgs, Grid, Kernels, Launch, ProductArgs, MAX_PRODUCTS};
-use crate::mmq::{mma_suits, Job, TICKETS as MMQ_TICKETS};
+use crate::mmq::{mma_suits, mmq_rows, Job, TICKETS as MMQ_TICKETS};
 use crate::rounded::{CopyForm, QueueCount, RoundTarget, RoundedCopy, ROUND_Q4K_TILES};
 use crate::sources::Module;
 
@@ -102,7 +102,7 @@ pub struct CudaBackend {
     pub(crate) queue: QueueCount,
     /// Error word raised by kernels (see common.cuh), checked at each `read`.
     err: CudaBuffer,
-    /// The tensor-core Q4_K products' tickets, one a row tile, zero between launches
+    /// The tensor-core Q4_K / Q8_0 products' tickets, one a row tile, zero between launches
     /// (`mmq`).
     mmq_tickets: CudaBuffer,
     err_host: Mutex<Pinned>,
@@ -203,19 +203,21 @@ fn gemv_block_warps(ty: GgmlType, split: usize) -> usize {
     }
 }
 
-/// Whether a product of `n` token rows with weights stored as `ty` runs as GEMV launches
-/// (otherwise, where cuBLAS is present, on the tensor cores: cuBLAS, or for Q4_K weights of
-/// 2–48 rows the kernel of `mmq`, on devices of compute capability 8.0 and newer).
-fn gemv_suits(n: usize, ty: GgmlType) -> bool {
-    n <= GEMV_UP_TO && !(ty == GgmlType::BF16 && n > BF16_GEMV_UP_TO) && !mma_suits(ty, n)
+/// Whether a product of `n` token rows with weights stored as `ty`, rows `cols` wide, runs as
+/// GEMV launches (otherwise, where cuBLAS is present, on the tensor cores: cuBLAS, or for Q4_K and Q8_0
+/// weights of 2–48 rows the kernel of `mmq`, on devices of compute capability 8.0 and newer).
+fn gemv_suits(n: usize, ty: GgmlType, cols: usize) -> bool {
+    n <= GEMV_UP_TO && !(ty == GgmlType::BF16 && n > BF16_GEMV_UP_TO) && !mma_suits(ty, cols, n)
 }
 
 /// Whether a product of `n` token rows that takes its inputs as `inputs` under cuBLAS rounds
 /// them (it runs on the tensor cores, not as GEMVs).
 fn rounds_rows(inputs: ProductInputs, n: usize) -> bool {
     match inputs {
-        ProductInputs::Bf16 => !gemv_suits(n, GgmlType::BF16),
-        ProductInputs::F16 => !gemv_suits(n, GgmlType::Q8_0),
+        ProductInputs::Bf16 => n > BF16_GEMV_UP_TO,
+        // Quantized weights: those of `mma_suits` read `CopyForm::Mmq`; the rest are GEMVs up
+        // to `GEMV_UP_TO` rows.
+        ProductInputs::F16 => n > GEMV_UP_TO,
         ProductInputs::F32 => false,
     }
 }
@@ -227,15 +229,15 @@ fn reads_copy(form: CopyForm, n: usize) -> bool {
     match form {
         CopyForm::Rounded(inputs) => rounds_rows(inputs, n),
         CopyForm::Q4kTiles => n == 1,
-        CopyForm::Q4kMma => mma_suits(GgmlType::Q4_K, n),
+        CopyForm::Mmq => mmq_rows(n),
     }
 }
 
-/// The form in which a tensor-core product of `n` token rows with weights stored as `ty`,
-/// taking `inputs`, reads its activations' rounded copy.
-pub(crate) fn rounded_form(ty: GgmlType, n: usize, inputs: ProductInputs) -> CopyForm {
-    if ty == GgmlType::Q4_K && mma_suits(ty, n) {
-        CopyForm::Q4kMma
+/// The form in which a tensor-core product of `n` token rows with weights stored as `ty`, rows
+/// `cols` wide, taking `inputs`, reads its activations' rounded copy.
+pub(crate) fn rounded_form(ty: GgmlType, cols: usize, n: usize, inputs: ProductInputs) -> CopyForm {
+    if mma_suits(ty, cols, n) {
+        CopyForm::Mmq
     } else {
         CopyForm::Rounded(inputs)
     }
@@ -291,7 +293,7 @@ fn q4k_tile(variant: u32) -> usize {
 /// How a product of `n` token rows with weights stored as `ty`, rows `cols` wide, takes its
 /// inputs when cuBLAS is present (without it, every product is an f32 GEMV).
 pub fn product_inputs(ty: GgmlType, cols: usize, n: usize) -> ProductInputs {
-    if gemv_suits(n, ty) || !cols.is_multiple_of(2) {
+    if gemv_suits(n, ty, cols) || !cols.is_multiple_of(2) {
         ProductInputs::F32
     } else if ty == GgmlType::BF16 {
         ProductInputs::Bf16
@@ -622,14 +624,14 @@ impl CudaBackend {
         let (mul, mul_stride) = mul.unwrap_or((0, 0));
         let mut s = self.scratch()?;
         let tiles = self.gemv_q4k_tiles(&mut s, x, n, w);
-        let halves = w.ty == GgmlType::Q4_K
+        let halves = gemv_takes_16_bit_activations(w.ty, w.cols)
             && n == 1
             && mul == 0
             && w.rows >= HALVES_WALK_MIN_ROWS
             && w.rows.is_multiple_of(2)
             && w.cols.is_multiple_of(256);
         if halves {
-            return self.gemv_halves_q4k(x, w, out, tiles);
+            return self.gemv_halves_walk(x, w, out, tiles);
         }
         let split = gemv_split(w, n, self.dev.multiprocessors() as usize);
         let warps = gemv_block_warps(w.ty, split);
@@ -794,13 +796,14 @@ impl CudaBackend {
         let w0 = products[0].0;
         let k = w0.cols;
         match &self.blas {
-            Some(blas) if !gemv_suits(n, w0.ty) => {
+            Some(blas) if !gemv_suits(n, w0.ty, w0.cols) => {
                 let inputs = product_inputs(w0.ty, k, n);
                 if inputs == ProductInputs::F32 {
                     return Ok(false);
                 }
                 let mut s = self.scratch()?;
-                let xh = self.round_inputs(&mut s, rounded_form(w0.ty, n, inputs), x, n * k)?;
+                let xh =
+                    self.round_inputs(&mut s, rounded_form(w0.ty, w0.cols, n, inputs), x, n * k)?;
                 if self.mmq(&mut s, xh, n, Job::Products(products))? {
                     return Ok(true);
                 }
@@ -897,7 +900,7 @@ impl CudaBackend {
         let mut s = self.scratch()?;
         let inputs = product_inputs(w.ty, k, n);
         if inputs != ProductInputs::F32 {
-            let xh = self.round_inputs(&mut s, rounded_form(w.ty, n, inputs), x, n * k)?;
+            let xh = self.round_inputs(&mut s, rounded_form(w.ty, w.cols, n, inputs), x, n * k)?;
             return self.gemm_half(blas, &mut s, xh, n, w, out);
         }
         let tile = tile_rows(DEQUANT_TILE, w);
@@ -906,7 +909,7 @@ impl CudaBackend {
     }
 
     /// `out = x · wᵀ` on the tensor cores from `xh`, the `n` activation rows already rounded
-    /// as `product_inputs` says: bf16 weights as stored, Q4_K ones of 2–48 token rows by
+    /// as `product_inputs` says: bf16 weights as stored, Q4_K and Q8_0 ones of 2–48 token rows by
     /// `mmq`, other quantized ones dequantized to f16 a tile of rows at a time (sizes checked
     /// by the caller).
     fn gemm_half(
@@ -1566,7 +1569,7 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         match &self.blas {
-            Some(blas) if !gemv_suits(n, w.ty) => self.gemm(blas, x.ptr, n, w, out.ptr),
+            Some(blas) if !gemv_suits(n, w.ty, w.cols) => self.gemm(blas, x.ptr, n, w, out.ptr),
             _ => self.gemv(x.ptr, n, w, out.ptr, None),
         }
     }
@@ -1647,7 +1650,7 @@ impl Backend for CudaBackend {
                 gate.rows, gate.cols, gate.ty, up.rows, up.cols, up.ty
             )));
         }
-        if self.blas.is_some() && !gemv_suits(n, gate.ty) {
+        if self.blas.is_some() && !gemv_suits(n, gate.ty, gate.cols) {
             self.matmul_many(x, n, &mut [(gate, &mut *gate_out), (up, &mut *up_out)])?;
             let all = Strided {
                 offset: 0,
@@ -1657,10 +1660,10 @@ impl Backend for CudaBackend {
         }
         need("gated matmul input", x.len(), n * gate.cols)?;
         need("gated matmul output", gate_out.len(), n * ff)?;
-        if n == 1 && gate.ty == GgmlType::Q4_K {
+        if n == 1 && gemv_takes_16_bit_activations(gate.ty, gate.cols) {
             let mut s = self.scratch()?;
             let tiles = self.gemv_q4k_tiles(&mut s, x.ptr, n, gate);
-            return self.gemv_gelu_q4k(x.ptr, (gate, up), gate_out.ptr, tiles);
+            return self.gemv_gelu_walk(x.ptr, (gate, up), gate_out.ptr, tiles);
         }
         let (rows, k) = (int("rows", ff)?, int("cols", gate.cols)?);
         let warps = gemv_block_warps(gate.ty, 1);
@@ -1708,7 +1711,7 @@ impl Backend for CudaBackend {
         if n > 0 {
             need("gated matmul gate", other.len(), from.at(n - 1) + rows)?;
         }
-        if self.blas.is_some() && !gemv_suits(n, w.ty) {
+        if self.blas.is_some() && !gemv_suits(n, w.ty, w.cols) {
             // The product, then the gate read in place, rounded for the next product.
             self.matmul(x, n, w, out)?;
             return self.gelu_mul_rows(out, other, from, n, rows);

@@ -57,7 +57,7 @@ impl CudaBackend {
         need("feed-forward gate scratch", gate_out.len(), n * ff)?;
         need("feed-forward output", out.len(), n * d)?;
         let mut s = self.scratch()?;
-        let form = rounded_form(gate.ty, n, product_inputs(gate.ty, k, n));
+        let form = rounded_form(gate.ty, k, n, product_inputs(gate.ty, k, n));
         let xh = self.round_inputs(&mut s, form, x.ptr, n * k)?;
         self.mmq(&mut s, xh, n, fused)?;
         self.mmq(&mut s, gate_out.ptr, n, down_job)

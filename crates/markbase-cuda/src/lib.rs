@@ -21,7 +21,7 @@ mod buffer;
 pub mod device;
 mod device_wide;
 mod ffn;
-mod gemv_q4k;
+mod gemv_walk;
 mod graph;
 mod kernels;
 mod layout;

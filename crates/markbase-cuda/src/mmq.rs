@@ -1,5 +1,5 @@
-//! Products of a few token rows on the tensor cores (kernels/mmq.cu): Q4_K weights of 2–48
-//! token rows, dequantized to f16 in registers, on the f16 rounded copy of the activations.
+//! Products of a few token rows on the tensor cores (kernels/mmq.cu): Q4_K and Q8_0 weights of
+//! 2–48 token rows, dequantized to f16 in registers, on the f16 rounded copy of the activations.
 //! The weights stream once for up to 32 tokens (a launch). Up to `MAX_PRODUCTS` matrices of
 //! one width take one launch, or a gated pair (gate and up) whose launch stores
 //! gelu_tanh(gate) · up as the 16-bit activations of the down product. Warps walk row tiles of 16 rows; matrices of few tiles split their units over
@@ -14,15 +14,15 @@ use crate::buffer::CudaMatrix;
 use crate::kernels::{Arg, Grid, ProductArgs};
 use crate::sources::Module;
 
-/// Token rows for which a Q4_K product runs here rather than as GEMVs (fewer) or as cuBLAS on
-/// weights dequantized to f16 (more). Measured on the H200 (E4B Q4_K, `bench -p 0 -n 32`,
+/// Token rows for which a product of Q4_K or Q8_0 weights runs here rather than as GEMVs
+/// (fewer) or as cuBLAS on weights dequantized to f16 (more). Q4_K Measured on the H200 (E4B Q4_K, `bench -p 0 -n 32`,
 /// docs/perf.md sessions 31–32): 2 / 3 / 4 / 8 / 16 / 32 sequences 581 / 684 / 761 / 861 /
 /// 887 / 3 176 t/s before, 647 / 936 / 1 242 / 2 255 / 3 602 / 4 838 here (session 31), and
 /// with the gated pair in one launch and the split parts added in parallel 8 / 16 / 32
 /// sequences 2 196 / 3 567 / 4 838 → 2 434 / 3 918 / 5 564. More than `LAUNCH_TOKENS` run as
 /// two launches: 40 / 48 sequences 3 870 / 4 663 on cuBLAS → 4 755 / 5 227 here, but 64
 /// sequences 6 088 → 5 693, so 64 stay on cuBLAS.
-const Q4K_TOKENS: std::ops::RangeInclusive<usize> = 2..=48;
+const MMQ_TOKENS: std::ops::RangeInclusive<usize> = 2..=48;
 /// Token rows one launch takes at most (4 n-tiles of 8, `MMQ_KERNEL(q4_k, …, 4)`); more run
 /// as several launches, each reading the weights. 8 n-tiles in one launch spilled 752 bytes
 /// and ran 48 / 64 sequences at 3 355 / 3 700 t/s (session 32).
@@ -42,7 +42,7 @@ const ITEMS_PER_SM: usize = 8;
 /// Blocks resident on a multiprocessor (`__launch_bounds__(256, 2)`).
 const BLOCKS_PER_SM: usize = 2;
 
-/// How the kernels of a weight format cut a row (mmq.cu's `MmqQ4k`).
+/// How the kernels of a weight format cut a row (mmq.cu's `MmqQ4k`, `MmqQ8_0`).
 struct Format {
     /// Values a unit covers (`F::K`).
     unit: usize,
@@ -55,7 +55,8 @@ struct Format {
 /// The kernels' cut of rows stored as `ty`, for the formats they take.
 fn format(ty: GgmlType) -> Option<Format> {
     match ty {
-        GgmlType::Q4_K => Some(Format {
+        // A super-block, a regrouped group of 8 blocks (layout.rs): the same activation slots.
+        GgmlType::Q4_K | GgmlType::Q8_0 => Some(Format {
             unit: 256,
             token_bytes: 576,
             most_nt: 4,
@@ -64,10 +65,16 @@ fn format(ty: GgmlType) -> Option<Format> {
     }
 }
 
-/// Whether a product of `n` token rows with weights stored as `ty` runs here (where the device
-/// and the rows' width allow, `CudaBackend::mmq_takes` says).
-pub fn mma_suits(ty: GgmlType, n: usize) -> bool {
-    ty == GgmlType::Q4_K && Q4K_TOKENS.contains(&n)
+/// Whether a product of `n` token rows with weights stored as `ty`, rows `cols` wide, runs here
+/// (where the device allows, `CudaBackend::mmq_takes` says): a format of the kernels, rows of
+/// whole units, `mmq_rows`.
+pub fn mma_suits(ty: GgmlType, cols: usize, n: usize) -> bool {
+    format(ty).is_some_and(|f| cols.is_multiple_of(f.unit)) && mmq_rows(n)
+}
+
+/// Whether products of `n` token rows run here where their format and width do (`mma_suits`).
+pub(crate) fn mmq_rows(n: usize) -> bool {
+    MMQ_TOKENS.contains(&n)
 }
 
 /// How a launch covers its matrices' `tiles` row tiles: `nt` n-tiles of 8 tokens, each tile's
@@ -146,7 +153,7 @@ impl CudaBackend {
         let (w0, tiles) = job.first_and_tiles();
         let f = format(w0.ty)?;
         let capable = self.dev.capability().0 >= 8;
-        if !capable || !mma_suits(w0.ty, n) || !w0.cols.is_multiple_of(f.unit) {
+        if !capable || !mma_suits(w0.ty, w0.cols, n) {
             return None;
         }
         let sms = self.dev.multiprocessors() as usize;
@@ -168,7 +175,7 @@ impl CudaBackend {
     }
 
     /// Runs `job` for `n` token rows whose activations `xh` are rounded to the 16-bit type of
-    /// the weights' products (f16 for Q4_K), sizes checked by the caller, in one launch a
+    /// the weights' products (f16), sizes checked by the caller, in one launch a
     /// `LAUNCH_TOKENS` rows; false (nothing queued) where the kernels do not take it
     /// (`mmq_plan`). The parts of split tiles go to the f16 tile scratch, which the caller
     /// does not hold `xh` in.
@@ -290,10 +297,15 @@ mod tests {
 
     #[test]
     fn few_token_products_take_the_tensor_cores() {
-        assert!(!mma_suits(GgmlType::Q4_K, 1));
-        assert!(mma_suits(GgmlType::Q4_K, 2));
-        assert!(mma_suits(GgmlType::Q4_K, 33) && mma_suits(GgmlType::Q4_K, 48));
-        assert!(!mma_suits(GgmlType::Q4_K, 49));
-        assert!(!mma_suits(GgmlType::Q6_K, 8) && !mma_suits(GgmlType::BF16, 8));
+        let (q4k, q8) = (GgmlType::Q4_K, GgmlType::Q8_0);
+        assert!(!mma_suits(q4k, 256, 1));
+        assert!(mma_suits(q4k, 256, 2));
+        assert!(mma_suits(q4k, 2560, 33) && mma_suits(q4k, 2560, 48));
+        assert!(!mma_suits(q4k, 2560, 49));
+        assert!(mma_suits(q8, 2560, 2) && mma_suits(q8, 512, 48));
+        assert!(!mma_suits(q8, 2560, 1) && !mma_suits(q8, 2560, 49));
+        // Q8_0 rows of a part group (layout.rs) stay on the other paths.
+        assert!(!mma_suits(q8, 640, 8) && !mma_suits(q8, 96, 8));
+        assert!(!mma_suits(GgmlType::Q6_K, 2560, 8) && !mma_suits(GgmlType::BF16, 2560, 8));
     }
 }

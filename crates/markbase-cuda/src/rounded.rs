@@ -47,9 +47,9 @@ pub(crate) enum CopyForm {
     Rounded(ProductInputs),
     /// One token row as the 16-bit tiles of a one-token Q4_K GEMV (640 bytes per 256 values).
     Q4kTiles,
-    /// Rounded to f16 for a tensor-core Q4_K product of 2–48 token rows (mmq.rs): the
-    /// values of `Rounded(F16)`, made for products of fewer token rows.
-    Q4kMma,
+    /// Rounded to f16 for a tensor-core product of 2–48 token rows of Q4_K or Q8_0 weights
+    /// (mmq.rs): the values of `Rounded(F16)`, made for products of fewer token rows.
+    Mmq,
 }
 
 impl CopyForm {
@@ -57,7 +57,7 @@ impl CopyForm {
     fn kind(self) -> i32 {
         match self {
             CopyForm::Rounded(ProductInputs::Bf16) => 1,
-            CopyForm::Rounded(ProductInputs::F16) | CopyForm::Q4kMma => 2,
+            CopyForm::Rounded(ProductInputs::F16) | CopyForm::Mmq => 2,
             CopyForm::Q4kTiles => ROUND_Q4K_TILES,
             CopyForm::Rounded(ProductInputs::F32) => 0,
         }

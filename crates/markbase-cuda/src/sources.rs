@@ -49,10 +49,10 @@ pub fn define_lines(spec: &str) -> Result<String> {
 
 const COMMON: &str = include_str!("../kernels/common.cuh");
 const QUANT: &str = include_str!("../kernels/quant.cuh");
-/// The GEMV module's one-token Q4_K kernels, appended to gemv.cu.
-const GEMV_Q4K: &str = include_str!("../kernels/gemv_q4k.cu");
-/// The GEMV module's tensor-core products of a few token rows (Q4_K and bf16 weights),
-/// appended after GEMV_Q4K.
+/// The GEMV module's one-token walks over Q4_K and Q8_0 rows, appended to gemv.cu.
+const GEMV_WALK: &str = include_str!("../kernels/gemv_walk.cu");
+/// The GEMV module's tensor-core products of a few token rows (Q4_K and Q8_0 weights),
+/// appended after GEMV_WALK.
 const MMQ: &str = include_str!("../kernels/mmq.cu");
 
 /// A kernel module.
@@ -152,7 +152,7 @@ fn assemble(m: Module, defines: &str, part: Part) -> String {
     }
     s.push_str(body);
     if m == Module::Gemv {
-        s.push_str(GEMV_Q4K);
+        s.push_str(GEMV_WALK);
         s.push_str(MMQ);
     }
     s

@@ -194,7 +194,10 @@ fn as_seen(g: &CudaBackend, m: &HostMatrix, n: usize, x: &[f32]) -> (Vec<f32>, H
         }
         ProductInputs::F16 => {
             let xs = x.iter().map(|&v| f16::from_f32(v).to_f32()).collect();
-            if m.ty == GgmlType::Q4_K && mma_suits(m.ty, n) && g.device().capability().0 >= 8 {
+            if m.ty == GgmlType::Q4_K
+                && mma_suits(m.ty, m.cols, n)
+                && g.device().capability().0 >= 8
+            {
                 return (xs, q4k_as_f16_fma(m));
             }
             let w = reference::dequantize_matrix(m).unwrap();
@@ -437,6 +440,8 @@ fn one_token_products_over_many_rows_match_reference() {
         (GgmlType::BF16, 2_560),
         (GgmlType::Q4_K, 512),
         (GgmlType::Q4_K, 768),
+        (GgmlType::Q8_0, 512),
+        (GgmlType::Q8_0, 768),
     ] {
         let (gm, um) = (
             random_matrix(&mut r, ty, rows, k),
@@ -475,41 +480,50 @@ fn one_token_products_over_many_rows_match_reference() {
 fn one_token_products_over_an_lm_head_of_rows_match_reference() {
     let g = gpu_or_skip!();
     let mut r = rng("one-token halves walk");
-    // Q4_K matrices of 65 536 rows and more walk as two halves (pairs of 1 and of 2 rows a
-    // warp's group: 2 and 11 super-blocks a row); an odd count takes the plain GEMV. Two
+    // Q4_K (and Q8_0) matrices of 65 536 rows and more walk as two halves (pairs of 1 and of
+    // 2 rows a warp's group: 2 and 11 units a row); an odd count takes the plain GEMV. Two
     // products of each matrix, with fresh activations.
-    for (rows, k) in [
-        (65_538, 512),
-        (65_540, 2_816),
-        (65_537, 256),
-        (70_000, 2_560),
+    for (ty, rows, k) in [
+        (GgmlType::Q4_K, 65_538, 512),
+        (GgmlType::Q4_K, 65_540, 2_816),
+        (GgmlType::Q4_K, 65_537, 256),
+        (GgmlType::Q4_K, 70_000, 2_560),
+        (GgmlType::Q8_0, 65_538, 512),
+        (GgmlType::Q8_0, 65_540, 2_816),
     ] {
-        let m = random_matrix(&mut r, GgmlType::Q4_K, rows, k);
+        let m = random_matrix(&mut r, ty, rows, k);
         let w = g.load_matrix(&m).unwrap();
         for round in 0..2 {
             let x = uniform(&mut r, k, 1.0);
-            let what = format!("matmul Q4_K k={k} rows={rows} round {round}");
+            let what = format!("matmul {ty} k={k} rows={rows} round {round}");
             matmul_checked(g, &m, &w, 1, &up(g, &x), &x, &what);
         }
     }
 }
 
-/// Q4_K products of 2–48 token rows on the tensor cores over matrices of many row tiles and
-/// long rows (tiles whose super-blocks several blocks share, part-filled tiles and splits),
+/// Q4_K and Q8_0 products of 2–48 token rows on the tensor cores over matrices of many row
+/// tiles and long rows (tiles whose units several blocks share, part-filled tiles and splits),
 /// every n-tile count and a part-filled n-tile; a second run gives the same bits. Then
 /// several matrices in one launch.
 #[test]
-fn q4k_tensor_core_products_match_reference_and_repeat_exactly() {
+fn tensor_core_products_match_reference_and_repeat_exactly() {
     let g = gpu_with_cublas_or_skip!();
-    let mut r = rng("q4k tensor cores");
-    for (rows, k) in [(2_560, 10_240), (4_100, 2_560), (333, 2_816)] {
-        let m = random_matrix(&mut r, GgmlType::Q4_K, rows, k);
+    let mut r = rng("tensor cores");
+    let shapes = [
+        (GgmlType::Q4_K, 2_560, 10_240),
+        (GgmlType::Q4_K, 4_100, 2_560),
+        (GgmlType::Q4_K, 333, 2_816),
+        (GgmlType::Q8_0, 2_560, 10_240),
+        (GgmlType::Q8_0, 333, 2_816),
+    ];
+    for (ty, rows, k) in shapes {
+        let m = random_matrix(&mut r, ty, rows, k);
         let w = g.load_matrix(&m).unwrap();
         // 33–48: two launches; 64: cuBLAS on the weights dequantized as the kernel does.
         for n in [2, 7, 16, 29, 32, 41, 48, 64] {
             let x = uniform(&mut r, n * k, 1.0);
             let xb = up(g, &x);
-            let got = matmul_checked(g, &m, &w, n, &xb, &x, &format!("Q4_K [{rows}, {k}]"));
+            let got = matmul_checked(g, &m, &w, n, &xb, &x, &format!("{ty} [{rows}, {k}]"));
             let mut again = poisoned(g, n * rows);
             g.matmul(&xb, n, &w, &mut again).unwrap();
             let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
@@ -518,39 +532,44 @@ fn q4k_tensor_core_products_match_reference_and_repeat_exactly() {
     }
     // Three matrices in one launch (q, k, v-like), tiles of each split over several blocks.
     let k = 2_560;
-    let mats: Vec<HostMatrix> = [2_048, 512, 520]
-        .iter()
-        .map(|&rows| random_matrix(&mut r, GgmlType::Q4_K, rows, k))
-        .collect();
-    let ws: Vec<_> = mats.iter().map(|m| g.load_matrix(m).unwrap()).collect();
-    for n in [5, 24, 50] {
-        let x = uniform(&mut r, n * k, 1.0);
-        let mut outs: Vec<CudaBuffer> = mats.iter().map(|m| poisoned(g, n * m.rows)).collect();
-        let mut products: Vec<_> = ws.iter().zip(outs.iter_mut()).collect();
-        g.matmul_many(&up(g, &x), n, &mut products).unwrap();
-        for (m, out) in mats.iter().zip(&outs) {
-            let (sx, sm) = as_seen(g, m, n, &x);
-            let want = reference::matmul(&sx, n, &sm).unwrap();
-            let what = format!("matmul_many Q4_K rows {} n={n}", m.rows);
-            assert_close(&what, &down(g, out, n * m.rows), &want, 2e-5);
+    for ty in [GgmlType::Q4_K, GgmlType::Q8_0] {
+        let mats: Vec<HostMatrix> = [2_048, 512, 520]
+            .iter()
+            .map(|&rows| random_matrix(&mut r, ty, rows, k))
+            .collect();
+        let ws: Vec<_> = mats.iter().map(|m| g.load_matrix(m).unwrap()).collect();
+        for n in [5, 24, 50] {
+            let x = uniform(&mut r, n * k, 1.0);
+            let mut outs: Vec<CudaBuffer> = mats.iter().map(|m| poisoned(g, n * m.rows)).collect();
+            let mut products: Vec<_> = ws.iter().zip(outs.iter_mut()).collect();
+            g.matmul_many(&up(g, &x), n, &mut products).unwrap();
+            for (m, out) in mats.iter().zip(&outs) {
+                let (sx, sm) = as_seen(g, m, n, &x);
+                let want = reference::matmul(&sx, n, &sm).unwrap();
+                let what = format!("matmul_many {ty} rows {} n={n}", m.rows);
+                assert_close(&what, &down(g, out, n * m.rows), &want, 2e-5);
+            }
         }
     }
 }
 
-/// The gated feed-forward of a few token rows over Q4_K weights as the tensor-core launches
+/// The gated feed-forward of a few token rows over Q4_K and Q8_0 weights as the tensor-core launches
 /// (mmq.cu): gate and up in one launch storing gelu_tanh(gate) · up as f16, then down; tiles
 /// split over several blocks and not, part-filled n-tiles. A second run gives the same bits.
 #[test]
 fn gated_ffn_on_tensor_cores_matches_reference_and_repeats_exactly() {
     let g = gpu_with_cublas_or_skip!();
     let mut r = rng("gated ffn tensor cores");
-    let ty = GgmlType::Q4_K;
     let f16_sat = |v: Vec<f32>| -> Vec<f32> {
         v.into_iter()
             .map(|x| f16::from_f32(x.clamp(-65_504.0, 65_504.0)).to_f32())
             .collect()
     };
-    for (k, ff, d) in [(512, 1_024, 512), (2_560, 10_240, 2_560)] {
+    for (ty, k, ff, d) in [
+        (GgmlType::Q4_K, 512, 1_024, 512),
+        (GgmlType::Q4_K, 2_560, 10_240, 2_560),
+        (GgmlType::Q8_0, 768, 1_280, 512),
+    ] {
         let (gm, um, dm) = (
             random_matrix(&mut r, ty, ff, k),
             random_matrix(&mut r, ty, ff, k),
@@ -574,7 +593,7 @@ fn gated_ffn_on_tensor_cores_matches_reference_and_repeats_exactly() {
                     .unwrap();
                 got.push(down(g, &out, n * d));
             }
-            let what = format!("gated ffn Q4_K [{k}, {ff}, {d}] n={n}");
+            let what = format!("gated ffn {ty} [{k}, {ff}, {d}] n={n}");
             assert_close(&what, &got[0], &want, 2e-3);
             let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&got[1]), bits(&got[0]), "{what} rerun");
@@ -1881,11 +1900,11 @@ fn rounded_copies_feed_the_next_product_exactly_and_only_while_fresh() {
     }
 }
 
-/// Q4_K weights for the one-token products a decode step runs on one activation row:
+/// Q4_K or Q8_0 weights for the one-token products a decode step runs on one activation row:
 /// `matmul` (gemv), `matmul_many` (q, k, v-like), `gelu_gated_matmul` and `gelu_matmul_mul`,
 /// with their CPU references on 16-bit activations. The outputs are allocated once: a
 /// product queued right after its producer must find nothing queued in between.
-struct Q4kProducts {
+struct TileProducts {
     host: Vec<HostMatrix>,
     dev: Vec<CudaMatrix>,
     other: Vec<f32>,
@@ -1893,23 +1912,23 @@ struct Q4kProducts {
     outs: Vec<CudaBuffer>,
 }
 
-impl Q4kProducts {
+impl TileProducts {
     /// Rows of the long product and the gated pair: more than the gated kernel's warps on
     /// tiles (2 resident blocks of 8 warps a multiprocessor: 2 112 on an H200), so its warps
     /// walk several row pairs.
     const MANY: usize = 3000;
     const ROWS: [usize; 6] = [Self::MANY, 37, 9, 9, Self::MANY, Self::MANY];
 
-    fn new(g: &CudaBackend, r: &mut StdRng, k: usize) -> Q4kProducts {
+    fn new(g: &CudaBackend, r: &mut StdRng, ty: GgmlType, k: usize) -> TileProducts {
         let host: Vec<HostMatrix> = Self::ROWS
             .iter()
-            .map(|&rows| random_matrix(r, GgmlType::Q4_K, rows, k))
+            .map(|&rows| random_matrix(r, ty, rows, k))
             .collect();
         let dev = host.iter().map(|m| g.load_matrix(m).unwrap()).collect();
         let other = uniform(r, Self::MANY, 2.0);
         let other_dev = up(g, &other);
         let outs = Self::ROWS.iter().map(|&n| poisoned(g, n)).collect();
-        Q4kProducts {
+        TileProducts {
             host,
             dev,
             other,
@@ -1974,13 +1993,16 @@ impl Q4kProducts {
 }
 
 #[test]
-fn q4k_tiles_from_norms_feed_one_token_q4k_products() {
+fn q4k_tiles_from_norms_feed_one_token_products() {
     let g = gpu_or_skip!();
     let mut r = rng("q4k_tiles");
-    // One super-block; 17 and 32 (the short matrix's rows shared by 2 and 4 warps; 32 the
-    // widest row a norm writes as tiles).
-    for k in [256, 4352, 8192] {
-        let mut p = Q4kProducts::new(g, &mut r, k);
+    // One unit; 17 and 32 (the short matrix's rows shared by 2 and 4 warps; 32 the widest row
+    // a norm writes as tiles). Q4_K and Q8_0 products read the same tiles.
+    let cases = [256, 4352, 8192]
+        .into_iter()
+        .flat_map(|k| [(GgmlType::Q4_K, k), (GgmlType::Q8_0, k)]);
+    for (ty, k) in cases {
+        let mut p = TileProducts::new(g, &mut r, ty, k);
         let y = up(g, &uniform(&mut r, k, 3.0));
         let h0 = uniform(&mut r, k, 2.0);
         let w = g.load_vector(&uniform(&mut r, k, 1.0)).unwrap();
@@ -1992,7 +2014,7 @@ fn q4k_tiles_from_norms_feed_one_token_q4k_products() {
             // writes no tiles): the product that takes the tiles equals the one that stages
             // the same values itself, and the CPU reference on them.
             for with_residual in [true, false] {
-                let what = format!("k={k} product {which} residual_norm {with_residual}");
+                let what = format!("{ty} k={k} product {which} residual_norm {with_residual}");
                 let mut normed = Vec::new();
                 let taken = with_rounded_copy(g, || {
                     g.write(&h0, &mut h).unwrap();

@@ -1,9 +1,10 @@
-//! The gated feed-forward's first half for one token row of Q4_K weights, and the product of
-//! one token row with a matrix of many rows (an LM head), as walks (kernels/gemv_q4k.cu): each
-//! warp walks groups of row pairs (a gate row and its up row; or rows r and rows/2 + r of one
-//! matrix) grid-stride, their 16-byte units dealt evenly to its lanes, several units' loads in
-//! flight a lane. Each block holds the activations as Q4_K tiles in dynamic shared memory:
-//! copied from the producer's (`gemv_q4k_tiles`), or quantized from the row.
+//! The gated feed-forward's first half for one token row of Q4_K weights (or Q8_0 weights of
+//! whole 256-value groups), and the product of one token row with a matrix of many rows (an
+//! LM head), as walks (kernels/gemv_walk.cu): each warp walks groups of row pairs (a gate row
+//! and its up row; or rows r and rows/2 + r of one matrix) grid-stride, their 16- or 32-byte
+//! slices dealt evenly to its lanes, several slices' loads in flight a lane. Each block holds
+//! the activations as Q4_K tiles in dynamic shared memory: copied from the producer's
+//! (`gemv_q4k_tiles`), or quantized from the row.
 
 use cudarc::driver::CudaFunction;
 use markbase_core::quant::GgmlType;
@@ -18,13 +19,13 @@ use crate::sources::Module;
 const BLOCK_WARPS: usize = 8;
 
 /// Shared memory a block holds one activation row of `k` values in: 640 bytes a 256-value
-/// super-block (common.cuh, `q4k_tiles_row_bytes`).
+/// unit (common.cuh, `q4k_tiles_row_bytes`).
 fn tiles_bytes(k: usize) -> usize {
     640 * (k / 256)
 }
 
-/// Row pairs of a warp's group for rows `k` values wide: 1 where the pair's 16-byte units
-/// (8 a super-block, 2 rows) fall evenly on the 32 lanes, else 2.
+/// Row pairs of a warp's group for rows `k` values wide: 1 where the pair's slices (8 a unit,
+/// 2 rows) fall evenly on the 32 lanes, else 2.
 fn pairs_per_group(k: usize) -> usize {
     if (k / 256).is_multiple_of(2) {
         1
@@ -33,16 +34,17 @@ fn pairs_per_group(k: usize) -> usize {
     }
 }
 
-/// Rows from which a one-token Q4_K product walks its matrix as two halves
+/// Rows from which a one-token product of a walk's format walks its matrix as two halves
 /// (`gemv_halves_walk`): LM heads (E4B's 262 144 rows ran at 1.9 TB/s as `gemv`, docs/perf.md
 /// session 30). Smaller matrices measured no faster on the walk (session 28).
 pub(crate) const HALVES_WALK_MIN_ROWS: usize = 65_536;
 
 impl CudaBackend {
     /// `out = gelu_tanh(gate · x) · (up · x)` for one token row `x` (shapes checked by the
-    /// caller; Q4_K rows are whole super-blocks); `tiles`: the row's Q4_K tiles, or 0. As many
-    /// blocks as the groups need, at most as many as are resident at once.
-    pub(crate) fn gemv_gelu_q4k(
+    /// caller: Q4_K rows, or Q8_0 rows of whole groups, `gemv_takes_16_bit_activations`);
+    /// `tiles`: the row's Q4_K tiles, or 0. As many blocks as the groups need, at most as many
+    /// as are resident at once.
+    pub(crate) fn gemv_gelu_walk(
         &self,
         x: u64,
         (gate, up): (&CudaMatrix, &CudaMatrix),
@@ -50,7 +52,7 @@ impl CudaBackend {
         tiles: u64,
     ) -> Result<()> {
         let k = gate.cols;
-        let (f, grid) = self.walk_kernel("gemv_gelu_walk", k, gate.rows)?;
+        let (f, grid) = self.walk_kernel("gemv_gelu_walk", gate.ty, k, gate.rows)?;
         self.launch_fn(
             &f,
             grid,
@@ -67,10 +69,10 @@ impl CudaBackend {
         )
     }
 
-    /// `out = w · x` for one token row `x` and a Q4_K matrix of an even number of rows (shapes
-    /// checked by the caller), walked as the pairs of its two halves; `tiles` as for
-    /// [`CudaBackend::gemv_gelu_q4k`].
-    pub(crate) fn gemv_halves_q4k(
+    /// `out = w · x` for one token row `x` and a matrix of a walk's format of an even number of
+    /// rows (shapes checked by the caller), walked as the pairs of its two halves; `tiles` as
+    /// for [`CudaBackend::gemv_gelu_walk`].
+    pub(crate) fn gemv_halves_walk(
         &self,
         x: u64,
         w: &CudaMatrix,
@@ -78,7 +80,7 @@ impl CudaBackend {
         tiles: u64,
     ) -> Result<()> {
         let (k, half) = (w.cols, w.rows / 2);
-        let (f, grid) = self.walk_kernel("gemv_halves_walk", k, half)?;
+        let (f, grid) = self.walk_kernel("gemv_halves_walk", w.ty, k, half)?;
         self.launch_fn(
             &f,
             grid,
@@ -94,11 +96,12 @@ impl CudaBackend {
         )
     }
 
-    /// The walk kernel `prefix` for `pairs` row pairs of `k` values, and its grid: as many
-    /// blocks as the groups need, at most as many as are resident at once.
+    /// The walk kernel `prefix` for `pairs` row pairs of `k` values stored as `ty`, and its
+    /// grid: as many blocks as the groups need, at most as many as are resident at once.
     fn walk_kernel(
         &self,
         prefix: &'static str,
+        ty: GgmlType,
         k: usize,
         pairs: usize,
     ) -> Result<(CudaFunction, Grid)> {
@@ -107,19 +110,15 @@ impl CudaBackend {
         if shared > self.dev.max_block_shared() {
             return Err(Error::Unsupported(format!(
                 "cuda {prefix}: rows of {k} values need {shared} bytes of shared memory a block \
-                 for one token row of Q4_K weights, more than the GPU's {}",
+                 for one token row of {ty} weights, more than the GPU's {}",
                 self.dev.max_block_shared()
             )));
         }
-        let f = self.kernels.func_for_with_shared(
-            Module::Gemv,
-            prefix,
-            GgmlType::Q4_K,
-            p as u32,
-            shared,
-        )?;
+        let f = self
+            .kernels
+            .func_for_with_shared(Module::Gemv, prefix, ty, p as u32, shared)?;
         let threads = 32 * BLOCK_WARPS as u32;
-        let key = (prefix, GgmlType::Q4_K, p as u32, shared);
+        let key = (prefix, ty, p as u32, shared);
         let resident = self.resident_blocks(key, &f, threads)?;
         let groups = pairs.div_ceil(p);
         let mut grid = Grid::new((blocks(groups, BLOCK_WARPS).min(resident), 1), threads);
