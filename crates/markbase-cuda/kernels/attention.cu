@@ -26,6 +26,8 @@ struct AttnArgs {
     int window;     // 0 = none
     float softcap;  // 0 = none
     int n_seqs, table_width, block_size, chunk, splits;
+    u16* rounded;    // the output's rounded copy (store_rounded, `round_kind`), like out
+    int round_kind;  // 0: none (rounded.rs)
 };
 
 // Cache slot of key position j for a sequence whose block table is `table`.
@@ -312,8 +314,13 @@ __device__ void attn_partial_impl(const AttnArgs& a, const AttnRope& r) {
         float v = 0.f;
 #pragma unroll
         for (int w = 0; w < ATTN_ROW_WARPS; w++) v = fmaf(f[w], merge[w][2 + d], v);
-        if (a.splits == 1) a.out[(u64)row * a.head_dim + d] = v / total;
-        else pp[2 + d] = v;
+        if (a.splits == 1) {
+            const u64 at = (u64)row * a.head_dim + d;
+            a.out[at] = v / total;
+            store_rounded(a.rounded, a.round_kind, at, v / total);
+        } else {
+            pp[2 + d] = v;
+        }
     }
 }
 
@@ -336,9 +343,10 @@ ATTN_KERNEL(4, , )
 ATTN_KERNEL(8, __launch_bounds__(32 * ATTN_ROW_WARPS, 3), __launch_bounds__(32 * ATTN_ROW_WARPS, 3))
 ATTN_KERNEL(16, , __launch_bounds__(32 * ATTN_ROW_WARPS, 2))
 
-// Merges the `splits` partial results of each (token, head) row: one warp per row.
+// Merges the `splits` partial results of each (token, head) row: one warp per row; the
+// output's rounded copy as `round_kind` says (store_rounded).
 extern "C" __global__ void attn_combine(const float* part, int rows, int splits, int head_dim,
-                                        float* out) {
+                                        float* out, u16* rounded, int round_kind) {
     wait_prior_grid();
     int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     int lane = threadIdx.x & 31;
@@ -360,5 +368,6 @@ extern "C" __global__ void attn_combine(const float* part, int rows, int splits,
             if (ps[1] > 0.f) acc += ps[2 + i] * expf(ps[0] - mx);
         }
         out[(u64)row * head_dim + i] = acc * inv;
+        store_rounded(rounded, round_kind, (u64)row * head_dim + i, acc * inv);
     }
 }

@@ -136,18 +136,7 @@ __device__ __forceinline__ void deq32(const u8* row, int c, int kv, int k, float
         const u8* qs;
         float d = f16_to_f32(ld16(q8_0_block(row, c, k, &qs)));
         u8 q[32];
-        if ((c >> 3) < (k >> 8) && (((u64)row) & 15) == 0) {
-            // A full group's quants lie 16-byte aligned where the row does.
-#pragma unroll
-            for (int i = 0; i < 2; i++) {
-                uint4 v = ((const uint4*)qs)[i];
-                u32 wv[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-                for (int j = 0; j < 16; j++) q[16 * i + j] = (u8)(wv[j >> 2] >> (8 * (j & 3)));
-            }
-        } else {
-            ld_bytes<16>(qs, q);
-        }
+        ld_bytes<16>(qs, q);
 #pragma unroll
         for (int j = 0; j < 32; j++) w[j] = (float)(signed char)q[j] * d;
     } else if (FMT == F_Q2_K) {

@@ -1075,6 +1075,7 @@ impl CudaBackend {
         let chunk = max_vis.div_ceil(want).max(ATTN_MIN_CHUNK);
         let splits = max_vis.div_ceil(chunk);
         let mut s = self.scratch()?;
+        let round = self.round_target(&mut s, (positions.len(), spec.n_heads * hd), false)?;
         let held = self.uploads()?;
         let pos = self.upload_idx(&held, positions)?;
         let seq_start = self.upload_idx(&held, layout.seq_start)?;
@@ -1105,6 +1106,8 @@ impl CudaBackend {
             block_size: int("block size", layout.block_size)?,
             chunk: chunk as i32,
             splits: splits as i32,
+            rounded: round.at,
+            round_kind: round.kind,
         };
         let grid = Grid::new(
             (int("attention rows", rows)? as u32, splits as u32),
@@ -1169,9 +1172,12 @@ impl CudaBackend {
                     Arg::I32(splits as i32),
                     Arg::I32(hd as i32),
                     Arg::U64(out.ptr),
+                    Arg::U64(round.at),
+                    Arg::I32(round.kind),
                 ],
             )?;
         }
+        s.rounded.hold(round, out.ptr, len, &self.queue);
         Ok(())
     }
 

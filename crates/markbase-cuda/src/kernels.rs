@@ -214,6 +214,9 @@ pub(crate) struct AttnArgs {
     pub block_size: i32,
     pub chunk: i32,
     pub splits: i32,
+    /// The output's rounded copy (0 with `round_kind` 0, `RoundTarget`).
+    pub rounded: u64,
+    pub round_kind: i32,
 }
 
 // SAFETY: plain-old-data with the C layout the kernel expects.

@@ -2036,6 +2036,71 @@ fn q4k_tiles_from_norms_feed_one_token_products() {
     }
 }
 
+/// Decode attention (one query row a sequence, split-K) writes the rounded copy of its output
+/// that the o product then takes, for bf16 weights (cuBLAS from 3 rows) and Q8_0 / Q4_K ones
+/// (their tensor-core kernel): the same bits as the product rounding the output itself. Short
+/// contexts take one split (the partial kernel writes the output), a long one several (the
+/// combine kernel does).
+#[test]
+fn decode_attention_output_feeds_the_o_product_rounded_exactly() {
+    let g = gpu_with_cublas_or_skip!();
+    let mut r = rng("decode_attention_rounded");
+    let (hd, nh, nkv, bs) = (256, 8, 2, 16);
+    for (ty, context) in [
+        (GgmlType::BF16, 20),
+        (GgmlType::Q8_0, 20),
+        (GgmlType::Q4_K, 20),
+        (GgmlType::BF16, 3_000),
+    ] {
+        // Eight sequences at positions near `context`, one query row each.
+        let seqs: Vec<Vec<u32>> = (0..8).map(|i| vec![(context + 7 * i) as u32]).collect();
+        let (tables, width, n_blocks) = random_tables(&mut r, &seqs, bs, None);
+        let positions: Vec<u32> = seqs.iter().flatten().copied().collect();
+        let seq_start: Vec<u32> = (0..=seqs.len() as u32).collect();
+        let layout = KvLayout {
+            block_size: bs,
+            positions: &positions,
+            seq_start: &seq_start,
+            block_tables: &tables,
+            table_width: width,
+        };
+        let n = positions.len();
+        assert!(n / seqs.len() < ATTN_FLASH_MIN_ROWS, "a decode step");
+        let row = nkv * hd;
+        let kc = up(g, &uniform(&mut r, n_blocks * bs * row, 1.0));
+        let vc = up(g, &uniform(&mut r, n_blocks * bs * row, 1.0));
+        let q = up(g, &uniform(&mut r, n * nh * hd, 1.0));
+        let spec = AttnSpec {
+            n_heads: nh,
+            n_kv_heads: nkv,
+            head_dim: hd,
+            scale: 1.0 / (hd as f32).sqrt(),
+            window: None,
+            softcap: None,
+        };
+        let d = 512;
+        let wo = g
+            .load_matrix(&random_matrix(&mut r, ty, d, nh * hd))
+            .unwrap();
+        let mut attn = g.alloc(n * nh * hd).unwrap();
+        let mut proj = g.alloc(n * d).unwrap();
+        // A product of this kind first, so the attention knows how the next one rounds.
+        g.matmul(&q, n, &wo, &mut proj).unwrap();
+        let taken = with_rounded_copy(g, || {
+            g.attention(&q, &kc, &vc, &spec, &layout, &mut attn)
+                .unwrap();
+            g.matmul(&attn, n, &wo, &mut proj).unwrap();
+            down(g, &proj, n * d)
+        });
+        g.matmul(&attn, n, &wo, &mut proj).unwrap();
+        assert_eq!(
+            taken,
+            down(g, &proj, n * d),
+            "{ty} context {context}: o product from the rounded copy"
+        );
+    }
+}
+
 #[test]
 fn flash_attention_output_feeds_the_o_product_rounded_exactly() {
     let g = gpu_with_cublas_or_skip!();
