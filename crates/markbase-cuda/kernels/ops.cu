@@ -22,8 +22,38 @@ __device__ __forceinline__ void store(void* base, u64 i, float v) {
 // conflicts), then the block writes the span with consecutive threads on consecutive
 // addresses — direct stores of 32 values per thread would scatter every warp store over 32
 // separate segments.
+// Span `span` (DEQUANT_THREADS · 32 values) of a Q8_0 row of whole groups (layout.rs) to f16 at
+// dst: thread t takes the 8 values 8·(t + DEQUANT_THREADS·i) of the span for i < 4, one 8-byte
+// load of quants and one 16-byte store each, so a warp's loads and stores are contiguous. Each
+// value is d · q (exact in f32) rounded as to_f16 rounds it. `row` and `dst` 16-byte aligned.
+__device__ __forceinline__ void dequant_q8_0_f16(const u8* row, int k, int span, u16* dst) {
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const int v = 32 * DEQUANT_THREADS * span + 8 * (threadIdx.x + DEQUANT_THREADS * i);
+        if (v >= k) return;
+        const u8* grp = row + 272 * (u64)(v >> 8);
+        const float d = f16_to_f32(__ldg((const u16*)grp + ((v & 255) >> 5)));
+        const uint2 q = __ldg((const uint2*)(grp + 16 + (v & 255)));
+        u32 h[4];
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const u32 w = j < 2 ? q.x : q.y, sh = 16 * (j & 1);
+            h[j] = (u32)to_f16(d * (float)(signed char)(w >> sh)) |
+                   ((u32)to_f16(d * (float)(signed char)(w >> (sh + 8))) << 16);
+        }
+        *(uint4*)(dst + v) = make_uint4(h[0], h[1], h[2], h[3]);
+    }
+}
+
 template <int FMT, int OUT>
 __device__ void dequant_span(const u8* row, int k, float scale, int span, void* dst, u64 o) {
+    if constexpr (FMT == F_Q8_0 && OUT == OUT_F16) {
+        // Rows of whole groups, aligned rows and output: the tensor cores' f16 tiles.
+        if ((k & 255) == 0 && scale == 1.f && (((u64)row | (u64)((u16*)dst + o)) & 15) == 0) {
+            dequant_q8_0_f16(row, k, span, (u16*)dst + o);
+            return;
+        }
+    }
     __shared__ float stage[DEQUANT_THREADS * 33];
     int c0 = span * DEQUANT_THREADS;
     int c = c0 + threadIdx.x;
