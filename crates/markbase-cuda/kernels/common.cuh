@@ -112,7 +112,7 @@ __device__ __forceinline__ void store_rounded(u16* r, int kind, u64 i, float v) 
 }
 
 // Kind 3 of a producer's extra copy (rounded.rs): its rows as the 16-bit tiles a one-token
-// Q4_K GEMV reads instead of staging its activations (quant.cuh, q4k_rows_tiles). A row of
+// Q4_K or Q8_0 GEMV reads instead of staging its activations (quant.cuh, i16_rows_tiles). A row of
 // dim values (a multiple of 256) takes 640 bytes a 256-value super-block: first every
 // super-block's 32 slots of 8 values (512 bytes each, in the order the readers load them,
 // q4k_slot), then a float2 (d, d·Σq) for every 16-value half of every 32-value chunk, d =

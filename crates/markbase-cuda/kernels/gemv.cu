@@ -7,7 +7,8 @@
 // Q4_K rows and Q8_0 rows of a multiple of 256 values may be shared by `split` warps (1, 2 or
 // 4) like plain rows below, and take 16-bit activations (i16_rows). `gemv` and `gemv_many`
 // take `xt`: for one token row of such weights, the activations as their producer's Q4_K tiles
-// (rounded.rs), read in place of staging; else null. The gated kernel for one token row of Q4_K weights is gemv_q4k.cu's.
+// (rounded.rs), read in place of staging; else null. The gated kernel for one token row of
+// Q4_K weights (and of Q8_0 weights of whole 256-value groups) is gemv_walk.cu's.
 // Plain-float rows (f32 / f16 / bf16, k a multiple of 8): `split` warps (1, 2, 4 or 8) share a
 // row, each taking every split-th 16-byte group of it with four loads in flight per lane, and
 // add their sums through shared memory: short matrices (a few hundred rows) then still fill
@@ -111,7 +112,7 @@ __device__ void gemv_impl(const u8* w, u64 row_bytes, int rows, int k, const flo
 // The gated feed-forward's first half for up to 8 token rows: out[t, r] =
 // gelu_tanh(x_t · gate_r) · (x_t · up_r), one warp per row pair (gate and up share the
 // stored format and row length), so one launch replaces two GEMVs and the elementwise pass.
-// One token row of Q4_K weights takes gemv_q4k.cu's walk instead.
+// One token row of Q4_K weights (Q8_0 of whole groups) takes gemv_walk.cu's walk instead.
 template <int FMT, int NT>
 __device__ void gemv_gelu_impl(const u8* wg, const u8* wu, u64 row_bytes, int rows, int k,
                                const float* x, int nt, float* out) {
@@ -205,7 +206,8 @@ __device__ void gemv_many_impl(const Products& p, u64 row_bytes, int k, const fl
 #define GEMV_BOUNDS_q4_k
 #define GEMV_BOUNDS_q5_k
 #define GEMV_BOUNDS_q6_k
-// The one-token gated kernel by format suffix: Q4_K's is gemv_q4k.cu's walk.
+// The one-token gated kernel by format suffix: Q4_K's is gemv_walk.cu's walk (Q8_0's too
+// for rows of whole groups; others keep gemv_gelu_q8_0_1).
 #define GEMV_GELU_ONE_f32(S, F) GEMV_GELU_KERNEL(S, F, 1)
 #define GEMV_GELU_ONE_f16 GEMV_GELU_ONE_f32
 #define GEMV_GELU_ONE_bf16 GEMV_GELU_ONE_f32

@@ -184,13 +184,13 @@ struct MmqQ4k : MmqSlots {
         a.q[1][1] = __ldg((const uint4*)(hi + 32 + 32 * c));
     }
 
-    // acc[h % CH][j] (n-tile j) += the unit's chunk 2c + h times the staged activations of its
-    // super-block `xs` (lane (g, c) reads token 8j + g's group c).
-    template <int NT, int CH>
-    static __device__ __forceinline__ void mul(const Unit& a, const u8* xs, int g, int c,
-                                               float (*acc)[NT][4]) {
-        // The lane's chunk pair's scales as broadcast f16 pairs: S[row][hi], −M[row][hi].
-        u32 S[2][2], M[2][2];
+    // The lane's chunk pair's scales as broadcast f16 pairs: s[row][hi], m[row][hi] = −M.
+    struct Scales {
+        u32 s[2][2], m[2][2];
+    };
+
+    static __device__ __forceinline__ Scales scales(const Unit& a, int c) {
+        Scales r;
 #pragma unroll
         for (int e = 0; e < 2; e++) {
             float d = f16_to_f32((u16)(a.h[e].x & 0xffff)), dm = f16_to_f32((u16)(a.h[e].x >> 16));
@@ -198,33 +198,33 @@ struct MmqQ4k : MmqSlots {
             for (int hi = 0; hi < 2; hi++) {
                 float s, m;
                 q4k_scale_min(a.h[e], 2 * c + hi, &s, &m);
-                S[e][hi] = mmq_f16x2(d * s, d * s);
-                M[e][hi] = mmq_f16x2(-(dm * m), -(dm * m));
+                r.s[e][hi] = mmq_f16x2(d * s, d * s);
+                r.m[e][hi] = mmq_f16x2(-(dm * m), -(dm * m));
             }
         }
-        const u8* xl = xs + g * TOKEN_BYTES + c * GROUP_BYTES;
+        return r;
+    }
+
+    // The A fragments of words 2ip and 2ip + 1 of the lane's chunks (MmqSlots::mma's layout).
+    static __device__ __forceinline__ void fragments(const Unit& a, const Scales& sc, int ip,
+                                                     u32 (*A)[2][4]) {
 #pragma unroll
-        for (int ip = 0; ip < 4; ip++) {
-            u32 A[2][2][4];
+        for (int wi = 0; wi < 2; wi++) {
 #pragma unroll
-            for (int wi = 0; wi < 2; wi++) {
-#pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    // Bytes 0, 2, 1, 3: each 16-bit half then holds two consecutive weights.
-                    u32 w = __byte_perm(mmq_word(a.q[e], 2 * ip + wi), 0, 0x3120), w8 = w >> 8;
-                    u32 l0 = mmq_hsub2(mmq_and_or(w, 0x000F000Fu, 0x64006400u), 0x64006400u);
-                    u32 l1 = mmq_hsub2(mmq_and_or(w8, 0x000F000Fu, 0x64006400u), 0x64006400u);
-                    u32 h0 = mmq_hfma2(mmq_and_or(w, 0x00F000F0u, 0x64006400u), 0x2C002C00u,
-                                       0xD400D400u);
-                    u32 h1 = mmq_hfma2(mmq_and_or(w8, 0x00F000F0u, 0x64006400u), 0x2C002C00u,
-                                       0xD400D400u);
-                    A[wi][0][e] = mmq_hfma2(l0, S[e][0], M[e][0]);
-                    A[wi][0][2 + e] = mmq_hfma2(l1, S[e][0], M[e][0]);
-                    A[wi][1][e] = mmq_hfma2(h0, S[e][1], M[e][1]);
-                    A[wi][1][2 + e] = mmq_hfma2(h1, S[e][1], M[e][1]);
-                }
+            for (int e = 0; e < 2; e++) {
+                // Bytes 0, 2, 1, 3: each 16-bit half then holds two consecutive weights.
+                u32 w = __byte_perm(mmq_word(a.q[e], 2 * ip + wi), 0, 0x3120), w8 = w >> 8;
+                u32 l0 = mmq_hsub2(mmq_and_or(w, 0x000F000Fu, 0x64006400u), 0x64006400u);
+                u32 l1 = mmq_hsub2(mmq_and_or(w8, 0x000F000Fu, 0x64006400u), 0x64006400u);
+                u32 h0 = mmq_hfma2(mmq_and_or(w, 0x00F000F0u, 0x64006400u), 0x2C002C00u,
+                                   0xD400D400u);
+                u32 h1 = mmq_hfma2(mmq_and_or(w8, 0x00F000F0u, 0x64006400u), 0x2C002C00u,
+                                   0xD400D400u);
+                A[wi][0][e] = mmq_hfma2(l0, sc.s[e][0], sc.m[e][0]);
+                A[wi][0][2 + e] = mmq_hfma2(l1, sc.s[e][0], sc.m[e][0]);
+                A[wi][1][e] = mmq_hfma2(h0, sc.s[e][1], sc.m[e][1]);
+                A[wi][1][2 + e] = mmq_hfma2(h1, sc.s[e][1], sc.m[e][1]);
             }
-            MmqSlots::mma<NT, CH>(A, xl, ip, acc);
         }
     }
 };
@@ -263,38 +263,53 @@ struct MmqQ8_0 : MmqSlots {
         return mmq_hmul2(mmq_hsub2(__byte_perm(w, 0x64646464u, sel), 0x64806480u), s);
     }
 
-    // acc[h % CH][j] (n-tile j) += the unit's chunk 2c + h times the staged activations of its
-    // group `xs` (lane (g, c) reads token 8j + g's group c).
-    template <int NT, int CH>
-    static __device__ __forceinline__ void mul(const Unit& a, const u8* xs, int g, int c,
-                                               float (*acc)[NT][4]) {
-        // The chunks' scales as broadcast f16 pairs: S[row][hi].
-        u32 S[2][2];
+    // The chunks' scales as broadcast f16 pairs: s[row][hi].
+    struct Scales {
+        u32 s[2][2];
+    };
+
+    static __device__ __forceinline__ Scales scales(const Unit& a, int) {
+        Scales r;
 #pragma unroll
         for (int e = 0; e < 2; e++) {
-            S[e][0] = (a.d[e] & 0xffffu) * 0x10001u;
-            S[e][1] = (a.d[e] >> 16) * 0x10001u;
+            r.s[e][0] = (a.d[e] & 0xffffu) * 0x10001u;
+            r.s[e][1] = (a.d[e] >> 16) * 0x10001u;
         }
-        const u8* xl = xs + g * TOKEN_BYTES + c * GROUP_BYTES;
+        return r;
+    }
+
+    // The A fragments of words 2ip and 2ip + 1 of the lane's chunks (MmqSlots::mma's layout).
+    static __device__ __forceinline__ void fragments(const Unit& a, const Scales& sc, int ip,
+                                                     u32 (*A)[2][4]) {
 #pragma unroll
-        for (int ip = 0; ip < 4; ip++) {
-            u32 A[2][2][4];
+        for (int wi = 0; wi < 2; wi++) {
 #pragma unroll
-            for (int wi = 0; wi < 2; wi++) {
+            for (int e = 0; e < 2; e++) {
 #pragma unroll
-                for (int e = 0; e < 2; e++) {
-#pragma unroll
-                    for (int hi = 0; hi < 2; hi++) {
-                        u32 w = mmq_word(a.q[e] + 2 * hi, 2 * ip + wi) ^ 0x80808080u;
-                        A[wi][hi][e] = pair(w, 0x4140u, S[e][hi]);
-                        A[wi][hi][2 + e] = pair(w, 0x4342u, S[e][hi]);
-                    }
+                for (int hi = 0; hi < 2; hi++) {
+                    u32 w = mmq_word(a.q[e] + 2 * hi, 2 * ip + wi) ^ 0x80808080u;
+                    A[wi][hi][e] = pair(w, 0x4140u, sc.s[e][hi]);
+                    A[wi][hi][2 + e] = pair(w, 0x4342u, sc.s[e][hi]);
                 }
             }
-            MmqSlots::mma<NT, CH>(A, xl, ip, acc);
         }
     }
 };
+
+// acc[h % CH][j] (n-tile j) += unit a's chunk 2c + h (lane (g, c)) times the staged activations
+// of its 256 values `xs` (token 8j + g's group c).
+template <class F, int NT, int CH>
+__device__ __forceinline__ void mmq_mul(const typename F::Unit& a, const u8* xs, int g, int c,
+                                        float (*acc)[NT][4]) {
+    const typename F::Scales sc = F::scales(a, c);
+    const u8* xl = xs + g * F::TOKEN_BYTES + c * F::GROUP_BYTES;
+#pragma unroll
+    for (int ip = 0; ip < 4; ip++) {
+        u32 A[2][2][4];
+        F::fragments(a, sc, ip, A);
+        MmqSlots::mma<NT, CH>(A, xl, ip, acc);
+    }
+}
 
 // A warp's place in its stream of units: its item (a row tile, over the block's split) — the
 // tile's first row, its output and rows, the bytes of its lane's two rows — and the unit of
@@ -501,8 +516,8 @@ __device__ void mmq_impl(const Products& p, u64 row_bytes, int k, const u16* xh,
 #pragma unroll
         for (int j = 0; j < D; j++) {
             if (q + j < mine) {
-                F::template mul<NT, CH>(
-                    a[j], (const u8*)mmq_smem + use.i * 8 * NT * F::TOKEN_BYTES, g, c, acc);
+                mmq_mul<F, NT, CH>(a[j], (const u8*)mmq_smem + use.i * 8 * NT * F::TOKEN_BYTES,
+                                   g, c, acc);
                 if (use.i == count - 1) {
 #pragma unroll
                     for (int h = 1; h < CH; h++)

@@ -514,7 +514,7 @@ __device__ __forceinline__ int dp2a_hi(u32 a, u32 b, int c) {
 }
 
 // Stages super-blocks s0 .. s0 + ntb of the activation rows t < nt (row t at x + t·k) as
-// 16-bit values for q4k_rows_i16, four threads a 32-value chunk of every row. Row t's tile
+// 16-bit values for i16_rows, four threads a 32-value chunk of every row. Row t's tile
 // starts at xq + 32·TILE·t and xm + 16·TILE·t (TILE = q4k_i16_tile(NT)); in it super-block b's
 // 256 values take 32 slots of 16 bytes ordered as their readers load them (q4k_slot), and
 // xm[2·c + half] = (d, d·Σq) of chunk c's half (quantize_group8): the layout of a producer's

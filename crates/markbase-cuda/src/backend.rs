@@ -224,7 +224,7 @@ fn rounds_rows(inputs: ProductInputs, n: usize) -> bool {
 
 /// Whether a product of `n` token rows that reads its inputs in `form` (as the last product
 /// that takes copies did) would read a producer's copy of them: tensor-core products their
-/// rounding, one-token Q4_K GEMVs (`gemv_q4k_tiles`) the tiles.
+/// rounding, one-token GEMVs on 16-bit activations (`gemv_q4k_tiles`) the tiles.
 fn reads_copy(form: CopyForm, n: usize) -> bool {
     match form {
         CopyForm::Rounded(inputs) => rounds_rows(inputs, n),

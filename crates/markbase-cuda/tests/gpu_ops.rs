@@ -2045,7 +2045,6 @@ fn q4k_tiles_from_norms_feed_one_token_products() {
 fn decode_attention_output_feeds_the_o_product_rounded_exactly() {
     let g = gpu_with_cublas_or_skip!();
     let mut r = rng("decode_attention_rounded");
-    let (hd, nh, nkv, bs) = (256, 8, 2, 16);
     for (ty, context) in [
         (GgmlType::BF16, 20),
         (GgmlType::Q8_0, 20),
@@ -2054,50 +2053,8 @@ fn decode_attention_output_feeds_the_o_product_rounded_exactly() {
     ] {
         // Eight sequences at positions near `context`, one query row each.
         let seqs: Vec<Vec<u32>> = (0..8).map(|i| vec![(context + 7 * i) as u32]).collect();
-        let (tables, width, n_blocks) = random_tables(&mut r, &seqs, bs, None);
-        let positions: Vec<u32> = seqs.iter().flatten().copied().collect();
-        let seq_start: Vec<u32> = (0..=seqs.len() as u32).collect();
-        let layout = KvLayout {
-            block_size: bs,
-            positions: &positions,
-            seq_start: &seq_start,
-            block_tables: &tables,
-            table_width: width,
-        };
-        let n = positions.len();
-        assert!(n / seqs.len() < ATTN_FLASH_MIN_ROWS, "a decode step");
-        let row = nkv * hd;
-        let kc = up(g, &uniform(&mut r, n_blocks * bs * row, 1.0));
-        let vc = up(g, &uniform(&mut r, n_blocks * bs * row, 1.0));
-        let q = up(g, &uniform(&mut r, n * nh * hd, 1.0));
-        let spec = AttnSpec {
-            n_heads: nh,
-            n_kv_heads: nkv,
-            head_dim: hd,
-            scale: 1.0 / (hd as f32).sqrt(),
-            window: None,
-            softcap: None,
-        };
-        let d = 512;
-        let wo = g
-            .load_matrix(&random_matrix(&mut r, ty, d, nh * hd))
-            .unwrap();
-        let mut attn = g.alloc(n * nh * hd).unwrap();
-        let mut proj = g.alloc(n * d).unwrap();
-        // A product of this kind first, so the attention knows how the next one rounds.
-        g.matmul(&q, n, &wo, &mut proj).unwrap();
-        let taken = with_rounded_copy(g, || {
-            g.attention(&q, &kc, &vc, &spec, &layout, &mut attn)
-                .unwrap();
-            g.matmul(&attn, n, &wo, &mut proj).unwrap();
-            down(g, &proj, n * d)
-        });
-        g.matmul(&attn, n, &wo, &mut proj).unwrap();
-        assert_eq!(
-            taken,
-            down(g, &proj, n * d),
-            "{ty} context {context}: o product from the rounded copy"
-        );
+        let what = format!("{ty} context {context}");
+        o_product_takes_attention_copy(g, &mut r, &seqs, ty, 512, &what);
     }
 }
 
@@ -2105,11 +2062,30 @@ fn decode_attention_output_feeds_the_o_product_rounded_exactly() {
 fn flash_attention_output_feeds_the_o_product_rounded_exactly() {
     let g = gpu_with_cublas_or_skip!();
     let mut r = rng("flash_rounded");
-    let (hd, nh, nkv, bs) = (256, 8, 2, 16);
     let seqs: Vec<Vec<u32>> = vec![(0..40).collect(), (100..150).collect()];
-    let (tables, width, n_blocks) = random_tables(&mut r, &seqs, bs, None);
+    assert!(seqs.iter().all(|s| s.len() >= ATTN_FLASH_MIN_ROWS));
+    o_product_takes_attention_copy(g, &mut r, &seqs, GgmlType::BF16, 384, "flash");
+}
+
+/// Attention (head dim 256, GQA 8/2, blocks of 16) of random queries at the positions `seqs`
+/// over random caches, then the o product with a random `[d, 2 048]` matrix stored as `ty` on
+/// its output: the product takes the attention's rounded copy and gets the bits it gets
+/// rounding the output itself.
+fn o_product_takes_attention_copy(
+    g: &CudaBackend,
+    r: &mut StdRng,
+    seqs: &[Vec<u32>],
+    ty: GgmlType,
+    d: usize,
+    what: &str,
+) {
+    let (hd, nh, nkv, bs) = (256, 8, 2, 16);
+    let (tables, width, n_blocks) = random_tables(r, seqs, bs, None);
     let positions: Vec<u32> = seqs.iter().flatten().copied().collect();
-    let seq_start = [0, 40, 90];
+    let mut seq_start = vec![0u32];
+    for s in seqs {
+        seq_start.push(seq_start.last().unwrap() + s.len() as u32);
+    }
     let layout = KvLayout {
         block_size: bs,
         positions: &positions,
@@ -2118,11 +2094,10 @@ fn flash_attention_output_feeds_the_o_product_rounded_exactly() {
         table_width: width,
     };
     let n = positions.len();
-    assert!(n / seqs.len() >= ATTN_FLASH_MIN_ROWS);
     let row = nkv * hd;
-    let kc = up(g, &uniform(&mut r, n_blocks * bs * row, 1.0));
-    let vc = up(g, &uniform(&mut r, n_blocks * bs * row, 1.0));
-    let q = up(g, &uniform(&mut r, n * nh * hd, 1.0));
+    let kc = up(g, &uniform(r, n_blocks * bs * row, 1.0));
+    let vc = up(g, &uniform(r, n_blocks * bs * row, 1.0));
+    let q = up(g, &uniform(r, n * nh * hd, 1.0));
     let spec = AttnSpec {
         n_heads: nh,
         n_kv_heads: nkv,
@@ -2131,10 +2106,7 @@ fn flash_attention_output_feeds_the_o_product_rounded_exactly() {
         window: None,
         softcap: None,
     };
-    let d = 384;
-    let wo = g
-        .load_matrix(&random_matrix(&mut r, GgmlType::BF16, d, nh * hd))
-        .unwrap();
+    let wo = g.load_matrix(&random_matrix(r, ty, d, nh * hd)).unwrap();
     let mut attn = g.alloc(n * nh * hd).unwrap();
     let mut proj = g.alloc(n * d).unwrap();
     // A product of this kind first, so the attention knows how the next one rounds.
@@ -2149,7 +2121,7 @@ fn flash_attention_output_feeds_the_o_product_rounded_exactly() {
     assert_eq!(
         taken,
         down(g, &proj, n * d),
-        "o product from the rounded copy"
+        "{what}: o product from the rounded copy"
     );
 }
 
