@@ -133,7 +133,8 @@ struct WalkQ8_0 {
         const float2 m0 = xm[0], m1 = xm[2];
         const u32 xa[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
         const u32 xb[8] = {x2.x, x2.y, x2.z, x2.w, x3.x, x3.y, x3.z, x3.w};
-        const u32 wl[4] = {s.lo.x, s.lo.y, s.lo.z, s.lo.w}, wh[4] = {s.hi.x, s.hi.y, s.hi.z, s.hi.w};
+        const u32 wl[4] = {s.lo.x, s.lo.y, s.lo.z, s.lo.w};
+        const u32 wh[4] = {s.hi.x, s.hi.y, s.hi.z, s.hi.w};
         int lo = 0, hi = 0;
 #pragma unroll
         for (int i = 0; i < 4; i++) {

@@ -156,9 +156,10 @@ pub(crate) fn need(what: &str, have: usize, want: usize) -> Result<()> {
 
 /// Warps per weight row of a GEMV (gemv.cu): plain-float rows are shared by up to 8 warps
 /// until the launch has `GEMV_WARPS_PER_SM` warps per multiprocessor, so a matrix of a few
-/// hundred rows still keeps every multiprocessor reading. Rows on 16-bit activations (quant.cuh,
-/// `i16_rows`: Q4_K, Q8_0 of 256-value groups; units of 256 values) take one warp each in matrices of 2 blocks' rows or more per multiprocessor,
-/// for launches of any number of token rows: each block stages all the activations of its
+/// hundred rows still keeps every multiprocessor reading. Rows on 16-bit activations
+/// (quant.cuh, `i16_rows`: Q4_K, Q8_0 of whole groups; units of 256 values) take one warp
+/// each in matrices of 2 blocks' rows or more per multiprocessor, for launches of any number
+/// of token rows: each block stages all the activations of its
 /// tokens, so sharing rows between more warps only means more blocks staging the same values.
 /// Shorter matrices share rows of 16 or more units by 2 and of 32 or more by 4, so a
 /// long row is not one warp's serial walk through its passes, but by no more warps than a
@@ -204,8 +205,9 @@ fn gemv_block_warps(ty: GgmlType, split: usize) -> usize {
 }
 
 /// Whether a product of `n` token rows with weights stored as `ty`, rows `cols` wide, runs as
-/// GEMV launches (otherwise, where cuBLAS is present, on the tensor cores: cuBLAS, or for Q4_K and Q8_0
-/// weights of 2–48 rows the kernel of `mmq`, on devices of compute capability 8.0 and newer).
+/// GEMV launches (otherwise, where cuBLAS is present, on the tensor cores: cuBLAS, or for Q4_K
+/// and Q8_0 weights of 2–48 rows the kernel of `mmq`, on devices of compute capability 8.0 and
+/// newer).
 fn gemv_suits(n: usize, ty: GgmlType, cols: usize) -> bool {
     n <= GEMV_UP_TO && !(ty == GgmlType::BF16 && n > BF16_GEMV_UP_TO) && !mma_suits(ty, cols, n)
 }
@@ -909,8 +911,8 @@ impl CudaBackend {
     }
 
     /// `out = x · wᵀ` on the tensor cores from `xh`, the `n` activation rows already rounded
-    /// as `product_inputs` says: bf16 weights as stored, Q4_K and Q8_0 ones of 2–48 token rows by
-    /// `mmq`, other quantized ones dequantized to f16 a tile of rows at a time (sizes checked
+    /// as `product_inputs` says: bf16 weights as stored, Q4_K and Q8_0 ones of 2–48 token rows
+    /// by `mmq`, other quantized ones dequantized to f16 a tile of rows at a time (sizes checked
     /// by the caller).
     fn gemm_half(
         &self,

@@ -15,13 +15,15 @@ use crate::kernels::{Arg, Grid, ProductArgs};
 use crate::sources::Module;
 
 /// Token rows for which a product of Q4_K or Q8_0 weights runs here rather than as GEMVs
-/// (fewer) or as cuBLAS on weights dequantized to f16 (more). Q4_K Measured on the H200 (E4B Q4_K, `bench -p 0 -n 32`,
-/// docs/perf.md sessions 31–32): 2 / 3 / 4 / 8 / 16 / 32 sequences 581 / 684 / 761 / 861 /
-/// 887 / 3 176 t/s before, 647 / 936 / 1 242 / 2 255 / 3 602 / 4 838 here (session 31), and
-/// with the gated pair in one launch and the split parts added in parallel 8 / 16 / 32
-/// sequences 2 196 / 3 567 / 4 838 → 2 434 / 3 918 / 5 564. More than `LAUNCH_TOKENS` run as
-/// two launches: 40 / 48 sequences 3 870 / 4 663 on cuBLAS → 4 755 / 5 227 here, but 64
-/// sequences 6 088 → 5 693, so 64 stay on cuBLAS.
+/// (fewer) or as cuBLAS on weights dequantized to f16 (more). Measured on the H200
+/// (`bench -p 0 -n 32`, docs/perf.md sessions 31–33), E4B Q4_K: 2 / 3 / 4 / 8 / 16 / 32
+/// sequences 581 / 684 / 761 / 861 / 887 / 3 176 t/s before, 647 / 936 / 1 242 / 2 255 /
+/// 3 602 / 4 838 here (session 31), and with the gated pair in one launch and the split parts
+/// added in parallel 8 / 16 / 32 sequences 2 196 / 3 567 / 4 838 → 2 434 / 3 918 / 5 564. More
+/// than `LAUNCH_TOKENS` run as two launches: 40 / 48 sequences 3 870 / 4 663 on cuBLAS →
+/// 4 755 / 5 227 here, but 64 sequences 6 088 → 5 693, so 64 stay on cuBLAS. E4B Q8_0
+/// (session 33): 8 / 16 / 32 / 48 sequences 817 / 846 / 3 318 / 4 946 → 2 261 / 3 705 /
+/// 5 414 / 5 015.
 const MMQ_TOKENS: std::ops::RangeInclusive<usize> = 2..=48;
 /// Token rows one launch takes at most (4 n-tiles of 8, `MMQ_KERNEL(q4_k, …, 4)`); more run
 /// as several launches, each reading the weights. 8 n-tiles in one launch spilled 752 bytes

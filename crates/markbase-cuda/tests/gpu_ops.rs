@@ -565,9 +565,10 @@ fn tensor_core_products_match_reference_and_repeat_exactly() {
     }
 }
 
-/// The gated feed-forward of a few token rows over Q4_K and Q8_0 weights as the tensor-core launches
-/// (mmq.cu): gate and up in one launch storing gelu_tanh(gate) · up as f16, then down; tiles
-/// split over several blocks and not, part-filled n-tiles. A second run gives the same bits.
+/// The gated feed-forward of a few token rows over Q4_K and Q8_0 weights as the tensor-core
+/// launches (mmq.cu): gate and up in one launch storing gelu_tanh(gate) · up as f16, then
+/// down; tiles split over several blocks and not, part-filled n-tiles. A second run gives the
+/// same bits.
 #[test]
 fn gated_ffn_on_tensor_cores_matches_reference_and_repeats_exactly() {
     let g = gpu_with_cublas_or_skip!();
