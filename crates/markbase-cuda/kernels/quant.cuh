@@ -871,13 +871,15 @@ __device__ __forceinline__ void warp_row_pair_dot(bool active, const u8* row_a, 
         for (int t = 0; t < NT; t++) a[t] = b[t] = 0.f;
         if (active) float_row_pair<FMT, NT>(row_a, row_b, x, k, nt, a, b);
     } else if (i16) {
-        const u8* rows[2] = {row_a, row_b};
-        float ab[2][NT];
-        if constexpr (fmt_i16(FMT)) i16_rows<FMT, NT, 2, WAITS>(active, rows, x, k, nt, 0, 1, ab);
+        if constexpr (fmt_i16(FMT)) {
+            const u8* rows[2] = {row_a, row_b};
+            float ab[2][NT];
+            i16_rows<FMT, NT, 2, WAITS>(active, rows, x, k, nt, 0, 1, ab);
 #pragma unroll
-        for (int t = 0; t < NT; t++) {
-            a[t] = ab[0][t];
-            b[t] = ab[1][t];
+            for (int t = 0; t < NT; t++) {
+                a[t] = ab[0][t];
+                b[t] = ab[1][t];
+            }
         }
     } else {
         warp_row_dot<FMT, NT>(active, row_a, x, k, nt, a);

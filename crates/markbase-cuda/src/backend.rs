@@ -630,8 +630,7 @@ impl CudaBackend {
             && n == 1
             && mul == 0
             && w.rows >= HALVES_WALK_MIN_ROWS
-            && w.rows.is_multiple_of(2)
-            && w.cols.is_multiple_of(256);
+            && w.rows.is_multiple_of(2);
         if halves {
             return self.gemv_halves_walk(x, w, out, tiles);
         }
@@ -1307,7 +1306,7 @@ impl CudaBackend {
     /// one-token GEMV on 16-bit activations (which then reads them instead of staging its
     /// activations), else 0. The caller holds `s` until the product is queued.
     fn gemv_q4k_tiles(&self, s: &mut Scratch, x: u64, n: usize, w: &CudaMatrix) -> u64 {
-        if !gemv_takes_16_bit_activations(w.ty, w.cols) || n != 1 || !w.cols.is_multiple_of(256) {
+        if !gemv_takes_16_bit_activations(w.ty, w.cols) || n != 1 {
             return 0;
         }
         s.rounded

@@ -2,9 +2,9 @@
 //! 2–48 token rows, dequantized to f16 in registers, on the f16 rounded copy of the activations.
 //! The weights stream once for up to 32 tokens (a launch). Up to `MAX_PRODUCTS` matrices of
 //! one width take one launch, or a gated pair (gate and up) whose launch stores
-//! gelu_tanh(gate) · up as the 16-bit activations of the down product. Warps walk row tiles of 16 rows; matrices of few tiles split their units over
-//! several items a tile, whose parts the tile's last warp adds in order (a ticket a tile in
-//! `tickets`).
+//! gelu_tanh(gate) · up as the 16-bit activations of the down product. Warps walk row tiles of
+//! 16 rows; matrices of few tiles split their units over several items a tile, whose parts the
+//! tile's last warp adds in order (a ticket a tile in `tickets`).
 
 use markbase_core::quant::GgmlType;
 use markbase_core::Result;
@@ -148,8 +148,8 @@ impl Job<'_> {
 impl CudaBackend {
     /// The launches of `job` for `n` token rows, if the kernels take it — (first token row,
     /// token rows, shape, shared memory) each, at most `LAUNCH_TOKENS` rows a launch: a
-    /// format they have, a device of compute capability 8.0 or newer, `mma_suits` rows, a
-    /// width that is a multiple of the format's unit, tiles few enough to split, and shared
+    /// format they have, a device of compute capability 8.0 or newer, `mma_suits` rows and
+    /// width, tiles few enough to split, and shared
     /// memory the device gives a block (GPUs of compute capability 8.6 and 8.9 give 99 KB).
     fn mmq_plan(&self, job: &Job<'_>, n: usize) -> Option<Vec<(usize, usize, Shape, usize)>> {
         let (w0, tiles) = job.first_and_tiles();

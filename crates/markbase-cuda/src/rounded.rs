@@ -45,7 +45,8 @@ impl QueueCount {
 pub(crate) enum CopyForm {
     /// Rounded for a tensor-core product taking these inputs (`Bf16` or `F16`).
     Rounded(ProductInputs),
-    /// One token row as the 16-bit tiles of a one-token Q4_K GEMV (640 bytes per 256 values).
+    /// One token row as the 16-bit tiles of a one-token Q4_K or Q8_0 GEMV (640 bytes per 256
+    /// values).
     Q4kTiles,
     /// Rounded to f16 for a tensor-core product of 2–48 token rows of Q4_K or Q8_0 weights
     /// (mmq.rs): the values of `Rounded(F16)`, made for products of fewer token rows.
