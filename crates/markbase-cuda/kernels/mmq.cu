@@ -64,51 +64,6 @@ __device__ __forceinline__ void mmq_add4(float4& s, const float* p) {
     s.w += w;
 }
 
-// The f16 pair (lo, hi) of two floats, saturating at ±65 504 (f16_range).
-__device__ __forceinline__ u32 mmq_f16x2(float lo, float hi) {
-    u32 r;
-#if __CUDA_ARCH__ >= 900
-    asm("cvt.rn.satfinite.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-#else
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(f16_range(hi)), "f"(f16_range(lo)));
-#endif
-    return r;
-}
-
-__device__ __forceinline__ u32 mmq_hfma2(u32 a, u32 b, u32 c) {
-    u32 d;
-    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-    return d;
-}
-
-__device__ __forceinline__ u32 mmq_hmul2(u32 a, u32 b) {
-    u32 d;
-    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-    return d;
-}
-
-__device__ __forceinline__ u32 mmq_hsub2(u32 a, u32 b) {
-    u32 d;
-    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-    return d;
-}
-
-// (a & b) | c.
-__device__ __forceinline__ u32 mmq_and_or(u32 a, u32 b, u32 c) {
-    u32 d;
-    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-    return d;
-}
-
-// c += a · b on the tensor cores (16 × 16 f16 A, 16 × 8 f16 B, f32 C).
-__device__ __forceinline__ void mmq_mma_f16(float* c, const u32* a, u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 // Word i (0..7) of a lane's 32 quant bytes of one row.
 __device__ __forceinline__ u32 mmq_word(const uint4* q, int i) {
     const uint4 v = q[i >> 2];
@@ -146,10 +101,10 @@ struct MmqSlots {
         for (int j = 0; j < NT; j++) {
             const u8* xt = xl + 8 * j * TOKEN_BYTES + 16 * ip;
             uint4 lo = *(const uint4*)xt, hi = *(const uint4*)(xt + 64);
-            mmq_mma_f16(acc[0][j], A[0][0], lo.x, lo.y);
-            mmq_mma_f16(acc[0][j], A[1][0], lo.z, lo.w);
-            mmq_mma_f16(acc[1 % CH][j], A[0][1], hi.x, hi.y);
-            mmq_mma_f16(acc[1 % CH][j], A[1][1], hi.z, hi.w);
+            mma_f16(acc[0][j], A[0][0], lo.x, lo.y);
+            mma_f16(acc[0][j], A[1][0], lo.z, lo.w);
+            mma_f16(acc[1 % CH][j], A[0][1], hi.x, hi.y);
+            mma_f16(acc[1 % CH][j], A[1][1], hi.z, hi.w);
         }
     }
 };
@@ -198,8 +153,8 @@ struct MmqQ4k : MmqSlots {
             for (int hi = 0; hi < 2; hi++) {
                 float s, m;
                 q4k_scale_min(a.h[e], 2 * c + hi, &s, &m);
-                r.s[e][hi] = mmq_f16x2(d * s, d * s);
-                r.m[e][hi] = mmq_f16x2(-(dm * m), -(dm * m));
+                r.s[e][hi] = f16x2_sat(d * s, d * s);
+                r.m[e][hi] = f16x2_sat(-(dm * m), -(dm * m));
             }
         }
         return r;
@@ -212,18 +167,12 @@ struct MmqQ4k : MmqSlots {
         for (int wi = 0; wi < 2; wi++) {
 #pragma unroll
             for (int e = 0; e < 2; e++) {
-                // Bytes 0, 2, 1, 3: each 16-bit half then holds two consecutive weights.
-                u32 w = __byte_perm(mmq_word(a.q[e], 2 * ip + wi), 0, 0x3120), w8 = w >> 8;
-                u32 l0 = mmq_hsub2(mmq_and_or(w, 0x000F000Fu, 0x64006400u), 0x64006400u);
-                u32 l1 = mmq_hsub2(mmq_and_or(w8, 0x000F000Fu, 0x64006400u), 0x64006400u);
-                u32 h0 = mmq_hfma2(mmq_and_or(w, 0x00F000F0u, 0x64006400u), 0x2C002C00u,
-                                   0xD400D400u);
-                u32 h1 = mmq_hfma2(mmq_and_or(w8, 0x00F000F0u, 0x64006400u), 0x2C002C00u,
-                                   0xD400D400u);
-                A[wi][0][e] = mmq_hfma2(l0, sc.s[e][0], sc.m[e][0]);
-                A[wi][0][2 + e] = mmq_hfma2(l1, sc.s[e][0], sc.m[e][0]);
-                A[wi][1][e] = mmq_hfma2(h0, sc.s[e][1], sc.m[e][1]);
-                A[wi][1][2 + e] = mmq_hfma2(h1, sc.s[e][1], sc.m[e][1]);
+                u32 l0, l1, h0, h1;
+                q4_nibbles_f16(mmq_word(a.q[e], 2 * ip + wi), l0, l1, h0, h1);
+                A[wi][0][e] = h2_fma(l0, sc.s[e][0], sc.m[e][0]);
+                A[wi][0][2 + e] = h2_fma(l1, sc.s[e][0], sc.m[e][0]);
+                A[wi][1][e] = h2_fma(h0, sc.s[e][1], sc.m[e][1]);
+                A[wi][1][2 + e] = h2_fma(h1, sc.s[e][1], sc.m[e][1]);
             }
         }
     }
@@ -257,12 +206,6 @@ struct MmqQ8_0 : MmqSlots {
         }
     }
 
-    // The f16 pair of a word's signed bytes b0, b1 (sel 0x4140) or b2, b3 (sel 0x4342) times
-    // the broadcast f16 scale s, each rounded once; w has its bytes offset by 128.
-    static __device__ __forceinline__ u32 pair(u32 w, u32 sel, u32 s) {
-        return mmq_hmul2(mmq_hsub2(__byte_perm(w, 0x64646464u, sel), 0x64806480u), s);
-    }
-
     // The chunks' scales as broadcast f16 pairs: s[row][hi].
     struct Scales {
         u32 s[2][2];
@@ -288,8 +231,8 @@ struct MmqQ8_0 : MmqSlots {
 #pragma unroll
                 for (int hi = 0; hi < 2; hi++) {
                     u32 w = mmq_word(a.q[e] + 2 * hi, 2 * ip + wi) ^ 0x80808080u;
-                    A[wi][hi][e] = pair(w, 0x4140u, sc.s[e][hi]);
-                    A[wi][hi][2 + e] = pair(w, 0x4342u, sc.s[e][hi]);
+                    A[wi][hi][e] = q8_pair_f16(w, 0x4140u, sc.s[e][hi]);
+                    A[wi][hi][2 + e] = q8_pair_f16(w, 0x4342u, sc.s[e][hi]);
                 }
             }
         }

@@ -24,6 +24,7 @@ use crate::gemv_walk::HALVES_WALK_MIN_ROWS;
 use crate::graph::{DeviceCopy, Op, Steps};
 use crate::kernels::{Arg, AttnArgs, Grid, Kernels, Launch, ProductArgs, MAX_PRODUCTS};
 use crate::mmq::{mma_suits, mmq_rows, Job, TICKETS as MMQ_TICKETS};
+use crate::moe_mma::{activation_kind, moe_on_tensor_cores, MoeOutput};
 use crate::rounded::{CopyForm, QueueCount, RoundTarget, RoundedCopy, ROUND_Q4K_TILES};
 use crate::sources::Module;
 
@@ -715,37 +716,58 @@ impl CudaBackend {
                 Arg::U64(self.err.ptr),
             ],
         )?;
-        self.run(
-            Module::Moe,
-            "moe_gather",
-            Grid::new((pairs as u32, 1), 256),
-            &[
-                Arg::U64(x.ptr),
-                Arg::I32(di),
-                Arg::I32(top),
-                Arg::U64(order),
-                Arg::U64(rows),
-            ],
-        )?;
-        // An expert product per tile: `w`'s `out_rows` rows for the tile's pairs, `input` to
-        // `output` (both grouped kernels take the same arguments).
-        let grouped = |name, w: &CudaMatrix, out_rows: usize, input: u64, output: u64| {
-            self.launch_fn(
-                &self.kernels.func_for(Module::Moe, name, w.ty, 0)?,
-                Grid::new((blocks(out_rows, 8), most_tiles as u32), 256),
+        if self.dev.capability().0 >= 8 && moe_on_tensor_cores(gate_up.ty, down.ty, d, f) {
+            // 16-bit slot rows at `rows` (the down outputs overwrite them once the gated
+            // launch, their last reader, has finished), 16-bit gated activations at `h`.
+            self.run(
+                Module::Moe,
+                "moe_gather_16",
+                Grid::new((pairs as u32, 1), 256),
                 &[
-                    Arg::U64(w.ptr),
-                    Arg::U64(w.row_bytes as u64),
+                    Arg::U64(x.ptr),
                     Arg::I32(di),
-                    Arg::I32(fi),
-                    Arg::U64(input),
-                    Arg::U64(tiles),
-                    Arg::U64(output),
+                    Arg::I32(top),
+                    Arg::U64(order),
+                    Arg::I32(activation_kind(gate_up.ty)),
+                    Arg::U64(rows),
                 ],
-            )
-        };
-        grouped("moe_gate_up_grouped", gate_up, f, rows, h)?;
-        grouped("moe_down_grouped", down, d, h, rows)?;
+            )?;
+            let gated = MoeOutput::Gated(activation_kind(down.ty));
+            self.moe_mma(gate_up, f, rows, tiles, most_tiles, gated, h)?;
+            self.moe_mma(down, d, h, tiles, most_tiles, MoeOutput::Plain, rows)?;
+        } else {
+            self.run(
+                Module::Moe,
+                "moe_gather",
+                Grid::new((pairs as u32, 1), 256),
+                &[
+                    Arg::U64(x.ptr),
+                    Arg::I32(di),
+                    Arg::I32(top),
+                    Arg::U64(order),
+                    Arg::U64(rows),
+                ],
+            )?;
+            // An expert product per tile: `w`'s `out_rows` rows for the tile's pairs, `input` to
+            // `output` (both grouped kernels take the same arguments).
+            let grouped = |name, w: &CudaMatrix, out_rows: usize, input: u64, output: u64| {
+                self.launch_fn(
+                    &self.kernels.func_for(Module::Moe, name, w.ty, 0)?,
+                    Grid::new((blocks(out_rows, 8), most_tiles as u32), 256),
+                    &[
+                        Arg::U64(w.ptr),
+                        Arg::U64(w.row_bytes as u64),
+                        Arg::I32(di),
+                        Arg::I32(fi),
+                        Arg::U64(input),
+                        Arg::U64(tiles),
+                        Arg::U64(output),
+                    ],
+                )
+            };
+            grouped("moe_gate_up_grouped", gate_up, f, rows, h)?;
+            grouped("moe_down_grouped", down, d, h, rows)?;
+        }
         self.run(
             Module::Moe,
             "moe_combine",

@@ -26,6 +26,7 @@ mod graph;
 mod kernels;
 mod layout;
 mod mmq;
+mod moe_mma;
 pub mod nvrtc;
 mod rounded;
 mod sample;
@@ -39,4 +40,5 @@ pub use backend::{
 };
 pub use buffer::{CudaBuffer, CudaMatrix};
 pub use mmq::mma_suits;
+pub use moe_mma::moe_on_tensor_cores;
 pub use sample::{SampleParams, MAX_TOP_K};

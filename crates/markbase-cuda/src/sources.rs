@@ -49,11 +49,15 @@ pub fn define_lines(spec: &str) -> Result<String> {
 
 const COMMON: &str = include_str!("../kernels/common.cuh");
 const QUANT: &str = include_str!("../kernels/quant.cuh");
+/// Tensor-core and packed-f16 helpers of the GEMV and MoE modules' tensor-core products.
+const MMA: &str = include_str!("../kernels/mma.cuh");
 /// The GEMV module's one-token walks over Q4_K and Q8_0 rows, appended to gemv.cu.
 const GEMV_WALK: &str = include_str!("../kernels/gemv_walk.cu");
 /// The GEMV module's tensor-core products of a few token rows (Q4_K and Q8_0 weights),
 /// appended after GEMV_WALK.
 const MMQ: &str = include_str!("../kernels/mmq.cu");
+/// The MoE module's grouped expert products on the tensor cores, appended to moe.cu.
+const MOE_MMA: &str = include_str!("../kernels/moe_mma.cu");
 
 /// A kernel module.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -135,8 +139,9 @@ fn assemble(m: Module, defines: &str, part: Part) -> String {
     };
     // quant.cuh (formats, FOR_EACH_FORMAT) is what the per-format modules need.
     let quant = m.per_format();
-    let mut s =
-        String::with_capacity(defines.len() + COMMON.len() + QUANT.len() + body.len() + 512);
+    let mut s = String::with_capacity(
+        defines.len() + COMMON.len() + QUANT.len() + MMA.len() + body.len() + 512,
+    );
     s.push_str(defines);
     if quant {
         for (_, f) in FORMATS {
@@ -150,10 +155,16 @@ fn assemble(m: Module, defines: &str, part: Part) -> String {
     if quant {
         s.push_str(QUANT);
     }
+    if matches!(m, Module::Gemv | Module::Moe) {
+        s.push_str(MMA);
+    }
     s.push_str(body);
     if m == Module::Gemv {
         s.push_str(GEMV_WALK);
         s.push_str(MMQ);
+    }
+    if m == Module::Moe {
+        s.push_str(MOE_MMA);
     }
     s
 }

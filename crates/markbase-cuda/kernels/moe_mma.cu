@@ -1,0 +1,247 @@
+// The grouped MoE products on the tensor cores (mma.sync m16n8k16, f32 sums): each tile of up
+// to 8 pairs of one expert (moe_group's tiles, one a block row of the grid) is the 8 columns
+// of one n-tile, so a warp streams 16 of the expert's rows once for all the tile's pairs.
+// Weights go from memory straight into registers (bf16 and f16 as they are, Q8_0 and Q4_K
+// dequantized to f16 there); the activations are the gathered slot rows as 16-bit values
+// (bf16 for bf16 weights, f16 otherwise: moe_gather_16), read through L1. The gated launch
+// (gate and up) writes gelu_tanh(gate) · up rounded to 16 bits, the down launch's input; the
+// down launch writes f32 rows for moe_combine. Appended to moe.cu's module; needs mma.cuh.
+//
+// A unit is 64 values of a row. Lane (g, c) holds rows g and g + 8 of its warp's tile (gated:
+// gate row 8τ + g and up row 8τ + g), 16 values of each row per unit, as four k16 slabs of 4
+// values: the permutation of k shared by the A (weights) and B (activations) fragments. The
+// B fragment is the same 4 values of token g (the tile's pair g), two 16-byte loads a unit at
+// the format's offsets. Every run gives the same bits (one warp sums a tile's outputs).
+
+#if (FORMAT_bf16 || FORMAT_f16 || FORMAT_q8_0 || FORMAT_q4_k) && __CUDA_ARCH__ >= 800
+
+// Units a warp has loaded ahead of the one it multiplies.
+#ifndef MOE_MMA_AHEAD
+#define MOE_MMA_AHEAD 4
+#endif
+
+// bf16 or f16 weights: a lane's 16 values of a unit are its 32 contiguous bytes 32c ...
+template <bool BF16>
+struct MoePlain {
+    // Whether the products are bf16 (else f16); a lane's two 8-value activation pieces.
+    static constexpr bool IS_BF16 = BF16;
+    static __device__ __forceinline__ int piece(int c, int i) { return 16 * c + 8 * i; }
+
+    struct Unit {
+        uint4 v[2];
+    };
+
+    static __device__ __forceinline__ void load(const u8* row, int u, int, int c, Unit& a) {
+        const uint4* p = (const uint4*)(row + 128 * (u64)u + 32 * c);
+        a.v[0] = __ldg(p);
+        a.v[1] = __ldg(p + 1);
+    }
+
+    // W[2s], W[2s + 1]: the lane's values 4s, 4s + 1 and 4s + 2, 4s + 3 of the unit (slab s).
+    static __device__ __forceinline__ void slabs(const Unit& a, int, u32* W) {
+        const uint4 v0 = a.v[0], v1 = a.v[1];
+        W[0] = v0.x, W[1] = v0.y, W[2] = v0.z, W[3] = v0.w;
+        W[4] = v1.x, W[5] = v1.y, W[6] = v1.z, W[7] = v1.w;
+    }
+};
+
+// Q8_0 weights (rows as on the device, layout.rs): a unit is two blocks; lane c's 16 values
+// are quants 16(c & 1) .. of block 2u + c / 2, times its scale, each weight rounded once to
+// f16 (q8_pair_f16). The quants lie 16-byte aligned in whole groups of aligned rows, 4-byte
+// aligned in rows of an even block count, 2-byte aligned in a row's last blocks otherwise.
+struct MoeQ8_0 {
+    static constexpr bool IS_BF16 = false;
+    static __device__ __forceinline__ int piece(int c, int i) { return 16 * c + 8 * i; }
+
+    struct Unit {
+        u32 q[4];
+        u32 d;
+    };
+
+    static __device__ __forceinline__ void load(const u8* row, int u, int k, int c, Unit& a) {
+        const u8* q;
+        const u8* d = q8_0_block(row, 2 * u + (c >> 1), k, &q);
+        q += 16 * (c & 1);
+        a.d = ld16(d);
+        const u64 at = (u64)q;
+        if ((at & 15) == 0) {
+            const uint4 v = __ldg((const uint4*)q);
+            a.q[0] = v.x, a.q[1] = v.y, a.q[2] = v.z, a.q[3] = v.w;
+        } else if ((at & 3) == 0) {
+#pragma unroll
+            for (int i = 0; i < 4; i++) a.q[i] = __ldg((const u32*)q + i);
+        } else {
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+                a.q[i] = (u32)ld16(q + 4 * i) | ((u32)ld16(q + 4 * i + 2) << 16);
+        }
+    }
+
+    static __device__ __forceinline__ void slabs(const Unit& a, int, u32* W) {
+        const u32 s = a.d * 0x10001u;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const u32 w = a.q[i] ^ 0x80808080u;
+            W[2 * i] = q8_pair_f16(w, 0x4140u, s);
+            W[2 * i + 1] = q8_pair_f16(w, 0x4342u, s);
+        }
+    }
+};
+
+// Q4_K weights: a unit is the chunk pair u % 4 of super-block u / 4 (its 32 quant bytes:
+// chunk 2p in the low nibbles, 2p + 1 in the high). Lane c holds bytes 8c .. 8c + 7: values
+// 8c .. 8c + 7 of each chunk (unit values 8c .. and 32 + 8c ..), each weight fma(n, S, −M)
+// rounded once to f16 as mmq.cu's MmqQ4k dequantizes.
+struct MoeQ4k {
+    static constexpr bool IS_BF16 = false;
+    static __device__ __forceinline__ int piece(int c, int i) { return 8 * c + 32 * i; }
+
+    struct Unit {
+        uint4 h;
+        uint2 q;
+    };
+
+    static __device__ __forceinline__ void load(const u8* row, int u, int, int c, Unit& a) {
+        const u8* sb = row + 144 * (u64)(u >> 2);
+        a.h = __ldg((const uint4*)sb);
+        a.q = __ldg((const uint2*)(sb + 16 + 32 * (u & 3) + 8 * c));
+    }
+
+    static __device__ __forceinline__ void slabs(const Unit& a, int u, u32* W) {
+        const float d = f16_to_f32((u16)(a.h.x & 0xffff)), dm = f16_to_f32((u16)(a.h.x >> 16));
+        u32 S[2], M[2];
+#pragma unroll
+        for (int hi = 0; hi < 2; hi++) {
+            float s, m;
+            q4k_scale_min(a.h, 2 * (u & 3) + hi, &s, &m);
+            S[hi] = f16x2_sat(d * s, d * s);
+            M[hi] = f16x2_sat(-(dm * m), -(dm * m));
+        }
+        const u32 q[2] = {a.q.x, a.q.y};
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            u32 l0, l1, h0, h1;
+            q4_nibbles_f16(q[i], l0, l1, h0, h1);
+            W[2 * i] = h2_fma(l0, S[0], M[0]);
+            W[2 * i + 1] = h2_fma(l1, S[0], M[0]);
+            W[4 + 2 * i] = h2_fma(h0, S[1], M[1]);
+            W[4 + 2 * i + 1] = h2_fma(h1, S[1], M[1]);
+        }
+    }
+};
+
+// out for tile blockIdx.y's pairs and warp τ's rows of the tile's expert: gated, outputs
+// 8τ .. 8τ + 7 of `rows` (the expert's gate rows then its up rows, 2·rows of them) as
+// rounded_bits(out_kind, gelu_tanh(gate) · up) into the u16 rows [slot][rows]; otherwise rows
+// 16τ .. 16τ + 15 of the expert's `rows` as floats into [slot][rows]. x: the slots' 16-bit
+// activation rows, k values each (k a multiple of 64).
+template <class W>
+__device__ void moe_mma_impl(const u8* w, u64 row_bytes, int k, int rows, const u16* x,
+                             const int* tiles, int gated, int out_kind, void* out) {
+    constexpr int D = MOE_MMA_AHEAD;
+    wait_prior_grid();
+    const int* tile = tiles + 3 * blockIdx.y;
+    const int e = tile[0], s0 = tile[1], nt = tile[2];
+    if (nt == 0) return;  // the whole block: past the last tile
+    const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+    const int tau = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int per = gated ? 8 : 16;
+    if (tau * per >= rows) return;
+    const u8* base = w + (u64)e * (gated ? 2 : 1) * rows * row_bytes;
+    const int rl = min(per * tau + g, rows - 1), rh = gated ? rows + rl : min(rl + 8, rows - 1);
+    const u8* lo = base + (u64)rl * row_bytes;
+    const u8* hi = base + (u64)rh * row_bytes;
+    const u16* xt = x + (u64)(s0 + min(g, nt - 1)) * k;
+    const int units = k >> 6;
+
+    typename W::Unit a[D][2];
+#pragma unroll
+    for (int j = 0; j < D; j++)
+        if (j < units) {
+            W::load(lo, j, k, c, a[j][0]);
+            W::load(hi, j, k, c, a[j][1]);
+        }
+    float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    for (int q = 0; q < units; q += D) {
+#pragma unroll
+        for (int j = 0; j < D; j++) {
+            const int u = q + j;
+            if (u < units) {
+                const uint4 b0 = __ldg((const uint4*)(xt + 64 * u + W::piece(c, 0)));
+                const uint4 b1 = __ldg((const uint4*)(xt + 64 * u + W::piece(c, 1)));
+                const u32 B[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
+                u32 wl[8], wh[8];
+                W::slabs(a[j][0], u, wl);
+                W::slabs(a[j][1], u, wh);
+#pragma unroll
+                for (int s = 0; s < 4; s++) {
+                    const u32 A[4] = {wl[2 * s], wh[2 * s], wl[2 * s + 1], wh[2 * s + 1]};
+                    if constexpr (W::IS_BF16)
+                        mma_bf16(acc[s >> 1], A, B[2 * s], B[2 * s + 1]);
+                    else
+                        mma_f16(acc[s >> 1], A, B[2 * s], B[2 * s + 1]);
+                }
+                if (u + D < units) {
+                    W::load(lo, u + D, k, c, a[j][0]);
+                    W::load(hi, u + D, k, c, a[j][1]);
+                }
+            }
+        }
+    }
+    // Lane (g, c): acc v = 0, 1 row g and v = 2, 3 row g + 8, of tokens 2c and 2c + 1.
+#pragma unroll
+    for (int v = 0; v < 4; v++) acc[0][v] += acc[1][v];
+    if (gated) {
+        const int i = 8 * tau + g;
+#pragma unroll
+        for (int v = 0; v < 2; v++) {
+            const int t = 2 * c + v;
+            if (i < rows && t < nt)
+                ((u16*)out)[(u64)(s0 + t) * rows + i] =
+                    rounded_bits(out_kind, gelu_tanh(acc[0][v]) * acc[0][v + 2]);
+        }
+    } else {
+#pragma unroll
+        for (int v = 0; v < 4; v++) {
+            const int r = 16 * tau + g + 8 * (v >> 1), t = 2 * c + (v & 1);
+            if (r < rows && t < nt) ((float*)out)[(u64)(s0 + t) * rows + r] = acc[0][v];
+        }
+    }
+}
+
+// The kernels moe_mma_<format>: blocks of 256 threads (8 warps, each a tile of rows), grid
+// (row blocks, most tiles).
+#define MOE_MMA_KERNEL(SUFFIX, W)                                                              \
+    extern "C" __global__ void __launch_bounds__(256)                                          \
+        moe_mma_##SUFFIX(const u8* w, u64 row_bytes, int k, int rows, const u16* x,           \
+                         const int* tiles, int gated, int out_kind, void* out) {               \
+        moe_mma_impl<W>(w, row_bytes, k, rows, x, tiles, gated, out_kind, out);               \
+    }
+#if FORMAT_bf16
+MOE_MMA_KERNEL(bf16, MoePlain<true>)
+#endif
+#if FORMAT_f16
+MOE_MMA_KERNEL(f16, MoePlain<false>)
+#endif
+#if FORMAT_q8_0
+MOE_MMA_KERNEL(q8_0, MoeQ8_0)
+#endif
+#if FORMAT_q4_k
+MOE_MMA_KERNEL(q4_k, MoeQ4k)
+#endif
+
+#endif
+
+#if SHARED_KERNELS  // format-independent (quant.cuh)
+// xh[s, :] = x[order[s] / top_k, :] rounded as `kind` says (rounded_bits: 1 bf16, 2 f16): each
+// slot's token row for the tensor-core products. One block per slot.
+extern "C" __global__ void moe_gather_16(const float* x, int d, int top_k, const int* order,
+                                         int kind, u16* xh) {
+    wait_prior_grid();
+    u64 s = blockIdx.x;
+    int p = order[s];
+    if (p < 0) return;
+    const float* src = x + (u64)(p / top_k) * d;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) xh[s * d + i] = rounded_bits(kind, src[i]);
+}
+#endif  // SHARED_KERNELS

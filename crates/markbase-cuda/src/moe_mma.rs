@@ -1,0 +1,123 @@
+//! The grouped MoE expert products on the tensor cores (kernels/moe_mma.cu): each tile of up
+//! to 8 pairs of one expert is one 8-column n-tile, so a warp streams 16 of the expert's rows
+//! once for the tile's pairs. The activations are rounded to 16 bits (bf16 for bf16 weights,
+//! f16 for the others) as the dense tensor-core products round theirs, the gated launch stores
+//! gelu_tanh(gate) · up rounded for the down launch, and quantized weights are dequantized to
+//! f16 in registers (each weight rounded once, as mmq.cu does).
+
+use markbase_core::quant::GgmlType;
+use markbase_core::Result;
+
+use crate::backend::{int, CudaBackend};
+use crate::buffer::CudaMatrix;
+use crate::kernels::{Arg, Grid};
+use crate::sources::Module;
+
+/// Values of a row a kernel unit covers (moe_mma.cu): rows must be whole units.
+const UNIT: usize = 64;
+/// Warps of a block, each a tile of rows.
+const BLOCK_WARPS: usize = 8;
+
+/// Whether the grouped expert products of experts stored as `gate_up` and `down`, `dim` values
+/// wide with experts `width` wide, run on the tensor cores (on a device of compute capability
+/// 8.0 or newer): weights of bf16, f16, Q8_0 or Q4_K, and both widths whole 64-value units.
+pub fn moe_on_tensor_cores(gate_up: GgmlType, down: GgmlType, dim: usize, width: usize) -> bool {
+    let takes = |ty| {
+        matches!(
+            ty,
+            GgmlType::BF16 | GgmlType::F16 | GgmlType::Q8_0 | GgmlType::Q4_K
+        )
+    };
+    takes(gate_up) && takes(down) && dim.is_multiple_of(UNIT) && width.is_multiple_of(UNIT)
+}
+
+/// The 16-bit type the products of weights stored as `ty` read their activations in
+/// (`rounded_bits` in common.cuh): 1 bf16, 2 f16.
+pub(crate) fn activation_kind(ty: GgmlType) -> i32 {
+    if ty == GgmlType::BF16 {
+        1
+    } else {
+        2
+    }
+}
+
+/// What one expert product launch stores.
+pub(crate) enum MoeOutput {
+    /// gelu_tanh(gate) · up of the gated matrix's `rows` outputs, as 16-bit values of the kind
+    /// given (`activation_kind` of the down weights).
+    Gated(i32),
+    /// The `rows` outputs as floats.
+    Plain,
+}
+
+impl CudaBackend {
+    /// One expert product on the tensor cores for every tile of `tiles` (`most_tiles` of them,
+    /// moe_group's): `w` stacks the experts (each 2·`rows` rows when gated, else `rows`), `x`
+    /// holds the slots' 16-bit activation rows (`w.cols` values each), `out` gets [slot][rows].
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn moe_mma(
+        &self,
+        w: &CudaMatrix,
+        rows: usize,
+        x: u64,
+        tiles: u64,
+        most_tiles: usize,
+        output: MoeOutput,
+        out: u64,
+    ) -> Result<()> {
+        let (gated, kind, per_warp) = match output {
+            MoeOutput::Gated(kind) => (1, kind, 8),
+            MoeOutput::Plain => (0, 0, 16),
+        };
+        let blocks = rows.div_ceil(per_warp).div_ceil(BLOCK_WARPS);
+        self.launch_fn(
+            &self.kernels.func_for(Module::Moe, "moe_mma", w.ty, 0)?,
+            Grid::new(
+                (int("row blocks", blocks)? as u32, most_tiles as u32),
+                32 * BLOCK_WARPS as u32,
+            ),
+            &[
+                Arg::U64(w.ptr),
+                Arg::U64(w.row_bytes as u64),
+                Arg::I32(int("expert row width", w.cols)?),
+                Arg::I32(int("expert rows", rows)?),
+                Arg::U64(x),
+                Arg::U64(tiles),
+                Arg::I32(gated),
+                Arg::I32(kind),
+                Arg::U64(out),
+            ],
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tensor_cores_take_whole_units_of_their_formats() {
+        assert!(moe_on_tensor_cores(
+            GgmlType::BF16,
+            GgmlType::BF16,
+            2816,
+            704
+        ));
+        assert!(moe_on_tensor_cores(
+            GgmlType::Q4_K,
+            GgmlType::Q8_0,
+            2816,
+            704
+        ));
+        assert!(!moe_on_tensor_cores(GgmlType::Q8_0, GgmlType::Q8_0, 96, 64));
+        assert!(!moe_on_tensor_cores(
+            GgmlType::Q6_K,
+            GgmlType::Q8_0,
+            2816,
+            704
+        ));
+        assert!(!moe_on_tensor_cores(GgmlType::F32, GgmlType::F32, 256, 128));
+        assert_eq!(activation_kind(GgmlType::BF16), 1);
+        assert_eq!(activation_kind(GgmlType::Q8_0), 2);
+    }
+}
