@@ -114,9 +114,13 @@ pub fn bench(
             )));
         }
     }
-    // Random token ids, fixed by a seed so every run measures the same work.
+    // Random token ids, fixed by a seed so every run measures the same work: enough for the
+    // prompt, and for each `tg` sequence to read its own run of them.
     let mut rng = ChaCha8Rng::seed_from_u64(1234);
-    let max_n = opts.prompt_tokens.max(opts.gen_tokens);
+    let most_b = opts.batches.iter().copied().max().unwrap_or(1);
+    let max_n = opts
+        .prompt_tokens
+        .max(opts.gen_tokens + most_b.saturating_sub(1));
     let tokens: Vec<u32> = (0..max_n)
         .map(|_| rng.random_range(0..info.n_vocab as u32))
         .collect();
@@ -146,20 +150,21 @@ pub fn bench(
         if opts.gen_tokens == 0 {
             break;
         }
-        results.push(tg(model, &tokens[..opts.gen_tokens], b, opts.repetitions)?);
+        let gen = &tokens[..opts.gen_tokens + b.saturating_sub(1)];
+        results.push(tg(model, gen, opts.gen_tokens, b, opts.repetitions)?);
         on_result(results.last().expect("just pushed"));
     }
     Ok(results)
 }
 
-/// `tgN` (one sequence) or `tgN@bB` (`b` sequences): `gen.len()` steps of one token per
-/// sequence, each step ending with the greedy pick of every sequence's next token (made where
-/// the model runs: only the ids come back, as in the server's greedy decoding).
-fn tg(model: &Model, gen: &[u32], b: usize, repetitions: usize) -> Result<BenchResult> {
-    let n = gen.len();
+/// `tgN` (one sequence) or `tgN@bB` (`b` sequences): `n` steps of one token per sequence,
+/// each step ending with the greedy pick of every sequence's next token (made where the model
+/// runs: only the ids come back, as in the server's greedy decoding). `gen` holds n + b − 1
+/// ids: sequence s reads ids s .. s + n, so no two sequences are fed the same ids (which,
+/// for a mixture-of-experts model, would route the same tokens twice).
+fn tg(model: &Model, gen: &[u32], n: usize, b: usize, repetitions: usize) -> Result<BenchResult> {
     let mut cache = model.new_batch_cache(b, n)?;
-    // Sequence s reads the random ids from offset s, so the rows of a step differ.
-    let step_tokens = |i: usize| -> Vec<u32> { (0..b).map(|s| gen[(i + s) % n]).collect() };
+    let step_tokens = |i: usize| step_ids(gen, i, b);
     let run = |cache: &mut markbase_models::BatchCache| -> Result<f64> {
         cache.clear();
         let t = Instant::now();
@@ -182,6 +187,11 @@ fn tg(model: &Model, gen: &[u32], b: usize, repetitions: usize) -> Result<BenchR
     Ok(result(test, b * n, samples, waits))
 }
 
+/// The ids of step `i` of `b` sequences over `gen`: sequence s's is `gen[i + s]`.
+fn step_ids(gen: &[u32], i: usize, b: usize) -> Vec<u32> {
+    gen[i..i + b].to_vec()
+}
+
 /// `waits`: host waits, wait milliseconds and graph replays per step.
 fn result(test: String, n_tokens: usize, samples: Vec<f64>, waits: (f64, f64, f64)) -> BenchResult {
     let (mean, std) = mean_std(&samples);
@@ -200,6 +210,23 @@ fn result(test: String, n_tokens: usize, samples: Vec<f64>, waits: (f64, f64, f6
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn batched_sequences_read_ids_of_their_own() {
+        // 4 steps of 6 sequences over 4 + 6 − 1 distinct ids: each sequence's run of ids
+        // differs from every other's (with 6 > 4 steps, reading modulo the steps would
+        // repeat sequences 0 and 4).
+        let gen: Vec<u32> = (100..109).collect();
+        let runs: Vec<Vec<u32>> = (0..6)
+            .map(|s| (0..4).map(|i| step_ids(&gen, i, 6)[s]).collect())
+            .collect();
+        for a in 0..6 {
+            for b in a + 1..6 {
+                assert_ne!(runs[a], runs[b], "sequences {a} and {b}");
+            }
+        }
+        assert_eq!(step_ids(&gen, 3, 6), vec![103, 104, 105, 106, 107, 108]);
+    }
 
     #[test]
     fn mean_and_sample_std() {
