@@ -1,6 +1,7 @@
 //! Timing harness for the CUDA backend: the device's copy bandwidth (the roofline's ceiling),
 //! decode products at E4B's or 31B's shapes per weight format (`--gemv`, `--gemv 31b`; one
-//! token row, or `--tokens N`), and
+//! token row, or `--tokens N`), the routed experts of one 26B-A4B layer (`--moe`, N tokens
+//! routed uniformly at random, as a trained router spreads them), and
 //! whole-model decode steps (one host wait each) of a synthetic Gemma 4 (random weights at a
 //! released variant's shapes) or a GGUF.
 //!
@@ -267,6 +268,88 @@ fn gemv_bandwidth(be: &CudaBackend, shapes: &LayerShapes, n: usize) {
     }
 }
 
+/// The routed experts of one 26B-A4B layer (`moe_ffn`: 128 experts 704 wide over a model
+/// width of 2 816, top 8) for `n` tokens whose experts are drawn uniformly at random (distinct
+/// per token, a fixed seed), per storage (gate/up, down): µs a call, the experts the tokens
+/// chose, and GB/s of those experts' weight bytes. The synthetic model's random router sends
+/// most tokens of a step to the same few experts, so its batched steps read far fewer.
+fn moe_bandwidth(be: &CudaBackend, n: usize) {
+    let (d, f, experts, top_k) = (2816, 704, 128, 8);
+    let mut seed = 11u64;
+    let mut next = |m: u64| {
+        seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (seed >> 33) % m
+    };
+    let mut ids = Vec::with_capacity(n * top_k);
+    for _ in 0..n {
+        let mut chosen: Vec<u64> = Vec::with_capacity(top_k);
+        while chosen.len() < top_k {
+            let e = next(experts as u64);
+            if !chosen.contains(&e) {
+                chosen.push(e);
+            }
+        }
+        ids.extend(chosen.iter().map(|&e| e as f32));
+    }
+    let mut used = ids.clone();
+    used.sort_by(f32::total_cmp);
+    used.dedup();
+    let weights: Vec<f32> = (0..n * top_k).map(|i| 0.1 + (i % 7) as f32 * 0.1).collect();
+    let upload = |v: &[f32]| {
+        let mut b = be.alloc(v.len()).unwrap();
+        be.write(v, &mut b).unwrap();
+        b
+    };
+    let (ids_b, weights_b) = (upload(&ids), upload(&weights));
+    let x = upload(
+        &(0..n * d)
+            .map(|i| ((i % 97) as f32 - 48.0) / 97.0)
+            .collect::<Vec<_>>(),
+    );
+    let mut out = be.alloc(n * d).unwrap();
+    println!(
+        "token rows: {n}, experts chosen: {} of {experts}",
+        used.len()
+    );
+    println!("| gate/up | down | µs | weight GB/s |");
+    println!("| --- | --- | ---: | ---: |");
+    for (gu_ty, down_ty) in [
+        (GgmlType::BF16, GgmlType::BF16),
+        (GgmlType::Q8_0, GgmlType::Q8_0),
+        (GgmlType::Q4_K, GgmlType::Q8_0),
+    ] {
+        let mut s = 5u64;
+        let gate_up = be
+            .load_matrix(&random_matrix(gu_ty, experts * 2 * f, d, &mut s))
+            .unwrap();
+        let down = be
+            .load_matrix(&random_matrix(down_ty, experts * d, f, &mut s))
+            .unwrap();
+        let expert_bytes = 2 * f * gu_ty.bytes_for(d).unwrap() + d * down_ty.bytes_for(f).unwrap();
+        let bytes = (used.len() * expert_bytes) as f64;
+        let mut run = || {
+            be.moe_ffn(
+                &x, n, &gate_up, &down, experts, top_k, &weights_b, &ids_b, &mut out,
+            )
+            .unwrap()
+        };
+        (0..4).for_each(|_| run());
+        be.synchronize().unwrap();
+        let reps = 50;
+        let t = Instant::now();
+        (0..reps).for_each(|_| run());
+        be.synchronize().unwrap();
+        let s = t.elapsed().as_secs_f64() / reps as f64;
+        println!(
+            "| {gu_ty} | {down_ty} | {:.1} | {:.0} |",
+            s * 1e6,
+            bytes / s / 1e9
+        );
+    }
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let steps = count_arg(&args, "--steps", 32, 0);
@@ -291,6 +374,9 @@ fn main() {
             _ => &E4B_LAYER,
         };
         gemv_bandwidth(&be, shapes, tokens);
+    }
+    if args.iter().any(|a| a == "--moe") {
+        moe_bandwidth(&be, tokens);
     }
     let nothing = |_: u64, _: u64| {};
     let t = Instant::now();
