@@ -74,6 +74,11 @@ const MAX_EXPERTS: usize = 256;
 /// at 64 tokens and in prefill (26B-A4B bf16, H200: tg32@b64 1 080 → 1 555 t/s, pp512 1 143 →
 /// 2 027); the threshold itself is not tuned. Decode of one sequence keeps the per-pair path.
 const MOE_GROUP_FROM: usize = 8;
+/// `MOE_GROUP_FROM` where the grouped products run on the tensor cores
+/// (`moe_on_tensor_cores`). Measured on the H200 (26B-A4B, `bench -p 0 -n 32`, per pair →
+/// grouped): one sequence bf16 294 → 259 t/s, Q8_0 258 → 231, Q4_K 267 → 244; two about even
+/// (bf16 403 → 393); four bf16 593 → 599, Q8_0 492 → 521, Q4_K 511 → 561.
+const MOE_MMA_GROUP_FROM: usize = 4;
 /// Pairs a grouped MoE block reads an expert's rows for: `MOE_TILE` in moe.cu.
 const MOE_TILE: usize = 8;
 
@@ -247,15 +252,24 @@ pub(crate) fn rounded_form(ty: GgmlType, cols: usize, n: usize, inputs: ProductI
 }
 
 /// Whether `moe_ffn` of `n` tokens over `n_experts` experts, `dim` wide with experts `width`
-/// wide, groups the pairs by expert (`MOE_GROUP_FROM`; rows of a width that is not a multiple
-/// of 8 — only plain-float ones can be — stay on the per-pair path, moe.cu's `moe_row_dot`).
-/// Both paths' expert products take their activations as GEMVs do
-/// (`gemv_takes_16_bit_activations`).
-pub fn moe_groups_pairs(n: usize, n_experts: usize, dim: usize, width: usize) -> bool {
-    n >= MOE_GROUP_FROM
-        && n_experts <= MAX_EXPERTS
-        && dim.is_multiple_of(8)
-        && width.is_multiple_of(8)
+/// wide, groups the pairs by expert (from `MOE_GROUP_FROM` tokens, `MOE_MMA_GROUP_FROM` where
+/// the grouped products run `on_tensor_cores`; rows of a width that is not a multiple of 8 —
+/// only plain-float ones can be — stay on the per-pair path, moe.cu's `moe_row_dot`). The
+/// per-pair products, and the grouped ones off the tensor cores, take their activations as
+/// GEMVs do (`gemv_takes_16_bit_activations`).
+pub fn moe_groups_pairs(
+    n: usize,
+    n_experts: usize,
+    dim: usize,
+    width: usize,
+    on_tensor_cores: bool,
+) -> bool {
+    let from = if on_tensor_cores {
+        MOE_MMA_GROUP_FROM
+    } else {
+        MOE_GROUP_FROM
+    };
+    n >= from && n_experts <= MAX_EXPERTS && dim.is_multiple_of(8) && width.is_multiple_of(8)
 }
 
 /// Most tiles (up to `MOE_TILE` pairs of one expert) `pairs` pairs over `n_experts` experts
@@ -679,8 +693,8 @@ impl CudaBackend {
         n: usize,
         gate_up: &CudaMatrix,
         down: &CudaMatrix,
-        n_experts: usize,
-        top_k: usize,
+        (n_experts, top_k): (usize, usize),
+        tensor_cores: bool,
         weights: &CudaBuffer,
         ids: &CudaBuffer,
         out: &mut CudaBuffer,
@@ -716,7 +730,7 @@ impl CudaBackend {
                 Arg::U64(self.err.ptr),
             ],
         )?;
-        if self.dev.capability().0 >= 8 && moe_on_tensor_cores(gate_up.ty, down.ty, d, f) {
+        if tensor_cores {
             // 16-bit slot rows at `rows` (the down outputs overwrite them once the gated
             // launch, their last reader, has finished), 16-bit gated activations at `h`.
             self.run(
@@ -2014,8 +2028,21 @@ impl Backend for CudaBackend {
         if pairs == 0 {
             return Ok(());
         }
-        if moe_groups_pairs(n, n_experts, d, f) {
-            return self.moe_ffn_grouped(x, n, gate_up, down, n_experts, top_k, weights, ids, out);
+        let tensor_cores =
+            self.dev.capability().0 >= 8 && moe_on_tensor_cores(gate_up.ty, down.ty, d, f);
+        if moe_groups_pairs(n, n_experts, d, f, tensor_cores) {
+            let experts = (n_experts, top_k);
+            return self.moe_ffn_grouped(
+                x,
+                n,
+                gate_up,
+                down,
+                experts,
+                tensor_cores,
+                weights,
+                ids,
+                out,
+            );
         }
         let mut s = self.scratch()?;
         let gu = s.floats.get(&self.dev.stream, pairs * 3 * f)?;

@@ -771,9 +771,9 @@ impl Experts {
     ) -> Vec<f32> {
         let (d, f) = (self.gate_up.cols, self.down.cols);
         let n = x.len() / d;
-        let mma = g.device().capability().0 >= 8
-            && moe_groups_pairs(n, self.n_experts, d, f)
+        let tensor_cores = g.device().capability().0 >= 8
             && moe_on_tensor_cores(self.gate_up.ty, self.down.ty, d, f);
+        let mma = tensor_cores && moe_groups_pairs(n, self.n_experts, d, f, true);
         let seen = |ty: GgmlType, v: &[f32]| {
             if mma {
                 round_16(ty, v)
@@ -891,7 +891,9 @@ fn moe_ffn_matches_reference_for_every_format() {
             for (n, n_experts, top_k, leave_out) in
                 [(3, 4, 2, false), (13, 3, 2, true), (16, 5, 3, false)]
             {
-                let grouped = moe_groups_pairs(n, n_experts, d, f);
+                let on_tensor_cores =
+                    g.device().capability().0 >= 8 && moe_on_tensor_cores(ty, ty, d, f);
+                let grouped = moe_groups_pairs(n, n_experts, d, f, on_tensor_cores);
                 assert_eq!(
                     grouped,
                     n > 3 && d % 8 == 0 && f % 8 == 0,
@@ -910,7 +912,7 @@ fn moe_ffn_matches_reference_for_every_format() {
                 // On the tensor cores the gated activations are rounded to 16 bits between
                 // the products, where a sum a rounding step apart flips one (as in the gated
                 // feed-forward test).
-                let tensor_cores = grouped && moe_on_tensor_cores(ty, ty, d, f);
+                let tensor_cores = grouped && on_tensor_cores;
                 assert_close(
                     &format!("moe_ffn {ty} d={d} f={f} n={n} experts={n_experts} top_k={top_k}"),
                     &got,
@@ -943,7 +945,7 @@ fn moe_ffn_reports_a_bad_expert_id_on_both_paths() {
     let (ty, d, f, n_experts, top_k) = (GgmlType::BF16, 264, 40, 4, 2);
     let experts = Experts::new(g, &mut r, ty, n_experts, d, f);
     for n in [3, 13] {
-        assert_eq!(moe_groups_pairs(n, n_experts, d, f), n == 13);
+        assert_eq!(moe_groups_pairs(n, n_experts, d, f, false), n == 13);
         for bad in [n_experts as f32, 1.5, -1.0, f32::NAN] {
             let x = uniform(&mut r, n * d, 1.0);
             let mut route: Vec<_> = moe_routes(&mut r, n, n_experts, top_k, None)
