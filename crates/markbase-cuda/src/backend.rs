@@ -681,11 +681,13 @@ impl CudaBackend {
     /// `moe_ffn` (arguments checked there) with the pairs grouped by expert on the device
     /// (moe.cu: `moe_group`, then the slots' token rows gathered, the gated activations of
     /// each tile of up to `MOE_TILE` pairs of one expert, its down products, and each token's
-    /// weighted sum of its pairs' outputs in pair order). Float scratch (D and F are
-    /// multiples of 8 here, so every row starts 32-byte aligned for the row-dot helpers'
-    /// float4 loads): the gathered rows [pairs, D] (then the down outputs, written after the
-    /// gate/up kernel, their last reader, has finished), the gated activations [pairs, F], and
-    /// the ints `order`, `slot_of` [pairs] and `tiles` [3 · most tiles] (moe.cu).
+    /// weighted sum of its pairs' outputs in pair order), the products on the tensor cores
+    /// where `tensor_cores` (moe_mma.rs) and as 8-token GEMVs otherwise. Float scratch (D
+    /// and F are multiples of 8 here, so every row starts 32-byte aligned for the row-dot
+    /// helpers' float4 loads): the gathered rows [pairs, D] (f32, or 16-bit for the tensor
+    /// cores; then the down outputs, written after the gate/up kernel, their last reader, has
+    /// finished), the gated activations [pairs, F] (f32 or 16-bit), and the ints `order`,
+    /// `slot_of` [pairs] and `tiles` [3 · most tiles] (moe.cu).
     #[allow(clippy::too_many_arguments)]
     fn moe_ffn_grouped(
         &self,
