@@ -136,6 +136,17 @@ fn random_matrix(ty: GgmlType, rows: usize, cols: usize, seed: &mut u64) -> Host
     }
 }
 
+/// Seconds a call of `run` (given its index) takes: 4 calls to warm up, then `reps` timed
+/// back to back, the queue drained before and after.
+fn seconds_per_call(be: &CudaBackend, reps: usize, mut run: impl FnMut(usize)) -> f64 {
+    (0..4).for_each(&mut run);
+    be.synchronize().unwrap();
+    let t = Instant::now();
+    (0..reps).for_each(&mut run);
+    be.synchronize().unwrap();
+    t.elapsed().as_secs_f64() / reps as f64
+}
+
 /// A layer's product shapes: model width, feed-forward width, query and key/value widths (a
 /// sliding layer's), per-layer-input width (0: none), and copies of the layer the timing
 /// cycles through so that repeated launches do not run from L2.
@@ -229,7 +240,7 @@ fn gemv_bandwidth(be: &CudaBackend, shapes: &LayerShapes, n: usize) {
             ]);
         }
         for &(name, weight_bytes, which) in &products {
-            let mut run = |i: usize| {
+            let run = |i: usize| {
                 let m = &layers[i % layers.len()];
                 match which {
                     0 => be
@@ -252,13 +263,7 @@ fn gemv_bandwidth(be: &CudaBackend, shapes: &LayerShapes, n: usize) {
                     _ => be.matmul(&x, n, &m[8], &mut a).unwrap(),
                 }
             };
-            (0..4).for_each(&mut run);
-            be.synchronize().unwrap();
-            let reps = 200;
-            let t = Instant::now();
-            (0..reps).for_each(&mut run);
-            be.synchronize().unwrap();
-            let s = t.elapsed().as_secs_f64() / reps as f64;
+            let s = seconds_per_call(be, 200, run);
             println!(
                 "| {ty} | {name} | {:.1} | {:.0} |",
                 s * 1e6,
@@ -271,8 +276,7 @@ fn gemv_bandwidth(be: &CudaBackend, shapes: &LayerShapes, n: usize) {
 /// The routed experts of one 26B-A4B layer (`moe_ffn`: 128 experts 704 wide over a model
 /// width of 2 816, top 8) for `n` tokens whose experts are drawn uniformly at random (distinct
 /// per token, a fixed seed), per storage (gate/up, down): µs a call, the experts the tokens
-/// chose, and GB/s of those experts' weight bytes. The synthetic model's random router sends
-/// most tokens of a step to the same few experts, so its batched steps read far fewer.
+/// chose, and GB/s of those experts' weight bytes.
 fn moe_bandwidth(be: &CudaBackend, n: usize) {
     let (d, f, experts, top_k) = (2816, 704, 128, 8);
     let mut seed = 11u64;
@@ -329,19 +333,13 @@ fn moe_bandwidth(be: &CudaBackend, n: usize) {
             .unwrap();
         let expert_bytes = 2 * f * gu_ty.bytes_for(d).unwrap() + d * down_ty.bytes_for(f).unwrap();
         let bytes = (used.len() * expert_bytes) as f64;
-        let mut run = || {
+        let run = |_| {
             be.moe_ffn(
                 &x, n, &gate_up, &down, experts, top_k, &weights_b, &ids_b, &mut out,
             )
             .unwrap()
         };
-        (0..4).for_each(|_| run());
-        be.synchronize().unwrap();
-        let reps = 50;
-        let t = Instant::now();
-        (0..reps).for_each(|_| run());
-        be.synchronize().unwrap();
-        let s = t.elapsed().as_secs_f64() / reps as f64;
+        let s = seconds_per_call(be, 50, run);
         println!(
             "| {gu_ty} | {down_ty} | {:.1} | {:.0} |",
             s * 1e6,

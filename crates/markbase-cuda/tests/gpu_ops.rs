@@ -201,19 +201,7 @@ fn as_seen(g: &CudaBackend, m: &HostMatrix, n: usize, x: &[f32]) -> (Vec<f32>, H
             {
                 return (xs, q4k_as_f16_fma(m));
             }
-            let w = reference::dequantize_matrix(m).unwrap();
-            let bytes: Vec<u8> = w
-                .iter()
-                .flat_map(|&v| f16::from_f32(v).to_le_bytes())
-                .collect();
-            let seen = HostMatrix {
-                name: format!("{} as f16", m.name),
-                ty: GgmlType::F16,
-                rows: m.rows,
-                cols: m.cols,
-                bytes: HostBytes::Owned(Arc::from(bytes)),
-            };
-            (xs, seen)
+            (xs, dequantized_as_f16(m))
         }
     }
 }
@@ -258,8 +246,13 @@ fn q4k_as_f16_fma(m: &HostMatrix) -> HostMatrix {
             "weight {i}: {a} as the kernel's f16, {e} dequantized"
         );
     }
+    f16_like(m, "the tensor cores' f16", &w)
+}
+
+/// An f16 matrix of `m`'s shape holding `w`, named `m` "as" `what`.
+fn f16_like(m: &HostMatrix, what: &str, w: &[f16]) -> HostMatrix {
     HostMatrix {
-        name: format!("{} as the tensor cores' f16", m.name),
+        name: format!("{} as {what}", m.name),
         ty: GgmlType::F16,
         rows: m.rows,
         cols: m.cols,
@@ -300,26 +293,23 @@ fn round_16(ty: GgmlType, x: &[f32]) -> Vec<f32> {
 }
 
 /// Expert weights as the MoE tensor-core products (moe_mma.cu) see them: bf16 and f16 as
-/// stored, Q4_K as `q4k_as_f16_fma`, other formats dequantized and rounded once to f16.
+/// stored, Q4_K as `q4k_as_f16_fma`, other formats as `dequantized_as_f16`.
 fn moe_weights_as_seen(m: &HostMatrix) -> HostMatrix {
     match m.ty {
         GgmlType::BF16 | GgmlType::F16 => m.clone(),
         GgmlType::Q4_K => q4k_as_f16_fma(m),
-        _ => {
-            let w = reference::dequantize_matrix(m).unwrap();
-            HostMatrix {
-                name: format!("{} as f16", m.name),
-                ty: GgmlType::F16,
-                rows: m.rows,
-                cols: m.cols,
-                bytes: HostBytes::Owned(Arc::from(
-                    w.iter()
-                        .flat_map(|&v| f16::from_f32(v).to_le_bytes())
-                        .collect::<Vec<u8>>(),
-                )),
-            }
-        }
+        _ => dequantized_as_f16(m),
     }
+}
+
+/// `m` dequantized by the reference, each weight rounded once to f16.
+fn dequantized_as_f16(m: &HostMatrix) -> HostMatrix {
+    let w: Vec<f16> = reference::dequantize_matrix(m)
+        .unwrap()
+        .into_iter()
+        .map(f16::from_f32)
+        .collect();
+    f16_like(m, "f16", &w)
 }
 
 /// Row widths to try for a format: odd widths for the plain formats, and long ones whose
