@@ -695,7 +695,8 @@ impl CudaBackend {
         n: usize,
         gate_up: &CudaMatrix,
         down: &CudaMatrix,
-        (n_experts, top_k): (usize, usize),
+        n_experts: usize,
+        top_k: usize,
         tensor_cores: bool,
         weights: &CudaBuffer,
         ids: &CudaBuffer,
@@ -2033,13 +2034,13 @@ impl Backend for CudaBackend {
         let tensor_cores =
             self.dev.capability().0 >= 8 && moe_on_tensor_cores(gate_up.ty, down.ty, d, f);
         if moe_groups_pairs(n, n_experts, d, f, tensor_cores) {
-            let experts = (n_experts, top_k);
             return self.moe_ffn_grouped(
                 x,
                 n,
                 gate_up,
                 down,
-                experts,
+                n_experts,
+                top_k,
                 tensor_cores,
                 weights,
                 ids,
