@@ -9,7 +9,9 @@
 #define MOE_MAX_PER_LANE 8  // up to 256 experts
 
 #if SHARED_KERNELS  // format-independent (quant.cuh)
-// One warp per token row of n_experts router logits.
+// One warp per token row of n_experts router logits (top_k ≤ 32): choice j is found by the
+// j-th butterfly over the lanes' remaining probabilities and kept by lane j, which then writes
+// its weight and id — every choice's scale read at once, no result read back.
 extern "C" __global__ void moe_route(const float* logits, int n, int n_experts, int top_k,
                                      const float* expert_scale, float* weights, float* ids) {
     wait_prior_grid();
@@ -37,7 +39,8 @@ extern "C" __global__ void moe_route(const float* logits, int n, int n_experts, 
 #pragma unroll
     for (int i = 0; i < MOE_MAX_PER_LANE; i++) p[i] = p[i] / sum;
     u32 taken = 0;  // bit i: expert lane + 32 i already chosen
-    float kept = 0.f;
+    float kept = 0.f, mine = 0.f;
+    int mine_e = 0;
     for (int j = 0; j < top_k; j++) {
         float best = -1.f;
         int best_e = 0x7fffffff;
@@ -60,18 +63,15 @@ extern "C" __global__ void moe_route(const float* logits, int n, int n_experts, 
         }
         if ((best_e & 31) == lane) taken |= 1u << (best_e >> 5);
         kept += best;
-        if (lane == 0) {
-            weights[(u64)t * top_k + j] = best;  // probability for now, scaled below
-            ids[(u64)t * top_k + j] = (float)best_e;
+        if (lane == j) {
+            mine = best;
+            mine_e = best_e;
         }
     }
-    __syncwarp();
-    if (lane == 0) {
-        for (int j = 0; j < top_k; j++) {
-            u64 o = (u64)t * top_k + j;
-            int e = (int)ids[o];
-            weights[o] = weights[o] / kept * expert_scale[e];
-        }
+    if (lane < top_k) {
+        u64 o = (u64)t * top_k + lane;
+        weights[o] = mine / kept * expert_scale[mine_e];
+        ids[o] = (float)mine_e;
     }
 }
 #endif  // SHARED_KERNELS
@@ -87,71 +87,59 @@ __device__ __forceinline__ int expert_of(const float* ids, u64 pair, int n_exper
     return e;
 }
 
-// gu[pair, r] = gate_up[e·2F + r, :] · x[pair / top_k, :] for r < 2F: one warp per output.
-// Grid: (ceil(2F / warps per block), pairs).
+// The per-pair path (a few tokens): each (token, expert) pair reads its expert's rows, and
+// every kernel spreads its work over the pairs, so no warp walks its token's experts one after
+// another.
+//
+// h[pair, i] = gelu_tanh(gate_e[i] · x[pair / top_k, :]) · (up_e[i] · x[pair / top_k, :]) for
+// i < F, gate_e[i] = gate_up[e·2F + i, :] and up_e[i] its row F + i (e the pair's expert; 0
+// for a bad id): one warp per row pair. Grid: (ceil(F / warps per block), pairs).
 template <int FMT>
-__device__ void moe_gate_up_impl(const u8* w, u64 row_bytes, int d, int f2, const float* x,
-                                 int top_k, int n_experts, const float* ids, float* gu, u32* err) {
+__device__ void moe_gate_up_impl(const u8* w, u64 row_bytes, int d, int f, const float* x,
+                                 int top_k, int n_experts, const float* ids, float* h, u32* err) {
+    int i = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    u64 pair = blockIdx.y;
+    bool active = i < f;
+    int e = expert_of(ids, pair, n_experts, err);  // the same for the whole block
+    float g[1] = {0.f}, u[1] = {0.f};
+    if (e >= 0) {
+        const u8* gate = w + ((u64)e * 2 * f + (active ? i : 0)) * row_bytes;
+        warp_row_pair_dot<FMT, 1>(active, gate, gate + (u64)f * row_bytes,
+                                  x + (pair / top_k) * d, d, 1, g, u);
+    }
+    if (active && (threadIdx.x & 31) == 0) h[pair * f + i] = gelu_tanh(g[0]) * u[0];
+}
+
+// y[pair, r] = down[e·D + r, :] · h[pair, :] for r < D (0 for a bad expert id): one warp per
+// output; moe_combine then adds each token's pairs. Grid: (ceil(D / warps per block), pairs).
+template <int FMT>
+__device__ void moe_down_impl(const u8* w, u64 row_bytes, int d, int f, const float* h,
+                              int n_experts, const float* ids, float* y, u32* err) {
     int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     u64 pair = blockIdx.y;
-    bool active = r < f2;
+    bool active = r < d;
     int e = expert_of(ids, pair, n_experts, err);  // the same for the whole block
     float acc[1] = {0.f};
     if (e >= 0)
-        warp_row_dot<FMT, 1>(active, w + ((u64)e * f2 + (active ? r : 0)) * row_bytes,
-                             x + (pair / top_k) * d, d, 1, acc);
-    if (active && (threadIdx.x & 31) == 0) gu[pair * f2 + r] = acc[0];
-}
-
-// out[t, r] = Σ_j weights[t, j] · down[e_j·D + r, :] · h[t·top_k + j, :]: one warp per output.
-// Grid: (ceil(D / warps per block), tokens).
-template <int FMT>
-__device__ void moe_down_impl(const u8* w, u64 row_bytes, int d, int f, const float* h,
-                              int top_k, int n_experts, const float* weights, const float* ids,
-                              float* out, u32* err) {
-    int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    u64 t = blockIdx.y;
-    bool active = r < d;
-    float total = 0.f;
-    for (int j = 0; j < top_k; j++) {
-        u64 pair = t * top_k + j;
-        int e = expert_of(ids, pair, n_experts, err);  // the same for the whole block
-        if (e < 0) continue;
-        float acc[1];
         warp_row_dot<FMT, 1>(active, w + ((u64)e * d + (active ? r : 0)) * row_bytes,
                              h + pair * f, f, 1, acc);
-        total += weights[pair] * acc[0];
-    }
-    if (active && (threadIdx.x & 31) == 0) out[t * d + r] = total;
+    if (active && (threadIdx.x & 31) == 0) y[pair * d + r] = acc[0];
 }
 
-#define MOE_KERNELS(S, F)                                                                       \
-    extern "C" __global__ void moe_gate_up_##S(const u8* w, u64 row_bytes, int d, int f2,       \
-                                               const float* x, int top_k, int n_experts,        \
-                                               const float* ids, float* gu, u32* err) {         \
-        wait_prior_grid();                                                                      \
-        moe_gate_up_impl<F>(w, row_bytes, d, f2, x, top_k, n_experts, ids, gu, err);            \
-    }                                                                                           \
-    extern "C" __global__ void moe_down_##S(const u8* w, u64 row_bytes, int d, int f,           \
-                                            const float* h, int top_k, int n_experts,           \
-                                            const float* weights, const float* ids, float* out, \
-                                            u32* err) {                                         \
-        wait_prior_grid();                                                                      \
-        moe_down_impl<F>(w, row_bytes, d, f, h, top_k, n_experts, weights, ids, out, err);      \
+#define MOE_KERNELS(S, F)                                                                      \
+    extern "C" __global__ void moe_gate_up_##S(const u8* w, u64 row_bytes, int d, int f,       \
+                                               const float* x, int top_k, int n_experts,       \
+                                               const float* ids, float* h, u32* err) {         \
+        wait_prior_grid();                                                                     \
+        moe_gate_up_impl<F>(w, row_bytes, d, f, x, top_k, n_experts, ids, h, err);             \
+    }                                                                                          \
+    extern "C" __global__ void moe_down_##S(const u8* w, u64 row_bytes, int d, int f,          \
+                                            const float* h, int n_experts, const float* ids,   \
+                                            float* y, u32* err) {                              \
+        wait_prior_grid();                                                                     \
+        moe_down_impl<F>(w, row_bytes, d, f, h, n_experts, ids, y, err);                       \
     }
 FOR_EACH_FORMAT(MOE_KERNELS)
-
-#if SHARED_KERNELS  // format-independent (quant.cuh)
-// h[pair, i] = gelu_tanh(gu[pair, i]) · gu[pair, F + i] for i < F. Grid: (ceil(F / block), pairs).
-extern "C" __global__ void moe_act(const float* gu, int f, float* h) {
-    wait_prior_grid();
-    int i = blockIdx.x * blockDim.x + threadIdx.x;
-    u64 pair = blockIdx.y;
-    if (i >= f) return;
-    const float* g = gu + pair * 2 * f;
-    h[pair * f + i] = gelu_tanh(g[i]) * g[f + i];
-}
-#endif  // SHARED_KERNELS
 
 // ---- Grouped path. The pairs (pair p = t·top_k + j: token t's j-th expert) are sorted by
 // expert into "slots" — expert 0's pairs first, each expert's in pair order, so every result
@@ -351,19 +339,20 @@ FOR_EACH_FORMAT(MOE_GROUPED_KERNELS)
 
 #if SHARED_KERNELS  // format-independent (quant.cuh)
 // out[t, r] = Σ_j weights[t·top_k + j] · y[slot_of[t·top_k + j], r], j in order (a pair with
-// a bad expert id adds nothing). One block per token.
+// a bad expert id adds nothing); without slot_of (the per-pair path) pair p's row is y's row p.
+// A thread per output, its token's pairs read at once. Grid: (ceil(D / block), tokens).
 extern "C" __global__ void moe_combine(const float* y, int d, int top_k, const float* weights,
                                        const int* slot_of, float* out) {
     wait_prior_grid();
-    u64 t = blockIdx.x;
-    for (int r = threadIdx.x; r < d; r += blockDim.x) {
-        float total = 0.f;
-        for (int j = 0; j < top_k; j++) {
-            u64 pair = t * top_k + j;
-            int s = slot_of[pair];
-            if (s >= 0) total += weights[pair] * y[(u64)s * d + r];
-        }
-        out[t * d + r] = total;
+    u64 t = blockIdx.y;
+    int r = blockIdx.x * blockDim.x + threadIdx.x;
+    if (r >= d) return;
+    float total = 0.f;
+    for (int j = 0; j < top_k; j++) {
+        u64 pair = t * top_k + j;
+        int s = slot_of ? slot_of[pair] : (int)pair;
+        if (s >= 0) total += weights[pair] * y[(u64)s * d + r];
     }
+    out[t * d + r] = total;
 }
 #endif  // SHARED_KERNELS

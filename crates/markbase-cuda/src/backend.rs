@@ -64,6 +64,11 @@ const MAX_HEAD_DIM: usize = 512;
 /// Most experts `moe_route` handles (8 per lane), and the grouped `moe_ffn`: `moe_group`
 /// takes a thread per expert, a block of this many threads (`MOE_MAX_EXPERTS` in moe.cu).
 const MAX_EXPERTS: usize = 256;
+/// Most blocks a grid's second dimension holds (CUDA's limit): `moe_ffn`'s tokens and
+/// pairs.
+const MAX_GRID_Y: usize = 65_535;
+/// Most experts `moe_route` chooses for a token (a lane keeps each choice).
+const MAX_TOP_K: usize = 32;
 /// Tokens from which `moe_ffn` groups the (token, expert) pairs by expert on the device and
 /// reads an expert's rows once for up to `MOE_TILE` of its pairs; with fewer, each pair reads
 /// its expert's rows. Grouping costs two more launches (one of them a single block) and
@@ -704,7 +709,7 @@ impl CudaBackend {
     ) -> Result<()> {
         let (d, f, pairs) = (gate_up.cols, down.cols, n * top_k);
         let most_tiles = moe_most_tiles(pairs, n_experts);
-        if most_tiles > 65_535 {
+        if most_tiles > MAX_GRID_Y {
             return Err(Error::Invalid(format!(
                 "cuda moe_ffn: {pairs} pairs need a grid of {most_tiles} tiles (at most 65 535)"
             )));
@@ -788,7 +793,7 @@ impl CudaBackend {
         self.run(
             Module::Moe,
             "moe_combine",
-            Grid::new((int("tokens", n)? as u32, 1), 256),
+            Grid::new((blocks(d, 256), n as u32), 256),
             &[
                 Arg::U64(rows),
                 Arg::I32(di),
@@ -1976,9 +1981,10 @@ impl Backend for CudaBackend {
         weights: &mut CudaBuffer,
         ids: &mut CudaBuffer,
     ) -> Result<()> {
-        if top_k == 0 || top_k > n_experts || n_experts > MAX_EXPERTS {
+        if top_k == 0 || top_k > n_experts || n_experts > MAX_EXPERTS || top_k > MAX_TOP_K {
             return Err(Error::Invalid(format!(
-                "cuda moe_route: top {top_k} of {n_experts} experts (at most {MAX_EXPERTS})"
+                "cuda moe_route: top {top_k} of {n_experts} experts (at most top {MAX_TOP_K} of \
+                 {MAX_EXPERTS})"
             )));
         }
         need("moe_route logits", logits.len(), n * n_experts)?;
@@ -2031,6 +2037,11 @@ impl Backend for CudaBackend {
         if pairs == 0 {
             return Ok(());
         }
+        if n > MAX_GRID_Y {
+            return Err(Error::Invalid(format!(
+                "cuda moe_ffn: {n} tokens in one call (at most {MAX_GRID_Y}: a grid row each)"
+            )));
+        }
         let tensor_cores =
             self.dev.capability().0 >= 8 && moe_on_tensor_cores(gate_up.ty, down.ty, d, f);
         if moe_groups_pairs(n, n_experts, d, f, tensor_cores) {
@@ -2047,49 +2058,63 @@ impl Backend for CudaBackend {
                 out,
             );
         }
+        // Per pair: the gated activations [pairs, F], then its expert's outputs [pairs, D].
         let mut s = self.scratch()?;
-        let gu = s.floats.get(&self.dev.stream, pairs * 3 * f)?;
-        let h = gu + 4 * (pairs * 2 * f) as u64;
+        let h = s.floats.get(&self.dev.stream, pairs * (f + d))?;
+        let y = h + 4 * (pairs * f) as u64;
+        let (di, fi) = (int("dim", d)?, int("expert width", f)?);
+        if pairs > MAX_GRID_Y {
+            return Err(Error::Invalid(format!(
+                "cuda moe_ffn: {pairs} (token, expert) pairs of rows {d} and {f} wide in one \
+                 call (at most {MAX_GRID_Y} where rows are not whole multiples of 8)"
+            )));
+        }
+        let pairs_i = pairs as u32;
         let err = self.err.ptr;
         self.launch_fn(
             &self
                 .kernels
                 .func_for(Module::Moe, "moe_gate_up", gate_up.ty, 0)?,
-            Grid::new((blocks(2 * f, 8), int("pairs", pairs)? as u32), 256),
+            Grid::new((blocks(f, 8), pairs_i), 256),
             &[
                 Arg::U64(gate_up.ptr),
                 Arg::U64(gate_up.row_bytes as u64),
-                Arg::I32(int("dim", d)?),
-                Arg::I32(int("expert rows", 2 * f)?),
+                Arg::I32(di),
+                Arg::I32(fi),
                 Arg::U64(x.ptr),
                 Arg::I32(top_k as i32),
                 Arg::I32(n_experts as i32),
                 Arg::U64(ids.ptr),
-                Arg::U64(gu),
+                Arg::U64(h),
+                Arg::U64(err),
+            ],
+        )?;
+        self.launch_fn(
+            &self.kernels.func_for(Module::Moe, "moe_down", down.ty, 0)?,
+            Grid::new((blocks(d, 8), pairs_i), 256),
+            &[
+                Arg::U64(down.ptr),
+                Arg::U64(down.row_bytes as u64),
+                Arg::I32(di),
+                Arg::I32(fi),
+                Arg::U64(h),
+                Arg::I32(n_experts as i32),
+                Arg::U64(ids.ptr),
+                Arg::U64(y),
                 Arg::U64(err),
             ],
         )?;
         self.run(
             Module::Moe,
-            "moe_act",
-            Grid::new((blocks(f, 256), pairs as u32), 256),
-            &[Arg::U64(gu), Arg::I32(f as i32), Arg::U64(h)],
-        )?;
-        self.launch_fn(
-            &self.kernels.func_for(Module::Moe, "moe_down", down.ty, 0)?,
-            Grid::new((blocks(d, 8), int("tokens", n)? as u32), 256),
+            "moe_combine",
+            Grid::new((blocks(d, 256), n as u32), 256),
             &[
-                Arg::U64(down.ptr),
-                Arg::U64(down.row_bytes as u64),
-                Arg::I32(d as i32),
-                Arg::I32(f as i32),
-                Arg::U64(h),
+                Arg::U64(y),
+                Arg::I32(di),
                 Arg::I32(top_k as i32),
-                Arg::I32(n_experts as i32),
                 Arg::U64(weights.ptr),
-                Arg::U64(ids.ptr),
+                Arg::U64(0),
                 Arg::U64(out.ptr),
-                Arg::U64(err),
             ],
         )
     }

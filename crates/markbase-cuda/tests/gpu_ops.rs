@@ -850,6 +850,50 @@ fn moe_routes(
 }
 
 #[test]
+fn moe_route_matches_reference() {
+    let g = gpu_or_skip!();
+    let mut r = rng("moe_route");
+    // 26B-A4B's 128 experts, top 8, for one token and a batch; 40 experts (a lane's last
+    // slots partly past the count), top 3; 256 experts, top 32 (every lane keeps a choice).
+    for (n, n_experts, top_k) in [(1, 128, 8), (37, 128, 8), (5, 40, 3), (3, 256, 32)] {
+        let logits = uniform(&mut r, n * n_experts, 4.0);
+        let scale: Vec<f32> = (0..n_experts).map(|_| r.random_range(0.5f32..2.0)).collect();
+        let (mut weights, mut ids) = (poisoned(g, n * top_k), poisoned(g, n * top_k));
+        g.moe_route(
+            &up(g, &logits),
+            n,
+            n_experts,
+            top_k,
+            &up(g, &scale),
+            &mut weights,
+            &mut ids,
+        )
+        .unwrap();
+        let want = reference::moe_route(&logits, n_experts, top_k, &scale);
+        let what = format!("moe_route n={n} experts={n_experts} top_k={top_k}");
+        let got_ids: Vec<usize> = down(g, &ids, n * top_k).iter().map(|&e| e as usize).collect();
+        let want_ids: Vec<usize> = want.iter().map(|&(_, e)| e).collect();
+        assert_eq!(got_ids, want_ids, "{what}: experts chosen");
+        let want_w: Vec<f32> = want.iter().map(|&(w, _)| w).collect();
+        assert_close(&what, &down(g, &weights, n * top_k), &want_w, 1e-5);
+    }
+    // More choices than lanes is a clear error, not a wrong answer.
+    let (mut weights, mut ids) = (poisoned(g, 33), poisoned(g, 33));
+    let err = g
+        .moe_route(
+            &up(g, &[0.0; 64]),
+            1,
+            64,
+            33,
+            &up(g, &[1.0; 64]),
+            &mut weights,
+            &mut ids,
+        )
+        .unwrap_err();
+    assert!(err.to_string().contains("top 33 of 64"), "{err}");
+}
+
+#[test]
 fn moe_ffn_matches_reference_for_every_format() {
     let g = gpu_or_skip!();
     let mut r = rng("moe_ffn");
