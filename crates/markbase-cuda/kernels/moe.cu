@@ -93,10 +93,12 @@ __device__ __forceinline__ int expert_of(const float* ids, u64 pair, int n_exper
 //
 // h[pair, i] = gelu_tanh(gate_e[i] · x[pair / top_k, :]) · (up_e[i] · x[pair / top_k, :]) for
 // i < F, gate_e[i] = gate_up[e·2F + i, :] and up_e[i] its row F + i (e the pair's expert; 0
-// for a bad id): one warp per row pair. Grid: (ceil(F / warps per block), pairs).
+// for a bad id), as floats (h_kind 0) or rounded_bits(h_kind, ·) for a down product on the
+// tensor cores: one warp per row pair. Grid: (ceil(F / warps per block), pairs).
 template <int FMT>
 __device__ void moe_gate_up_impl(const u8* w, u64 row_bytes, int d, int f, const float* x,
-                                 int top_k, int n_experts, const float* ids, float* h, u32* err) {
+                                 int top_k, int n_experts, const float* ids, int h_kind, void* h,
+                                 u32* err) {
     int i = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     u64 pair = blockIdx.y;
     bool active = i < f;
@@ -107,7 +109,13 @@ __device__ void moe_gate_up_impl(const u8* w, u64 row_bytes, int d, int f, const
         warp_row_pair_dot<FMT, 1>(active, gate, gate + (u64)f * row_bytes,
                                   x + (pair / top_k) * d, d, 1, g, u);
     }
-    if (active && (threadIdx.x & 31) == 0) h[pair * f + i] = gelu_tanh(g[0]) * u[0];
+    if (active && (threadIdx.x & 31) == 0) {
+        const float v = gelu_tanh(g[0]) * u[0];
+        if (h_kind)
+            ((u16*)h)[pair * f + i] = rounded_bits(h_kind, v);
+        else
+            ((float*)h)[pair * f + i] = v;
+    }
 }
 
 // y[pair, r] = down[e·D + r, :] · h[pair, :] for r < D (0 for a bad expert id): one warp per
@@ -129,9 +137,10 @@ __device__ void moe_down_impl(const u8* w, u64 row_bytes, int d, int f, const fl
 #define MOE_KERNELS(S, F)                                                                      \
     extern "C" __global__ void moe_gate_up_##S(const u8* w, u64 row_bytes, int d, int f,       \
                                                const float* x, int top_k, int n_experts,       \
-                                               const float* ids, float* h, u32* err) {         \
+                                               const float* ids, int h_kind, void* h,          \
+                                               u32* err) {                                     \
         wait_prior_grid();                                                                     \
-        moe_gate_up_impl<F>(w, row_bytes, d, f, x, top_k, n_experts, ids, h, err);             \
+        moe_gate_up_impl<F>(w, row_bytes, d, f, x, top_k, n_experts, ids, h_kind, h, err);     \
     }                                                                                          \
     extern "C" __global__ void moe_down_##S(const u8* w, u64 row_bytes, int d, int f,          \
                                             const float* h, int n_experts, const float* ids,   \

@@ -137,15 +137,23 @@ struct MoeQ4k {
 // 8τ .. 8τ + 7 of `rows` (the expert's gate rows then its up rows, 2·rows of them) as
 // rounded_bits(out_kind, gelu_tanh(gate) · up) into the u16 rows [slot][rows]; otherwise rows
 // 16τ .. 16τ + 15 of the expert's `rows` as floats into [slot][rows]. x: the slots' 16-bit
-// activation rows, k values each (k a multiple of 64).
+// activation rows, k values each (k a multiple of 64). Without `tiles` (the per-pair path)
+// tile p is pair p alone, its expert ids[p] (a bad id: outputs of 0).
 template <class W>
 __device__ void moe_mma_impl(const u8* w, u64 row_bytes, int k, int rows, const u16* x,
-                             const int* tiles, int gated, int out_kind, void* out) {
+                             const int* tiles, const float* ids, int n_experts, u32* err,
+                             int gated, int out_kind, void* out) {
     constexpr int D = MOE_MMA_AHEAD;
     wait_prior_grid();
-    const int* tile = tiles + 3 * blockIdx.y;
-    const int e = tile[0], s0 = tile[1], nt = tile[2];
-    if (nt == 0) return;  // the whole block: past the last tile
+    int e, s0, nt, units = k >> 6;
+    if (tiles) {
+        const int* tile = tiles + 3 * blockIdx.y;
+        e = tile[0], s0 = tile[1], nt = tile[2];
+        if (nt == 0) return;  // the whole block: past the last tile
+    } else {
+        e = expert_of(ids, blockIdx.y, n_experts, err), s0 = blockIdx.y, nt = 1;
+        if (e < 0) e = 0, units = 0;  // no products: every output 0
+    }
     const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
     const int tau = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const int per = gated ? 8 : 16;
@@ -155,7 +163,6 @@ __device__ void moe_mma_impl(const u8* w, u64 row_bytes, int k, int rows, const 
     const u8* lo = base + (u64)rl * row_bytes;
     const u8* hi = base + (u64)rh * row_bytes;
     const u16* xt = x + (u64)(s0 + min(g, nt - 1)) * k;
-    const int units = k >> 6;
 
     typename W::Unit a[D][2];
 #pragma unroll
@@ -213,12 +220,14 @@ __device__ void moe_mma_impl(const u8* w, u64 row_bytes, int k, int rows, const 
 }
 
 // The kernels moe_mma_<format>: blocks of 256 threads (8 warps, each a tile of rows), grid
-// (row blocks, most tiles).
+// (row blocks, most tiles or pairs).
 #define MOE_MMA_KERNEL(SUFFIX, W)                                                              \
     extern "C" __global__ void __launch_bounds__(256)                                          \
         moe_mma_##SUFFIX(const u8* w, u64 row_bytes, int k, int rows, const u16* x,           \
-                         const int* tiles, int gated, int out_kind, void* out) {               \
-        moe_mma_impl<W>(w, row_bytes, k, rows, x, tiles, gated, out_kind, out);               \
+                         const int* tiles, const float* ids, int n_experts, u32* err,          \
+                         int gated, int out_kind, void* out) {                                 \
+        moe_mma_impl<W>(w, row_bytes, k, rows, x, tiles, ids, n_experts, err, gated, out_kind, \
+                        out);                                                                  \
     }
 #if FORMAT_bf16
 MOE_MMA_KERNEL(bf16, MoePlain<true>)

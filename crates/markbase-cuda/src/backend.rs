@@ -24,7 +24,7 @@ use crate::gemv_walk::HALVES_WALK_MIN_ROWS;
 use crate::graph::{DeviceCopy, Op, Steps};
 use crate::kernels::{Arg, AttnArgs, Grid, Kernels, Launch, ProductArgs, MAX_PRODUCTS};
 use crate::mmq::{mma_suits, mmq_rows, Job, TICKETS as MMQ_TICKETS};
-use crate::moe_mma::{activation_kind, moe_on_tensor_cores, MoeOutput};
+use crate::moe_mma::{activation_kind, moe_on_tensor_cores, MoeOutput, MoeTiles};
 use crate::rounded::{CopyForm, QueueCount, RoundTarget, RoundedCopy, ROUND_Q4K_TILES};
 use crate::sources::Module;
 
@@ -755,8 +755,12 @@ impl CudaBackend {
                 ],
             )?;
             let gated = MoeOutput::Gated(activation_kind(down.ty));
-            self.moe_mma(gate_up, f, rows, tiles, most_tiles, gated, h)?;
-            self.moe_mma(down, d, h, tiles, most_tiles, MoeOutput::Plain, rows)?;
+            let grouped = || MoeTiles::Grouped {
+                tiles,
+                most: most_tiles,
+            };
+            self.moe_mma(gate_up, f, rows, grouped(), gated, h)?;
+            self.moe_mma(down, d, h, grouped(), MoeOutput::Plain, rows)?;
         } else {
             self.run(
                 Module::Moe,
@@ -2058,7 +2062,8 @@ impl Backend for CudaBackend {
                 out,
             );
         }
-        // Per pair: the gated activations [pairs, F], then its expert's outputs [pairs, D].
+        // Per pair: the gated activations [pairs, F] (16-bit where the down product runs on
+        // the tensor cores), then its expert's outputs [pairs, D].
         let mut s = self.scratch()?;
         let h = s.floats.get(&self.dev.stream, pairs * (f + d))?;
         let y = h + 4 * (pairs * f) as u64;
@@ -2071,6 +2076,11 @@ impl Backend for CudaBackend {
         }
         let pairs_i = pairs as u32;
         let err = self.err.ptr;
+        let h_kind = if tensor_cores {
+            activation_kind(down.ty)
+        } else {
+            0
+        };
         self.launch_fn(
             &self
                 .kernels
@@ -2085,25 +2095,36 @@ impl Backend for CudaBackend {
                 Arg::I32(top_k as i32),
                 Arg::I32(n_experts as i32),
                 Arg::U64(ids.ptr),
+                Arg::I32(h_kind),
                 Arg::U64(h),
                 Arg::U64(err),
             ],
         )?;
-        self.launch_fn(
-            &self.kernels.func_for(Module::Moe, "moe_down", down.ty, 0)?,
-            Grid::new((blocks(d, 8), pairs_i), 256),
-            &[
-                Arg::U64(down.ptr),
-                Arg::U64(down.row_bytes as u64),
-                Arg::I32(di),
-                Arg::I32(fi),
-                Arg::U64(h),
-                Arg::I32(n_experts as i32),
-                Arg::U64(ids.ptr),
-                Arg::U64(y),
-                Arg::U64(err),
-            ],
-        )?;
+        if tensor_cores {
+            let per_pair = MoeTiles::PerPair {
+                ids: ids.ptr,
+                pairs,
+                n_experts,
+                err,
+            };
+            self.moe_mma(down, d, h, per_pair, MoeOutput::Plain, y)?;
+        } else {
+            self.launch_fn(
+                &self.kernels.func_for(Module::Moe, "moe_down", down.ty, 0)?,
+                Grid::new((blocks(d, 8), pairs_i), 256),
+                &[
+                    Arg::U64(down.ptr),
+                    Arg::U64(down.row_bytes as u64),
+                    Arg::I32(di),
+                    Arg::I32(fi),
+                    Arg::U64(h),
+                    Arg::I32(n_experts as i32),
+                    Arg::U64(ids.ptr),
+                    Arg::U64(y),
+                    Arg::U64(err),
+                ],
+            )?;
+        }
         self.run(
             Module::Moe,
             "moe_combine",

@@ -41,6 +41,21 @@ pub(crate) fn activation_kind(ty: GgmlType) -> i32 {
     }
 }
 
+/// Which pairs share an expert product launch's tiles.
+pub(crate) enum MoeTiles {
+    /// moe_group's tiles at this device address: up to 8 pairs of one expert each, `most` of
+    /// them at most (the grid's height; blocks past the last tile exit).
+    Grouped { tiles: u64, most: usize },
+    /// One tile a pair, its expert read from the f32 ids at `ids` (a bad id raises the error
+    /// word at `err` and gives outputs of 0).
+    PerPair {
+        ids: u64,
+        pairs: usize,
+        n_experts: usize,
+        err: u64,
+    },
+}
+
 /// What one expert product launch stores.
 pub(crate) enum MoeOutput {
     /// gelu_tanh(gate) · up of the gated matrix's `rows` outputs, as 16-bit values of the kind
@@ -51,17 +66,15 @@ pub(crate) enum MoeOutput {
 }
 
 impl CudaBackend {
-    /// One expert product on the tensor cores for every tile of `tiles` (`most_tiles` of them,
-    /// moe_group's): `w` stacks the experts (each 2·`rows` rows when gated, else `rows`), `x`
-    /// holds the slots' 16-bit activation rows (`w.cols` values each), `out` gets [slot][rows].
-    #[allow(clippy::too_many_arguments)]
+    /// One expert product on the tensor cores for every tile of `tiles`: `w` stacks the
+    /// experts (each 2·`rows` rows when gated, else `rows`), `x` holds the slots' (the pairs')
+    /// 16-bit activation rows (`w.cols` values each), `out` gets [slot][rows].
     pub(crate) fn moe_mma(
         &self,
         w: &CudaMatrix,
         rows: usize,
         x: u64,
-        tiles: u64,
-        most_tiles: usize,
+        tiles: MoeTiles,
         output: MoeOutput,
         out: u64,
     ) -> Result<()> {
@@ -69,11 +82,20 @@ impl CudaBackend {
             MoeOutput::Gated(kind) => (1, kind, 8),
             MoeOutput::Plain => (0, 0, 16),
         };
+        let (tiles, height, ids, n_experts, err) = match tiles {
+            MoeTiles::Grouped { tiles, most } => (tiles, most, 0, 0, 0),
+            MoeTiles::PerPair {
+                ids,
+                pairs,
+                n_experts,
+                err,
+            } => (0, pairs, ids, n_experts, err),
+        };
         let blocks = rows.div_ceil(per_warp).div_ceil(BLOCK_WARPS);
         self.launch_fn(
             &self.kernels.func_for(Module::Moe, "moe_mma", w.ty, 0)?,
             Grid::new(
-                (int("row blocks", blocks)? as u32, most_tiles as u32),
+                (int("row blocks", blocks)? as u32, height as u32),
                 32 * BLOCK_WARPS as u32,
             ),
             &[
@@ -83,6 +105,9 @@ impl CudaBackend {
                 Arg::I32(int("expert rows", rows)?),
                 Arg::U64(x),
                 Arg::U64(tiles),
+                Arg::U64(ids),
+                Arg::I32(int("experts", n_experts)?),
+                Arg::U64(err),
                 Arg::I32(gated),
                 Arg::I32(kind),
                 Arg::U64(out),

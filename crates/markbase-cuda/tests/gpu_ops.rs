@@ -749,9 +749,10 @@ impl Experts {
 
     /// `moe_ffn` on the reference twins: token t adds w · expert_e(x_t) for each (w, e) of its
     /// `top_k` routes (e = None: a bad id, which adds nothing). The products see their inputs
-    /// as `g` takes them for `n` tokens: on the tensor cores (`moe_on_tensor_cores`, grouped
-    /// pairs) activations rounded to 16 bits and weights as `moe_weights_as_seen`; otherwise
-    /// as GEMVs, which take them as 16-bit integers where `gemv_takes_16_bit_activations`.
+    /// as `g` takes them for `n` tokens: on the tensor cores (`moe_on_tensor_cores`: the down
+    /// products, and the gate/up products of grouped pairs) activations rounded to 16 bits
+    /// and weights as `moe_weights_as_seen`; otherwise as GEMVs, which take them as 16-bit
+    /// integers where `gemv_takes_16_bit_activations`.
     fn reference(
         &self,
         g: &CudaBackend,
@@ -763,8 +764,10 @@ impl Experts {
         let n = x.len() / d;
         let tensor_cores = g.device().capability().0 >= 8
             && moe_on_tensor_cores(self.gate_up.ty, self.down.ty, d, f);
-        let mma = tensor_cores && moe_groups_pairs(n, self.n_experts, d, f, true);
-        let seen = |ty: GgmlType, v: &[f32]| {
+        // The down products run on the tensor cores on both paths, the gate/up products only
+        // for grouped pairs (one pair's are GEMVs).
+        let gate_up_mma = tensor_cores && moe_groups_pairs(n, self.n_experts, d, f, true);
+        let seen = |mma: bool, ty: GgmlType, v: &[f32]| {
             if mma {
                 round_16(ty, v)
             } else if gemv_takes_16_bit_activations(ty, v.len()) {
@@ -773,22 +776,29 @@ impl Experts {
                 v.to_vec()
             }
         };
-        let (gate_up, down) = if mma {
-            (
-                moe_weights_as_seen(&self.gate_up),
-                moe_weights_as_seen(&self.down),
-            )
-        } else {
-            (self.gate_up.clone(), self.down.clone())
+        let as_seen = |mma: bool, m: &HostMatrix| {
+            if mma {
+                moe_weights_as_seen(m)
+            } else {
+                m.clone()
+            }
         };
+        let (gate_up, down) = (
+            as_seen(gate_up_mma, &self.gate_up),
+            as_seen(tensor_cores, &self.down),
+        );
         let mut want = vec![0f32; x.len()];
         for (t, routes) in route.chunks(top_k).enumerate() {
-            let xt = seen(self.gate_up.ty, &x[t * d..(t + 1) * d]);
+            let xt = seen(gate_up_mma, self.gate_up.ty, &x[t * d..(t + 1) * d]);
             for &(w, e) in routes {
                 let Some(e) = e else { continue };
                 let gate = reference::matmul(&xt, 1, &rows_of(&gate_up, e * 2 * f, f)).unwrap();
                 let upv = reference::matmul(&xt, 1, &rows_of(&gate_up, e * 2 * f + f, f)).unwrap();
-                let h = seen(self.down.ty, &reference::gelu_tanh_mul(&gate, &upv));
+                let h = seen(
+                    tensor_cores,
+                    self.down.ty,
+                    &reference::gelu_tanh_mul(&gate, &upv),
+                );
                 let y = reference::matmul(&h, 1, &rows_of(&down, e * d, d)).unwrap();
                 for (o, v) in want[t * d..(t + 1) * d].iter_mut().zip(y) {
                     *o += w * v;
@@ -857,7 +867,9 @@ fn moe_route_matches_reference() {
     // slots partly past the count), top 3; 256 experts, top 32 (every lane keeps a choice).
     for (n, n_experts, top_k) in [(1, 128, 8), (37, 128, 8), (5, 40, 3), (3, 256, 32)] {
         let logits = uniform(&mut r, n * n_experts, 4.0);
-        let scale: Vec<f32> = (0..n_experts).map(|_| r.random_range(0.5f32..2.0)).collect();
+        let scale: Vec<f32> = (0..n_experts)
+            .map(|_| r.random_range(0.5f32..2.0))
+            .collect();
         let (mut weights, mut ids) = (poisoned(g, n * top_k), poisoned(g, n * top_k));
         g.moe_route(
             &up(g, &logits),
@@ -871,7 +883,10 @@ fn moe_route_matches_reference() {
         .unwrap();
         let want = reference::moe_route(&logits, n_experts, top_k, &scale);
         let what = format!("moe_route n={n} experts={n_experts} top_k={top_k}");
-        let got_ids: Vec<usize> = down(g, &ids, n * top_k).iter().map(|&e| e as usize).collect();
+        let got_ids: Vec<usize> = down(g, &ids, n * top_k)
+            .iter()
+            .map(|&e| e as usize)
+            .collect();
         let want_ids: Vec<usize> = want.iter().map(|&(_, e)| e).collect();
         assert_eq!(got_ids, want_ids, "{what}: experts chosen");
         let want_w: Vec<f32> = want.iter().map(|&(w, _)| w).collect();
@@ -943,15 +958,14 @@ fn moe_ffn_matches_reference_for_every_format() {
                 let got = down(g, &out, n * d);
                 let route: Vec<_> = route.iter().map(|&(w, e)| (w, Some(e))).collect();
                 let want = experts.reference(g, &x, &route, top_k);
-                // On the tensor cores the gated activations are rounded to 16 bits between
-                // the products, where a sum a rounding step apart flips one (as in the gated
-                // feed-forward test).
-                let tensor_cores = grouped && on_tensor_cores;
+                // With the down products on the tensor cores the gated activations are rounded
+                // to 16 bits between the products, where a sum a rounding step apart flips one
+                // (as in the gated feed-forward test).
                 assert_close(
                     &format!("moe_ffn {ty} d={d} f={f} n={n} experts={n_experts} top_k={top_k}"),
                     &got,
                     &want,
-                    if tensor_cores { 2e-3 } else { 5e-5 },
+                    if on_tensor_cores { 2e-3 } else { 5e-5 },
                 );
                 // The same inputs again give the same bits (the grouping's order is fixed).
                 let again = down(g, &experts.run(g, &x, top_k, &weights, &ids), n * d);
@@ -976,39 +990,45 @@ fn moe_ffn_reports_a_bad_expert_id_on_both_paths() {
     // see this test's error at its next read.
     let g = &CudaBackend::new(0).unwrap();
     let mut r = rng("moe_ffn bad id");
-    let (ty, d, f, n_experts, top_k) = (GgmlType::BF16, 264, 40, 4, 2);
-    let experts = Experts::new(g, &mut r, ty, n_experts, d, f);
-    for n in [3, 13] {
-        assert_eq!(moe_groups_pairs(n, n_experts, d, f, false), n == 13);
-        for bad in [n_experts as f32, 1.5, -1.0, f32::NAN] {
-            let x = uniform(&mut r, n * d, 1.0);
-            let mut route: Vec<_> = moe_routes(&mut r, n, n_experts, top_k, None)
-                .into_iter()
-                .map(|(w, e)| (w, Some(e)))
-                .collect();
-            let which = r.random_range(0..n * top_k);
-            route[which].1 = None;
-            let weights: Vec<f32> = route.iter().map(|&(w, _)| w).collect();
-            let ids: Vec<f32> = route
-                .iter()
-                .map(|&(_, e)| e.map_or(bad, |e| e as f32))
-                .collect();
-            let out = experts.run(g, &x, top_k, &weights, &ids);
-            // The read reports the bad id, after copying the output: the pair added nothing.
-            let mut got = vec![0f32; n * d];
-            let err = g
-                .read(&out, &mut got)
-                .expect_err("a bad expert id must be reported");
-            assert!(err.to_string().contains("expert id"), "{err}");
-            let want = experts.reference(g, &x, &route, top_k);
-            assert_close(
-                &format!("moe_ffn n={n} with id {bad} at pair {which}"),
-                &got,
-                &want,
-                5e-5,
-            );
-            // Reported once: the next read is clean.
-            g.read(&out, &mut got).unwrap();
+    let (ty, n_experts, top_k) = (GgmlType::BF16, 4, 2);
+    // 264 × 40: GEMVs on both paths; 256 × 192: the tensor cores (the down products on both
+    // paths), where a bad id's tile gives outputs of 0.
+    for (d, f) in [(264, 40), (256, 192)] {
+        let tensor_cores = g.device().capability().0 >= 8 && moe_on_tensor_cores(ty, ty, d, f);
+        let experts = Experts::new(g, &mut r, ty, n_experts, d, f);
+        for n in [3, 13] {
+            assert_eq!(moe_groups_pairs(n, n_experts, d, f, tensor_cores), n == 13);
+            for bad in [n_experts as f32, 1.5, -1.0, f32::NAN] {
+                let x = uniform(&mut r, n * d, 1.0);
+                let mut route: Vec<_> = moe_routes(&mut r, n, n_experts, top_k, None)
+                    .into_iter()
+                    .map(|(w, e)| (w, Some(e)))
+                    .collect();
+                let which = r.random_range(0..n * top_k);
+                route[which].1 = None;
+                let weights: Vec<f32> = route.iter().map(|&(w, _)| w).collect();
+                let ids: Vec<f32> = route
+                    .iter()
+                    .map(|&(_, e)| e.map_or(bad, |e| e as f32))
+                    .collect();
+                let out = experts.run(g, &x, top_k, &weights, &ids);
+                // The read reports the bad id, after copying the output: the pair added
+                // nothing.
+                let mut got = vec![0f32; n * d];
+                let err = g
+                    .read(&out, &mut got)
+                    .expect_err("a bad expert id must be reported");
+                assert!(err.to_string().contains("expert id"), "{err}");
+                let want = experts.reference(g, &x, &route, top_k);
+                assert_close(
+                    &format!("moe_ffn {d} × {f} n={n} with id {bad} at pair {which}"),
+                    &got,
+                    &want,
+                    if tensor_cores { 2e-3 } else { 5e-5 },
+                );
+                // Reported once: the next read is clean.
+                g.read(&out, &mut got).unwrap();
+            }
         }
     }
 }
