@@ -1,8 +1,9 @@
 // Mixture-of-experts: routing (softmax → top-k → renormalise → per-expert scale) and the routed
-// expert MLPs, two ways: for a few tokens, matrix-vector products per (token, chosen expert)
-// pair; for many, the pairs grouped by expert on the device so that a block reads an expert's
-// rows once for up to MOE_TILE of its pairs (moe_group and the kernels after it; the products
-// on the tensor cores where moe_mma.cu, appended to this module, takes the format). Expert ids
+// expert MLPs, two ways: for a few tokens, products per (token, chosen expert) pair (the down
+// products on the tensor cores where moe_mma.cu takes the format, a tile a pair); for many,
+// the pairs grouped by expert on the device so that a block reads an expert's rows once for
+// up to MOE_TILE of its pairs (moe_group and the kernels after it; the products on the tensor
+// cores where moe_mma.cu, appended to this module, takes the format). Expert ids
 // travel as f32 (the Backend contract); a bad id raises MB_ERR_EXPERT_ID in `err` and its
 // pair contributes nothing. Needs common.cuh and quant.cuh.
 

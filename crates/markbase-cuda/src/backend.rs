@@ -79,11 +79,14 @@ const MAX_TOP_K: usize = 32;
 /// at 64 tokens and in prefill (26B-A4B bf16, H200: tg32@b64 1 080 → 1 555 t/s, pp512 1 143 →
 /// 2 027); the threshold itself is not tuned. Decode of one sequence keeps the per-pair path.
 const MOE_GROUP_FROM: usize = 8;
-/// `MOE_GROUP_FROM` where the grouped products run on the tensor cores
-/// (`moe_on_tensor_cores`). Measured on the H200 (26B-A4B, `bench -p 0 -n 32`, per pair →
-/// grouped): one sequence bf16 294 → 259 t/s, Q8_0 258 → 231, Q4_K 267 → 244; two about even
-/// (bf16 403 → 393); four bf16 593 → 599, Q8_0 492 → 521, Q4_K 511 → 561.
-const MOE_MMA_GROUP_FROM: usize = 4;
+/// `MOE_GROUP_FROM` where the products run on the tensor cores (`moe_on_tensor_cores`; the
+/// per-pair path's down products too) over 16-bit float experts, and over quantized ones.
+/// Measured on the H200 (26B-A4B, `bench -p 0 -n 32`, grouped from 4 → from 9, docs/perf.md
+/// session 35): bf16 4 tokens 701.26 → 708.89 t/s, 5 814.20 → 804.75, 6 916.37 → 879.25, 8
+/// 1 005.69 → 979.56; Q8_0 707.55 → 788.75, 800.04 → 844.88, 785.15 → 941.71, 985.13 →
+/// 1 051.19; Q4_K 757.08 → 842.87, 888.05 → 888.05, 904.69 → 1 004.13, 1 110.93 → 1 117.23.
+/// Above 8 tokens not measured.
+const MOE_MMA_GROUP_FROM: (usize, usize) = (5, 9);
 /// Pairs a grouped MoE block reads an expert's rows for: `MOE_TILE` in moe.cu.
 const MOE_TILE: usize = 8;
 
@@ -256,23 +259,23 @@ pub(crate) fn rounded_form(ty: GgmlType, cols: usize, n: usize, inputs: ProductI
     }
 }
 
-/// Whether `moe_ffn` of `n` tokens over `n_experts` experts, `dim` wide with experts `width`
-/// wide, groups the pairs by expert (from `MOE_GROUP_FROM` tokens, `MOE_MMA_GROUP_FROM` where
-/// the grouped products run `on_tensor_cores`; rows of a width that is not a multiple of 8 —
-/// only plain-float ones can be — stay on the per-pair path, moe.cu's `moe_row_dot`). The
-/// per-pair products, and the grouped ones off the tensor cores, take their activations as
-/// GEMVs do (`gemv_takes_16_bit_activations`).
+/// Whether `moe_ffn` of `n` tokens over `n_experts` experts stored as `gate_up`, `dim` wide
+/// with experts `width` wide, groups the pairs by expert (from `MOE_GROUP_FROM` tokens,
+/// `MOE_MMA_GROUP_FROM` where the products run `on_tensor_cores`; rows of a width that is not
+/// a multiple of 8 — only plain-float ones can be — stay on the per-pair path, moe.cu's
+/// `moe_row_dot`). The per-pair gate/up products, and the grouped ones off the tensor cores,
+/// take their activations as GEMVs do (`gemv_takes_16_bit_activations`).
 pub fn moe_groups_pairs(
     n: usize,
     n_experts: usize,
-    dim: usize,
-    width: usize,
+    gate_up: GgmlType,
+    (dim, width): (usize, usize),
     on_tensor_cores: bool,
 ) -> bool {
-    let from = if on_tensor_cores {
-        MOE_MMA_GROUP_FROM
-    } else {
-        MOE_GROUP_FROM
+    let from = match (on_tensor_cores, gate_up) {
+        (false, _) => MOE_GROUP_FROM,
+        (true, GgmlType::BF16 | GgmlType::F16) => MOE_MMA_GROUP_FROM.0,
+        (true, _) => MOE_MMA_GROUP_FROM.1,
     };
     n >= from && n_experts <= MAX_EXPERTS && dim.is_multiple_of(8) && width.is_multiple_of(8)
 }
@@ -2048,7 +2051,7 @@ impl Backend for CudaBackend {
         }
         let tensor_cores =
             self.dev.capability().0 >= 8 && moe_on_tensor_cores(gate_up.ty, down.ty, d, f);
-        if moe_groups_pairs(n, n_experts, d, f, tensor_cores) {
+        if moe_groups_pairs(n, n_experts, gate_up.ty, (d, f), tensor_cores) {
             return self.moe_ffn_grouped(
                 x,
                 n,

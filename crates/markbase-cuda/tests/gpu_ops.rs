@@ -766,7 +766,8 @@ impl Experts {
             && moe_on_tensor_cores(self.gate_up.ty, self.down.ty, d, f);
         // The down products run on the tensor cores on both paths, the gate/up products only
         // for grouped pairs (one pair's are GEMVs).
-        let gate_up_mma = tensor_cores && moe_groups_pairs(n, self.n_experts, d, f, true);
+        let gate_up_mma =
+            tensor_cores && moe_groups_pairs(n, self.n_experts, self.gate_up.ty, (d, f), true);
         let seen = |mma: bool, ty: GgmlType, v: &[f32]| {
             if mma {
                 round_16(ty, v)
@@ -942,7 +943,7 @@ fn moe_ffn_matches_reference_for_every_format() {
             {
                 let on_tensor_cores =
                     g.device().capability().0 >= 8 && moe_on_tensor_cores(ty, ty, d, f);
-                let grouped = moe_groups_pairs(n, n_experts, d, f, on_tensor_cores);
+                let grouped = moe_groups_pairs(n, n_experts, ty, (d, f), on_tensor_cores);
                 assert_eq!(
                     grouped,
                     n > 3 && d % 8 == 0 && f % 8 == 0,
@@ -997,7 +998,10 @@ fn moe_ffn_reports_a_bad_expert_id_on_both_paths() {
         let tensor_cores = g.device().capability().0 >= 8 && moe_on_tensor_cores(ty, ty, d, f);
         let experts = Experts::new(g, &mut r, ty, n_experts, d, f);
         for n in [3, 13] {
-            assert_eq!(moe_groups_pairs(n, n_experts, d, f, tensor_cores), n == 13);
+            assert_eq!(
+                moe_groups_pairs(n, n_experts, ty, (d, f), tensor_cores),
+                n == 13
+            );
             for bad in [n_experts as f32, 1.5, -1.0, f32::NAN] {
                 let x = uniform(&mut r, n * d, 1.0);
                 let mut route: Vec<_> = moe_routes(&mut r, n, n_experts, top_k, None)
