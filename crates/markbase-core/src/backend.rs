@@ -338,6 +338,29 @@ pub trait Backend: Send + Sync {
             None => Ok(()),
         }
     }
+    /// A mixture-of-experts layer's closing (Gemma 4 26B-A4B): [`Backend::residual_norm`] of
+    /// `y = rms_norm(dense) · w_dense + rms_norm(experts) · w_experts` over `n` rows of `dim`
+    /// (the dense feed-forward's and the experts' post-norms, summed, before the layer's
+    /// post-norm `weight`). The default writes `y` into `mix` ([`Backend::rms_norm`] twice)
+    /// and calls [`Backend::residual_norm`]; a backend may fuse them, leaving `mix` as it was.
+    #[allow(clippy::too_many_arguments)]
+    fn moe_residual_norm(
+        &self,
+        (dense, w_dense): (&Self::Buffer, &Self::Vector),
+        (experts, w_experts): (&Self::Buffer, &Self::Vector),
+        mix: &mut Self::Buffer,
+        weight: &Self::Vector,
+        eps: f32,
+        n: usize,
+        dim: usize,
+        h: &mut Self::Buffer,
+        scale: f32,
+        next: Option<(&Self::Vector, &mut Self::Buffer)>,
+    ) -> Result<()> {
+        self.rms_norm(dense, Some(w_dense), eps, n, dim, mix, NormOut::Write)?;
+        self.rms_norm(experts, Some(w_experts), eps, n, dim, mix, NormOut::AddTo)?;
+        self.residual_norm(mix, weight, eps, n, dim, h, scale, next)
+    }
     /// `out[n, w.rows] = x[n, w.cols] · wᵀ`, any stored format (decode: one dot per weight row;
     /// prefill: each weight row is read once for all `n` tokens).
     fn matmul(

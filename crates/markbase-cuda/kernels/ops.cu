@@ -184,6 +184,18 @@ extern "C" __global__ void rms_norm(const float* x, const float* weight, float e
     }
 }
 
+// block_sum of two values at once (one pair of barriers). `red` holds 32 pairs.
+__device__ __forceinline__ float2 block_sum2(float a, float b, float2* red) {
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+    a = warp_sum(a);
+    b = warp_sum(b);
+    __syncthreads();
+    if (lane == 0) red[w] = make_float2(a, b);
+    __syncthreads();
+    float2 t = lane < nw ? red[lane] : make_float2(0.f, 0.f);
+    return make_float2(warp_sum(t.x), warp_sum(t.y));
+}
+
 // Values per thread a residual_norm block holds in registers (rows up to 8 · 1024 wide).
 #define RESIDUAL_NORM_PER_THREAD 8
 
@@ -196,17 +208,22 @@ extern "C" __global__ void rms_norm(const float* x, const float* weight, float e
 // says: rounded (store_rounded) or as Q4_K tiles (ROUND_Q4K_TILES: dim a multiple of 256 and
 // 4·dim bytes of dynamic shared memory). Needs blockDim.x · RESIDUAL_NORM_PER_THREAD >= dim
 // (checked by the host).
-extern "C" __global__ void residual_norm(const float* y, const float* w, float eps, int dim,
-                                         float* h, float scale, const float* w2, float* x,
-                                         u16* rounded, int round_kind) {
+template <bool MIX>
+__device__ __forceinline__ void residual_norm_impl(const float* y, const float* w,
+                                                   const float* experts, const float* w_dense,
+                                                   const float* w_experts, float eps, int dim,
+                                                   float* h, float scale, const float* w2,
+                                                   float* x, u16* rounded, int round_kind) {
+    constexpr int P = RESIDUAL_NORM_PER_THREAD, PM = MIX ? P : 1;
     wait_prior_grid();
     __shared__ float red[32];
+    __shared__ float2 red2[32];
     u64 base = (u64)blockIdx.x * dim;
-    float yv[RESIDUAL_NORM_PER_THREAD], hv[RESIDUAL_NORM_PER_THREAD];
-    float wv[RESIDUAL_NORM_PER_THREAD], w2v[RESIDUAL_NORM_PER_THREAD];
-    float ss = 0.f;
+    float yv[P], hv[P], wv[P], w2v[P];
+    float ev[PM], wdv[PM], wev[PM];  // MIX: the experts' row and both gains
+    float ss = 0.f, se = 0.f;
 #pragma unroll
-    for (int r = 0; r < RESIDUAL_NORM_PER_THREAD; r++) {
+    for (int r = 0; r < P; r++) {
         int i = threadIdx.x + r * blockDim.x;
         bool in = i < dim;
         yv[r] = in ? y[base + i] : 0.f;
@@ -214,12 +231,29 @@ extern "C" __global__ void residual_norm(const float* y, const float* w, float e
         wv[r] = in ? w[i] : 0.f;
         w2v[r] = in && w2 ? w2[i] : 0.f;
         ss = fmaf(yv[r], yv[r], ss);
+        if constexpr (MIX) {
+            ev[r] = in ? experts[base + i] : 0.f;
+            wdv[r] = in ? w_dense[i] : 0.f;
+            wev[r] = in ? w_experts[i] : 0.f;
+            se = fmaf(ev[r], ev[r], se);
+        }
+    }
+    if constexpr (MIX) {
+        const float2 sums = block_sum2(ss, se, red2);
+        const float id = 1.f / sqrtf(sums.x / (float)dim + eps);
+        const float ie = 1.f / sqrtf(sums.y / (float)dim + eps);
+        ss = 0.f;
+#pragma unroll
+        for (int r = 0; r < P; r++) {
+            yv[r] = yv[r] * id * wdv[r] + ev[r] * ie * wev[r];
+            ss = fmaf(yv[r], yv[r], ss);
+        }
     }
     ss = block_sum(ss, red);
     float inv = 1.f / sqrtf(ss / (float)dim + eps);
     float hs = 0.f;
 #pragma unroll
-    for (int r = 0; r < RESIDUAL_NORM_PER_THREAD; r++) {
+    for (int r = 0; r < P; r++) {
         int i = threadIdx.x + r * blockDim.x;
         float v = (hv[r] + yv[r] * inv * wv[r]) * scale;
         hv[r] = v;
@@ -233,7 +267,7 @@ extern "C" __global__ void residual_norm(const float* y, const float* w, float e
         hs = block_sum(hs, red);
         float inv2 = 1.f / sqrtf(hs / (float)dim + eps);
 #pragma unroll
-        for (int r = 0; r < RESIDUAL_NORM_PER_THREAD; r++) {
+        for (int r = 0; r < P; r++) {
             int i = threadIdx.x + r * blockDim.x;
             hv[r] = hv[r] * inv2 * w2v[r];
             if (i < dim) {
@@ -245,12 +279,31 @@ extern "C" __global__ void residual_norm(const float* y, const float* w, float e
     if (round_kind != ROUND_Q4K_TILES) return;
     extern __shared__ float row_s[];
 #pragma unroll
-    for (int r = 0; r < RESIDUAL_NORM_PER_THREAD; r++) {
+    for (int r = 0; r < P; r++) {
         int i = threadIdx.x + r * blockDim.x;
         if (i < dim) row_s[i] = hv[r];
     }
     __syncthreads();
     store_q4k_tiles(row_s, dim, (u8*)rounded + blockIdx.x * q4k_tiles_row_bytes(dim));
+}
+
+extern "C" __global__ void residual_norm(const float* y, const float* w, float eps, int dim,
+                                         float* h, float scale, const float* w2, float* x,
+                                         u16* rounded, int round_kind) {
+    residual_norm_impl<false>(y, w, nullptr, nullptr, nullptr, eps, dim, h, scale, w2, x, rounded,
+                              round_kind);
+}
+
+// residual_norm of y = rms_norm(dense) · w_dense + rms_norm(experts) · w_experts (Gemma 4's
+// mixture-of-experts layers: the dense feed-forward's and the experts' post-norms, summed, then
+// the layer's post-norm): both rows' sums of squares in one reduction, then as residual_norm.
+extern "C" __global__ void moe_residual_norm(const float* dense, const float* w_dense,
+                                             const float* experts, const float* w_experts,
+                                             const float* w, float eps, int dim, float* h,
+                                             float scale, const float* w2, float* x,
+                                             u16* rounded, int round_kind) {
+    residual_norm_impl<true>(dense, w, experts, w_dense, w_experts, eps, dim, h, scale, w2, x,
+                             rounded, round_kind);
 }
 
 // Values of a head one lane of norm_rope_head holds (head dims up to MAX_HEAD_DIM = 512).

@@ -1441,6 +1441,81 @@ impl CudaBackend {
     }
 }
 
+impl CudaBackend {
+    /// `residual_norm` (ops.cu) of `y`, or with `mix = Some((w_y, experts, w_experts))`
+    /// `moe_residual_norm` of rms_norm(y) · w_y + rms_norm(experts) · w_experts.
+    #[allow(clippy::too_many_arguments)]
+    fn residual_norm_launch(
+        &self,
+        y: &CudaBuffer,
+        mix: Option<(&CudaBuffer, &CudaBuffer, &CudaBuffer)>,
+        weight: &CudaBuffer,
+        eps: f32,
+        (n, dim): (usize, usize),
+        h: &mut CudaBuffer,
+        scale: f32,
+        next: Option<(&CudaBuffer, &mut CudaBuffer)>,
+    ) -> Result<()> {
+        need("residual_norm input", y.len(), n * dim)?;
+        need("residual_norm residual", h.len(), n * dim)?;
+        need("residual_norm weight", weight.len(), dim)?;
+        if let Some((w2, x)) = &next {
+            need("residual_norm next weight", w2.len(), dim)?;
+            need("residual_norm output", x.len(), n * dim)?;
+        }
+        if dim > RESIDUAL_NORM_MAX_DIM {
+            return Err(Error::Unsupported(format!(
+                "cuda residual_norm: rows of {dim} values (at most {RESIDUAL_NORM_MAX_DIM})"
+            )));
+        }
+        if n == 0 || dim == 0 {
+            return Ok(());
+        }
+        // A few rows (decode): about four values a thread, the row's latency being the cost;
+        // many rows (prefill): about eight, so more blocks share a multiprocessor.
+        let per_thread = if n <= RESIDUAL_NORM_FEW_ROWS { 4 } else { 8 };
+        let threads = (dim.div_ceil(per_thread).div_ceil(32) * 32).clamp(32, 1024) as u32;
+        let (w2, x) = next.map_or((0, 0), |(w2, x)| (w2.ptr, x.ptr));
+        let out = if w2 == 0 { h.ptr } else { x };
+        let mut s = self.scratch()?;
+        // Q4_K tiles only of a next norm's output (q/k/v, gate/up ahead): the product after a
+        // bare residual (Gemma 4's PLE gate, 32 blocks) stages its row cheaply (docs/perf.md,
+        // session 24).
+        let tiles = w2 != 0 && dim <= Q4K_TILES_MAX_DIM;
+        let round = self.round_target(&mut s, (n, dim), tiles)?;
+        let tail = [
+            Arg::U64(weight.ptr),
+            Arg::F32(eps),
+            Arg::I32(int("dim", dim)?),
+            Arg::U64(h.ptr),
+            Arg::F32(scale),
+            Arg::U64(w2),
+            Arg::U64(x),
+            Arg::U64(round.at),
+            Arg::I32(round.kind),
+        ];
+        let grid = norm_grid(n, threads, dim, round)?;
+        match mix {
+            None => {
+                let args: Vec<Arg> = [Arg::U64(y.ptr)].into_iter().chain(tail).collect();
+                self.run(Module::Ops, "residual_norm", grid, &args)?;
+            }
+            Some((w_y, experts, w_experts)) => {
+                let head = [
+                    Arg::U64(y.ptr),
+                    Arg::U64(w_y.ptr),
+                    Arg::U64(experts.ptr),
+                    Arg::U64(w_experts.ptr),
+                ];
+                let args: Vec<Arg> = head.into_iter().chain(tail).collect();
+                self.run(Module::Ops, "moe_residual_norm", grid, &args)?;
+            }
+        }
+        s.rounded.hold(round, out, n * dim, &self.queue);
+        Ok(())
+    }
+}
+
 impl Backend for CudaBackend {
     type Buffer = CudaBuffer;
     type Matrix = CudaMatrix;
@@ -1572,52 +1647,27 @@ impl Backend for CudaBackend {
         scale: f32,
         next: Option<(&CudaBuffer, &mut CudaBuffer)>,
     ) -> Result<()> {
-        need("residual_norm input", y.len(), n * dim)?;
-        need("residual_norm residual", h.len(), n * dim)?;
-        need("residual_norm weight", weight.len(), dim)?;
-        if let Some((w2, x)) = &next {
-            need("residual_norm next weight", w2.len(), dim)?;
-            need("residual_norm output", x.len(), n * dim)?;
-        }
-        if dim > RESIDUAL_NORM_MAX_DIM {
-            return Err(Error::Unsupported(format!(
-                "cuda residual_norm: rows of {dim} values (at most {RESIDUAL_NORM_MAX_DIM})"
-            )));
-        }
-        if n == 0 || dim == 0 {
-            return Ok(());
-        }
-        // A few rows (decode): about four values a thread, the row's latency being the cost;
-        // many rows (prefill): about eight, so more blocks share a multiprocessor.
-        let per_thread = if n <= RESIDUAL_NORM_FEW_ROWS { 4 } else { 8 };
-        let threads = (dim.div_ceil(per_thread).div_ceil(32) * 32).clamp(32, 1024) as u32;
-        let (w2, x) = next.map_or((0, 0), |(w2, x)| (w2.ptr, x.ptr));
-        let out = if w2 == 0 { h.ptr } else { x };
-        let mut s = self.scratch()?;
-        // Q4_K tiles only of a next norm's output (q/k/v, gate/up ahead): the product after a
-        // bare residual (Gemma 4's PLE gate, 32 blocks) stages its row cheaply (docs/perf.md,
-        // session 24).
-        let tiles = w2 != 0 && dim <= Q4K_TILES_MAX_DIM;
-        let round = self.round_target(&mut s, (n, dim), tiles)?;
-        self.run(
-            Module::Ops,
-            "residual_norm",
-            norm_grid(n, threads, dim, round)?,
-            &[
-                Arg::U64(y.ptr),
-                Arg::U64(weight.ptr),
-                Arg::F32(eps),
-                Arg::I32(int("dim", dim)?),
-                Arg::U64(h.ptr),
-                Arg::F32(scale),
-                Arg::U64(w2),
-                Arg::U64(x),
-                Arg::U64(round.at),
-                Arg::I32(round.kind),
-            ],
-        )?;
-        s.rounded.hold(round, out, n * dim, &self.queue);
-        Ok(())
+        self.residual_norm_launch(y, None, weight, eps, (n, dim), h, scale, next)
+    }
+
+    fn moe_residual_norm(
+        &self,
+        (dense, w_dense): (&CudaBuffer, &CudaBuffer),
+        (experts, w_experts): (&CudaBuffer, &CudaBuffer),
+        _mix: &mut CudaBuffer,
+        weight: &CudaBuffer,
+        eps: f32,
+        n: usize,
+        dim: usize,
+        h: &mut CudaBuffer,
+        scale: f32,
+        next: Option<(&CudaBuffer, &mut CudaBuffer)>,
+    ) -> Result<()> {
+        need("moe_residual_norm experts", experts.len(), n * dim)?;
+        need("moe_residual_norm dense weight", w_dense.len(), dim)?;
+        need("moe_residual_norm experts weight", w_experts.len(), dim)?;
+        let mix = Some((w_dense, experts, w_experts));
+        self.residual_norm_launch(dense, mix, weight, eps, (n, dim), h, scale, next)
     }
 
     fn matmul(&self, x: &CudaBuffer, n: usize, w: &CudaMatrix, out: &mut CudaBuffer) -> Result<()> {

@@ -1095,6 +1095,79 @@ fn rms_norm_matches_reference() {
 }
 
 #[test]
+fn moe_residual_norm_matches_reference() {
+    let g = gpu_or_skip!();
+    let mut r = rng("moe_residual_norm");
+    // 26B-A4B's width for one and three tokens, a prefill-sized batch, a tiny row.
+    for (dim, n) in [(2816, 1), (2816, 3), (1000, 70), (8, 3)] {
+        let dense = uniform(&mut r, n * dim, 3.0);
+        let experts = uniform(&mut r, n * dim, 0.5);
+        let h = uniform(&mut r, n * dim, 2.0);
+        let gain =
+            |r: &mut StdRng| -> Vec<f32> { uniform(r, dim, 1.0).iter().map(|v| v + 1.0).collect() };
+        let (wd, we, w, w2) = (gain(&mut r), gain(&mut r), gain(&mut r), gain(&mut r));
+        let scale = r.random_range(0.25f32..2.0);
+        let mix: Vec<f32> = reference::rms_norm(&dense, Some(&wd), 1e-6, dim)
+            .iter()
+            .zip(reference::rms_norm(&experts, Some(&we), 1e-6, dim))
+            .map(|(a, b)| a + b)
+            .collect();
+        let normed = reference::rms_norm(&mix, Some(&w), 1e-6, dim);
+        let want_h: Vec<f32> = h
+            .iter()
+            .zip(&normed)
+            .map(|(a, b)| (a + b) * scale)
+            .collect();
+        let want_x = reference::rms_norm(&want_h, Some(&w2), 1e-6, dim);
+        let vector = |v: &[f32]| g.load_vector(v).unwrap();
+        let (wdb, web, wb, w2b) = (vector(&wd), vector(&we), vector(&w), vector(&w2));
+        let (db, eb) = (up(g, &dense), up(g, &experts));
+        for with_next in [false, true] {
+            let mut hb = up(g, &h);
+            let mut xb = poisoned(g, n * dim);
+            let mut mixb = poisoned(g, n * dim);
+            let next = with_next.then_some((&w2b, &mut xb));
+            g.moe_residual_norm(
+                (&db, &wdb),
+                (&eb, &web),
+                &mut mixb,
+                &wb,
+                1e-6,
+                n,
+                dim,
+                &mut hb,
+                scale,
+                next,
+            )
+            .unwrap();
+            let what = format!("moe_residual_norm {dim} × {n} next={with_next}");
+            assert_close(&what, &down(g, &hb, n * dim), &want_h, 1e-5);
+            if with_next {
+                assert_close(&what, &down(g, &xb, n * dim), &want_x, 1e-5);
+            }
+        }
+    }
+    let (yb, wb) = (up(g, &[1.0; 8]), g.load_vector(&[1.0; 8]).unwrap());
+    let (short, mut hb, mut mixb) = (up(g, &[1.0; 4]), up(g, &[0.0; 8]), up(g, &[0.0; 8]));
+    let err = g.moe_residual_norm(
+        (&yb, &wb),
+        (&short, &wb),
+        &mut mixb,
+        &wb,
+        1e-6,
+        1,
+        8,
+        &mut hb,
+        1.0,
+        None,
+    );
+    assert!(
+        err.is_err(),
+        "experts' rows shorter than the dense rows must be refused"
+    );
+}
+
+#[test]
 fn residual_norm_matches_reference() {
     let g = gpu_or_skip!();
     let mut r = rng("residual_norm");

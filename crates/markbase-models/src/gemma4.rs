@@ -607,15 +607,6 @@ impl<B: Backend> Gemma4<B> {
                 next.map(|v| (v, &mut w.x)),
             );
         };
-        be.rms_norm(
-            &w.proj,
-            Some(&moe.post_norm_1),
-            eps,
-            n,
-            d,
-            &mut w.mix,
-            NormOut::Write,
-        )?;
         // Router on the un-normed residual: RMSNorm · router.scale · D^-0.5, projection.
         be.rms_norm(
             &w.h,
@@ -656,17 +647,10 @@ impl<B: Backend> Gemma4<B> {
             &w.route_ids,
             &mut w.experts,
         )?;
-        be.rms_norm(
-            &w.experts,
-            Some(&moe.post_norm_2),
-            eps,
-            n,
-            d,
+        be.moe_residual_norm(
+            (&w.proj, &moe.post_norm_1),
+            (&w.experts, &moe.post_norm_2),
             &mut w.mix,
-            NormOut::AddTo,
-        )?;
-        be.residual_norm(
-            &w.mix,
             &layer.post_ffn_norm,
             eps,
             n,
