@@ -1094,6 +1094,26 @@ fn rms_norm_matches_reference() {
     }
 }
 
+/// `residual_norm` on the reference twins (eps 1e-6): `h' = (h + rms_norm(y) · w) · scale`
+/// and the next norm `rms_norm(h') · w2`.
+fn residual_norm_reference(
+    y: &[f32],
+    w: &[f32],
+    h: &[f32],
+    scale: f32,
+    w2: &[f32],
+    dim: usize,
+) -> (Vec<f32>, Vec<f32>) {
+    let normed = reference::rms_norm(y, Some(w), 1e-6, dim);
+    let want_h: Vec<f32> = h
+        .iter()
+        .zip(&normed)
+        .map(|(a, b)| (a + b) * scale)
+        .collect();
+    let want_x = reference::rms_norm(&want_h, Some(w2), 1e-6, dim);
+    (want_h, want_x)
+}
+
 #[test]
 fn moe_residual_norm_matches_reference() {
     let g = gpu_or_skip!();
@@ -1112,13 +1132,7 @@ fn moe_residual_norm_matches_reference() {
             .zip(reference::rms_norm(&experts, Some(&we), 1e-6, dim))
             .map(|(a, b)| a + b)
             .collect();
-        let normed = reference::rms_norm(&mix, Some(&w), 1e-6, dim);
-        let want_h: Vec<f32> = h
-            .iter()
-            .zip(&normed)
-            .map(|(a, b)| (a + b) * scale)
-            .collect();
-        let want_x = reference::rms_norm(&want_h, Some(&w2), 1e-6, dim);
+        let (want_h, want_x) = residual_norm_reference(&mix, &w, &h, scale, &w2, dim);
         let vector = |v: &[f32]| g.load_vector(v).unwrap();
         let (wdb, web, wb, w2b) = (vector(&wd), vector(&we), vector(&w), vector(&w2));
         let (db, eb) = (up(g, &dense), up(g, &experts));
@@ -1191,13 +1205,7 @@ fn residual_norm_matches_reference() {
             g.load_vector(&w).unwrap(),
             g.load_vector(&w2).unwrap(),
         );
-        let normed = reference::rms_norm(&y, Some(&w), 1e-6, dim);
-        let want_h: Vec<f32> = h
-            .iter()
-            .zip(&normed)
-            .map(|(a, b)| (a + b) * scale)
-            .collect();
-        let want_x = reference::rms_norm(&want_h, Some(&w2), 1e-6, dim);
+        let (want_h, want_x) = residual_norm_reference(&y, &w, &h, scale, &w2, dim);
         for with_next in [false, true] {
             let mut hb = up(g, &h);
             let mut xb = poisoned(g, n * dim);
