@@ -714,7 +714,7 @@ impl CudaBackend {
         let most_tiles = moe_most_tiles(pairs, n_experts);
         if most_tiles > MAX_GRID_Y {
             return Err(Error::Invalid(format!(
-                "cuda moe_ffn: {pairs} pairs need a grid of {most_tiles} tiles (at most 65 535)"
+                "cuda moe_ffn: {pairs} pairs need a grid of {most_tiles} tiles (at most {MAX_GRID_Y})"
             )));
         }
         let mut s = self.scratch()?;
@@ -2117,16 +2117,16 @@ impl Backend for CudaBackend {
         }
         // Per pair: the gated activations [pairs, F] (16-bit where the down product runs on
         // the tensor cores), then its expert's outputs [pairs, D].
+        if pairs > MAX_GRID_Y {
+            return Err(Error::Invalid(format!(
+                "cuda moe_ffn: {pairs} (token, expert) pairs in one call, each a grid row of \
+                 the per-pair path (at most {MAX_GRID_Y})"
+            )));
+        }
         let mut s = self.scratch()?;
         let h = s.floats.get(&self.dev.stream, pairs * (f + d))?;
         let y = h + 4 * (pairs * f) as u64;
         let (di, fi) = (int("dim", d)?, int("expert width", f)?);
-        if pairs > MAX_GRID_Y {
-            return Err(Error::Invalid(format!(
-                "cuda moe_ffn: {pairs} (token, expert) pairs of rows {d} and {f} wide in one \
-                 call (at most {MAX_GRID_Y} where rows are not whole multiples of 8)"
-            )));
-        }
         let pairs_i = pairs as u32;
         let err = self.err.ptr;
         let h_kind = if tensor_cores {
