@@ -338,6 +338,35 @@ pub trait Backend: Send + Sync {
             None => Ok(()),
         }
     }
+    /// A hint that the next operation neither reads what the operation before it writes nor
+    /// writes what that one reads or writes, so a backend may run the two at the same time
+    /// (the CUDA backend: where the next operation's first kernel can start beside the kernel
+    /// ahead). Operations after the next one wait for both as usual. The default ignores it.
+    fn next_beside_previous(&self) {}
+    /// [`Backend::residual_norm`] with its next norm and `extra` norms more of the new `h`,
+    /// each `out = rms_norm(h) · gain` (a mixture-of-experts layer's router and expert-input
+    /// norms beside its feed-forward's). The default is [`Backend::residual_norm`], then
+    /// [`Backend::rms_norm`] for each extra; a backend may compute them in one pass (the same
+    /// `rms(h)`) and may support only a few extras (an error says so).
+    #[allow(clippy::too_many_arguments)]
+    fn residual_norms(
+        &self,
+        y: &Self::Buffer,
+        weight: &Self::Vector,
+        eps: f32,
+        n: usize,
+        dim: usize,
+        h: &mut Self::Buffer,
+        scale: f32,
+        next: (&Self::Vector, &mut Self::Buffer),
+        extra: &mut [(&Self::Vector, &mut Self::Buffer)],
+    ) -> Result<()> {
+        self.residual_norm(y, weight, eps, n, dim, h, scale, Some(next))?;
+        for (w, out) in extra.iter_mut() {
+            self.rms_norm(h, Some(w), eps, n, dim, out, NormOut::Write)?;
+        }
+        Ok(())
+    }
     /// A mixture-of-experts layer's closing (Gemma 4 26B-A4B): [`Backend::residual_norm`] of
     /// `y = rms_norm(dense) · w_dense + rms_norm(experts) · w_experts` over `n` rows of `dim`
     /// (the dense feed-forward's and the experts' post-norms, summed, before the layer's

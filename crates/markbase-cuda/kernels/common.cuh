@@ -30,6 +30,29 @@ __device__ __forceinline__ void wait_prior_grid() {
 #endif
 }
 
+// A kernel the host launched beside the one ahead of it (`beside` = 1: it neither reads what
+// that kernel writes nor writes what it reads or writes; CudaBackend::take_beside) calls
+// start_step first and end_step last: it lets the next kernel launch at once and waits for the
+// kernel ahead only at its end, so the two run at the same time and its own completion still
+// implies that kernel's (the next kernel's wait covers both). What it reads was written before
+// the kernel ahead passed its own wait, which came before this kernel could start. With
+// `beside` = 0 these are wait_prior_grid and nothing.
+__device__ __forceinline__ void start_step(int beside) {
+#if __CUDA_ARCH__ >= 900
+    if (beside) {
+        asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+        return;
+    }
+#endif
+    wait_prior_grid();
+}
+
+__device__ __forceinline__ void end_step(int beside) {
+#if __CUDA_ARCH__ >= 900
+    if (beside) asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 // The shared-memory address of generic pointer p (into shared memory), for cp.async and
 // ldmatrix.
 __device__ __forceinline__ u32 shared_address(const void* p) {

@@ -139,9 +139,10 @@ __device__ void moe_down_impl(const u8* w, u64 row_bytes, int d, int f, const fl
     extern "C" __global__ void moe_gate_up_##S(const u8* w, u64 row_bytes, int d, int f,       \
                                                const float* x, int top_k, int n_experts,       \
                                                const float* ids, int h_kind, void* h,          \
-                                               u32* err) {                                     \
-        wait_prior_grid();                                                                     \
+                                               u32* err, int beside) {                         \
+        start_step(beside);                                                                    \
         moe_gate_up_impl<F>(w, row_bytes, d, f, x, top_k, n_experts, ids, h_kind, h, err);     \
+        end_step(beside);                                                                      \
     }                                                                                          \
     extern "C" __global__ void moe_down_##S(const u8* w, u64 row_bytes, int d, int f,          \
                                             const float* h, int n_experts, const float* ids,   \

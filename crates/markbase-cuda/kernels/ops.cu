@@ -130,10 +130,11 @@ extern "C" __global__ void f32_to_f16(const float* x, u16* y, u64 n) {
 // `round_kind` says: rounded (store_rounded) or as Q4_K tiles (ROUND_Q4K_TILES: add = 0, dim a
 // multiple of 256, and 4·dim bytes of dynamic shared memory — the host's rule). Rows of a
 // multiple of 4 values move as float4 (a decode step normalises single rows, so the block is
-// wide and each thread touches few values: the kernel is latency-bound).
-extern "C" __global__ void rms_norm(const float* x, const float* weight, float eps, int dim,
-                                    float* out, int add, u16* rounded, int round_kind) {
-    wait_prior_grid();
+// wide and each thread touches few values: the kernel is latency-bound). `beside`: see
+// start_step.
+__device__ __forceinline__ void rms_norm_impl(const float* x, const float* weight, float eps,
+                                              int dim, float* out, int add, u16* rounded,
+                                              int round_kind) {
     __shared__ float red[32];
     extern __shared__ float row_s[];  // the row, for Q4_K tiles
     const float* xr = x + (u64)blockIdx.x * dim;
@@ -184,6 +185,14 @@ extern "C" __global__ void rms_norm(const float* x, const float* weight, float e
     }
 }
 
+extern "C" __global__ void rms_norm(const float* x, const float* weight, float eps, int dim,
+                                    float* out, int add, u16* rounded, int round_kind,
+                                    int beside) {
+    start_step(beside);
+    rms_norm_impl(x, weight, eps, dim, out, add, rounded, round_kind);
+    end_step(beside);
+}
+
 // block_sum of two values at once (one pair of barriers). `red` holds 32 pairs.
 __device__ __forceinline__ float2 block_sum2(float a, float b, float2* red) {
     int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
@@ -201,25 +210,29 @@ __device__ __forceinline__ float2 block_sum2(float a, float b, float2* red) {
 
 // Row blockIdx.x: h = (h + y · rsqrt(mean(y²) + eps) · w) · scale; then, if w2 is not null,
 // x = h · rsqrt(mean(h²) + eps) · w2 — a layer's post-norm, residual add and layer scalar with
-// the next block's pre-norm. Every load (y, h, w, w2) is issued before the first reduction
+// the next block's pre-norm — and, where w3 / w4 are not null, x3 / x4 likewise with gains w3 /
+// w4 (more norms of the same h: a mixture-of-experts layer's router and expert inputs). Every load (y, h, w, w2) is issued before the first reduction
 // and the row stays in registers, so a row costs one memory round trip instead of three: at
 // batch 1 this kernel runs three times a layer on one block and its latency is the cost.
 // The row's final output (x, or h without w2) is also stored into `rounded` as `round_kind`
 // says: rounded (store_rounded) or as Q4_K tiles (ROUND_Q4K_TILES: dim a multiple of 256 and
 // 4·dim bytes of dynamic shared memory). Needs blockDim.x · RESIDUAL_NORM_PER_THREAD >= dim
 // (checked by the host).
-template <bool MIX>
+template <bool MIX, bool EXTRA>
 __device__ __forceinline__ void residual_norm_impl(const float* y, const float* w,
                                                    const float* experts, const float* w_dense,
                                                    const float* w_experts, float eps, int dim,
                                                    float* h, float scale, const float* w2,
-                                                   float* x, u16* rounded, int round_kind) {
-    constexpr int P = RESIDUAL_NORM_PER_THREAD, PM = MIX ? P : 1;
+                                                   float* x, const float* w3, float* x3,
+                                                   const float* w4, float* x4, u16* rounded,
+                                                   int round_kind) {
+    constexpr int P = RESIDUAL_NORM_PER_THREAD, PM = MIX ? P : 1, PE = EXTRA ? P : 1;
     wait_prior_grid();
     __shared__ float red[32];
     __shared__ float2 red2[32];
     u64 base = (u64)blockIdx.x * dim;
     float yv[P], hv[P], wv[P], w2v[P];
+    float w3v[PE], w4v[PE];  // EXTRA: the extra norms' gains
     float ev[PM], wdv[PM], wev[PM];  // MIX: the experts' row and both gains
     float ss = 0.f, se = 0.f;
 #pragma unroll
@@ -230,6 +243,10 @@ __device__ __forceinline__ void residual_norm_impl(const float* y, const float* 
         hv[r] = in ? h[base + i] : 0.f;
         wv[r] = in ? w[i] : 0.f;
         w2v[r] = in && w2 ? w2[i] : 0.f;
+        if constexpr (EXTRA) {
+            w3v[r] = in && w3 ? w3[i] : 0.f;
+            w4v[r] = in && w4 ? w4[i] : 0.f;
+        }
         ss = fmaf(yv[r], yv[r], ss);
         if constexpr (MIX) {
             ev[r] = in ? experts[base + i] : 0.f;
@@ -269,10 +286,15 @@ __device__ __forceinline__ void residual_norm_impl(const float* y, const float* 
 #pragma unroll
         for (int r = 0; r < P; r++) {
             int i = threadIdx.x + r * blockDim.x;
-            hv[r] = hv[r] * inv2 * w2v[r];
+            const float normed = hv[r] * inv2;
+            hv[r] = normed * w2v[r];
             if (i < dim) {
                 x[base + i] = hv[r];
                 store_rounded(rounded, round_kind, base + i, hv[r]);
+                if constexpr (EXTRA) {
+                    if (w3) x3[base + i] = normed * w3v[r];
+                    if (w4) x4[base + i] = normed * w4v[r];
+                }
             }
         }
     }
@@ -290,8 +312,20 @@ __device__ __forceinline__ void residual_norm_impl(const float* y, const float* 
 extern "C" __global__ void residual_norm(const float* y, const float* w, float eps, int dim,
                                          float* h, float scale, const float* w2, float* x,
                                          u16* rounded, int round_kind) {
-    residual_norm_impl<false>(y, w, nullptr, nullptr, nullptr, eps, dim, h, scale, w2, x, rounded,
-                              round_kind);
+    residual_norm_impl<false, false>(y, w, nullptr, nullptr, nullptr, eps, dim, h, scale, w2, x,
+                                     nullptr, nullptr, nullptr, nullptr, rounded, round_kind);
+}
+
+// residual_norm with up to two extra norms of h (w3 / x3, w4 / x4; a null gain: none) beside
+// the next one, which must be given (w2 not null). A kernel of its own: the extras' registers
+// and loads slowed the plain one (E4B Q4_K decode −3.5 %, docs/perf.md session 36).
+extern "C" __global__ void residual_norm_extra(const float* y, const float* w, float eps,
+                                               int dim, float* h, float scale, const float* w2,
+                                               float* x, const float* w3, float* x3,
+                                               const float* w4, float* x4, u16* rounded,
+                                               int round_kind) {
+    residual_norm_impl<false, true>(y, w, nullptr, nullptr, nullptr, eps, dim, h, scale, w2, x,
+                                    w3, x3, w4, x4, rounded, round_kind);
 }
 
 // residual_norm of y = rms_norm(dense) · w_dense + rms_norm(experts) · w_experts (Gemma 4's
@@ -302,8 +336,8 @@ extern "C" __global__ void moe_residual_norm(const float* dense, const float* w_
                                              const float* w, float eps, int dim, float* h,
                                              float scale, const float* w2, float* x,
                                              u16* rounded, int round_kind) {
-    residual_norm_impl<true>(dense, w, experts, w_dense, w_experts, eps, dim, h, scale, w2, x,
-                             rounded, round_kind);
+    residual_norm_impl<true, false>(dense, w, experts, w_dense, w_experts, eps, dim, h, scale, w2,
+                                    x, nullptr, nullptr, nullptr, nullptr, rounded, round_kind);
 }
 
 // Values of a head one lane of norm_rope_head holds (head dims up to MAX_HEAD_DIM = 512).

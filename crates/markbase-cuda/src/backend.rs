@@ -6,6 +6,7 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::ThreadId;
 
 use cudarc::driver::CudaFunction;
 use markbase_core::backend::{
@@ -93,8 +94,12 @@ const MOE_TILE: usize = 8;
 /// Scratch space shared by operations (one operation uses it at a time; stream order makes
 /// reuse safe).
 pub(crate) struct Scratch {
-    /// Float scratch: dequantized weight tiles, attention partials, MoE intermediates.
+    /// Float scratch: dequantized weight tiles, attention partials, rounded inputs, the
+    /// grouped MoE path's intermediates.
     pub(crate) floats: Growable<f32>,
+    /// The per-pair MoE path's intermediates, apart from `floats`: its first kernel may run
+    /// beside the product ahead of it ([`CudaBackend::take_beside`]), which may use `floats`.
+    pub(crate) moe_pairs: Growable<f32>,
     /// Weight tiles dequantized to f16 for the tensor cores.
     pub(crate) tiles: Growable<u16>,
     /// Chosen tokens of the samplers.
@@ -129,6 +134,10 @@ pub struct CudaBackend {
     /// Grids of the grid-stride kernels: resident blocks of (name prefix, format, variant,
     /// dynamic shared bytes a block) on the whole device, from the driver's occupancy.
     resident: Mutex<HashMap<ResidentKey, u32>>,
+    /// Set by [`Backend::next_beside_previous`] to the calling thread: its next operation may
+    /// run beside the one ahead of it. Taken by that thread's launches that can
+    /// (`take_beside`), cleared by every launch (another thread's op becomes the one ahead).
+    beside: Mutex<Option<ThreadId>>,
 }
 
 impl Drop for CudaBackend {
@@ -147,6 +156,8 @@ pub(crate) type ResidentKey = (&'static str, GgmlType, u32, u32);
 /// Widest row `residual_norm` holds in registers: 1 024 threads of
 /// `RESIDUAL_NORM_PER_THREAD` (8) values (ops.cu).
 const RESIDUAL_NORM_MAX_DIM: usize = 8 * 1024;
+/// Most extra norms `residual_norm` writes beside its next norm (w3 / x3, w4 / x4 in ops.cu).
+const EXTRA_NORMS: usize = 2;
 /// Row counts up to which `residual_norm` takes more threads a row (decode steps).
 const RESIDUAL_NORM_FEW_ROWS: usize = 64;
 /// Widest row a norm writes as Q4_K tiles (common.cuh, `store_q4k_tiles`): the row passes
@@ -483,6 +494,7 @@ impl CudaBackend {
             blas,
             scratch: Mutex::new(Scratch {
                 floats: Growable::new(&steps),
+                moe_pairs: Growable::new(&steps),
                 tiles: Growable::new(&steps),
                 picks: Growable::new(&steps),
                 rounded: RoundedCopy::new(&steps),
@@ -495,6 +507,7 @@ impl CudaBackend {
             rope_tables: Mutex::new(HashMap::new()),
             resident: Mutex::new(HashMap::new()),
             uploads: Mutex::new(()),
+            beside: Mutex::new(None),
         })
     }
 
@@ -528,19 +541,44 @@ impl CudaBackend {
     /// Queues kernel `f`.
     pub(crate) fn launch_fn(&self, f: &CudaFunction, grid: Grid, args: &[Arg]) -> Result<()> {
         self.queue.bump();
+        self.clear_beside();
         let launch = Launch::new(f, grid, args, self.dev.early_launch());
         self.steps.lock()?.queue(Op::Kernel(launch))
     }
 
     /// Queues the cuBLASLt product `call`.
     pub(crate) fn queue_gemm(&self, call: Result<GemmCall>) -> Result<()> {
+        self.clear_beside();
         self.steps.lock()?.queue(Op::Gemm(call?))
     }
 
     /// Queues a device-to-device copy.
     fn queue_copy(&self, copy: DeviceCopy) -> Result<()> {
         self.queue.bump();
+        self.clear_beside();
         self.steps.lock()?.queue(Op::Copy(copy))
+    }
+
+    /// Whether the launch about to be queued may run beside the kernel ahead of it
+    /// ([`Backend::next_beside_previous`] was called since the last launch, and kernels launch
+    /// early on this device): its kernel then takes `beside` = 1 (`start_step` in common.cuh).
+    /// Taking it clears it.
+    pub(crate) fn take_beside(&self) -> bool {
+        let Ok(mut b) = self.beside.lock() else {
+            return false;
+        };
+        let mine = *b == Some(std::thread::current().id());
+        if mine {
+            *b = None;
+        }
+        mine && self.dev.early_launch()
+    }
+
+    /// Forgets a [`Backend::next_beside_previous`] hint: an operation was queued.
+    fn clear_beside(&self) {
+        if let Ok(mut b) = self.beside.lock() {
+            *b = None;
+        }
     }
 
     /// Runs `f`, which queues work that steps do not record (host copies, memsets,
@@ -1442,7 +1480,8 @@ impl CudaBackend {
 }
 
 impl CudaBackend {
-    /// `residual_norm` (ops.cu) of `y`, or with `mix = Some((w_y, experts, w_experts))`
+    /// `residual_norm` (ops.cu) of `y` with up to [`EXTRA_NORMS`] `extra` norms of the new `h`
+    /// (gains and outputs, beside `next`), or with `mix = Some((w_y, experts, w_experts))`
     /// `moe_residual_norm` of rms_norm(y) · w_y + rms_norm(experts) · w_experts.
     #[allow(clippy::too_many_arguments)]
     fn residual_norm_launch(
@@ -1455,6 +1494,7 @@ impl CudaBackend {
         h: &mut CudaBuffer,
         scale: f32,
         next: Option<(&CudaBuffer, &mut CudaBuffer)>,
+        extra: &[(u64, u64)],
     ) -> Result<()> {
         need("residual_norm input", y.len(), n * dim)?;
         need("residual_norm residual", h.len(), n * dim)?;
@@ -1496,9 +1536,22 @@ impl CudaBackend {
         ];
         let grid = norm_grid(n, threads, dim, round)?;
         match mix {
-            None => {
+            None if extra.is_empty() => {
                 let args: Vec<Arg> = [Arg::U64(y.ptr)].into_iter().chain(tail).collect();
                 self.run(Module::Ops, "residual_norm", grid, &args)?;
+            }
+            None => {
+                let (w3, x3) = extra.first().copied().unwrap_or((0, 0));
+                let (w4, x4) = extra.get(1).copied().unwrap_or((0, 0));
+                let extras = [w3, x3, w4, x4].map(Arg::U64);
+                // The extra norms' pointers go after x (tail[..7]).
+                let args: Vec<Arg> = [Arg::U64(y.ptr)]
+                    .into_iter()
+                    .chain(tail[..7].iter().copied())
+                    .chain(extras)
+                    .chain(tail[7..].iter().copied())
+                    .collect();
+                self.run(Module::Ops, "residual_norm_extra", grid, &args)?;
             }
             Some((w_y, experts, w_experts)) => {
                 let head = [
@@ -1611,11 +1664,15 @@ impl Backend for CudaBackend {
         // One value (or float4) per thread where the row allows, up to 1024 threads.
         let per_thread = if dim.is_multiple_of(4) { 4 } else { 1 };
         let threads = (dim.div_ceil(per_thread).div_ceil(32) * 32).clamp(32, 1024) as u32;
-        // A copy for the next product only of values written, not added.
+        // A copy for the next product only of values written, not added; none beside the
+        // kernel ahead, which may read the copy that kernel's producer made.
+        let beside = self.take_beside();
         let mut s = self.scratch()?;
         let round = match mode {
-            NormOut::Write => self.round_target(&mut s, (n, dim), dim <= Q4K_TILES_MAX_DIM)?,
-            NormOut::AddTo => RoundTarget::NONE,
+            NormOut::Write if !beside => {
+                self.round_target(&mut s, (n, dim), dim <= Q4K_TILES_MAX_DIM)?
+            }
+            _ => RoundTarget::NONE,
         };
         self.run(
             Module::Ops,
@@ -1630,6 +1687,7 @@ impl Backend for CudaBackend {
                 Arg::I32((mode == NormOut::AddTo) as i32),
                 Arg::U64(round.at),
                 Arg::I32(round.kind),
+                Arg::I32(beside as i32),
             ],
         )?;
         s.rounded.hold(round, out.ptr, n * dim, &self.queue);
@@ -1647,7 +1705,39 @@ impl Backend for CudaBackend {
         scale: f32,
         next: Option<(&CudaBuffer, &mut CudaBuffer)>,
     ) -> Result<()> {
-        self.residual_norm_launch(y, None, weight, eps, (n, dim), h, scale, next)
+        self.residual_norm_launch(y, None, weight, eps, (n, dim), h, scale, next, &[])
+    }
+
+    fn residual_norms(
+        &self,
+        y: &CudaBuffer,
+        weight: &CudaBuffer,
+        eps: f32,
+        n: usize,
+        dim: usize,
+        h: &mut CudaBuffer,
+        scale: f32,
+        next: (&CudaBuffer, &mut CudaBuffer),
+        extra: &mut [(&CudaBuffer, &mut CudaBuffer)],
+    ) -> Result<()> {
+        if extra.len() > EXTRA_NORMS {
+            return Err(Error::Unsupported(format!(
+                "cuda residual_norms: {} extra norms (at most {EXTRA_NORMS})",
+                extra.len()
+            )));
+        }
+        for (w, x) in extra.iter() {
+            need("residual_norm extra weight", w.len(), dim)?;
+            need("residual_norm extra output", x.len(), n * dim)?;
+        }
+        let ptrs: Vec<(u64, u64)> = extra.iter().map(|(w, x)| (w.ptr, x.ptr)).collect();
+        self.residual_norm_launch(y, None, weight, eps, (n, dim), h, scale, Some(next), &ptrs)
+    }
+
+    fn next_beside_previous(&self) {
+        if let Ok(mut b) = self.beside.lock() {
+            *b = Some(std::thread::current().id());
+        }
     }
 
     fn moe_residual_norm(
@@ -1667,7 +1757,7 @@ impl Backend for CudaBackend {
         need("moe_residual_norm dense weight", w_dense.len(), dim)?;
         need("moe_residual_norm experts weight", w_experts.len(), dim)?;
         let mix = Some((w_dense, experts, w_experts));
-        self.residual_norm_launch(dense, mix, weight, eps, (n, dim), h, scale, next)
+        self.residual_norm_launch(dense, mix, weight, eps, (n, dim), h, scale, next, &[])
     }
 
     fn matmul(&self, x: &CudaBuffer, n: usize, w: &CudaMatrix, out: &mut CudaBuffer) -> Result<()> {
@@ -2123,8 +2213,9 @@ impl Backend for CudaBackend {
                  the per-pair path (at most {MAX_GRID_Y})"
             )));
         }
+        let beside = self.take_beside();
         let mut s = self.scratch()?;
-        let h = s.floats.get(&self.dev.stream, pairs * (f + d))?;
+        let h = s.moe_pairs.get(&self.dev.stream, pairs * (f + d))?;
         let y = h + 4 * (pairs * f) as u64;
         let (di, fi) = (int("dim", d)?, int("expert width", f)?);
         let pairs_i = pairs as u32;
@@ -2151,6 +2242,7 @@ impl Backend for CudaBackend {
                 Arg::I32(h_kind),
                 Arg::U64(h),
                 Arg::U64(err),
+                Arg::I32(beside as i32),
             ],
         )?;
         if tensor_cores {

@@ -981,6 +981,77 @@ fn moe_ffn_matches_reference_for_every_format() {
     }
 }
 
+/// Operations queued after `next_beside_previous` run beside the product ahead of them (an
+/// rms_norm; the per-pair experts' first kernel; the grouped experts, which ignore the hint)
+/// and give the bits they give in order, also to the product after them that reads them.
+#[test]
+fn operations_beside_the_previous_give_their_ordered_bits() {
+    let g = gpu_or_skip!();
+    let mut r = rng("beside");
+    // A long one-token product ahead (26B-A4B's width), which the next operation does not
+    // touch.
+    let (d, rows) = (2816, 8192);
+    let long = g
+        .load_matrix(&random_matrix(&mut r, GgmlType::BF16, rows, d))
+        .unwrap();
+    let (x, h) = (
+        up(g, &uniform(&mut r, d, 1.0)),
+        up(g, &uniform(&mut r, d, 2.0)),
+    );
+    let gain = g.load_vector(&uniform(&mut r, d, 1.0)).unwrap();
+    let bits = |v: Vec<f32>| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    let norm_then_product = |beside: bool| {
+        let (mut ahead, mut normed, mut after) =
+            (poisoned(g, rows), poisoned(g, d), poisoned(g, rows));
+        g.matmul(&x, 1, &long, &mut ahead).unwrap();
+        if beside {
+            g.next_beside_previous();
+        }
+        g.rms_norm(&h, Some(&gain), 1e-6, 1, d, &mut normed, NormOut::Write)
+            .unwrap();
+        g.matmul(&normed, 1, &long, &mut after).unwrap();
+        [
+            down(g, &ahead, rows),
+            down(g, &normed, d),
+            down(g, &after, rows),
+        ]
+        .concat()
+    };
+    assert_eq!(
+        bits(norm_then_product(true)),
+        bits(norm_then_product(false)),
+        "rms_norm beside a product"
+    );
+    // 3 tokens: the per-pair path; 16 tokens of 5 experts: grouped.
+    for (ty, n, n_experts, top_k, f) in [
+        (GgmlType::BF16, 3, 4, 2, 704),
+        (GgmlType::Q8_0, 3, 8, 4, 704),
+        (GgmlType::BF16, 16, 5, 3, 704),
+    ] {
+        let experts = Experts::new(g, &mut r, ty, n_experts, d, f);
+        let route = moe_routes(&mut r, n, n_experts, top_k, None);
+        let weights = up(g, &route.iter().map(|&(w, _)| w).collect::<Vec<_>>());
+        let ids = up(g, &route.iter().map(|&(_, e)| e as f32).collect::<Vec<_>>());
+        let xs = up(g, &uniform(&mut r, n * d, 1.0));
+        let experts_after_product = |beside: bool| {
+            let (mut ahead, mut out) = (poisoned(g, rows), poisoned(g, n * d));
+            g.matmul(&x, 1, &long, &mut ahead).unwrap();
+            if beside {
+                g.next_beside_previous();
+            }
+            let (gu, dn) = (&experts.gate_up_dev, &experts.down_dev);
+            g.moe_ffn(&xs, n, gu, dn, n_experts, top_k, &weights, &ids, &mut out)
+                .unwrap();
+            [down(g, &ahead, rows), down(g, &out, n * d)].concat()
+        };
+        assert_eq!(
+            bits(experts_after_product(true)),
+            bits(experts_after_product(false)),
+            "moe_ffn {ty} n={n} beside a product"
+        );
+    }
+}
+
 #[test]
 fn moe_ffn_reports_a_bad_expert_id_on_both_paths() {
     if gpu().is_none() {
@@ -1218,6 +1289,40 @@ fn residual_norm_matches_reference() {
                 assert_close(&what, &down(g, &xb, n * dim), &want_x, 1e-5);
             }
         }
+        // Two norms more of the new h in the same pass (a MoE layer's router and experts).
+        let gains: Vec<Vec<f32>> = (0..2)
+            .map(|_| uniform(&mut r, dim, 1.0).iter().map(|v| v + 1.0).collect())
+            .collect();
+        let (g3, g4) = (
+            g.load_vector(&gains[0]).unwrap(),
+            g.load_vector(&gains[1]).unwrap(),
+        );
+        let mut hb = up(g, &h);
+        let (mut xb, mut x3, mut x4) = (
+            poisoned(g, n * dim),
+            poisoned(g, n * dim),
+            poisoned(g, n * dim),
+        );
+        let mut extra = [(&g3, &mut x3), (&g4, &mut x4)];
+        g.residual_norms(
+            &yb,
+            &wb,
+            1e-6,
+            n,
+            dim,
+            &mut hb,
+            scale,
+            (&w2b, &mut xb),
+            &mut extra,
+        )
+        .unwrap();
+        let what = format!("residual_norms {dim}");
+        assert_close(&what, &down(g, &hb, n * dim), &want_h, 1e-5);
+        assert_close(&what, &down(g, &xb, n * dim), &want_x, 1e-5);
+        for (gain, out) in gains.iter().zip([&x3, &x4]) {
+            let want = reference::rms_norm(&want_h, Some(gain), 1e-6, dim);
+            assert_close(&what, &down(g, out, n * dim), &want, 1e-5);
+        }
     }
     let (yb, wb) = (up(g, &[1.0; 8]), g.load_vector(&[1.0; 8]).unwrap());
     let mut hb = up(g, &[0.0; 4]);
@@ -1236,6 +1341,24 @@ fn residual_norm_matches_reference() {
     assert!(
         err.is_err(),
         "a row wider than the kernel holds must be refused"
+    );
+    let (yb, wb) = (up(g, &[1.0; 8]), g.load_vector(&[1.0; 8]).unwrap());
+    let (mut hb, mut xb, mut short) = (up(g, &[0.0; 8]), up(g, &[0.0; 8]), up(g, &[0.0; 4]));
+    let mut extra = [(&wb, &mut short)];
+    let err = g.residual_norms(
+        &yb,
+        &wb,
+        1e-6,
+        1,
+        8,
+        &mut hb,
+        1.0,
+        (&wb, &mut xb),
+        &mut extra,
+    );
+    assert!(
+        err.is_err(),
+        "an extra output shorter than the rows must be refused"
     );
 }
 

@@ -122,9 +122,11 @@ struct Workspace<B: Backend> {
     proj: B::Buffer,
     gate: B::Buffer,
     up: B::Buffer,
-    /// MoE: the mixed dense + expert branch, the expert input and output, routing.
+    /// MoE: the mixed dense + expert branch, the router's input, the experts' input and
+    /// output, routing.
     mix: B::Buffer,
     x2: B::Buffer,
+    x3: B::Buffer,
     experts: B::Buffer,
     router_logits: B::Buffer,
     route_w: B::Buffer,
@@ -339,6 +341,7 @@ impl<B: Backend> Gemma4<B> {
             up: backend.alloc(b * max_ff)?,
             mix: backend.alloc(if n_exp > 0 { b * d } else { 0 })?,
             x2: backend.alloc(if n_exp > 0 { b * d } else { 0 })?,
+            x3: backend.alloc(if n_exp > 0 { b * d } else { 0 })?,
             experts: backend.alloc(if n_exp > 0 { b * d } else { 0 })?,
             router_logits: backend.alloc(b * n_exp)?,
             route_w: backend.alloc(b * top_k)?,
@@ -481,7 +484,8 @@ impl<B: Backend> Gemma4<B> {
     }
 
     /// `h += post_attention_layernorm(attention(x))` for one layer, `x` being
-    /// `input_layernorm(h)` on entry; leaves `x = pre_feedforward_layernorm(h)`.
+    /// `input_layernorm(h)` on entry; leaves `x = pre_feedforward_layernorm(h)` (and in a
+    /// mixture-of-experts layer the router's input `x2` and the experts' `x3`).
     fn attention_block(
         &self,
         w: &mut Workspace<B>,
@@ -558,7 +562,14 @@ impl<B: Backend> Gemma4<B> {
             &mut w.attn,
         )?;
         be.matmul(&w.attn, n, &layer.o, &mut w.proj)?;
-        be.residual_norm(
+        let next = (&layer.ffn_norm, &mut w.x);
+        let Some(moe) = &layer.moe else {
+            let norm = &layer.post_attn_norm;
+            return be.residual_norm(&w.proj, norm, eps, n, d, &mut w.h, 1.0, Some(next));
+        };
+        // A mixture-of-experts layer's router and experts norm the same residual as its
+        // feed-forward: `x2` and `x3` in the same pass.
+        be.residual_norms(
             &w.proj,
             &layer.post_attn_norm,
             eps,
@@ -566,7 +577,8 @@ impl<B: Backend> Gemma4<B> {
             d,
             &mut w.h,
             1.0,
-            Some((&layer.ffn_norm, &mut w.x)),
+            next,
+            &mut [(&moe.router_gain, &mut w.x2), (&moe.pre_norm_2, &mut w.x3)],
         )
     }
 
@@ -584,18 +596,21 @@ impl<B: Backend> Gemma4<B> {
         let be = &self.backend;
         let (d, ff) = (cfg.d_model, layer.geo.n_ff);
         let eps = cfg.rms_eps as f32;
-        be.gated_ffn(
-            &w.x,
-            n,
-            &layer.gate,
-            &layer.up,
-            &layer.down,
-            ff,
-            &mut w.gate,
-            &mut w.up,
-            &mut w.proj,
-        )?;
+        let dense = |w: &mut Workspace<B>| {
+            be.gated_ffn(
+                &w.x,
+                n,
+                &layer.gate,
+                &layer.up,
+                &layer.down,
+                ff,
+                &mut w.gate,
+                &mut w.up,
+                &mut w.proj,
+            )
+        };
         let (Some(moe), Some(m)) = (&layer.moe, cfg.moe) else {
+            dense(w)?;
             return be.residual_norm(
                 &w.proj,
                 &layer.post_ffn_norm,
@@ -607,16 +622,9 @@ impl<B: Backend> Gemma4<B> {
                 next.map(|v| (v, &mut w.x)),
             );
         };
-        // Router on the un-normed residual: RMSNorm · router.scale · D^-0.5, projection.
-        be.rms_norm(
-            &w.h,
-            Some(&moe.router_gain),
-            eps,
-            n,
-            d,
-            &mut w.x2,
-            NormOut::Write,
-        )?;
+        // The router (its input and the experts' were normed with `x`), then the dense
+        // feed-forward, whose last product the experts' first one may run beside: the two
+        // branches meet in the closing norm.
         be.matmul(&w.x2, n, &moe.router, &mut w.router_logits)?;
         be.moe_route(
             &w.router_logits,
@@ -627,17 +635,10 @@ impl<B: Backend> Gemma4<B> {
             &mut w.route_w,
             &mut w.route_ids,
         )?;
-        be.rms_norm(
-            &w.h,
-            Some(&moe.pre_norm_2),
-            eps,
-            n,
-            d,
-            &mut w.x2,
-            NormOut::Write,
-        )?;
+        dense(w)?;
+        be.next_beside_previous();
         be.moe_ffn(
-            &w.x2,
+            &w.x3,
             n,
             &moe.gate_up,
             &moe.down,
