@@ -211,9 +211,10 @@ __device__ __forceinline__ float2 block_sum2(float a, float b, float2* red) {
 // Row blockIdx.x: h = (h + y · rsqrt(mean(y²) + eps) · w) · scale; then, if w2 is not null,
 // x = h · rsqrt(mean(h²) + eps) · w2 — a layer's post-norm, residual add and layer scalar with
 // the next block's pre-norm — and, where w3 / w4 are not null, x3 / x4 likewise with gains w3 /
-// w4 (more norms of the same h: a mixture-of-experts layer's router and expert inputs). Every load (y, h, w, w2) is issued before the first reduction
-// and the row stays in registers, so a row costs one memory round trip instead of three: at
-// batch 1 this kernel runs three times a layer on one block and its latency is the cost.
+// w4 (more norms of the same h: a mixture-of-experts layer's router and expert inputs). Every
+// load (y, h and the gains) is issued before the first reduction and the row stays in
+// registers, so a row costs one memory round trip instead of three: at batch 1 this kernel
+// runs three times a layer on one block and its latency is the cost.
 // The row's final output (x, or h without w2) is also stored into `rounded` as `round_kind`
 // says: rounded (store_rounded) or as Q4_K tiles (ROUND_Q4K_TILES: dim a multiple of 256 and
 // 4·dim bytes of dynamic shared memory). Needs blockDim.x · RESIDUAL_NORM_PER_THREAD >= dim

@@ -1523,7 +1523,8 @@ impl CudaBackend {
         // session 24).
         let tiles = w2 != 0 && dim <= Q4K_TILES_MAX_DIM;
         let round = self.round_target(&mut s, (n, dim), tiles)?;
-        let tail = [
+        // Every variant's arguments: its inputs, then these, [its extra norms,] the copy.
+        let norm = [
             Arg::U64(weight.ptr),
             Arg::F32(eps),
             Arg::I32(int("dim", dim)?),
@@ -1531,39 +1532,23 @@ impl CudaBackend {
             Arg::F32(scale),
             Arg::U64(w2),
             Arg::U64(x),
-            Arg::U64(round.at),
-            Arg::I32(round.kind),
         ];
+        let copy = [Arg::U64(round.at), Arg::I32(round.kind)];
         let grid = norm_grid(n, threads, dim, round)?;
-        match mix {
-            None if extra.is_empty() => {
-                let args: Vec<Arg> = [Arg::U64(y.ptr)].into_iter().chain(tail).collect();
-                self.run(Module::Ops, "residual_norm", grid, &args)?;
-            }
-            None => {
-                let (w3, x3) = extra.first().copied().unwrap_or((0, 0));
-                let (w4, x4) = extra.get(1).copied().unwrap_or((0, 0));
-                let extras = [w3, x3, w4, x4].map(Arg::U64);
-                // The extra norms' pointers go after x (tail[..7]).
-                let args: Vec<Arg> = [Arg::U64(y.ptr)]
-                    .into_iter()
-                    .chain(tail[..7].iter().copied())
-                    .chain(extras)
-                    .chain(tail[7..].iter().copied())
-                    .collect();
-                self.run(Module::Ops, "residual_norm_extra", grid, &args)?;
-            }
-            Some((w_y, experts, w_experts)) => {
-                let head = [
-                    Arg::U64(y.ptr),
-                    Arg::U64(w_y.ptr),
-                    Arg::U64(experts.ptr),
-                    Arg::U64(w_experts.ptr),
-                ];
-                let args: Vec<Arg> = head.into_iter().chain(tail).collect();
-                self.run(Module::Ops, "moe_residual_norm", grid, &args)?;
-            }
-        }
+        let (w3, x3) = extra.first().copied().unwrap_or((0, 0));
+        let (w4, x4) = extra.get(1).copied().unwrap_or((0, 0));
+        let mixed = mix.map(|(w_y, e, w_e)| [y.ptr, w_y.ptr, e.ptr, w_e.ptr]);
+        let (name, inputs, extras): (_, &[u64], &[u64]) = match &mixed {
+            None if extra.is_empty() => ("residual_norm", &[y.ptr], &[]),
+            None => ("residual_norm_extra", &[y.ptr], &[w3, x3, w4, x4]),
+            Some(inputs) => ("moe_residual_norm", inputs, &[]),
+        };
+        let args: Vec<Arg> = (inputs.iter().copied().map(Arg::U64))
+            .chain(norm)
+            .chain(extras.iter().copied().map(Arg::U64))
+            .chain(copy)
+            .collect();
+        self.run(Module::Ops, name, grid, &args)?;
         s.rounded.hold(round, out, n * dim, &self.queue);
         Ok(())
     }
