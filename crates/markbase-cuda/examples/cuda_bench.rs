@@ -200,7 +200,12 @@ fn gemv_bandwidth(be: &CudaBackend, shapes: &LayerShapes, n: usize) {
     println!("token rows: {n}");
     println!("| format | product | µs | weight GB/s |");
     println!("| --- | --- | ---: | ---: |");
-    for ty in [GgmlType::BF16, GgmlType::Q4_K] {
+    for ty in [
+        GgmlType::BF16,
+        GgmlType::Q4_K,
+        GgmlType::Q6_K,
+        GgmlType::Q8_0,
+    ] {
         let mut load = |rows, cols| {
             be.load_matrix(&random_matrix(ty, rows, cols, &mut seed))
                 .unwrap()

@@ -1,5 +1,5 @@
-// The gated feed-forward's first half for one token row of Q4_K weights, or of Q8_0 weights
-// of whole 256-value groups (gemv_walk.rs): out[r] = gelu_tanh(gate_r · x) · (up_r · x); and
+// The gated feed-forward's first half for one token row of Q4_K or Q6_K weights, or of Q8_0
+// weights of whole 256-value groups (gemv_walk.rs): out[r] = gelu_tanh(gate_r · x) · (up_r · x); and
 // the same walk over one matrix's two halves as its row pairs (an LM head: out[r] and
 // out[rows + r]). Appended to gemv.cu's module.
 //
@@ -37,8 +37,12 @@
 #ifndef Q8_0_UNITS_AHEAD
 #define Q8_0_UNITS_AHEAD 4
 #endif
-#if Q4K_UNITS_AHEAD < 1 || Q8_0_UNITS_AHEAD < 1
-#error "Q4K_UNITS_AHEAD and Q8_0_UNITS_AHEAD must be at least 1"
+// Q6_K's (28 bytes each).
+#ifndef Q6K_UNITS_AHEAD
+#define Q6K_UNITS_AHEAD 4
+#endif
+#if Q4K_UNITS_AHEAD < 1 || Q8_0_UNITS_AHEAD < 1 || Q6K_UNITS_AHEAD < 1
+#error "Q4K_UNITS_AHEAD, Q8_0_UNITS_AHEAD and Q6K_UNITS_AHEAD must be at least 1"
 #endif
 
 // What a lane needs to pick its two chunks' 6-bit scales and mins out of a super-block's
@@ -143,6 +147,40 @@ struct WalkQ8_0 {
         }
         return f16_to_f32((u16)(s.d & 0xffff)) * m0.x * (float)lo +
                f16_to_f32((u16)(s.d >> 16)) * m1.x * (float)hi;
+    }
+};
+
+// Q6_K super-blocks as laid out on the device (layout.rs): a slot's 16 bytes of low bits, two
+// words of high bits and its word of scales and d, all its own (no trading between lanes).
+struct WalkQ6k {
+    static constexpr int UNIT_BYTES = 224, AHEAD = Q6K_UNITS_AHEAD;
+    typedef I16Slice<F_Q6_K> Slice;
+    struct Lane {};
+    static __device__ __forceinline__ Lane lane(int) { return {}; }
+
+    static __device__ __forceinline__ void load(const u8* blk, int sub, Slice& s) {
+        s.q = __ldg((const uint4*)blk + sub);
+        s.h = __ldg((const uint2*)(blk + 128) + sub);
+        s.hd = __ldg((const u32*)(blk + 192) + sub);
+    }
+
+    // d·scale·Σ (q − 32)·x a chunk half: the −32 through the activations' sums (xm .y).
+    static __device__ __forceinline__ float dot(const Slice& s, const uint4* xq, const float2* xm,
+                                                const Lane&) {
+        const uint4 x0 = xq[0], x1 = xq[8], x2 = xq[16], x3 = xq[24];
+        const float2 m0 = xm[0], m1 = xm[2];
+        const u32 xa[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+        const u32 xb[8] = {x2.x, x2.y, x2.z, x2.w, x3.x, x3.y, x3.z, x3.w};
+        u32 lo[4], hi[4];
+        float d0, d1;
+        q6k_unpack(s, lo, hi, &d0, &d1);
+        int sl = 0, sh = 0;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            sl = dp2a_hi(xa[2 * i + 1], lo[i], dp2a_lo(xa[2 * i], lo[i], sl));
+            sh = dp2a_hi(xb[2 * i + 1], hi[i], dp2a_lo(xb[2 * i], hi[i], sh));
+        }
+        return d0 * (m0.x * (float)sl - 32.f * m0.y) + d1 * (m1.x * (float)sh - 32.f * m1.y);
     }
 };
 
@@ -340,4 +378,8 @@ GEMV_WALK_KERNELS(q4_k, WalkQ4k, 2)
 #if FORMAT_q8_0
 GEMV_WALK_KERNELS(q8_0, WalkQ8_0, 1)
 GEMV_WALK_KERNELS(q8_0, WalkQ8_0, 2)
+#endif
+#if FORMAT_q6_k
+GEMV_WALK_KERNELS(q6_k, WalkQ6k, 1)
+GEMV_WALK_KERNELS(q6_k, WalkQ6k, 2)
 #endif

@@ -197,18 +197,25 @@ __device__ __forceinline__ void deq32(const u8* row, int c, int kv, int k, float
             w[l] = d1 * (float)v - m1;
         }
     } else if (FMT == F_Q6_K) {
-        const u8* b = row + (size_t)(c >> 3) * 210;
-        int cc = c & 7, n = cc >> 2, kk = cc & 3;
-        float d = f16_to_f32(ld16(b + 208));
-        u16 scp = ld16(b + 192 + 2 * cc);
-        float d0 = d * (float)(signed char)(scp & 0xff), d1 = d * (float)(signed char)(scp >> 8);
-        u8 ql[32], qh[32];
-        ld_bytes<16>(b + 64 * n + 32 * (kk & 1), ql);
-        ld_bytes<16>(b + 128 + 32 * n, qh);
+        // As laid out on the device (layout.rs): chunk c's halves are lane slots 2n and
+        // 2n + 1 of its 224-byte super-block, its nibble the low (even c) or high one.
+        const u8* b = row + (size_t)(c >> 3) * 224;
+        int cc = c & 7, n = cc >> 1, odd = cc & 1;
 #pragma unroll
-        for (int l = 0; l < 32; l++) {
-            int v = ((ql[l] >> (4 * (kk >> 1))) & 15) | (((qh[l] >> (2 * kk)) & 3) << 4);
-            w[l] = (l < 16 ? d0 : d1) * (float)(v - 32);
+        for (int h = 0; h < 2; h++) {
+            int s = 2 * n + h;
+            // Plain loads: `row` may be a staged copy in shared memory.
+            u32 hd = ((const u32*)(b + 192))[s];
+            u32 hw = ((const u32*)(b + 128 + 8 * s))[odd];
+            uint4 q4 = ((const uint4*)b)[s];
+            u32 q[4] = {q4.x, q4.y, q4.z, q4.w};
+            float dd = f16_to_f32((u16)(hd >> 16)) * (float)(signed char)((hd >> (8 * odd)) & 0xff);
+#pragma unroll
+            for (int m = 0; m < 16; m++) {
+                int lo = (q[m >> 2] >> (8 * (m & 3) + 4 * odd)) & 15;
+                int hi = (hw >> (8 * (m & 3) + 2 * (m >> 2))) & 3;
+                w[16 * h + m] = dd * (float)((lo | (hi << 4)) - 32);
+            }
         }
     }
 }
@@ -370,11 +377,12 @@ __device__ __forceinline__ void float_row_dot(const u8* row, const float* x, int
     float_row_part<FMT, NT, true>(row, x, k, nt, 0, 1, acc);
 }
 
-// Bytes of one block and 32-weight chunks per block of a quantized format.
+// Bytes of one block (as on the device: Q6_K's 224, layout.rs) and 32-weight chunks per block
+// of a quantized format.
 __host__ __device__ constexpr int fmt_block_bytes(int f) {
     return f == F_Q4_0 ? 18 : f == F_Q4_1 ? 20 : f == F_Q5_0 ? 22 : f == F_Q5_1 ? 24
          : f == F_Q8_0 ? 34 : f == F_Q2_K ? 84 : f == F_Q3_K ? 110 : f == F_Q4_K ? 144
-         : f == F_Q5_K ? 176 : f == F_Q6_K ? 210 : 0;
+         : f == F_Q5_K ? 176 : f == F_Q6_K ? 224 : 0;
 }
 __host__ __device__ constexpr int fmt_chunks_per_block(int f) { return f >= F_Q2_K && f <= F_Q6_K ? 8 : 1; }
 
@@ -554,23 +562,29 @@ __device__ __forceinline__ int dp2a_hi_s8(u32 a, u32 b, int c) {
 }
 
 // Formats whose rows of a multiple of 256 values run on 16-bit activations (i16_rows): Q4_K,
-// and Q8_0 as regrouped on the device (q8_0_block).
-__host__ __device__ constexpr bool fmt_i16(int f) { return f == F_Q4_K || f == F_Q8_0; }
-
-// Whether rows of format f, k values wide, run on 16-bit activations: Q4_K rows (always whole
-// super-blocks), Q8_0 rows of whole 256-value groups.
-__device__ __forceinline__ bool i16_takes(int f, int k) {
-    return f == F_Q4_K || (f == F_Q8_0 && (k & 255) == 0);
+// Q6_K as laid out on the device, and Q8_0 as regrouped there (q8_0_block).
+__host__ __device__ constexpr bool fmt_i16(int f) {
+    return f == F_Q4_K || f == F_Q6_K || f == F_Q8_0;
 }
 
-// Bytes of a 256-value unit of an fmt_i16 row: a Q4_K super-block, a Q8_0 group.
-__host__ __device__ constexpr int i16_unit_bytes(int f) { return f == F_Q4_K ? 144 : 272; }
+// Whether rows of format f, k values wide, run on 16-bit activations: Q4_K and Q6_K rows
+// (always whole super-blocks), Q8_0 rows of whole 256-value groups.
+__device__ __forceinline__ bool i16_takes(int f, int k) {
+    return f == F_Q4_K || f == F_Q6_K || (f == F_Q8_0 && (k & 255) == 0);
+}
+
+// Bytes of a 256-value unit of an fmt_i16 row: a Q4_K super-block, a Q6_K one as on the
+// device, a Q8_0 group.
+__host__ __device__ constexpr int i16_unit_bytes(int f) {
+    return f == F_Q4_K ? 144 : f == F_Q6_K ? 224 : 272;
+}
 
 // Lane `sub`'s (of a unit's 8) share of one unit of one row: values 16·(sub & 1) .. + 15 of
 // the unit's chunks 2·(sub >> 1) and the one after it (32-value chunks), and their scales.
 // Q4_K: the 16 quant bytes holding both chunks' values (low and high nibbles) and the
-// super-block's 16-byte header. Q8_0: each chunk's 16 quants and the word of their two f16
-// scales.
+// super-block's 16-byte header. Q6_K (layout.rs): the slot's 16 bytes of low 4 bits, its two
+// words of high 2 bits and its word of two scales and d. Q8_0: each chunk's 16 quants and the
+// word of their two f16 scales.
 template <int FMT>
 struct I16Slice;
 template <>
@@ -578,10 +592,31 @@ struct I16Slice<F_Q4_K> {
     uint4 q, h;
 };
 template <>
+struct I16Slice<F_Q6_K> {
+    uint4 q;
+    uint2 h;
+    u32 hd;
+};
+template <>
 struct I16Slice<F_Q8_0> {
     uint4 lo, hi;
     u32 d;
 };
+
+// A Q6_K slice's 32 weights as unsigned 6-bit bytes, four a word: lo (chunk 2n) and hi
+// (chunk 2n + 1) in the order of its 16 low-bit bytes, and the two chunks' d · scale.
+__device__ __forceinline__ void q6k_unpack(const I16Slice<F_Q6_K>& s, u32* lo, u32* hi,
+                                           float* d0, float* d1) {
+    const u32 w[4] = {s.q.x, s.q.y, s.q.z, s.q.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        lo[i] = (w[i] & 0x0F0F0F0Fu) | (((s.h.x >> (2 * i)) & 0x03030303u) << 4);
+        hi[i] = ((w[i] >> 4) & 0x0F0F0F0Fu) | (((s.h.y >> (2 * i)) & 0x03030303u) << 4);
+    }
+    float d = f16_to_f32((u16)(s.hd >> 16));
+    *d0 = d * (float)(signed char)(s.hd & 0xff);
+    *d1 = d * (float)(signed char)((s.hd >> 8) & 0xff);
+}
 
 // Loads lane `sub`'s slice of unit b of `row`.
 template <int FMT>
@@ -590,6 +625,10 @@ __device__ __forceinline__ void i16_load(const u8* row, int b, int sub, I16Slice
     if constexpr (FMT == F_Q4_K) {
         s.q = __ldg((const uint4*)(unit + 16) + sub);
         s.h = __ldg((const uint4*)unit);
+    } else if constexpr (FMT == F_Q6_K) {
+        s.q = __ldg((const uint4*)unit + sub);
+        s.h = __ldg((const uint2*)(unit + 128) + sub);
+        s.hd = __ldg((const u32*)(unit + 192) + sub);
     } else {
         const int n = sub >> 1, half = sub & 1;
         s.lo = __ldg((const uint4*)(unit + 16 + 64 * n + 16 * half));
@@ -630,6 +669,11 @@ __device__ __forceinline__ void i16_block(const I16Slice<FMT>* s, const uint4* x
             q4k_scale_min(s[r].h, 2 * n + 1, &sc, &mn);
             d1[r] = d * sc;
             c1[r] = dmin * mn;
+        } else if constexpr (FMT == F_Q6_K) {
+            q6k_unpack(s[r], lo[r], hi[r], &d0[r], &d1[r]);
+            // w = d·scale·(q − 32): the −32 through the activations' sums, as Q4_K's min.
+            c0[r] = 32.f * d0[r];
+            c1[r] = 32.f * d1[r];
         } else {
             u32 a[4] = {s[r].lo.x, s[r].lo.y, s[r].lo.z, s[r].lo.w};
             u32 b4[4] = {s[r].hi.x, s[r].hi.y, s[r].hi.z, s[r].hi.w};
@@ -664,7 +708,7 @@ __device__ __forceinline__ void i16_block(const I16Slice<FMT>* s, const uint4* x
             int sl = 0, sh = 0;
 #pragma unroll
             for (int i = 0; i < 4; i++) {
-                if constexpr (FMT == F_Q4_K) {
+                if constexpr (FMT == F_Q4_K || FMT == F_Q6_K) {
                     sl = dp2a_hi(xa[2 * i + 1], lo[r][i], dp2a_lo(xa[2 * i], lo[r][i], sl));
                     sh = dp2a_hi(xb[2 * i + 1], hi[r][i], dp2a_lo(xb[2 * i], hi[r][i], sh));
                 } else {
@@ -672,7 +716,7 @@ __device__ __forceinline__ void i16_block(const I16Slice<FMT>* s, const uint4* x
                     sh = dp2a_hi_s8(xb[2 * i + 1], hi[r][i], dp2a_lo_s8(xb[2 * i], hi[r][i], sh));
                 }
             }
-            if constexpr (FMT == F_Q4_K) {
+            if constexpr (FMT == F_Q4_K || FMT == F_Q6_K) {
                 acc[r][t] += d0[r] * m0.x * (float)sl - c0[r] * m0.y;
                 acc[r][t] += d1[r] * m1.x * (float)sh - c1[r] * m1.y;
             } else {

@@ -65,7 +65,8 @@ impl CudaBuffer {
     }
 }
 
-/// A weight matrix in device memory, blocks as stored (Q8_0 rows regrouped, layout.rs).
+/// A weight matrix in device memory, blocks as stored (Q8_0 rows regrouped, Q6_K super-blocks
+/// laid out for their readers: layout.rs).
 pub struct CudaMatrix {
     /// Freed in `drop`, with the step recorder locked.
     mem: ManuallyDrop<CudaSlice<u8>>,
@@ -76,7 +77,7 @@ pub struct CudaMatrix {
     pub rows: usize,
     /// Weights per row.
     pub cols: usize,
-    /// Bytes per row.
+    /// Bytes per row on the device (Q6_K's super-blocks take 224 there, layout.rs).
     pub row_bytes: usize,
     /// Name, for messages.
     pub name: String,
@@ -103,8 +104,9 @@ impl CudaMatrix {
         cols: usize,
         name: &str,
     ) -> Result<CudaMatrix> {
+        let laid = layout::device_bytes(ty, bytes, rows);
         let mem = stream
-            .clone_htod(layout::device_bytes(ty, bytes, rows).as_ref())
+            .clone_htod(laid.as_ref())
             .map_err(|e| driver_err(&format!("uploading '{name}'"), e))?;
         let ptr = addr(&mem, stream);
         Ok(CudaMatrix {
@@ -113,7 +115,7 @@ impl CudaMatrix {
             ty,
             rows,
             cols,
-            row_bytes: bytes.len() / rows.max(1),
+            row_bytes: laid.len() / rows.max(1),
             name: name.to_string(),
             steps: steps.clone(),
         })

@@ -4,7 +4,19 @@
 //! full group of 8 blocks (256 values) of a row lies as its 8 scales (16 bytes) followed by its
 //! 256 quants: the same 272 bytes, now 16-byte aligned where the row is, so a lane loads a
 //! block's quants as two `uint4`s. The blocks after a row's last full group stay as stored.
-//! `q8_0_block` in quant.cuh reads this layout; every other format lies as stored.
+//! `q8_0_block` in quant.cuh reads this layout.
+//!
+//! Q6_K super-blocks are 210 bytes, so as stored they lie only 2-byte aligned. On the device
+//! each takes 224 bytes (6.7 % more), laid out for the lanes that read it: a lane `s` of its 8
+//! (`s = 2n + h`) takes values `16h .. 16h + 16` of chunks `2n` and `2n + 1` (32 values each),
+//! as a one-token Q4_K lane does (quant.cuh, `i16_rows`). Bytes `16s .. 16s + 16` hold their
+//! 6-bit values' low 4 bits (chunk `2n` in the low nibbles, `2n + 1` in the high ones, like
+//! Q4_K's quants); the words at `128 + 8s` (chunk `2n`) and `132 + 8s` (chunk `2n + 1`) their
+//! high 2 bits, value `4i + j`'s at bits `8j + 2i` of its word (so `(w >> 2i) & 0x03030303`
+//! gives word `i` of the low bits their high bits); and the word at `192 + 4s` the two
+//! chunks' 16-value scales as bytes and the super-block's f16 `d` above them. The 6-bit values
+//! stay unsigned (`w = d · scale · (q − 32)`). quant.cuh's Q6_K readers take this layout;
+//! every other format lies as stored.
 
 use std::borrow::Cow;
 
@@ -15,13 +27,27 @@ const Q8_0_BLOCK: usize = 34;
 /// Blocks of a regrouped Q8_0 group.
 const GROUP_BLOCKS: usize = 8;
 
+/// Bytes of a Q6_K super-block as stored.
+const Q6_K_BLOCK: usize = 210;
+/// Bytes of a Q6_K super-block on the device.
+pub(crate) const Q6_K_DEVICE_BLOCK: usize = 224;
+
+/// Lays one row out as on the device (the row as stored, its place).
+type LayRow = fn(&[u8], &mut [u8]);
+
 /// `bytes` (`rows` rows of `ty`) as they lie on the device.
 pub(crate) fn device_bytes(ty: GgmlType, bytes: &[u8], rows: usize) -> Cow<'_, [u8]> {
-    if ty != GgmlType::Q8_0 || rows == 0 {
-        return Cow::Borrowed(bytes);
-    }
+    let (out_row, lay): (usize, LayRow) = match ty {
+        _ if rows == 0 => return Cow::Borrowed(bytes),
+        GgmlType::Q8_0 => (bytes.len() / rows, regroup_q8_0_row),
+        GgmlType::Q6_K => (
+            bytes.len() / rows / Q6_K_BLOCK * Q6_K_DEVICE_BLOCK,
+            lay_q6_k_row,
+        ),
+        _ => return Cow::Borrowed(bytes),
+    };
     let row_bytes = bytes.len() / rows;
-    let mut out = vec![0u8; bytes.len()];
+    let mut out = vec![0u8; out_row * rows];
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     // Whole rows a thread, at least 4 MB of them.
     let per_thread = rows
@@ -31,11 +57,11 @@ pub(crate) fn device_bytes(ty: GgmlType, bytes: &[u8], rows: usize) -> Cow<'_, [
     std::thread::scope(|s| {
         for (src, dst) in bytes
             .chunks(per_thread * row_bytes)
-            .zip(out.chunks_mut(per_thread * row_bytes))
+            .zip(out.chunks_mut(per_thread * out_row))
         {
             s.spawn(move || {
-                for (r, o) in src.chunks(row_bytes).zip(dst.chunks_mut(row_bytes)) {
-                    regroup_q8_0_row(r, o);
+                for (r, o) in src.chunks(row_bytes).zip(dst.chunks_mut(out_row)) {
+                    lay(r, o);
                 }
             });
         }
@@ -55,6 +81,41 @@ fn regroup_q8_0_row(row: &[u8], out: &mut [u8]) {
         }
     }
     out[full * group..].copy_from_slice(&row[full * group..]);
+}
+
+/// One Q6_K row (as stored) into `out` (as on the device: the module's layout).
+fn lay_q6_k_row(row: &[u8], out: &mut [u8]) {
+    for (b, o) in row
+        .chunks_exact(Q6_K_BLOCK)
+        .zip(out.chunks_exact_mut(Q6_K_DEVICE_BLOCK))
+    {
+        let (ql, qh, scales, d) = (&b[..128], &b[128..192], &b[192..208], &b[208..210]);
+        // The 6-bit value of weight i = 128 n + 32 k + l (markbase-core's kquants::q6_k).
+        let q = |i: usize| {
+            let (n, k, l) = (i / 128, (i % 128) / 32, i % 32);
+            let lo = (ql[64 * n + 32 * (k % 2) + l] >> (4 * (k / 2))) & 0x0F;
+            let hi = (qh[32 * n + l] >> (2 * k)) & 3;
+            lo | (hi << 4)
+        };
+        o.fill(0);
+        for s in 0..8 {
+            let (n, h) = (s / 2, s % 2);
+            for m in 0..16 {
+                let (a, c) = (q(64 * n + 16 * h + m), q(64 * n + 32 + 16 * h + m));
+                o[16 * s + m] = (a & 0x0F) | ((c & 0x0F) << 4);
+                let bit = 8 * (m % 4) + 2 * (m / 4);
+                for (word, v) in [(128 + 8 * s, a), (132 + 8 * s, c)] {
+                    let mut w = u32::from_le_bytes(o[word..word + 4].try_into().unwrap());
+                    w |= u32::from(v >> 4) << bit;
+                    o[word..word + 4].copy_from_slice(&w.to_le_bytes());
+                }
+            }
+            let hdr = 192 + 4 * s;
+            o[hdr] = scales[4 * n + h];
+            o[hdr + 1] = scales[4 * n + 2 + h];
+            o[hdr + 2..hdr + 4].copy_from_slice(d);
+        }
+    }
 }
 
 #[cfg(test)]
@@ -90,5 +151,48 @@ mod tests {
         }
         let other = device_bytes(GgmlType::Q4_0, &bytes, rows);
         assert!(matches!(other, Cow::Borrowed(_)));
+    }
+
+    /// The device's Q6_K super-blocks, read as the layout above says (the twin of quant.cuh's
+    /// readers), give the weights markbase-core's dequantization gives the stored ones.
+    #[test]
+    fn q6_k_rows_relay_to_the_device_layout() {
+        use markbase_core::quant::dequantize_row;
+        let (rows, blocks) = (3, 5);
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut bytes: Vec<u8> = (0..rows * blocks * Q6_K_BLOCK)
+            .map(|_| {
+                seed = seed
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                (seed >> 56) as u8
+            })
+            .collect();
+        for b in bytes.chunks_exact_mut(Q6_K_BLOCK) {
+            b[208..].copy_from_slice(&0x2c00u16.to_le_bytes()); // d = 1/16
+        }
+        let dev = device_bytes(GgmlType::Q6_K, &bytes, rows);
+        assert_eq!(dev.len(), rows * blocks * Q6_K_DEVICE_BLOCK);
+        let f16 = |lo: u8, hi: u8| half::f16::from_le_bytes([lo, hi]).to_f32();
+        for (r, row) in bytes.chunks_exact(blocks * Q6_K_BLOCK).enumerate() {
+            let mut want = vec![0f32; 256 * blocks];
+            dequantize_row(GgmlType::Q6_K, row, &mut want).unwrap();
+            let drow = &dev[r * blocks * Q6_K_DEVICE_BLOCK..][..blocks * Q6_K_DEVICE_BLOCK];
+            for (i, &w) in want.iter().enumerate() {
+                let u = &drow[(i / 256) * Q6_K_DEVICE_BLOCK..][..Q6_K_DEVICE_BLOCK];
+                let (c, v) = ((i % 256) / 32, i % 32);
+                let (n, odd, h, m) = (c / 2, c % 2, v / 16, v % 16);
+                let s = 2 * n + h;
+                let lo = (u[16 * s + m] >> (4 * odd)) & 0x0F;
+                let word = 128 + 8 * s + 4 * odd;
+                let hw = u32::from_le_bytes(u[word..word + 4].try_into().unwrap());
+                let hi = (hw >> (8 * (m % 4) + 2 * (m / 4))) & 3;
+                let hdr = &u[192 + 4 * s..][..4];
+                let got = f16(hdr[2], hdr[3])
+                    * f32::from(hdr[odd] as i8)
+                    * (f32::from(lo | (hi as u8) << 4) - 32.0);
+                assert_eq!(got, w, "row {r} weight {i}");
+            }
+        }
     }
 }

@@ -477,6 +477,8 @@ fn one_token_products_over_many_rows_match_reference() {
         (GgmlType::Q4_K, 768),
         (GgmlType::Q8_0, 512),
         (GgmlType::Q8_0, 768),
+        (GgmlType::Q6_K, 512),
+        (GgmlType::Q6_K, 768),
     ] {
         let (gm, um) = (
             random_matrix(&mut r, ty, rows, k),
@@ -515,9 +517,9 @@ fn one_token_products_over_many_rows_match_reference() {
 fn one_token_products_over_an_lm_head_of_rows_match_reference() {
     let g = gpu_or_skip!();
     let mut r = rng("one-token halves walk");
-    // Q4_K (and Q8_0) matrices of 65 536 rows and more walk as two halves (pairs of 1 and of
-    // 2 rows a warp's group: 2 and 11 units a row); an odd count takes the plain GEMV. Two
-    // products of each matrix, with fresh activations.
+    // Q4_K (and Q8_0, Q6_K) matrices of 65 536 rows and more walk as two halves (pairs of 1
+    // and of 2 rows a warp's group: 2 and 11 units a row); an odd count takes the plain GEMV.
+    // Two products of each matrix, with fresh activations.
     for (ty, rows, k) in [
         (GgmlType::Q4_K, 65_538, 512),
         (GgmlType::Q4_K, 65_540, 2_816),
@@ -525,6 +527,9 @@ fn one_token_products_over_an_lm_head_of_rows_match_reference() {
         (GgmlType::Q4_K, 70_000, 2_560),
         (GgmlType::Q8_0, 65_538, 512),
         (GgmlType::Q8_0, 65_540, 2_816),
+        (GgmlType::Q6_K, 65_538, 512),
+        (GgmlType::Q6_K, 65_540, 2_816),
+        (GgmlType::Q6_K, 65_537, 2_560),
     ] {
         let m = random_matrix(&mut r, ty, rows, k);
         let w = g.load_matrix(&m).unwrap();

@@ -2,10 +2,13 @@
 //! shapes, for benchmarks and GPU tests where real weights are not at hand.
 //!
 //! Variants: `e2b`, `e4b`, `12b`, `26b-a4b`, `31b` (hyper-parameters of gemma4.md §1.1).
-//! Formats: `bf16` (default), `q8_0`, `q4_k` for the matrices; norms and scalars are f32. A
+//! Formats: `bf16` (default), `q8_0`, `q4_k` for the matrices; norms and scalars are f32.
+//! `q4_k_m` is llama.cpp's Q4_K_M mix, the file most users download: Q4_K, but Q6_K for the
+//! tied embedding / LM head and, on the layers llama.cpp's `use_more_bits` picks (the first
+//! and last eighth, and every third between), for `v_proj` and the down projections. A
 //! matrix whose rows do not split into whole blocks of the format (the 26B-A4B experts'
 //! 704-wide down projection in Q4_K) falls back to Q8_0, then BF16; the per-layer embedding
-//! table stays at ≥ 8 bits (Q8_0 under `q4_k`). Nothing is generated until a tensor is asked
+//! table stays at ≥ 8 bits (Q8_0 under `q4_k` and `q4_k_m`). Nothing is generated until a tensor is asked
 //! for: the shapes and byte counts (`inspect`) come from the configuration alone, and each
 //! tensor's bytes are a pure function of (seed, tensor name), so a run is reproducible. A
 //! matrix is generated in fixed chunks of `CHUNK_WEIGHTS`, each from its own stream, on every
@@ -132,13 +135,16 @@ pub struct SyntheticSpec {
     pub variant: Variant,
     /// Storage format of the matrices (BF16, Q8_0 or Q4_K).
     pub format: GgmlType,
+    /// llama.cpp's `_M` mix over `format` (Q4_K): Q6_K for the LM head, and for `v_proj` and
+    /// the down projections on the layers `use_more_bits` picks.
+    pub mix_m: bool,
     /// Seed of the random weights.
     pub seed: u64,
 }
 
 impl SyntheticSpec {
-    /// Parses `VARIANT[:FORMAT[:SEED]]`, e.g. `e2b`, `31b:q4_k`, `26b-a4b:q8_0:7` (format
-    /// defaults to bf16, seed to 0).
+    /// Parses `VARIANT[:FORMAT[:SEED]]`, e.g. `e2b`, `31b:q4_k`, `e4b:q4_k_m`,
+    /// `26b-a4b:q8_0:7` (format defaults to bf16, seed to 0).
     pub fn parse(spec: &str) -> Result<Self> {
         let mut parts = spec.split(':');
         let v = parts.next().unwrap_or("").to_ascii_lowercase();
@@ -150,13 +156,14 @@ impl SyntheticSpec {
                     "synthetic variant '{v}' (expected one of e2b, e4b, 12b, 26b-a4b, 31b)"
                 ))
             })?;
-        let format = match parts.next().map(str::to_ascii_lowercase).as_deref() {
-            None | Some("bf16") => GgmlType::BF16,
-            Some("q8_0") => GgmlType::Q8_0,
-            Some("q4_k") => GgmlType::Q4_K,
+        let (format, mix_m) = match parts.next().map(str::to_ascii_lowercase).as_deref() {
+            None | Some("bf16") => (GgmlType::BF16, false),
+            Some("q8_0") => (GgmlType::Q8_0, false),
+            Some("q4_k") => (GgmlType::Q4_K, false),
+            Some("q4_k_m") => (GgmlType::Q4_K, true),
             Some(other) => {
                 return Err(Error::Invalid(format!(
-                    "synthetic format '{other}' (expected bf16, q8_0 or q4_k)"
+                    "synthetic format '{other}' (expected bf16, q8_0, q4_k or q4_k_m)"
                 )))
             }
         };
@@ -174,15 +181,17 @@ impl SyntheticSpec {
         Ok(SyntheticSpec {
             variant,
             format,
+            mix_m,
             seed,
         })
     }
 
     /// The spec in its canonical spelling.
     pub fn describe(&self) -> String {
-        let f = match self.format {
-            GgmlType::Q8_0 => "q8_0",
-            GgmlType::Q4_K => "q4_k",
+        let f = match (self.format, self.mix_m) {
+            (GgmlType::Q8_0, _) => "q8_0",
+            (GgmlType::Q4_K, false) => "q4_k",
+            (GgmlType::Q4_K, true) => "q4_k_m",
             _ => "bf16",
         };
         format!("{}:{f}:{}", self.variant.name(), self.seed)
@@ -223,6 +232,7 @@ impl SyntheticWeights {
     pub fn new(spec: SyntheticSpec) -> Result<Self> {
         let cfg = Gemma4Config::from_hf_json(&spec.variant.hf_config())?;
         let ple_table = "embed_tokens_per_layer.weight";
+        let more_bits = more_bits_matrices(&cfg, spec.mix_m);
         let mut tensors = BTreeMap::new();
         for (name, shape) in hf_tensor_shapes(&cfg) {
             let fill = if shape.len() == 1 {
@@ -246,6 +256,8 @@ impl SyntheticWeights {
                 let cols = shape[shape.len() - 1];
                 let want = if name == ple_table && spec.format == GgmlType::Q4_K {
                     GgmlType::Q8_0
+                } else if more_bits.contains(&name) {
+                    GgmlType::Q6_K
                 } else {
                     spec.format
                 };
@@ -366,6 +378,41 @@ impl SyntheticWeights {
     }
 }
 
+/// The matrices llama.cpp's `_M` mixes store in Q6_K (none without `mix_m`): the tied
+/// embedding (the LM head), and `v_proj` and the down projections (dense and experts') on
+/// the layers of `use_more_bits(i, n)` — `i < n/8 || i >= 7n/8 || (i − n/8) % 3 == 2` in
+/// integers, where for `v_proj` `i` counts the layers that have one.
+fn more_bits_matrices(cfg: &Gemma4Config, mix_m: bool) -> Vec<String> {
+    if !mix_m {
+        return Vec::new();
+    }
+    let use_more_bits = |i: usize, n: usize| {
+        i < n / 8 || i >= 7 * n / 8 || (i as i64 - (n / 8) as i64).rem_euclid(3) == 2
+    };
+    let names: Vec<String> = hf_tensor_shapes(cfg).into_iter().map(|(n, _)| n).collect();
+    let mut out = vec!["embed_tokens.weight".to_string()];
+    let n_layers = cfg.layers.len();
+    let v_layers: Vec<usize> = (0..n_layers)
+        .filter(|i| names.contains(&format!("layers.{i}.self_attn.v_proj.weight")))
+        .collect();
+    for (k, &i) in v_layers.iter().enumerate() {
+        if use_more_bits(k, v_layers.len()) {
+            out.push(format!("layers.{i}.self_attn.v_proj.weight"));
+        }
+    }
+    for i in (0..n_layers).filter(|&i| use_more_bits(i, n_layers)) {
+        for down in [
+            format!("layers.{i}.mlp.down_proj.weight"),
+            format!("layers.{i}.experts.down_proj"),
+        ] {
+            if names.contains(&down) {
+                out.push(down);
+            }
+        }
+    }
+    out
+}
+
 /// Weights generated from one random stream: a multiple of every format's block (256), so
 /// chunks split into whole blocks.
 const CHUNK_WEIGHTS: usize = 1 << 20;
@@ -375,7 +422,7 @@ const CHUNK_WEIGHTS: usize = 1 << 20;
 fn fill_bytes(rng: Rng, ty: GgmlType, n: usize, amp: f32) -> Result<Arc<[u8]>> {
     if !matches!(
         ty,
-        GgmlType::F32 | GgmlType::BF16 | GgmlType::Q8_0 | GgmlType::Q4_K
+        GgmlType::F32 | GgmlType::BF16 | GgmlType::Q8_0 | GgmlType::Q4_K | GgmlType::Q6_K
     ) {
         return Err(Error::Unsupported(format!("synthetic weights in {ty}")));
     }
@@ -419,6 +466,16 @@ fn fill_chunk(rng: &mut Rng, ty: GgmlType, out: &mut [u8], amp: f32) {
                 block[2..]
                     .iter_mut()
                     .for_each(|q| *q = ((rng.next() % 255) as i32 - 127) as i8 as u8);
+            }
+        }
+        GgmlType::Q6_K => {
+            // Q6_K: w = d·sc·(q − 32) with 8-bit sc and 6-bit q (low 4 bits in ql, high 2 in
+            // qh): sc = 16 and d = amp / 512 give ±amp.
+            let d = f16_bits(amp / 512.0).to_le_bytes();
+            for block in out.chunks_exact_mut(210) {
+                block[..192].iter_mut().for_each(|q| *q = rng.next() as u8);
+                block[192..208].fill(16);
+                block[208..].copy_from_slice(&d);
             }
         }
         _ => {
@@ -531,6 +588,13 @@ mod tests {
         let mut w = vec![0f32; 2 * CHUNK_WEIGHTS];
         dequantize_row(GgmlType::Q4_K, &q, &mut w).unwrap();
         assert!(w.iter().all(|v| v.abs() <= 0.51));
-        assert!(fill_bytes(Rng::new(7, "t"), GgmlType::Q6_K, 256, 0.5).is_err());
+        // Q6_K: within ±amp, and the 6-bit values spread over their range (a unit variance
+        // of the uniform 64 levels has mean square ≈ amp²/3).
+        let q = fill_bytes(Rng::new(7, "t"), GgmlType::Q6_K, 2 * CHUNK_WEIGHTS, 0.5).unwrap();
+        dequantize_row(GgmlType::Q6_K, &q, &mut w).unwrap();
+        assert!(w.iter().all(|v| v.abs() <= 0.51));
+        let mean_sq = w.iter().map(|v| v * v).sum::<f32>() / w.len() as f32;
+        assert!((mean_sq / (0.25 / 3.0) - 1.0).abs() < 0.1, "{mean_sq}");
+        assert!(fill_bytes(Rng::new(7, "t"), GgmlType::Q5_K, 256, 0.5).is_err());
     }
 }

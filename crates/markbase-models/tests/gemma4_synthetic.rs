@@ -29,7 +29,17 @@ fn parses_specs_and_rejects_bad_ones() {
         (Variant::E2b, GgmlType::BF16, 0)
     );
     assert_eq!(s.describe(), "e2b:bf16:0");
-    for bad in ["", "e3b", "e2b:q5_k", "e2b:bf16:x", "e2b:bf16:1:2"] {
+    let s = SyntheticSpec::parse("e4b:Q4_K_M").unwrap();
+    assert_eq!((s.format, s.mix_m), (GgmlType::Q4_K, true));
+    assert_eq!(s.describe(), "e4b:q4_k_m:0");
+    for bad in [
+        "",
+        "e3b",
+        "e2b:q5_k",
+        "e2b:q4_k_s",
+        "e2b:bf16:x",
+        "e2b:bf16:1:2",
+    ] {
         let e = SyntheticSpec::parse(bad).unwrap_err().to_string();
         assert!(e.contains("synthetic"), "{bad}: {e}");
     }
@@ -106,6 +116,47 @@ fn formats_and_byte_counts() {
         bf16.tensors()["embed_tokens.weight"].n_bytes,
         262144 * 2816 * 2
     );
+}
+
+/// `q4_k_m` stores what llama.cpp's Q4_K_M stores in Q6_K: the tied embedding, and `v_proj`
+/// and the down projections on the layers of `use_more_bits` (E4B, 42 layers: 0–4, 36–41
+/// and 7, 10, …, 34; `v_proj` counted over the 24 layers that have one: 0–2, 21–23 and 5, 8,
+/// …, 20 of those); the rest as `q4_k`.
+#[test]
+fn q4_k_m_follows_llama_cpp_mix() {
+    let ty = |w: &SyntheticWeights, name: &str| w.tensors()[name].ty;
+    let m = weights("e4b:q4_k_m");
+    assert_eq!(ty(&m, "embed_tokens.weight"), GgmlType::Q6_K);
+    assert_eq!(ty(&m, "embed_tokens_per_layer.weight"), GgmlType::Q8_0);
+    let down = |i: usize| ty(&m, &format!("layers.{i}.mlp.down_proj.weight"));
+    let six: Vec<usize> = (0..42).filter(|&i| down(i) == GgmlType::Q6_K).collect();
+    let mut want: Vec<usize> = (0..5).chain(36..42).chain((7..36).step_by(3)).collect();
+    want.sort();
+    assert_eq!(six, want);
+    assert!((0..42).all(|i| down(i) == GgmlType::Q6_K || down(i) == GgmlType::Q4_K));
+    let v_layers: Vec<usize> = (0..42)
+        .filter(|i| m.has(&format!("layers.{i}.self_attn.v_proj.weight")))
+        .collect();
+    assert_eq!(v_layers.len(), 24);
+    let v_six: Vec<usize> = v_layers
+        .iter()
+        .enumerate()
+        .filter(|(_, i)| ty(&m, &format!("layers.{i}.self_attn.v_proj.weight")) == GgmlType::Q6_K)
+        .map(|(k, _)| k)
+        .collect();
+    assert_eq!(v_six, [0, 1, 2, 5, 8, 11, 14, 17, 20, 21, 22, 23]);
+    assert_eq!(ty(&m, "layers.7.mlp.up_proj.weight"), GgmlType::Q4_K);
+    assert_eq!(ty(&m, "layers.7.self_attn.q_proj.weight"), GgmlType::Q4_K);
+    let plain = weights("e4b:q4_k");
+    assert!(m.weight_bytes() > plain.weight_bytes());
+    // 26B-A4B's experts' down projection (704 wide) has no Q6_K blocks: Q8_0, as under q4_k.
+    let moe = weights("26b-a4b:q4_k_m");
+    assert_eq!(ty(&moe, "layers.0.experts.down_proj"), GgmlType::Q8_0);
+    assert_eq!(ty(&moe, "embed_tokens.weight"), GgmlType::Q6_K);
+    let row = m
+        .matrix("layers.0.mlp.down_proj.weight", 2560, 10240)
+        .unwrap();
+    assert_eq!(row.ty, GgmlType::Q6_K);
 }
 
 /// Generated tensors are a pure function of (seed, name), of sane magnitude in every format.
