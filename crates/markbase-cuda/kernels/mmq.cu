@@ -1,10 +1,10 @@
 // Products of 2–32 token rows a launch on the tensor cores (mma.sync m16n8k16, f32 sums):
-// out[t, r] = Σ_k x[t, k] · w[r, k], for Q4_K and Q8_0 weights (dequantized to f16 in
+// out[t, r] = Σ_k x[t, k] · w[r, k], for Q4_K, Q6_K and Q8_0 weights (dequantized to f16 in
 // registers, f16 activations). The weights stream from memory once for all the tokens,
 // straight into registers; the GEMVs they replace read each weight once a token row (their dot
 // products grow with the tokens), and cuBLAS needs them dequantized into memory first. The walk is
 // written over a format's unit (F: its loads, its products, its staging).
-// Appended to gemv.cu's module (its Q4_K and Q8_0 units).
+// Appended to gemv.cu's module (its Q4_K, Q6_K and Q8_0 units).
 //
 // The work is items — a row tile of one of the launch's matrices (up to 4 of one width: q, k,
 // v or gate, up) over one split of the rows' units (blockIdx.y of the launch's `splits`) —
@@ -25,7 +25,7 @@
 // permutation shared by the A (weight) and B (activation) fragments, so the sums are the
 // product's.
 
-#if (FORMAT_q4_k || FORMAT_q8_0) && __CUDA_ARCH__ >= 800  // mma.sync m16n8k16 and cp.async
+#if (FORMAT_q4_k || FORMAT_q6_k || FORMAT_q8_0) && __CUDA_ARCH__ >= 800  // mma.sync m16n8k16, cp.async
 
 // Units a warp has loaded ahead of the one it multiplies: Q4_K's (48 bytes a lane), Q8_0's
 // (68 bytes a lane; two spilled 320 bytes at 4 n-tiles).
@@ -34,6 +34,10 @@
 #endif
 #ifndef MMQ_Q8_0_UNITS_AHEAD
 #define MMQ_Q8_0_UNITS_AHEAD 1
+#endif
+// Q6_K's (56 bytes a lane).
+#ifndef MMQ_Q6K_UNITS_AHEAD
+#define MMQ_Q6K_UNITS_AHEAD 1
 #endif
 // Accumulator sets of a warp for up to 16 tokens (one for more): a unit's products go to two
 // chains of dependent mma instructions, not one.
@@ -234,6 +238,88 @@ struct MmqQ8_0 : MmqSlots {
                     A[wi][hi][e] = q8_pair_f16(w, 0x4140u, sc.s[e][hi]);
                     A[wi][hi][2 + e] = q8_pair_f16(w, 0x4342u, sc.s[e][hi]);
                 }
+            }
+        }
+    }
+};
+
+// Q6_K weights as laid out on the device (layout.rs): a unit is a super-block (256 values, 224
+// bytes a row). A lane holds for each of its two rows the low-bit bytes of lane slots 2c and
+// 2c + 1 — the 32 bytes whose low nibbles are chunk 2c's weights and high nibbles chunk
+// 2c + 1's, as Q4_K's quant bytes — their high-bit words and their two header words (the
+// chunks' 16-value scales and d). Word i of the 32 bytes gives each chunk's weights
+// 4i .. 4i + 3 as unsigned 6-bit bytes (the high bits by a shift and a mask of the slot's
+// word), which become the f16 1024 + q by a byte permutation with 0x64, then q − 32 by an
+// exact subtraction, then w = (q − 32) · S rounded once to f16, with S = f16(d · scale)
+// rounded once (saturating at ±65 504). Tests model exactly this rounding.
+struct MmqQ6k : MmqSlots {
+    // A unit's bytes in a row; units a warp loads ahead.
+    static constexpr int UNIT_BYTES = 224, AHEAD = MMQ_Q6K_UNITS_AHEAD;
+
+    struct Unit {
+        uint4 q[2][2];
+        uint4 hb[2];
+        uint2 hd[2];
+    };
+
+    // The unit of rows `lo` and `hi` (each at the unit's first byte).
+    static __device__ __forceinline__ void load(const u8* lo, const u8* hi, int c, Unit& a) {
+        const u8* r[2] = {lo, hi};
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+            a.q[e][0] = __ldg((const uint4*)(r[e] + 32 * c));
+            a.q[e][1] = __ldg((const uint4*)(r[e] + 32 * c + 16));
+            a.hb[e] = __ldg((const uint4*)(r[e] + 128 + 16 * c));
+            a.hd[e] = __ldg((const uint2*)(r[e] + 192 + 8 * c));
+        }
+    }
+
+    // The scales of the lane's chunks' halves as broadcast f16 pairs: s[row][chunk][half].
+    struct Scales {
+        u32 s[2][2][2];
+    };
+
+    static __device__ __forceinline__ Scales scales(const Unit& a, int) {
+        Scales r;
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+            const u32 w[2] = {a.hd[e].x, a.hd[e].y};
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                float d = f16_to_f32((u16)(w[h] >> 16));
+#pragma unroll
+                for (int hi = 0; hi < 2; hi++) {
+                    float v = d * (float)(signed char)((w[h] >> (8 * hi)) & 0xff);
+                    r.s[e][hi][h] = f16x2_sat(v, v);
+                }
+            }
+        }
+        return r;
+    }
+
+    // The f16 pair of 6-bit bytes b0, b1 (sel 0x4140) or b2, b3 (sel 0x4342) of w, minus 32,
+    // times s.
+    static __device__ __forceinline__ u32 pair(u32 w, u32 sel, u32 s) {
+        return h2_mul(h2_sub(__byte_perm(w, 0x64646464u, sel), 0x64206420u), s);
+    }
+
+    // The A fragments of words 2ip and 2ip + 1 of the lane's chunks (MmqSlots::mma's layout).
+    static __device__ __forceinline__ void fragments(const Unit& a, const Scales& sc, int ip,
+                                                     u32 (*A)[2][4]) {
+        const int h = ip >> 1;  // words 4h .. 4h + 3: the chunks' half h, lane slot 2c + h
+#pragma unroll
+        for (int wi = 0; wi < 2; wi++) {
+            const int i = (2 * ip + wi) & 3;
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const u32 q = mmq_word(a.q[e], 2 * ip + wi);
+                const u32 h0 = h ? a.hb[e].z : a.hb[e].x, h1 = h ? a.hb[e].w : a.hb[e].y;
+                const u32 lo = (q & 0x0F0F0F0Fu) | (((h0 >> (2 * i)) & 0x03030303u) << 4);
+                const u32 up = ((q >> 4) & 0x0F0F0F0Fu) | (((h1 >> (2 * i)) & 0x03030303u) << 4);
+                A[wi][0][e] = pair(lo, 0x4140u, sc.s[e][0][h]);
+                A[wi][0][2 + e] = pair(lo, 0x4342u, sc.s[e][0][h]);
+                A[wi][1][e] = pair(up, 0x4140u, sc.s[e][1][h]);
+                A[wi][1][2 + e] = pair(up, 0x4342u, sc.s[e][1][h]);
             }
         }
     }
@@ -498,6 +584,11 @@ __device__ void mmq_impl(const Products& p, u64 row_bytes, int k, const u16* xh,
 MMQ_KERNEL(q4_k, MmqQ4k, 1)
 MMQ_KERNEL(q4_k, MmqQ4k, 2)
 MMQ_KERNEL(q4_k, MmqQ4k, 4)
+#endif
+#if FORMAT_q6_k
+MMQ_KERNEL(q6_k, MmqQ6k, 1)
+MMQ_KERNEL(q6_k, MmqQ6k, 2)
+MMQ_KERNEL(q6_k, MmqQ6k, 4)
 #endif
 #if FORMAT_q8_0
 MMQ_KERNEL(q8_0, MmqQ8_0, 1)

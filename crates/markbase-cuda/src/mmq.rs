@@ -1,4 +1,4 @@
-//! Products of a few token rows on the tensor cores (kernels/mmq.cu): Q4_K and Q8_0 weights of
+//! Products of a few token rows on the tensor cores (kernels/mmq.cu): Q4_K, Q6_K and Q8_0 weights of
 //! 2–48 token rows, dequantized to f16 in registers, on the f16 rounded copy of the activations.
 //! The weights stream once for up to 32 tokens (a launch). Up to `MAX_PRODUCTS` matrices of
 //! one width take one launch, or a gated pair (gate and up) whose launch stores
@@ -44,7 +44,7 @@ const ITEMS_PER_SM: usize = 8;
 /// Blocks resident on a multiprocessor (`__launch_bounds__(256, 2)`).
 const BLOCKS_PER_SM: usize = 2;
 
-/// How the kernels of a weight format cut a row (mmq.cu's `MmqQ4k`, `MmqQ8_0`).
+/// How the kernels of a weight format cut a row (mmq.cu's `MmqQ4k`, `MmqQ6k`, `MmqQ8_0`).
 struct Format {
     /// Values a unit covers (`F::K`).
     unit: usize,
@@ -57,8 +57,9 @@ struct Format {
 /// The kernels' cut of rows stored as `ty`, for the formats they take.
 fn format(ty: GgmlType) -> Option<Format> {
     match ty {
-        // A super-block, a regrouped group of 8 blocks (layout.rs): the same activation slots.
-        GgmlType::Q4_K | GgmlType::Q8_0 => Some(Format {
+        // A super-block (Q6_K's as laid out on the device), a regrouped group of 8 blocks
+        // (layout.rs): the same activation slots.
+        GgmlType::Q4_K | GgmlType::Q6_K | GgmlType::Q8_0 => Some(Format {
             unit: 256,
             token_bytes: 576,
             most_nt: 4,
@@ -308,6 +309,8 @@ mod tests {
         assert!(!mma_suits(q8, 2560, 1) && !mma_suits(q8, 2560, 49));
         // Q8_0 rows of a part group (layout.rs) stay on the other paths.
         assert!(!mma_suits(q8, 640, 8) && !mma_suits(q8, 96, 8));
-        assert!(!mma_suits(GgmlType::Q6_K, 2560, 8) && !mma_suits(GgmlType::BF16, 2560, 8));
+        let q6k = GgmlType::Q6_K;
+        assert!(mma_suits(q6k, 2560, 8) && !mma_suits(q6k, 2560, 1));
+        assert!(!mma_suits(GgmlType::Q5_K, 2560, 8) && !mma_suits(GgmlType::BF16, 2560, 8));
     }
 }

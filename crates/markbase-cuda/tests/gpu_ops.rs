@@ -172,8 +172,9 @@ fn random_matrix(r: &mut StdRng, ty: GgmlType, rows: usize, cols: usize) -> Host
 /// The activations `x` (`n` rows) and the weights `m` as a product sees them
 /// (`product_inputs`, with cuBLAS): activations rounded to bf16 for bf16 weights; activations
 /// and dequantized weights rounded to f16 for quantized ones (Q4_K weights of the tensor-core
-/// kernel's products as it dequantizes them, `q4k_as_f16_fma`); otherwise as they are, or as
-/// 16-bit integers per 32 values where the GEMVs take them so (`as_16_bit`).
+/// kernel's products as it dequantizes them, `q4k_as_f16_fma`, Q6_K's `q6k_as_f16`); otherwise
+/// as they are, or as 16-bit integers per 32 values where the GEMVs take them so
+/// (`as_16_bit`).
 fn as_seen(g: &CudaBackend, m: &HostMatrix, n: usize, x: &[f32]) -> (Vec<f32>, HostMatrix) {
     let inputs = if g.has_cublas() {
         product_inputs(m.ty, m.cols, n)
@@ -195,11 +196,12 @@ fn as_seen(g: &CudaBackend, m: &HostMatrix, n: usize, x: &[f32]) -> (Vec<f32>, H
         }
         ProductInputs::F16 => {
             let xs = x.iter().map(|&v| f16::from_f32(v).to_f32()).collect();
-            if m.ty == GgmlType::Q4_K
-                && mma_suits(m.ty, m.cols, n)
-                && g.device().capability().0 >= 8
-            {
-                return (xs, q4k_as_f16_fma(m));
+            if mma_suits(m.ty, m.cols, n) && g.device().capability().0 >= 8 {
+                match m.ty {
+                    GgmlType::Q4_K => return (xs, q4k_as_f16_fma(m)),
+                    GgmlType::Q6_K => return (xs, q6k_as_f16(m)),
+                    _ => {}
+                }
             }
             (xs, dequantized_as_f16(m))
         }
@@ -243,6 +245,35 @@ fn q4k_as_f16_fma(m: &HostMatrix) -> HostMatrix {
         let err = (a.to_f32() - e).abs();
         assert!(
             err <= scale / 1024.0,
+            "weight {i}: {a} as the kernel's f16, {e} dequantized"
+        );
+    }
+    f16_like(m, "the tensor cores' f16", &w)
+}
+
+/// A Q6_K matrix as the tensor-core kernel (mmq.cu, `MmqQ6k`) dequantizes it to f16: each
+/// weight (q − 32) · S rounded once, S = f16(d · scale) rounded once (saturating at ±65 504).
+/// Checked against the reference's dequantization to within those roundings.
+fn q6k_as_f16(m: &HostMatrix) -> HostMatrix {
+    let mut w = Vec::with_capacity(m.rows * m.cols);
+    for b in m.bytes.as_slice().chunks_exact(210) {
+        let d = f16::from_le_bytes([b[208], b[209]]).to_f32();
+        for i in 0..256 {
+            let (n, k, l) = (i / 128, (i % 128) / 32, i % 32);
+            let lo = (b[64 * n + 32 * (k % 2) + l] >> (4 * (k / 2))) & 0x0F;
+            let hi = (b[128 + 32 * n + l] >> (2 * k)) & 3;
+            let q = i32::from(lo | (hi << 4)) - 32;
+            let scale = f32::from(b[192 + i / 16] as i8);
+            let s = f16::from_f32((d * scale).clamp(-65_504.0, 65_504.0)).to_f64();
+            w.push(f16::from_f64(f64::from(q) * s));
+        }
+    }
+    let exact = reference::dequantize_matrix(m).unwrap();
+    for (i, (a, e)) in w.iter().zip(&exact).enumerate() {
+        let b = &m.bytes.as_slice()[210 * (i / 256)..];
+        let bound = f16::from_le_bytes([b[208], b[209]]).to_f32().abs() * 128.0 * 32.0;
+        assert!(
+            (a.to_f32() - e).abs() <= bound / 1024.0,
             "weight {i}: {a} as the kernel's f16, {e} dequantized"
         );
     }
@@ -541,7 +572,7 @@ fn one_token_products_over_an_lm_head_of_rows_match_reference() {
     }
 }
 
-/// Q4_K and Q8_0 products of 2–48 token rows on the tensor cores over matrices of many row
+/// Q4_K, Q6_K and Q8_0 products of 2–48 token rows on the tensor cores over matrices of many row
 /// tiles and long rows (tiles whose units several blocks share, part-filled tiles and splits),
 /// every n-tile count and a part-filled n-tile; a second run gives the same bits. Then
 /// several matrices in one launch.
@@ -555,6 +586,8 @@ fn tensor_core_products_match_reference_and_repeat_exactly() {
         (GgmlType::Q4_K, 333, 2_816),
         (GgmlType::Q8_0, 2_560, 10_240),
         (GgmlType::Q8_0, 333, 2_816),
+        (GgmlType::Q6_K, 2_560, 10_240),
+        (GgmlType::Q6_K, 333, 2_816),
     ];
     for (ty, rows, k) in shapes {
         let m = random_matrix(&mut r, ty, rows, k);
@@ -572,7 +605,7 @@ fn tensor_core_products_match_reference_and_repeat_exactly() {
     }
     // Three matrices in one launch (q, k, v-like), tiles of each split over several blocks.
     let k = 2_560;
-    for ty in [GgmlType::Q4_K, GgmlType::Q8_0] {
+    for ty in [GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::Q8_0] {
         let mats: Vec<HostMatrix> = [2_048, 512, 520]
             .iter()
             .map(|&rows| random_matrix(&mut r, ty, rows, k))
@@ -615,6 +648,7 @@ fn gated_ffn_on_tensor_cores_matches_reference_and_repeats_exactly() {
         (GgmlType::Q4_K, 512, 1_024, 512),
         (GgmlType::Q4_K, 2_560, 10_240, 2_560),
         (GgmlType::Q8_0, 768, 1_280, 512),
+        (GgmlType::Q6_K, 2_560, 1_280, 2_560),
     ] {
         let (gm, um, dm) = (
             random_matrix(&mut r, ty, ff, k),
