@@ -1,8 +1,8 @@
 // The grouped MoE products on the tensor cores (mma.sync m16n8k16, f32 sums): each tile of up
 // to 8 pairs of one expert (moe_group's tiles, one a block row of the grid) is the 8 columns
 // of one n-tile, so a warp streams 16 of the expert's rows once for all the tile's pairs.
-// Weights go from memory straight into registers (bf16 and f16 as they are, Q8_0 and Q4_K
-// dequantized to f16 there); the activations are the gathered slot rows as 16-bit values
+// Weights go from memory straight into registers (bf16 and f16 as they are, Q5_0, Q8_0 and
+// Q4_K dequantized to f16 there); the activations are the gathered slot rows as 16-bit values
 // (bf16 for bf16 weights, f16 otherwise: moe_gather_16), read through L1. The gated launch
 // (gate and up) writes gelu_tanh(gate) · up rounded to 16 bits, the down launch's input; the
 // down launch writes f32 rows for moe_combine. Appended to moe.cu's module; needs mma.cuh.
@@ -13,7 +13,8 @@
 // B fragment is the same 4 values of token g (the tile's pair g), two 16-byte loads a unit at
 // the format's offsets. Every run gives the same bits (one warp sums a tile's outputs).
 
-#if (FORMAT_bf16 || FORMAT_f16 || FORMAT_q8_0 || FORMAT_q4_k) && __CUDA_ARCH__ >= 800
+#if (FORMAT_bf16 || FORMAT_f16 || FORMAT_q5_0 || FORMAT_q8_0 || FORMAT_q4_k) && \
+    __CUDA_ARCH__ >= 800
 
 // Units a warp has loaded ahead of the one it multiplies. One 26B-A4B layer's experts for 64
 // tokens routed uniformly (cuda_bench --moe, H200), bf16 / Q8_0 / Q4_K with Q8_0 down, µs:
@@ -87,6 +88,48 @@ struct MoeQ8_0 {
             const u32 w = a.q[i] ^ 0x80808080u;
             W[2 * i] = q8_pair_f16(w, 0x4140u, s);
             W[2 * i + 1] = q8_pair_f16(w, 0x4342u, s);
+        }
+    }
+};
+
+// Q5_0 weights (as stored: 22-byte blocks, 2-byte aligned): a unit is two blocks; lane c's 16
+// values are values 16(c & 1) .. of block 2u + c / 2 — the low (c even) or high nibbles of its
+// 16 quant bytes, with bits 16(c & 1) .. of its fifth-bit word — times its f16 scale d, each
+// weight (q − 16) · d rounded once to f16 (the reference's weights rounded to f16).
+struct MoeQ5_0 {
+    static constexpr bool IS_BF16 = false;
+    static __device__ __forceinline__ int piece(int c, int i) { return 16 * c + 8 * i; }
+
+    struct Unit {
+        u32 q[4];
+        u32 qh;
+        u32 d;
+    };
+
+    static __device__ __forceinline__ void load(const u8* row, int u, int, int c, Unit& a) {
+        const u8* b = row + 22 * (u64)(2 * u + (c >> 1));
+        a.d = ld16(b);
+        a.qh = ((u32)ld16(b + 2) | ((u32)ld16(b + 4) << 16)) >> (16 * (c & 1));
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+            a.q[i] = (u32)ld16(b + 6 + 4 * i) | ((u32)ld16(b + 8 + 4 * i) << 16);
+        if (c & 1) {
+#pragma unroll
+            for (int i = 0; i < 4; i++) a.q[i] >>= 4;
+        }
+    }
+
+    static __device__ __forceinline__ void slabs(const Unit& a, int, u32* W) {
+        const u32 s = a.d * 0x10001u;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            // Fifth bits of values 4i .. 4i + 3 to bit 4 of their bytes (the shifted copies of
+            // the 4 bits do not overlap, so the product is their sum without carries).
+            const u32 fifth = ((((a.qh >> (4 * i)) & 15u) * 0x00204081u) & 0x01010101u) << 4;
+            const u32 w = (a.q[i] & 0x0F0F0F0Fu) | fifth;
+            // 1024 + q as f16 by a byte permutation with 0x64, then q − 16 exactly (1040).
+            W[2 * i] = h2_mul(h2_sub(__byte_perm(w, 0x64646464u, 0x4140u), 0x64106410u), s);
+            W[2 * i + 1] = h2_mul(h2_sub(__byte_perm(w, 0x64646464u, 0x4342u), 0x64106410u), s);
         }
     }
 };
@@ -234,6 +277,9 @@ MOE_MMA_KERNEL(bf16, MoePlain<true>)
 #endif
 #if FORMAT_f16
 MOE_MMA_KERNEL(f16, MoePlain<false>)
+#endif
+#if FORMAT_q5_0
+MOE_MMA_KERNEL(q5_0, MoeQ5_0)
 #endif
 #if FORMAT_q8_0
 MOE_MMA_KERNEL(q8_0, MoeQ8_0)

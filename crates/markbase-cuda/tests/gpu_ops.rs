@@ -972,6 +972,11 @@ fn moe_ffn_matches_reference_for_every_format() {
             // experts.
             shapes.extend([(512, 256), (320, 192), (2_816, 704)]);
         }
+        if ty == GgmlType::Q5_0 {
+            // Whole 64-value units on the tensor cores, blocks 2-byte aligned: 26B-A4B's
+            // experts in llama.cpp's Q4_K_M keep their down rows (704 wide) in Q5_0.
+            shapes.extend([(320, 192), (2_816, 704)]);
+        }
         for (d, f) in shapes {
             // (tokens, experts, top_k, an expert no token chooses): 3 tokens take the per-pair
             // path; 13 tokens over 3 experts of which one is left out, the grouped path with

@@ -7,8 +7,9 @@
 //! tied embedding / LM head and, on the layers llama.cpp's `use_more_bits` picks (the first
 //! and last eighth, and every third between), for `v_proj` and the down projections. A
 //! matrix whose rows do not split into whole blocks of the format (the 26B-A4B experts'
-//! 704-wide down projection in Q4_K) falls back to Q8_0, then BF16; the per-layer embedding
-//! table stays at ≥ 8 bits (Q8_0 under `q4_k` and `q4_k_m`). Nothing is generated until a tensor is asked
+//! 704-wide down projection in Q4_K) falls back to Q8_0 (under `q4_k_m` as llama.cpp does:
+//! Q4_K to Q5_0, Q6_K to Q8_0), then BF16; the per-layer embedding table stays at ≥ 8 bits
+//! (Q8_0 under `q4_k` and `q4_k_m`). Nothing is generated until a tensor is asked
 //! for: the shapes and byte counts (`inspect`) come from the configuration alone, and each
 //! tensor's bytes are a pure function of (seed, tensor name), so a run is reproducible. A
 //! matrix is generated in fixed chunks of `CHUNK_WEIGHTS`, each from its own stream, on every
@@ -261,7 +262,13 @@ impl SyntheticWeights {
                 } else {
                     spec.format
                 };
-                let ty = [want, GgmlType::Q8_0, GgmlType::BF16]
+                // Rows that do not split into whole blocks: llama.cpp's fallbacks under
+                // `q4_k_m` (Q4_K → Q5_0, Q6_K → Q8_0), Q8_0 otherwise; then BF16.
+                let fallback = match want {
+                    GgmlType::Q4_K if spec.mix_m => GgmlType::Q5_0,
+                    _ => GgmlType::Q8_0,
+                };
+                let ty = [want, fallback, GgmlType::BF16]
                     .into_iter()
                     .find(|t| cols % t.block_size() == 0)
                     .unwrap_or(GgmlType::F32);
@@ -422,7 +429,12 @@ const CHUNK_WEIGHTS: usize = 1 << 20;
 fn fill_bytes(rng: Rng, ty: GgmlType, n: usize, amp: f32) -> Result<Arc<[u8]>> {
     if !matches!(
         ty,
-        GgmlType::F32 | GgmlType::BF16 | GgmlType::Q8_0 | GgmlType::Q4_K | GgmlType::Q6_K
+        GgmlType::F32
+            | GgmlType::BF16
+            | GgmlType::Q8_0
+            | GgmlType::Q5_0
+            | GgmlType::Q4_K
+            | GgmlType::Q6_K
     ) {
         return Err(Error::Unsupported(format!("synthetic weights in {ty}")));
     }
@@ -466,6 +478,15 @@ fn fill_chunk(rng: &mut Rng, ty: GgmlType, out: &mut [u8], amp: f32) {
                 block[2..]
                     .iter_mut()
                     .for_each(|q| *q = ((rng.next() % 255) as i32 - 127) as i8 as u8);
+            }
+        }
+        GgmlType::Q5_0 => {
+            // Q5_0: w = d·(q − 16) with 5-bit q (low 4 bits in qs, the fifth in qh): d =
+            // amp / 16 gives ±amp.
+            let d = f16_bits(amp / 16.0).to_le_bytes();
+            for block in out.chunks_exact_mut(22) {
+                block[..2].copy_from_slice(&d);
+                block[2..].iter_mut().for_each(|q| *q = rng.next() as u8);
             }
         }
         GgmlType::Q6_K => {
@@ -592,6 +613,11 @@ mod tests {
         // of the uniform 64 levels has mean square ≈ amp²/3).
         let q = fill_bytes(Rng::new(7, "t"), GgmlType::Q6_K, 2 * CHUNK_WEIGHTS, 0.5).unwrap();
         dequantize_row(GgmlType::Q6_K, &q, &mut w).unwrap();
+        assert!(w.iter().all(|v| v.abs() <= 0.51));
+        let mean_sq = w.iter().map(|v| v * v).sum::<f32>() / w.len() as f32;
+        assert!((mean_sq / (0.25 / 3.0) - 1.0).abs() < 0.1, "{mean_sq}");
+        let q = fill_bytes(Rng::new(7, "t"), GgmlType::Q5_0, 2 * CHUNK_WEIGHTS, 0.5).unwrap();
+        dequantize_row(GgmlType::Q5_0, &q, &mut w).unwrap();
         assert!(w.iter().all(|v| v.abs() <= 0.51));
         let mean_sq = w.iter().map(|v| v * v).sum::<f32>() / w.len() as f32;
         assert!((mean_sq / (0.25 / 3.0) - 1.0).abs() < 0.1, "{mean_sq}");

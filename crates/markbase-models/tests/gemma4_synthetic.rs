@@ -149,10 +149,17 @@ fn q4_k_m_follows_llama_cpp_mix() {
     assert_eq!(ty(&m, "layers.7.self_attn.q_proj.weight"), GgmlType::Q4_K);
     let plain = weights("e4b:q4_k");
     assert!(m.weight_bytes() > plain.weight_bytes());
-    // 26B-A4B's experts' down projection (704 wide) has no Q6_K blocks: Q8_0, as under q4_k.
+    // 26B-A4B's down projections (the experts' 704 wide, the dense one's 2 112) have no whole
+    // super-blocks: llama.cpp's fallbacks, Q6_K to Q8_0 (layer 0) and Q4_K to Q5_0 (layer 4).
     let moe = weights("26b-a4b:q4_k_m");
     assert_eq!(ty(&moe, "layers.0.experts.down_proj"), GgmlType::Q8_0);
+    assert_eq!(ty(&moe, "layers.4.experts.down_proj"), GgmlType::Q5_0);
+    assert_eq!(ty(&moe, "layers.4.mlp.down_proj.weight"), GgmlType::Q5_0);
     assert_eq!(ty(&moe, "embed_tokens.weight"), GgmlType::Q6_K);
+    assert_eq!(
+        ty(&weights("26b-a4b:q4_k"), "layers.5.experts.down_proj"),
+        GgmlType::Q8_0
+    );
     let row = m
         .matrix("layers.0.mlp.down_proj.weight", 2560, 10240)
         .unwrap();
