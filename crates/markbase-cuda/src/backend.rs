@@ -1764,25 +1764,37 @@ impl Backend for CudaBackend {
         n: usize,
         products: &mut [(&CudaMatrix, &mut CudaBuffer)],
     ) -> Result<()> {
-        let Some(w0) = products.first().map(|(w, _)| *w) else {
-            return Ok(());
-        };
         for (w, out) in products.iter() {
             need("matmul input", x.len(), n * w.cols)?;
             need("matmul output", out.len(), n * w.rows)?;
         }
-        let shared = products.len() <= MAX_PRODUCTS
-            && products
-                .iter()
-                .all(|(w, _)| (w.ty, w.cols, w.row_bytes) == (w0.ty, w0.cols, w0.row_bytes));
-        if n > 0 && shared {
-            let ptrs: Vec<(&CudaMatrix, u64)> = products.iter().map(|(w, o)| (*w, o.ptr)).collect();
-            if self.matmul_shared(x.ptr, n, &ptrs)? {
-                return Ok(());
+        // Matrices of one storage (format and row bytes) share a launch, up to MAX_PRODUCTS
+        // of them, in order of their first member (llama.cpp's Q4_K_M keeps some layers' v in
+        // Q6_K beside Q4_K q and k: two launches there, not three).
+        let key = |w: &CudaMatrix| (w.ty, w.cols, w.row_bytes);
+        let mut done = vec![false; products.len()];
+        for i in 0..products.len() {
+            if done[i] {
+                continue;
             }
-        }
-        for (w, out) in products.iter_mut() {
-            self.matmul(x, n, w, out)?;
+            let group: Vec<usize> = (i..products.len())
+                .filter(|&j| !done[j] && key(products[j].0) == key(products[i].0))
+                .take(MAX_PRODUCTS)
+                .collect();
+            group.iter().for_each(|&j| done[j] = true);
+            if n > 0 && group.len() > 1 {
+                let ptrs: Vec<(&CudaMatrix, u64)> = group
+                    .iter()
+                    .map(|&j| (products[j].0, products[j].1.ptr))
+                    .collect();
+                if self.matmul_shared(x.ptr, n, &ptrs)? {
+                    continue;
+                }
+            }
+            for &j in &group {
+                let (w, out) = &mut products[j];
+                self.matmul(x, n, w, out)?;
+            }
         }
         Ok(())
     }

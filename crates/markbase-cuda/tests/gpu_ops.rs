@@ -421,14 +421,14 @@ fn matmul_many_matches_reference_for_every_format() {
     for ty in GgmlType::SUPPORTED {
         let k = *widths(ty).last().unwrap();
         // Three matrices (q, k, v-like): one launch or one shared rounding; a fourth of
-        // another format makes the call fall back to one product at a time.
+        // another format among them takes a launch of its own, the three still sharing theirs.
         let mut mats: Vec<HostMatrix> = [37, 9, 9]
             .iter()
             .map(|&rows| random_matrix(&mut r, ty, rows, k))
             .collect();
         for other in [None, Some(GgmlType::F32)] {
             if let Some(o) = other {
-                mats.push(random_matrix(&mut r, o, 5, k));
+                mats.insert(1, random_matrix(&mut r, o, 5, k));
             }
             let ws: Vec<_> = mats.iter().map(|m| g.load_matrix(m).unwrap()).collect();
             for n in [1, 3, 13, 40] {
