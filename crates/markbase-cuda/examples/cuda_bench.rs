@@ -205,6 +205,8 @@ fn gemv_bandwidth(be: &CudaBackend, shapes: &LayerShapes, n: usize) {
         GgmlType::Q4_K,
         GgmlType::Q6_K,
         GgmlType::Q8_0,
+        GgmlType::Q4_0,
+        GgmlType::Q5_0,
     ] {
         let mut load = |rows, cols| {
             be.load_matrix(&random_matrix(ty, rows, cols, &mut seed))

@@ -1,5 +1,5 @@
-// The gated feed-forward's first half for one token row of Q4_K or Q6_K weights, or of Q8_0
-// weights of whole 256-value groups (gemv_walk.rs): out[r] = gelu_tanh(gate_r · x) · (up_r · x); and
+// The gated feed-forward's first half for one token row of Q4_K or Q6_K weights, or of Q8_0,
+// Q4_0 or Q5_0 weights of whole 256-value units (gemv_walk.rs): out[r] = gelu_tanh(gate_r · x) · (up_r · x); and
 // the same walk over one matrix's two halves as its row pairs (an LM head: out[r] and
 // out[rows + r]). Appended to gemv.cu's module.
 //
@@ -181,6 +181,41 @@ struct WalkQ6k {
             sh = dp2a_hi(xb[2 * i + 1], hi[i], dp2a_lo(xb[2 * i], hi[i], sh));
         }
         return d0 * (m0.x * (float)sl - 32.f * m0.y) + d1 * (m1.x * (float)sh - 32.f * m1.y);
+    }
+};
+
+// Q4_0 and Q5_0 rows of whole 8-block units as laid out on the device (layout.rs): a slot's
+// 16 bytes of nibbles, (Q5_0) its word of fifth bits, and the word of its two blocks' scales.
+template <int FMT>
+struct WalkLegacy {
+    static constexpr int UNIT_BYTES = FMT == F_Q4_0 ? 144 : 176, AHEAD = Q4K_UNITS_AHEAD;
+    typedef I16Slice<FMT> Slice;
+    struct Lane {};
+    static __device__ __forceinline__ Lane lane(int) { return {}; }
+
+    static __device__ __forceinline__ void load(const u8* unit, int sub, Slice& s) {
+        i16_load<FMT>(unit, 0, sub, s);
+    }
+
+    // d·Σ (q − 8)·x (Q4_0) or d·Σ (q − 16)·x (Q5_0) a block half: the offset through the
+    // activations' sums (xm .y).
+    static __device__ __forceinline__ float dot(const Slice& s, const uint4* xq, const float2* xm,
+                                                const Lane&) {
+        const uint4 x0 = xq[0], x1 = xq[8], x2 = xq[16], x3 = xq[24];
+        const float2 m0 = xm[0], m1 = xm[2];
+        const u32 xa[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+        const u32 xb[8] = {x2.x, x2.y, x2.z, x2.w, x3.x, x3.y, x3.z, x3.w};
+        u32 lo[4], hi[4];
+        float d0, d1;
+        legacy_unpack<FMT>(s, lo, hi, &d0, &d1);
+        int sl = 0, sh = 0;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            sl = dp2a_hi(xa[2 * i + 1], lo[i], dp2a_lo(xa[2 * i], lo[i], sl));
+            sh = dp2a_hi(xb[2 * i + 1], hi[i], dp2a_lo(xb[2 * i], hi[i], sh));
+        }
+        const float off = FMT == F_Q4_0 ? 8.f : 16.f;
+        return d0 * (m0.x * (float)sl - off * m0.y) + d1 * (m1.x * (float)sh - off * m1.y);
     }
 };
 
@@ -382,4 +417,12 @@ GEMV_WALK_KERNELS(q8_0, WalkQ8_0, 2)
 #if FORMAT_q6_k
 GEMV_WALK_KERNELS(q6_k, WalkQ6k, 1)
 GEMV_WALK_KERNELS(q6_k, WalkQ6k, 2)
+#endif
+#if FORMAT_q4_0
+GEMV_WALK_KERNELS(q4_0, WalkLegacy<F_Q4_0>, 1)
+GEMV_WALK_KERNELS(q4_0, WalkLegacy<F_Q4_0>, 2)
+#endif
+#if FORMAT_q5_0
+GEMV_WALK_KERNELS(q5_0, WalkLegacy<F_Q5_0>, 1)
+GEMV_WALK_KERNELS(q5_0, WalkLegacy<F_Q5_0>, 2)
 #endif

@@ -1,10 +1,10 @@
 // Products of 2–32 token rows a launch on the tensor cores (mma.sync m16n8k16, f32 sums):
-// out[t, r] = Σ_k x[t, k] · w[r, k], for Q4_K, Q6_K and Q8_0 weights (dequantized to f16 in
+// out[t, r] = Σ_k x[t, k] · w[r, k], for Q4_K, Q6_K, Q8_0, Q4_0 and Q5_0 weights (dequantized to f16 in
 // registers, f16 activations). The weights stream from memory once for all the tokens,
 // straight into registers; the GEMVs they replace read each weight once a token row (their dot
 // products grow with the tokens), and cuBLAS needs them dequantized into memory first. The walk is
 // written over a format's unit (F: its loads, its products, its staging).
-// Appended to gemv.cu's module (its Q4_K, Q6_K and Q8_0 units).
+// Appended to gemv.cu's module (its Q4_K, Q6_K, Q8_0, Q4_0 and Q5_0 units).
 //
 // The work is items — a row tile of one of the launch's matrices (up to 4 of one width: q, k,
 // v or gate, up) over one split of the rows' units (blockIdx.y of the launch's `splits`) —
@@ -25,7 +25,8 @@
 // permutation shared by the A (weight) and B (activation) fragments, so the sums are the
 // product's.
 
-#if (FORMAT_q4_k || FORMAT_q6_k || FORMAT_q8_0) && __CUDA_ARCH__ >= 800  // mma.sync m16n8k16, cp.async
+#if (FORMAT_q4_k || FORMAT_q6_k || FORMAT_q8_0 || FORMAT_q4_0 || FORMAT_q5_0) && \
+    __CUDA_ARCH__ >= 800  // mma.sync m16n8k16, cp.async
 
 // Units a warp has loaded ahead of the one it multiplies: Q4_K's (48 bytes a lane), Q8_0's
 // (68 bytes a lane; two spilled 320 bytes at 4 n-tiles).
@@ -38,6 +39,10 @@
 // Q6_K's (56 bytes a lane).
 #ifndef MMQ_Q6K_UNITS_AHEAD
 #define MMQ_Q6K_UNITS_AHEAD 1
+#endif
+// Q4_0's and Q5_0's (72 / 88 bytes a lane; two spilled at 4 n-tiles).
+#ifndef MMQ_LEGACY_UNITS_AHEAD
+#define MMQ_LEGACY_UNITS_AHEAD 1
 #endif
 // Accumulator sets of a warp for up to 16 tokens (one for more): a unit's products go to two
 // chains of dependent mma instructions, not one.
@@ -325,6 +330,94 @@ struct MmqQ6k : MmqSlots {
     }
 };
 
+// Q4_0 and Q5_0 weights of rows of whole 8-block units as laid out on the device (layout.rs): a
+// unit is 8 blocks (256 values; 144 / 176 bytes a row). A lane holds for each of its two rows
+// the 32 nibble bytes of lane slots 2c and 2c + 1 — blocks 2c (low nibbles) and 2c + 1 (high)
+// as Q4_K's quant bytes — (Q5_0) their two words of fifth bits, and the word of the two
+// blocks' f16 scales. Q4_0: a nibble becomes the exact q − 8 as Q4_K's become q; Q5_0: the
+// 5-bit bytes become f16 1024 + q by a byte permutation, q − 16 by an exact subtraction; then
+// w = (q − off) · d rounded once: the reference's weights rounded to f16.
+template <int FMT>
+struct MmqLegacy : MmqSlots {
+    // A unit's bytes in a row; units a warp loads ahead.
+    static constexpr int UNIT_BYTES = FMT == F_Q4_0 ? 144 : 176, AHEAD = MMQ_LEGACY_UNITS_AHEAD;
+
+    struct Unit {
+        uint4 q[2][2];
+        uint2 fw[2];
+        u32 d[2];
+    };
+
+    // The unit of rows `lo` and `hi` (each at the unit's first byte).
+    static __device__ __forceinline__ void load(const u8* lo, const u8* hi, int c, Unit& a) {
+        const u8* r[2] = {lo, hi};
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+            a.q[e][0] = __ldg((const uint4*)(r[e] + 16 + 32 * c));
+            a.q[e][1] = __ldg((const uint4*)(r[e] + 32 + 32 * c));
+            a.d[e] = __ldg((const u32*)r[e] + c);
+            if (FMT == F_Q5_0) a.fw[e] = __ldg((const uint2*)(r[e] + 144 + 8 * c));
+        }
+    }
+
+    // The blocks' scales as broadcast f16 pairs: s[row][block].
+    struct Scales {
+        u32 s[2][2];
+    };
+
+    static __device__ __forceinline__ Scales scales(const Unit& a, int) {
+        Scales r;
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+            r.s[e][0] = (a.d[e] & 0xffffu) * 0x10001u;
+            r.s[e][1] = (a.d[e] >> 16) * 0x10001u;
+        }
+        return r;
+    }
+
+    // The A fragments of words 2ip and 2ip + 1 of the lane's blocks (MmqSlots::mma's layout).
+    static __device__ __forceinline__ void fragments(const Unit& a, const Scales& sc, int ip,
+                                                     u32 (*A)[2][4]) {
+        const int h = ip >> 1;  // words 4h .. 4h + 3: the blocks' half h, lane slot 2c + h
+#pragma unroll
+        for (int wi = 0; wi < 2; wi++) {
+            const int i = (2 * ip + wi) & 3;
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const u32 q = mmq_word(a.q[e], 2 * ip + wi);
+                if constexpr (FMT == F_Q4_0) {
+                    // As q4_nibbles_f16, but q − 8: 1024 + q − 1032, (1024 + 16q) / 16 − 72.
+                    const u32 v = __byte_perm(q, 0, 0x3120), v8 = v >> 8;
+                    const u32 l0 = h2_sub(and_or(v, 0x000F000Fu, 0x64006400u), 0x64086408u);
+                    const u32 l1 = h2_sub(and_or(v8, 0x000F000Fu, 0x64006400u), 0x64086408u);
+                    const u32 h0 =
+                        h2_fma(and_or(v, 0x00F000F0u, 0x64006400u), 0x2C002C00u, 0xD480D480u);
+                    const u32 h1 =
+                        h2_fma(and_or(v8, 0x00F000F0u, 0x64006400u), 0x2C002C00u, 0xD480D480u);
+                    A[wi][0][e] = h2_mul(l0, sc.s[e][0]);
+                    A[wi][0][2 + e] = h2_mul(l1, sc.s[e][0]);
+                    A[wi][1][e] = h2_mul(h0, sc.s[e][1]);
+                    A[wi][1][2 + e] = h2_mul(h1, sc.s[e][1]);
+                } else {
+                    const u32 f = h ? a.fw[e].y : a.fw[e].x;
+                    const u32 lo = (q & 0x0F0F0F0Fu) | (((f >> i) & 0x01010101u) << 4);
+                    const u32 up = ((q >> 4) & 0x0F0F0F0Fu) | (((f >> (4 + i)) & 0x01010101u) << 4);
+                    A[wi][0][e] = pair(lo, 0x4140u, sc.s[e][0]);
+                    A[wi][0][2 + e] = pair(lo, 0x4342u, sc.s[e][0]);
+                    A[wi][1][e] = pair(up, 0x4140u, sc.s[e][1]);
+                    A[wi][1][2 + e] = pair(up, 0x4342u, sc.s[e][1]);
+                }
+            }
+        }
+    }
+
+    // The f16 pair of 5-bit bytes b0, b1 (sel 0x4140) or b2, b3 (sel 0x4342) of w, minus 16,
+    // times s.
+    static __device__ __forceinline__ u32 pair(u32 w, u32 sel, u32 s) {
+        return h2_mul(h2_sub(__byte_perm(w, 0x64646464u, sel), 0x64106410u), s);
+    }
+};
+
 // acc[h % CH][j] (n-tile j) += unit a's chunk 2c + h (lane (g, c)) times the staged activations
 // of its 256 values `xs` (token 8j + g's group c).
 template <class F, int NT, int CH>
@@ -589,6 +682,16 @@ MMQ_KERNEL(q4_k, MmqQ4k, 4)
 MMQ_KERNEL(q6_k, MmqQ6k, 1)
 MMQ_KERNEL(q6_k, MmqQ6k, 2)
 MMQ_KERNEL(q6_k, MmqQ6k, 4)
+#endif
+#if FORMAT_q4_0
+MMQ_KERNEL(q4_0, MmqLegacy<F_Q4_0>, 1)
+MMQ_KERNEL(q4_0, MmqLegacy<F_Q4_0>, 2)
+MMQ_KERNEL(q4_0, MmqLegacy<F_Q4_0>, 4)
+#endif
+#if FORMAT_q5_0
+MMQ_KERNEL(q5_0, MmqLegacy<F_Q5_0>, 1)
+MMQ_KERNEL(q5_0, MmqLegacy<F_Q5_0>, 2)
+MMQ_KERNEL(q5_0, MmqLegacy<F_Q5_0>, 4)
 #endif
 #if FORMAT_q8_0
 MMQ_KERNEL(q8_0, MmqQ8_0, 1)

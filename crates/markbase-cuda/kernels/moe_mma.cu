@@ -92,10 +92,12 @@ struct MoeQ8_0 {
     }
 };
 
-// Q5_0 weights (as stored: 22-byte blocks, 2-byte aligned): a unit is two blocks; lane c's 16
-// values are values 16(c & 1) .. of block 2u + c / 2 — the low (c even) or high nibbles of its
-// 16 quant bytes, with bits 16(c & 1) .. of its fifth-bit word — times its f16 scale d, each
-// weight (q − 16) · d rounded once to f16 (the reference's weights rounded to f16).
+// Q5_0 weights: a unit is two blocks; lane c's 16 values are values 16(c & 1) .. of block
+// 2u + c / 2, times its f16 scale d, each weight (q − 16) · d rounded once to f16 (the
+// reference's weights rounded to f16). Rows of whole 8-block units lie as laid out on the
+// device (layout.rs: the lane's 16 values are one slot's nibbles, its fifth bits that slot's
+// word), other rows as stored (22-byte blocks, 2-byte aligned: 16-bit loads; the low or high
+// nibbles of the block's 16 quant bytes, bits 16(c & 1) .. of its fifth-bit word).
 struct MoeQ5_0 {
     static constexpr bool IS_BF16 = false;
     static __device__ __forceinline__ int piece(int c, int i) { return 16 * c + 8 * i; }
@@ -104,28 +106,44 @@ struct MoeQ5_0 {
         u32 q[4];
         u32 qh;
         u32 d;
+        bool laid;
     };
 
-    static __device__ __forceinline__ void load(const u8* row, int u, int, int c, Unit& a) {
-        const u8* b = row + 22 * (u64)(2 * u + (c >> 1));
-        a.d = ld16(b);
-        a.qh = ((u32)ld16(b + 2) | ((u32)ld16(b + 4) << 16)) >> (16 * (c & 1));
+    static __device__ __forceinline__ void load(const u8* row, int u, int k, int c, Unit& a) {
+        const int blk = 2 * u + (c >> 1);
+        a.laid = (k & 255) == 0;
+        int shift;
+        if (a.laid) {
+            const u8* grp = row + 176 * (u64)(blk >> 3);
+            const int b = blk & 7, s = (b & ~1) + (c & 1);
+            shift = 4 * (b & 1);
+            a.d = ld16(grp + 2 * b);
+            const uint4 v = __ldg((const uint4*)(grp + 16) + s);
+            a.q[0] = v.x, a.q[1] = v.y, a.q[2] = v.z, a.q[3] = v.w;
+            a.qh = __ldg((const u32*)(grp + 144) + s) >> shift;
+        } else {
+            const u8* b = row + 22 * (u64)blk;
+            shift = 4 * (c & 1);
+            a.d = ld16(b);
+            a.qh = ((u32)ld16(b + 2) | ((u32)ld16(b + 4) << 16)) >> (16 * (c & 1));
 #pragma unroll
-        for (int i = 0; i < 4; i++)
-            a.q[i] = (u32)ld16(b + 6 + 4 * i) | ((u32)ld16(b + 8 + 4 * i) << 16);
-        if (c & 1) {
-#pragma unroll
-            for (int i = 0; i < 4; i++) a.q[i] >>= 4;
+            for (int i = 0; i < 4; i++)
+                a.q[i] = (u32)ld16(b + 6 + 4 * i) | ((u32)ld16(b + 8 + 4 * i) << 16);
         }
+#pragma unroll
+        for (int i = 0; i < 4; i++) a.q[i] >>= shift;
     }
 
     static __device__ __forceinline__ void slabs(const Unit& a, int, u32* W) {
         const u32 s = a.d * 0x10001u;
 #pragma unroll
         for (int i = 0; i < 4; i++) {
-            // Fifth bits of values 4i .. 4i + 3 to bit 4 of their bytes (the shifted copies of
-            // the 4 bits do not overlap, so the product is their sum without carries).
-            const u32 fifth = ((((a.qh >> (4 * i)) & 15u) * 0x00204081u) & 0x01010101u) << 4;
+            // Fifth bits of values 4i .. 4i + 3 to bit 4 of their bytes: laid out, bits i,
+            // 8 + i, …; as stored, bits 4i .. 4i + 3, spread by one multiply (the shifted
+            // copies of the 4 bits do not overlap, so the product is their sum).
+            const u32 fifth = a.laid ? ((a.qh >> i) & 0x01010101u) << 4
+                                     : ((((a.qh >> (4 * i)) & 15u) * 0x00204081u) & 0x01010101u)
+                                           << 4;
             const u32 w = (a.q[i] & 0x0F0F0F0Fu) | fifth;
             // 1024 + q as f16 by a byte permutation with 0x64, then q − 16 exactly (1040).
             W[2 * i] = h2_mul(h2_sub(__byte_perm(w, 0x64646464u, 0x4140u), 0x64106410u), s);

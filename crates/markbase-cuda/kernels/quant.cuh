@@ -94,6 +94,26 @@ __device__ __forceinline__ void deq32(const u8* row, int c, int kv, int k, float
                 w[i] = FMT == F_F16 ? f16_to_f32(h) : bf16_to_f32(h);
             }
         }
+    } else if ((FMT == F_Q4_0 || FMT == F_Q5_0) && (k & 255) == 0) {
+        // Rows of whole 8-block units as laid out on the device (layout.rs): chunk c's halves
+        // are lane slots 2n and 2n + 1 of its unit, its nibble the low (even c) or high one.
+        const u8* u = row + (size_t)(c >> 3) * (FMT == F_Q4_0 ? 144 : 176);
+        const int cc = c & 7, n = cc >> 1, odd = cc & 1;
+        const float d = f16_to_f32(ld16(u + 2 * cc));
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int s = 2 * n + h;
+            // Plain loads: `row` may be a staged copy in shared memory.
+            const uint4 q4 = ((const uint4*)(u + 16))[s];
+            const u32 q[4] = {q4.x, q4.y, q4.z, q4.w};
+            const u32 fw = FMT == F_Q5_0 ? ((const u32*)(u + 144))[s] : 0u;
+#pragma unroll
+            for (int m = 0; m < 16; m++) {
+                int v = (q[m >> 2] >> (8 * (m & 3) + 4 * odd)) & 15;
+                if (FMT == F_Q5_0) v |= ((fw >> (8 * (m & 3) + 4 * odd + (m >> 2))) & 1) << 4;
+                w[16 * h + m] = (float)(v - (FMT == F_Q4_0 ? 8 : 16)) * d;
+            }
+        }
     } else if (FMT == F_Q4_0 || FMT == F_Q4_1) {
         const int bs = FMT == F_Q4_0 ? 18 : 20;
         const u8* b = row + (size_t)c * bs;
@@ -562,29 +582,35 @@ __device__ __forceinline__ int dp2a_hi_s8(u32 a, u32 b, int c) {
 }
 
 // Formats whose rows of a multiple of 256 values run on 16-bit activations (i16_rows): Q4_K,
-// Q6_K as laid out on the device, and Q8_0 as regrouped there (q8_0_block).
+// Q6_K, Q4_0 and Q5_0 as laid out on the device, and Q8_0 as regrouped there (q8_0_block).
 __host__ __device__ constexpr bool fmt_i16(int f) {
-    return f == F_Q4_K || f == F_Q6_K || f == F_Q8_0;
+    return f == F_Q4_K || f == F_Q6_K || f == F_Q8_0 || f == F_Q4_0 || f == F_Q5_0;
 }
 
 // Whether rows of format f, k values wide, run on 16-bit activations: Q4_K and Q6_K rows
-// (always whole super-blocks), Q8_0 rows of whole 256-value groups.
+// (always whole super-blocks), Q8_0, Q4_0 and Q5_0 rows of whole 256-value units.
 __device__ __forceinline__ bool i16_takes(int f, int k) {
-    return f == F_Q4_K || f == F_Q6_K || (f == F_Q8_0 && (k & 255) == 0);
+    return f == F_Q4_K || f == F_Q6_K ||
+           ((f == F_Q8_0 || f == F_Q4_0 || f == F_Q5_0) && (k & 255) == 0);
 }
 
 // Bytes of a 256-value unit of an fmt_i16 row: a Q4_K super-block, a Q6_K one as on the
-// device, a Q8_0 group.
+// device, a Q8_0 group, 8 Q4_0 or Q5_0 blocks.
 __host__ __device__ constexpr int i16_unit_bytes(int f) {
-    return f == F_Q4_K ? 144 : f == F_Q6_K ? 224 : 272;
+    return f == F_Q4_K ? 144 : f == F_Q6_K ? 224 : f == F_Q4_0 ? 144 : f == F_Q5_0 ? 176 : 272;
 }
+
+// Whether an fmt_i16 format's weights enter `dp2a` as unsigned bytes, their offset (Q4_K's
+// min, the others' −32, −8 or −16) through the activations' half sums: all but Q8_0.
+__host__ __device__ constexpr bool i16_unsigned(int f) { return f != F_Q8_0; }
 
 // Lane `sub`'s (of a unit's 8) share of one unit of one row: values 16·(sub & 1) .. + 15 of
 // the unit's chunks 2·(sub >> 1) and the one after it (32-value chunks), and their scales.
 // Q4_K: the 16 quant bytes holding both chunks' values (low and high nibbles) and the
 // super-block's 16-byte header. Q6_K (layout.rs): the slot's 16 bytes of low 4 bits, its two
-// words of high 2 bits and its word of two scales and d. Q8_0: each chunk's 16 quants and the
-// word of their two f16 scales.
+// words of high 2 bits and its word of two scales and d. Q4_0, Q5_0 (layout.rs): the slot's
+// 16 bytes of nibbles, (Q5_0) its word of fifth bits, and the word of the two blocks' f16
+// scales. Q8_0: each chunk's 16 quants and the word of their two f16 scales.
 template <int FMT>
 struct I16Slice;
 template <>
@@ -596,6 +622,16 @@ struct I16Slice<F_Q6_K> {
     uint4 q;
     uint2 h;
     u32 hd;
+};
+template <>
+struct I16Slice<F_Q4_0> {
+    uint4 q;
+    u32 d;
+};
+template <>
+struct I16Slice<F_Q5_0> {
+    uint4 q;
+    u32 h, d;
 };
 template <>
 struct I16Slice<F_Q8_0> {
@@ -618,6 +654,25 @@ __device__ __forceinline__ void q6k_unpack(const I16Slice<F_Q6_K>& s, u32* lo, u
     *d1 = d * (float)(signed char)((s.hd >> 8) & 0xff);
 }
 
+// A Q4_0 / Q5_0 slice's 32 weights as unsigned 4- or 5-bit bytes, four a word: lo (block 2n)
+// and hi (block 2n + 1) in the order of its 16 bytes; and the blocks' scales.
+template <int FMT>
+__device__ __forceinline__ void legacy_unpack(const I16Slice<FMT>& s, u32* lo, u32* hi,
+                                              float* d0, float* d1) {
+    const u32 w[4] = {s.q.x, s.q.y, s.q.z, s.q.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        lo[i] = w[i] & 0x0F0F0F0Fu;
+        hi[i] = (w[i] >> 4) & 0x0F0F0F0Fu;
+        if constexpr (FMT == F_Q5_0) {
+            lo[i] |= ((s.h >> i) & 0x01010101u) << 4;
+            hi[i] |= ((s.h >> (4 + i)) & 0x01010101u) << 4;
+        }
+    }
+    *d0 = f16_to_f32((u16)(s.d & 0xffff));
+    *d1 = f16_to_f32((u16)(s.d >> 16));
+}
+
 // Loads lane `sub`'s slice of unit b of `row`.
 template <int FMT>
 __device__ __forceinline__ void i16_load(const u8* row, int b, int sub, I16Slice<FMT>& s) {
@@ -629,6 +684,10 @@ __device__ __forceinline__ void i16_load(const u8* row, int b, int sub, I16Slice
         s.q = __ldg((const uint4*)unit + sub);
         s.h = __ldg((const uint2*)(unit + 128) + sub);
         s.hd = __ldg((const u32*)(unit + 192) + sub);
+    } else if constexpr (FMT == F_Q4_0 || FMT == F_Q5_0) {
+        s.q = __ldg((const uint4*)(unit + 16) + sub);
+        s.d = __ldg((const u32*)unit + (sub >> 1));
+        if constexpr (FMT == F_Q5_0) s.h = __ldg((const u32*)(unit + 144) + sub);
     } else {
         const int n = sub >> 1, half = sub & 1;
         s.lo = __ldg((const uint4*)(unit + 16 + 64 * n + 16 * half));
@@ -674,6 +733,12 @@ __device__ __forceinline__ void i16_block(const I16Slice<FMT>* s, const uint4* x
             // w = d·scale·(q − 32): the −32 through the activations' sums, as Q4_K's min.
             c0[r] = 32.f * d0[r];
             c1[r] = 32.f * d1[r];
+        } else if constexpr (FMT == F_Q4_0 || FMT == F_Q5_0) {
+            legacy_unpack<FMT>(s[r], lo[r], hi[r], &d0[r], &d1[r]);
+            // w = d·(q − 8) (Q4_0) or d·(q − 16) (Q5_0).
+            const float off = FMT == F_Q4_0 ? 8.f : 16.f;
+            c0[r] = off * d0[r];
+            c1[r] = off * d1[r];
         } else {
             u32 a[4] = {s[r].lo.x, s[r].lo.y, s[r].lo.z, s[r].lo.w};
             u32 b4[4] = {s[r].hi.x, s[r].hi.y, s[r].hi.z, s[r].hi.w};
@@ -708,7 +773,7 @@ __device__ __forceinline__ void i16_block(const I16Slice<FMT>* s, const uint4* x
             int sl = 0, sh = 0;
 #pragma unroll
             for (int i = 0; i < 4; i++) {
-                if constexpr (FMT == F_Q4_K || FMT == F_Q6_K) {
+                if constexpr (i16_unsigned(FMT)) {
                     sl = dp2a_hi(xa[2 * i + 1], lo[r][i], dp2a_lo(xa[2 * i], lo[r][i], sl));
                     sh = dp2a_hi(xb[2 * i + 1], hi[r][i], dp2a_lo(xb[2 * i], hi[r][i], sh));
                 } else {
@@ -716,7 +781,7 @@ __device__ __forceinline__ void i16_block(const I16Slice<FMT>* s, const uint4* x
                     sh = dp2a_hi_s8(xb[2 * i + 1], hi[r][i], dp2a_lo_s8(xb[2 * i], hi[r][i], sh));
                 }
             }
-            if constexpr (FMT == F_Q4_K || FMT == F_Q6_K) {
+            if constexpr (i16_unsigned(FMT)) {
                 acc[r][t] += d0[r] * m0.x * (float)sl - c0[r] * m0.y;
                 acc[r][t] += d1[r] * m1.x * (float)sh - c1[r] * m1.y;
             } else {

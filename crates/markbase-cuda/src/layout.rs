@@ -15,8 +15,16 @@
 //! high 2 bits, value `4i + j`'s at bits `8j + 2i` of its word (so `(w >> 2i) & 0x03030303`
 //! gives word `i` of the low bits their high bits); and the word at `192 + 4s` the two
 //! chunks' 16-value scales as bytes and the super-block's f16 `d` above them. The 6-bit values
-//! stay unsigned (`w = d · scale · (q − 32)`). quant.cuh's Q6_K readers take this layout;
-//! every other format lies as stored.
+//! stay unsigned (`w = d · scale · (q − 32)`). quant.cuh's Q6_K readers take this layout.
+//!
+//! Q4_0 and Q5_0 rows of a multiple of 256 values (18- and 22-byte blocks, 2-byte aligned as
+//! stored) lie on the device in units of 8 blocks, the same bytes, 16-byte aligned: the 8 f16
+//! scales (16 bytes), then for each lane slot `s = 2n + h` 16 bytes holding values
+//! `16h .. 16h + 16` of blocks `2n` (low nibbles) and `2n + 1` (high nibbles) as a Q4_K lane
+//! reads them, then (Q5_0) for each slot a word of their fifth bits: block `2n`'s value
+//! `16h + m` at bit `8(m % 4) + m / 4`, block `2n + 1`'s 4 bits above it (so `(w >> i) &
+//! 0x01010101` gives word `i` of the low bits their fifth bits). Rows of other widths, and
+//! every other format, lie as stored.
 
 use std::borrow::Cow;
 
@@ -32,6 +40,11 @@ const Q6_K_BLOCK: usize = 210;
 /// Bytes of a Q6_K super-block on the device.
 pub(crate) const Q6_K_DEVICE_BLOCK: usize = 224;
 
+/// Bytes of a Q4_0 block (f16 scale, 16 bytes of nibbles) and of a Q5_0 block (f16 scale,
+/// a word of fifth bits, 16 bytes of nibbles).
+const Q4_0_BLOCK: usize = 18;
+const Q5_0_BLOCK: usize = 22;
+
 /// Lays one row out as on the device (the row as stored, its place).
 type LayRow = fn(&[u8], &mut [u8]);
 
@@ -44,6 +57,12 @@ pub(crate) fn device_bytes(ty: GgmlType, bytes: &[u8], rows: usize) -> Cow<'_, [
             bytes.len() / rows / Q6_K_BLOCK * Q6_K_DEVICE_BLOCK,
             lay_q6_k_row,
         ),
+        GgmlType::Q4_0 if (bytes.len() / rows / Q4_0_BLOCK).is_multiple_of(GROUP_BLOCKS) => {
+            (bytes.len() / rows, lay_q4_0_row)
+        }
+        GgmlType::Q5_0 if (bytes.len() / rows / Q5_0_BLOCK).is_multiple_of(GROUP_BLOCKS) => {
+            (bytes.len() / rows, lay_q5_0_row)
+        }
         _ => return Cow::Borrowed(bytes),
     };
     let row_bytes = bytes.len() / rows;
@@ -118,6 +137,57 @@ fn lay_q6_k_row(row: &[u8], out: &mut [u8]) {
     }
 }
 
+/// The 5-bit (Q5_0) or 4-bit (Q4_0, no fifth-bit word) value `v` of a legacy block `b`
+/// (markbase-core's legacy.rs).
+fn legacy_q(b: &[u8], five: bool, v: usize) -> u8 {
+    let qs = &b[if five { 6 } else { 2 }..];
+    let low = (qs[v % 16] >> (4 * (v / 16))) & 0x0F;
+    if !five {
+        return low;
+    }
+    let qh = u32::from_le_bytes(b[2..6].try_into().unwrap());
+    low | (((qh >> v) & 1) as u8) << 4
+}
+
+/// One Q4_0 / Q5_0 row of whole 8-block units (as stored) into `out` (as on the device).
+fn lay_legacy_row(row: &[u8], out: &mut [u8], five: bool) {
+    let block = if five { Q5_0_BLOCK } else { Q4_0_BLOCK };
+    for (src, o) in row
+        .chunks_exact(GROUP_BLOCKS * block)
+        .zip(out.chunks_exact_mut(GROUP_BLOCKS * block))
+    {
+        let b = |i: usize| &src[i * block..(i + 1) * block];
+        o.fill(0);
+        for i in 0..GROUP_BLOCKS {
+            o[2 * i..2 * i + 2].copy_from_slice(&b(i)[..2]);
+        }
+        for s in 0..8 {
+            let (n, h) = (s / 2, s % 2);
+            let mut fifth = 0u32;
+            for m in 0..16 {
+                let (a, c) = (
+                    legacy_q(b(2 * n), five, 16 * h + m),
+                    legacy_q(b(2 * n + 1), five, 16 * h + m),
+                );
+                o[16 + 16 * s + m] = (a & 0x0F) | (c << 4);
+                let bit = 8 * (m % 4) + m / 4;
+                fifth |= u32::from(a >> 4) << bit | u32::from(c >> 4) << (bit + 4);
+            }
+            if five {
+                o[144 + 4 * s..148 + 4 * s].copy_from_slice(&fifth.to_le_bytes());
+            }
+        }
+    }
+}
+
+fn lay_q4_0_row(row: &[u8], out: &mut [u8]) {
+    lay_legacy_row(row, out, false);
+}
+
+fn lay_q5_0_row(row: &[u8], out: &mut [u8]) {
+    lay_legacy_row(row, out, true);
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -156,7 +226,7 @@ mod tests {
     /// The device's Q6_K super-blocks, read as the layout above says (the twin of quant.cuh's
     /// readers), give the weights markbase-core's dequantization gives the stored ones.
     #[test]
-    fn q6_k_rows_relay_to_the_device_layout() {
+    fn q6_k_super_blocks_lay_out_for_their_readers() {
         use markbase_core::quant::dequantize_row;
         let (rows, blocks) = (3, 5);
         let mut seed = 0x9e37_79b9_7f4a_7c15u64;
@@ -193,6 +263,56 @@ mod tests {
                     * (f32::from(lo | (hi as u8) << 4) - 32.0);
                 assert_eq!(got, w, "row {r} weight {i}");
             }
+        }
+    }
+
+    /// Q4_0 / Q5_0 rows of whole 8-block units, read as the layout above says (the twin of
+    /// quant.cuh's readers), give markbase-core's weights; other rows stay as stored.
+    #[test]
+    fn q4_0_and_q5_0_rows_of_whole_units_lay_out_for_their_readers() {
+        use markbase_core::quant::dequantize_row;
+        let f16 = |lo: u8, hi: u8| half::f16::from_le_bytes([lo, hi]).to_f32();
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        for (ty, block, five) in [
+            (GgmlType::Q4_0, Q4_0_BLOCK, false),
+            (GgmlType::Q5_0, Q5_0_BLOCK, true),
+        ] {
+            let (rows, blocks) = (3, 16);
+            let mut bytes: Vec<u8> = (0..rows * blocks * block)
+                .map(|_| {
+                    seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1);
+                    (seed >> 56) as u8
+                })
+                .collect();
+            for b in bytes.chunks_exact_mut(block) {
+                b[..2].copy_from_slice(&0x2c00u16.to_le_bytes()); // d = 1/16
+            }
+            let dev = device_bytes(ty, &bytes, rows);
+            let row_bytes = blocks * block;
+            for r in 0..rows {
+                let mut want = vec![0f32; 32 * blocks];
+                dequantize_row(ty, &bytes[r * row_bytes..][..row_bytes], &mut want).unwrap();
+                for (i, &w) in want.iter().enumerate() {
+                    let u = &dev[r * row_bytes + (i / 256) * 8 * block..][..8 * block];
+                    let (c, v) = ((i % 256) / 32, i % 32);
+                    let (n, odd, h, m) = (c / 2, c % 2, v / 16, v % 16);
+                    let s = 2 * n + h;
+                    let mut q = (u[16 + 16 * s + m] >> (4 * odd)) & 0x0F;
+                    let offset = if five {
+                        let fw =
+                            u32::from_le_bytes(u[144 + 4 * s..148 + 4 * s].try_into().unwrap());
+                        q |= (((fw >> (8 * (m % 4) + 4 * odd + m / 4)) & 1) as u8) << 4;
+                        16.0
+                    } else {
+                        8.0
+                    };
+                    let got = f16(u[2 * c], u[2 * c + 1]) * (f32::from(q) - offset);
+                    assert_eq!(got, w, "{ty} row {r} weight {i}");
+                }
+            }
+            // 20 blocks a row (640 values): as stored.
+            let short = &bytes[..2 * 20 * block];
+            assert!(matches!(device_bytes(ty, short, 2), Cow::Borrowed(_)));
         }
     }
 }

@@ -350,8 +350,11 @@ fn widths(ty: GgmlType) -> Vec<usize> {
         1 => vec![8, 12, 40, 264, 2056, 4104],
         // Q8_0 rows lie on the device in groups of 8 blocks (layout.rs): 96 is a tail alone,
         // 800 three groups and a tail (staged), 512 / 4352 / 12800 whole groups on 16-bit
-        // activations like Q4_K's super-blocks below.
-        32 if ty == GgmlType::Q8_0 => vec![96, 512, 800, 4352, 12800],
+        // activations like Q4_K's super-blocks below. Q4_0 and Q5_0 rows of whole groups are
+        // laid out likewise (96 and 800 stay as stored).
+        32 if matches!(ty, GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q5_0) => {
+            vec![96, 512, 800, 4352, 12800]
+        }
         32 => vec![96, 512],
         // 17 and 33 super-blocks: Q4_K rows shared by 2 and 4 warps (2 at 8 token rows), a
         // last pass part-filled; 50: Q4_K activations staged in several tiles, the last
@@ -510,6 +513,8 @@ fn one_token_products_over_many_rows_match_reference() {
         (GgmlType::Q8_0, 768),
         (GgmlType::Q6_K, 512),
         (GgmlType::Q6_K, 768),
+        (GgmlType::Q4_0, 512),
+        (GgmlType::Q5_0, 768),
     ] {
         let (gm, um) = (
             random_matrix(&mut r, ty, rows, k),
@@ -561,6 +566,8 @@ fn one_token_products_over_an_lm_head_of_rows_match_reference() {
         (GgmlType::Q6_K, 65_538, 512),
         (GgmlType::Q6_K, 65_540, 2_816),
         (GgmlType::Q6_K, 65_537, 2_560),
+        (GgmlType::Q4_0, 65_538, 512),
+        (GgmlType::Q5_0, 65_540, 2_816),
     ] {
         let m = random_matrix(&mut r, ty, rows, k);
         let w = g.load_matrix(&m).unwrap();
@@ -572,7 +579,7 @@ fn one_token_products_over_an_lm_head_of_rows_match_reference() {
     }
 }
 
-/// Q4_K, Q6_K and Q8_0 products of 2–48 token rows on the tensor cores over matrices of many row
+/// Q4_K, Q6_K, Q8_0, Q4_0 and Q5_0 products of 2–48 token rows on the tensor cores over matrices of many row
 /// tiles and long rows (tiles whose units several blocks share, part-filled tiles and splits),
 /// every n-tile count and a part-filled n-tile; a second run gives the same bits. Then
 /// several matrices in one launch.
@@ -588,6 +595,8 @@ fn tensor_core_products_match_reference_and_repeat_exactly() {
         (GgmlType::Q8_0, 333, 2_816),
         (GgmlType::Q6_K, 2_560, 10_240),
         (GgmlType::Q6_K, 333, 2_816),
+        (GgmlType::Q4_0, 2_560, 10_240),
+        (GgmlType::Q5_0, 333, 2_816),
     ];
     for (ty, rows, k) in shapes {
         let m = random_matrix(&mut r, ty, rows, k);
@@ -605,7 +614,12 @@ fn tensor_core_products_match_reference_and_repeat_exactly() {
     }
     // Three matrices in one launch (q, k, v-like), tiles of each split over several blocks.
     let k = 2_560;
-    for ty in [GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::Q8_0] {
+    for ty in [
+        GgmlType::Q4_K,
+        GgmlType::Q6_K,
+        GgmlType::Q8_0,
+        GgmlType::Q5_0,
+    ] {
         let mats: Vec<HostMatrix> = [2_048, 512, 520]
             .iter()
             .map(|&rows| random_matrix(&mut r, ty, rows, k))
@@ -649,6 +663,7 @@ fn gated_ffn_on_tensor_cores_matches_reference_and_repeats_exactly() {
         (GgmlType::Q4_K, 2_560, 10_240, 2_560),
         (GgmlType::Q8_0, 768, 1_280, 512),
         (GgmlType::Q6_K, 2_560, 1_280, 2_560),
+        (GgmlType::Q4_0, 512, 1_024, 512),
     ] {
         let (gm, um, dm) = (
             random_matrix(&mut r, ty, ff, k),
@@ -973,9 +988,14 @@ fn moe_ffn_matches_reference_for_every_format() {
             shapes.extend([(512, 256), (320, 192), (2_816, 704)]);
         }
         if ty == GgmlType::Q5_0 {
-            // Whole 64-value units on the tensor cores, blocks 2-byte aligned: 26B-A4B's
-            // experts in llama.cpp's Q4_K_M keep their down rows (704 wide) in Q5_0.
-            shapes.extend([(320, 192), (2_816, 704)]);
+            // Whole 64-value units on the tensor cores, blocks as stored (2-byte aligned) or
+            // laid out (rows of whole 8-block units, layout.rs): 26B-A4B's experts in
+            // llama.cpp's Q4_K_M keep their down rows (704 wide) in Q5_0.
+            shapes.extend([(320, 192), (512, 256), (2_816, 704)]);
+        }
+        if ty == GgmlType::Q4_0 {
+            // Rows of whole 8-block units, laid out (the GEMVs on 16-bit activations).
+            shapes.push((512, 256));
         }
         for (d, f) in shapes {
             // (tokens, experts, top_k, an expert no token chooses): 3 tokens take the per-pair

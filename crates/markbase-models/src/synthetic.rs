@@ -2,14 +2,15 @@
 //! shapes, for benchmarks and GPU tests where real weights are not at hand.
 //!
 //! Variants: `e2b`, `e4b`, `12b`, `26b-a4b`, `31b` (hyper-parameters of gemma4.md §1.1).
-//! Formats: `bf16` (default), `q8_0`, `q4_k` for the matrices; norms and scalars are f32.
+//! Formats: `bf16` (default), `q8_0`, `q4_k`, `q4_0` for the matrices; norms and scalars are
+//! f32.
 //! `q4_k_m` is llama.cpp's Q4_K_M mix, the file most users download: Q4_K, but Q6_K for the
 //! tied embedding / LM head and, on the layers llama.cpp's `use_more_bits` picks (the first
 //! and last eighth, and every third between), for `v_proj` and the down projections. A
 //! matrix whose rows do not split into whole blocks of the format (the 26B-A4B experts'
 //! 704-wide down projection in Q4_K) falls back to Q8_0 (under `q4_k_m` as llama.cpp does:
 //! Q4_K to Q5_0, Q6_K to Q8_0), then BF16; the per-layer embedding table stays at ≥ 8 bits
-//! (Q8_0 under `q4_k` and `q4_k_m`). Nothing is generated until a tensor is asked
+//! (Q8_0 under `q4_k`, `q4_k_m` and `q4_0`). Nothing is generated until a tensor is asked
 //! for: the shapes and byte counts (`inspect`) come from the configuration alone, and each
 //! tensor's bytes are a pure function of (seed, tensor name), so a run is reproducible. A
 //! matrix is generated in fixed chunks of `CHUNK_WEIGHTS`, each from its own stream, on every
@@ -134,7 +135,7 @@ impl Variant {
 pub struct SyntheticSpec {
     /// Which released model's shapes.
     pub variant: Variant,
-    /// Storage format of the matrices (BF16, Q8_0 or Q4_K).
+    /// Storage format of the matrices (BF16, Q8_0, Q4_K or Q4_0).
     pub format: GgmlType,
     /// llama.cpp's `_M` mix over `format` (Q4_K): Q6_K for the LM head, and for `v_proj` and
     /// the down projections on the layers `use_more_bits` picks.
@@ -162,9 +163,10 @@ impl SyntheticSpec {
             Some("q8_0") => (GgmlType::Q8_0, false),
             Some("q4_k") => (GgmlType::Q4_K, false),
             Some("q4_k_m") => (GgmlType::Q4_K, true),
+            Some("q4_0") => (GgmlType::Q4_0, false),
             Some(other) => {
                 return Err(Error::Invalid(format!(
-                    "synthetic format '{other}' (expected bf16, q8_0, q4_k or q4_k_m)"
+                    "synthetic format '{other}' (expected bf16, q8_0, q4_k, q4_k_m or q4_0)"
                 )))
             }
         };
@@ -193,6 +195,7 @@ impl SyntheticSpec {
             (GgmlType::Q8_0, _) => "q8_0",
             (GgmlType::Q4_K, false) => "q4_k",
             (GgmlType::Q4_K, true) => "q4_k_m",
+            (GgmlType::Q4_0, _) => "q4_0",
             _ => "bf16",
         };
         format!("{}:{f}:{}", self.variant.name(), self.seed)
@@ -255,7 +258,9 @@ impl SyntheticWeights {
                 }
             } else {
                 let cols = shape[shape.len() - 1];
-                let want = if name == ple_table && spec.format == GgmlType::Q4_K {
+                let want = if name == ple_table
+                    && matches!(spec.format, GgmlType::Q4_K | GgmlType::Q4_0)
+                {
                     GgmlType::Q8_0
                 } else if more_bits.contains(&name) {
                     GgmlType::Q6_K
@@ -432,6 +437,7 @@ fn fill_bytes(rng: Rng, ty: GgmlType, n: usize, amp: f32) -> Result<Arc<[u8]>> {
         GgmlType::F32
             | GgmlType::BF16
             | GgmlType::Q8_0
+            | GgmlType::Q4_0
             | GgmlType::Q5_0
             | GgmlType::Q4_K
             | GgmlType::Q6_K
@@ -478,6 +484,14 @@ fn fill_chunk(rng: &mut Rng, ty: GgmlType, out: &mut [u8], amp: f32) {
                 block[2..]
                     .iter_mut()
                     .for_each(|q| *q = ((rng.next() % 255) as i32 - 127) as i8 as u8);
+            }
+        }
+        GgmlType::Q4_0 => {
+            // Q4_0: w = d·(q − 8) with 4-bit q: d = amp / 8 gives ±amp.
+            let d = f16_bits(amp / 8.0).to_le_bytes();
+            for block in out.chunks_exact_mut(18) {
+                block[..2].copy_from_slice(&d);
+                block[2..].iter_mut().for_each(|q| *q = rng.next() as u8);
             }
         }
         GgmlType::Q5_0 => {
@@ -616,6 +630,9 @@ mod tests {
         assert!(w.iter().all(|v| v.abs() <= 0.51));
         let mean_sq = w.iter().map(|v| v * v).sum::<f32>() / w.len() as f32;
         assert!((mean_sq / (0.25 / 3.0) - 1.0).abs() < 0.1, "{mean_sq}");
+        let q = fill_bytes(Rng::new(7, "t"), GgmlType::Q4_0, 2 * CHUNK_WEIGHTS, 0.5).unwrap();
+        dequantize_row(GgmlType::Q4_0, &q, &mut w).unwrap();
+        assert!(w.iter().all(|v| v.abs() <= 0.51));
         let q = fill_bytes(Rng::new(7, "t"), GgmlType::Q5_0, 2 * CHUNK_WEIGHTS, 0.5).unwrap();
         dequantize_row(GgmlType::Q5_0, &q, &mut w).unwrap();
         assert!(w.iter().all(|v| v.abs() <= 0.51));

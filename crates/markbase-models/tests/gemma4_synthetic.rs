@@ -32,6 +32,11 @@ fn parses_specs_and_rejects_bad_ones() {
     let s = SyntheticSpec::parse("e4b:Q4_K_M").unwrap();
     assert_eq!((s.format, s.mix_m), (GgmlType::Q4_K, true));
     assert_eq!(s.describe(), "e4b:q4_k_m:0");
+    let s = SyntheticSpec::parse("e4b:q4_0").unwrap();
+    assert_eq!(
+        (s.format, s.mix_m, s.describe().as_str()),
+        (GgmlType::Q4_0, false, "e4b:q4_0:0")
+    );
     for bad in [
         "",
         "e3b",
@@ -169,7 +174,7 @@ fn q4_k_m_follows_llama_cpp_mix() {
 /// Generated tensors are a pure function of (seed, name), of sane magnitude in every format.
 #[test]
 fn generation_is_deterministic_and_sane() {
-    for spec in ["e2b:bf16", "e2b:q8_0", "e2b:q4_k"] {
+    for spec in ["e2b:bf16", "e2b:q8_0", "e2b:q4_k", "e2b:q4_0"] {
         let w = weights(spec);
         let name = "layers.3.self_attn.q_proj.weight";
         let a = w.matrix(name, 2048, 1536).unwrap();
