@@ -66,7 +66,7 @@ impl CudaBuffer {
 }
 
 /// A weight matrix in device memory, blocks as stored (Q8_0 rows regrouped, Q6_K super-blocks
-/// laid out for their readers: layout.rs).
+/// and Q4_0 / Q5_0 rows of whole 256-value units laid out for their readers: layout.rs).
 pub struct CudaMatrix {
     /// Freed in `drop`, with the step recorder locked.
     mem: ManuallyDrop<CudaSlice<u8>>,

@@ -8,10 +8,10 @@
 //! [`CudaBackend::new`] says clearly what is missing on such a machine.
 //!
 //! Weights stay in their stored format on the device (GGUF blocks, BF16, F16, F32; Q8_0 rows
-//! regrouped so their blocks are aligned, `layout`); decode
+//! regrouped and Q6_K, Q4_0 and Q5_0 blocks laid out so that they are aligned, `layout`); decode
 //! products are warp-per-row GEMVs that read each weight row once for up to 8 token rows
-//! (Q4_K and Q8_0 products of 2–48 token rows run on the tensor cores, [`mma_suits`], and
-//! so do the grouped MoE expert products, [`moe_on_tensor_cores`]); prefill
+//! (Q4_K, Q6_K, Q8_0, Q4_0 and Q5_0 products of 2–48 token rows run on the tensor cores,
+//! [`mma_suits`], and so do the grouped MoE expert products, [`moe_on_tensor_cores`]); prefill
 //! products dequantize tiles and call cuBLAS, and prefill attention runs as batched products.
 //! Activations are f32.
 
