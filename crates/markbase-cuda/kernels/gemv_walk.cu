@@ -150,6 +150,25 @@ struct WalkQ8_0 {
     }
 };
 
+// The dot product of a slot's 32 weights as unsigned bytes — lo[i] (chunk 2n) and hi[i]
+// (chunk 2n + 1), four a word — each chunk's scale d and offset `off` (w = d·(q − off)), with
+// the slot's activations in shared memory (as WalkQ4k's): the offset through the halves' sums.
+__device__ __forceinline__ float unsigned_slot_dot(const u32* lo, const u32* hi, float d0,
+                                                   float d1, float off, const uint4* xq,
+                                                   const float2* xm) {
+    const uint4 x0 = xq[0], x1 = xq[8], x2 = xq[16], x3 = xq[24];
+    const float2 m0 = xm[0], m1 = xm[2];
+    const u32 xa[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+    const u32 xb[8] = {x2.x, x2.y, x2.z, x2.w, x3.x, x3.y, x3.z, x3.w};
+    int sl = 0, sh = 0;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        sl = dp2a_hi(xa[2 * i + 1], lo[i], dp2a_lo(xa[2 * i], lo[i], sl));
+        sh = dp2a_hi(xb[2 * i + 1], hi[i], dp2a_lo(xb[2 * i], hi[i], sh));
+    }
+    return d0 * (m0.x * (float)sl - off * m0.y) + d1 * (m1.x * (float)sh - off * m1.y);
+}
+
 // Q6_K super-blocks as laid out on the device (layout.rs): a slot's 16 bytes of low bits, two
 // words of high bits and its word of scales and d, all its own (no trading between lanes).
 struct WalkQ6k {
@@ -167,20 +186,10 @@ struct WalkQ6k {
     // d·scale·Σ (q − 32)·x a chunk half: the −32 through the activations' sums (xm .y).
     static __device__ __forceinline__ float dot(const Slice& s, const uint4* xq, const float2* xm,
                                                 const Lane&) {
-        const uint4 x0 = xq[0], x1 = xq[8], x2 = xq[16], x3 = xq[24];
-        const float2 m0 = xm[0], m1 = xm[2];
-        const u32 xa[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
-        const u32 xb[8] = {x2.x, x2.y, x2.z, x2.w, x3.x, x3.y, x3.z, x3.w};
         u32 lo[4], hi[4];
         float d0, d1;
         q6k_unpack(s, lo, hi, &d0, &d1);
-        int sl = 0, sh = 0;
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            sl = dp2a_hi(xa[2 * i + 1], lo[i], dp2a_lo(xa[2 * i], lo[i], sl));
-            sh = dp2a_hi(xb[2 * i + 1], hi[i], dp2a_lo(xb[2 * i], hi[i], sh));
-        }
-        return d0 * (m0.x * (float)sl - 32.f * m0.y) + d1 * (m1.x * (float)sh - 32.f * m1.y);
+        return unsigned_slot_dot(lo, hi, d0, d1, 32.f, xq, xm);
     }
 };
 
@@ -201,21 +210,10 @@ struct WalkLegacy {
     // activations' sums (xm .y).
     static __device__ __forceinline__ float dot(const Slice& s, const uint4* xq, const float2* xm,
                                                 const Lane&) {
-        const uint4 x0 = xq[0], x1 = xq[8], x2 = xq[16], x3 = xq[24];
-        const float2 m0 = xm[0], m1 = xm[2];
-        const u32 xa[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
-        const u32 xb[8] = {x2.x, x2.y, x2.z, x2.w, x3.x, x3.y, x3.z, x3.w};
         u32 lo[4], hi[4];
         float d0, d1;
         legacy_unpack<FMT>(s, lo, hi, &d0, &d1);
-        int sl = 0, sh = 0;
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            sl = dp2a_hi(xa[2 * i + 1], lo[i], dp2a_lo(xa[2 * i], lo[i], sl));
-            sh = dp2a_hi(xb[2 * i + 1], hi[i], dp2a_lo(xb[2 * i], hi[i], sh));
-        }
-        const float off = FMT == F_Q4_0 ? 8.f : 16.f;
-        return d0 * (m0.x * (float)sl - off * m0.y) + d1 * (m1.x * (float)sh - off * m1.y);
+        return unsigned_slot_dot(lo, hi, d0, d1, FMT == F_Q4_0 ? 8.f : 16.f, xq, xm);
     }
 };
 

@@ -118,6 +118,22 @@ struct MmqSlots {
     }
 };
 
+// Two 32-value blocks' f16 scales of each of a lane's two rows (the word d[row]: the block's
+// in the low half, the next one's in the high) as broadcast f16 pairs: s[row][block].
+struct MmqBlockScales {
+    u32 s[2][2];
+};
+
+__device__ __forceinline__ MmqBlockScales mmq_block_scales(const u32* d) {
+    MmqBlockScales r;
+#pragma unroll
+    for (int e = 0; e < 2; e++) {
+        r.s[e][0] = (d[e] & 0xffffu) * 0x10001u;
+        r.s[e][1] = (d[e] >> 16) * 0x10001u;
+    }
+    return r;
+}
+
 // Q4_K weights. A unit is a super-block (256 values, 144 bytes a row). A lane holds for each
 // of its two rows the 16-byte header and quant bytes 32c .. 32c + 31: chunk 2c's 32 weights
 // (low nibbles) and chunk 2c + 1's (high nibbles), so it needs one chunk pair's scales. Word
@@ -216,18 +232,9 @@ struct MmqQ8_0 : MmqSlots {
     }
 
     // The chunks' scales as broadcast f16 pairs: s[row][hi].
-    struct Scales {
-        u32 s[2][2];
-    };
-
+    typedef MmqBlockScales Scales;
     static __device__ __forceinline__ Scales scales(const Unit& a, int) {
-        Scales r;
-#pragma unroll
-        for (int e = 0; e < 2; e++) {
-            r.s[e][0] = (a.d[e] & 0xffffu) * 0x10001u;
-            r.s[e][1] = (a.d[e] >> 16) * 0x10001u;
-        }
-        return r;
+        return mmq_block_scales(a.d);
     }
 
     // The A fragments of words 2ip and 2ip + 1 of the lane's chunks (MmqSlots::mma's layout).
@@ -361,18 +368,9 @@ struct MmqLegacy : MmqSlots {
     }
 
     // The blocks' scales as broadcast f16 pairs: s[row][block].
-    struct Scales {
-        u32 s[2][2];
-    };
-
+    typedef MmqBlockScales Scales;
     static __device__ __forceinline__ Scales scales(const Unit& a, int) {
-        Scales r;
-#pragma unroll
-        for (int e = 0; e < 2; e++) {
-            r.s[e][0] = (a.d[e] & 0xffffu) * 0x10001u;
-            r.s[e][1] = (a.d[e] >> 16) * 0x10001u;
-        }
-        return r;
+        return mmq_block_scales(a.d);
     }
 
     // The A fragments of words 2ip and 2ip + 1 of the lane's blocks (MmqSlots::mma's layout).
