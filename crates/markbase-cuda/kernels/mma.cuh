@@ -75,12 +75,19 @@ __device__ __forceinline__ void q4_nibbles_f16(u32 q, u32& l0, u32& l1, u32& h0,
     h1 = h2_fma(and_or(w8, 0x00F000F0u, 0x64006400u), 0x2C002C00u, 0xD400D400u);
 }
 
+// The f16 pair of word w's bytes b0, b1 (sel 0x4140) or b2, b3 (sel 0x4342), each less the
+// f16 pair `bias` − 1024, times the broadcast f16 scale s, each rounded once: a byte b becomes
+// the f16 1024 + b by a byte permutation with 0x64, then b − (bias − 1024) by an exact
+// subtraction (bias 1024 + 32 for Q6_K's 6-bit values, 1024 + 16 for Q5_0's 5-bit ones).
+__device__ __forceinline__ u32 byte_pair_f16(u32 w, u32 sel, u32 bias, u32 s) {
+    return h2_mul(h2_sub(__byte_perm(w, 0x64646464u, sel), bias), s);
+}
+
 // The f16 pair of quant word w's signed bytes b0, b1 (sel 0x4140) or b2, b3 (sel 0x4342)
 // times the broadcast f16 scale s, each rounded once; w has its bytes offset by 128 (the
-// stored bytes ^ 0x80808080). A byte becomes the f16 1024 + 128 + q by a byte permutation
-// with 0x64, then q by an exact subtraction.
+// stored bytes ^ 0x80808080), taken off as 1024 + 128.
 __device__ __forceinline__ u32 q8_pair_f16(u32 w, u32 sel, u32 s) {
-    return h2_mul(h2_sub(__byte_perm(w, 0x64646464u, sel), 0x64806480u), s);
+    return byte_pair_f16(w, sel, 0x64806480u, s);
 }
 
 #endif  // __CUDA_ARCH__ >= 800

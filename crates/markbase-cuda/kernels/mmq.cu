@@ -309,12 +309,6 @@ struct MmqQ6k : MmqSlots {
         return r;
     }
 
-    // The f16 pair of 6-bit bytes b0, b1 (sel 0x4140) or b2, b3 (sel 0x4342) of w, minus 32,
-    // times s.
-    static __device__ __forceinline__ u32 pair(u32 w, u32 sel, u32 s) {
-        return h2_mul(h2_sub(__byte_perm(w, 0x64646464u, sel), 0x64206420u), s);
-    }
-
     // The A fragments of words 2ip and 2ip + 1 of the lane's chunks (MmqSlots::mma's layout).
     static __device__ __forceinline__ void fragments(const Unit& a, const Scales& sc, int ip,
                                                      u32 (*A)[2][4]) {
@@ -328,10 +322,10 @@ struct MmqQ6k : MmqSlots {
                 const u32 h0 = h ? a.hb[e].z : a.hb[e].x, h1 = h ? a.hb[e].w : a.hb[e].y;
                 const u32 lo = (q & 0x0F0F0F0Fu) | (((h0 >> (2 * i)) & 0x03030303u) << 4);
                 const u32 up = ((q >> 4) & 0x0F0F0F0Fu) | (((h1 >> (2 * i)) & 0x03030303u) << 4);
-                A[wi][0][e] = pair(lo, 0x4140u, sc.s[e][0][h]);
-                A[wi][0][2 + e] = pair(lo, 0x4342u, sc.s[e][0][h]);
-                A[wi][1][e] = pair(up, 0x4140u, sc.s[e][1][h]);
-                A[wi][1][2 + e] = pair(up, 0x4342u, sc.s[e][1][h]);
+                A[wi][0][e] = byte_pair_f16(lo, 0x4140u, 0x64206420u, sc.s[e][0][h]);
+                A[wi][0][2 + e] = byte_pair_f16(lo, 0x4342u, 0x64206420u, sc.s[e][0][h]);
+                A[wi][1][e] = byte_pair_f16(up, 0x4140u, 0x64206420u, sc.s[e][1][h]);
+                A[wi][1][2 + e] = byte_pair_f16(up, 0x4342u, 0x64206420u, sc.s[e][1][h]);
             }
         }
     }
@@ -400,19 +394,13 @@ struct MmqLegacy : MmqSlots {
                     const u32 f = h ? a.fw[e].y : a.fw[e].x;
                     const u32 lo = (q & 0x0F0F0F0Fu) | (((f >> i) & 0x01010101u) << 4);
                     const u32 up = ((q >> 4) & 0x0F0F0F0Fu) | (((f >> (4 + i)) & 0x01010101u) << 4);
-                    A[wi][0][e] = pair(lo, 0x4140u, sc.s[e][0]);
-                    A[wi][0][2 + e] = pair(lo, 0x4342u, sc.s[e][0]);
-                    A[wi][1][e] = pair(up, 0x4140u, sc.s[e][1]);
-                    A[wi][1][2 + e] = pair(up, 0x4342u, sc.s[e][1]);
+                    A[wi][0][e] = byte_pair_f16(lo, 0x4140u, 0x64106410u, sc.s[e][0]);
+                    A[wi][0][2 + e] = byte_pair_f16(lo, 0x4342u, 0x64106410u, sc.s[e][0]);
+                    A[wi][1][e] = byte_pair_f16(up, 0x4140u, 0x64106410u, sc.s[e][1]);
+                    A[wi][1][2 + e] = byte_pair_f16(up, 0x4342u, 0x64106410u, sc.s[e][1]);
                 }
             }
         }
-    }
-
-    // The f16 pair of 5-bit bytes b0, b1 (sel 0x4140) or b2, b3 (sel 0x4342) of w, minus 16,
-    // times s.
-    static __device__ __forceinline__ u32 pair(u32 w, u32 sel, u32 s) {
-        return h2_mul(h2_sub(__byte_perm(w, 0x64646464u, sel), 0x64106410u), s);
     }
 };
 

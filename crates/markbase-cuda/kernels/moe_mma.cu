@@ -145,9 +145,8 @@ struct MoeQ5_0 {
                                      : ((((a.qh >> (4 * i)) & 15u) * 0x00204081u) & 0x01010101u)
                                            << 4;
             const u32 w = (a.q[i] & 0x0F0F0F0Fu) | fifth;
-            // 1024 + q as f16 by a byte permutation with 0x64, then q − 16 exactly (1040).
-            W[2 * i] = h2_mul(h2_sub(__byte_perm(w, 0x64646464u, 0x4140u), 0x64106410u), s);
-            W[2 * i + 1] = h2_mul(h2_sub(__byte_perm(w, 0x64646464u, 0x4342u), 0x64106410u), s);
+            W[2 * i] = byte_pair_f16(w, 0x4140u, 0x64106410u, s);
+            W[2 * i + 1] = byte_pair_f16(w, 0x4342u, 0x64106410u, s);
         }
     }
 };
