@@ -1,7 +1,7 @@
 // The gated feed-forward's first half for one token row of Q4_K or Q6_K weights, or of Q8_0,
-// Q4_0 or Q5_0 weights of whole 256-value units (gemv_walk.rs): out[r] = gelu_tanh(gate_r · x) · (up_r · x); and
-// the same walk over one matrix's two halves as its row pairs (an LM head: out[r] and
-// out[rows + r]). Appended to gemv.cu's module.
+// Q4_0 or Q5_0 weights of whole 256-value units (gemv_walk.rs): out[r] =
+// gelu_tanh(gate_r · x) · (up_r · x); and the same walk over one matrix's two halves as its
+// row pairs (an LM head: out[r] and out[rows + r]). Appended to gemv.cu's module.
 //
 // A warp takes a group of P row pairs, G = 2P rows (gate and up rows alternating). Their
 // G·nb units (256 values: a Q4_K super-block, a Q8_0 group as regrouped on the device) are
@@ -177,10 +177,8 @@ struct WalkQ6k {
     struct Lane {};
     static __device__ __forceinline__ Lane lane(int) { return {}; }
 
-    static __device__ __forceinline__ void load(const u8* blk, int sub, Slice& s) {
-        s.q = __ldg((const uint4*)blk + sub);
-        s.h = __ldg((const uint2*)(blk + 128) + sub);
-        s.hd = __ldg((const u32*)(blk + 192) + sub);
+    static __device__ __forceinline__ void load(const u8* unit, int sub, Slice& s) {
+        i16_load<F_Q6_K>(unit, 0, sub, s);
     }
 
     // d·scale·Σ (q − 32)·x a chunk half: the −32 through the activations' sums (xm .y).

@@ -1,6 +1,6 @@
 // Products of 2–32 token rows a launch on the tensor cores (mma.sync m16n8k16, f32 sums):
-// out[t, r] = Σ_k x[t, k] · w[r, k], for Q4_K, Q6_K, Q8_0, Q4_0 and Q5_0 weights (dequantized to f16 in
-// registers, f16 activations). The weights stream from memory once for all the tokens,
+// out[t, r] = Σ_k x[t, k] · w[r, k], for Q4_K, Q6_K, Q8_0, Q4_0 and Q5_0 weights (dequantized
+// to f16 in registers, f16 activations). The weights stream from memory once for all the tokens,
 // straight into registers; the GEMVs they replace read each weight once a token row (their dot
 // products grow with the tokens), and cuBLAS needs them dequantized into memory first. The walk is
 // written over a format's unit (F: its loads, its products, its staging).

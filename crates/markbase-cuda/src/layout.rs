@@ -38,11 +38,11 @@ const GROUP_BLOCKS: usize = 8;
 /// Bytes of a Q6_K super-block as stored.
 const Q6_K_BLOCK: usize = 210;
 /// Bytes of a Q6_K super-block on the device.
-pub(crate) const Q6_K_DEVICE_BLOCK: usize = 224;
+const Q6_K_DEVICE_BLOCK: usize = 224;
 
-/// Bytes of a Q4_0 block (f16 scale, 16 bytes of nibbles) and of a Q5_0 block (f16 scale,
-/// a word of fifth bits, 16 bytes of nibbles).
+/// Bytes of a Q4_0 block: its f16 scale and 16 bytes of nibbles.
 const Q4_0_BLOCK: usize = 18;
+/// Bytes of a Q5_0 block: its f16 scale, a word of fifth bits and 16 bytes of nibbles.
 const Q5_0_BLOCK: usize = 22;
 
 /// Lays one row out as on the device (the row as stored, its place).
@@ -58,10 +58,10 @@ pub(crate) fn device_bytes(ty: GgmlType, bytes: &[u8], rows: usize) -> Cow<'_, [
             lay_q6_k_row,
         ),
         GgmlType::Q4_0 if (bytes.len() / rows / Q4_0_BLOCK).is_multiple_of(GROUP_BLOCKS) => {
-            (bytes.len() / rows, lay_q4_0_row)
+            (bytes.len() / rows, |r, o| lay_legacy_row(r, o, false))
         }
         GgmlType::Q5_0 if (bytes.len() / rows / Q5_0_BLOCK).is_multiple_of(GROUP_BLOCKS) => {
-            (bytes.len() / rows, lay_q5_0_row)
+            (bytes.len() / rows, |r, o| lay_legacy_row(r, o, true))
         }
         _ => return Cow::Borrowed(bytes),
     };
@@ -116,19 +116,18 @@ fn lay_q6_k_row(row: &[u8], out: &mut [u8]) {
             let hi = (qh[32 * n + l] >> (2 * k)) & 3;
             lo | (hi << 4)
         };
-        o.fill(0);
         for s in 0..8 {
             let (n, h) = (s / 2, s % 2);
+            let mut high = [0u32; 2];
             for m in 0..16 {
                 let (a, c) = (q(64 * n + 16 * h + m), q(64 * n + 32 + 16 * h + m));
                 o[16 * s + m] = (a & 0x0F) | ((c & 0x0F) << 4);
                 let bit = 8 * (m % 4) + 2 * (m / 4);
-                for (word, v) in [(128 + 8 * s, a), (132 + 8 * s, c)] {
-                    let mut w = u32::from_le_bytes(o[word..word + 4].try_into().unwrap());
-                    w |= u32::from(v >> 4) << bit;
-                    o[word..word + 4].copy_from_slice(&w.to_le_bytes());
-                }
+                high[0] |= u32::from(a >> 4) << bit;
+                high[1] |= u32::from(c >> 4) << bit;
             }
+            o[128 + 8 * s..132 + 8 * s].copy_from_slice(&high[0].to_le_bytes());
+            o[132 + 8 * s..136 + 8 * s].copy_from_slice(&high[1].to_le_bytes());
             let hdr = 192 + 4 * s;
             o[hdr] = scales[4 * n + h];
             o[hdr + 1] = scales[4 * n + 2 + h];
@@ -157,7 +156,6 @@ fn lay_legacy_row(row: &[u8], out: &mut [u8], five: bool) {
         .zip(out.chunks_exact_mut(GROUP_BLOCKS * block))
     {
         let b = |i: usize| &src[i * block..(i + 1) * block];
-        o.fill(0);
         for i in 0..GROUP_BLOCKS {
             o[2 * i..2 * i + 2].copy_from_slice(&b(i)[..2]);
         }
@@ -169,7 +167,7 @@ fn lay_legacy_row(row: &[u8], out: &mut [u8], five: bool) {
                     legacy_q(b(2 * n), five, 16 * h + m),
                     legacy_q(b(2 * n + 1), five, 16 * h + m),
                 );
-                o[16 + 16 * s + m] = (a & 0x0F) | (c << 4);
+                o[16 + 16 * s + m] = (a & 0x0F) | ((c & 0x0F) << 4);
                 let bit = 8 * (m % 4) + m / 4;
                 fifth |= u32::from(a >> 4) << bit | u32::from(c >> 4) << (bit + 4);
             }
@@ -178,14 +176,6 @@ fn lay_legacy_row(row: &[u8], out: &mut [u8], five: bool) {
             }
         }
     }
-}
-
-fn lay_q4_0_row(row: &[u8], out: &mut [u8]) {
-    lay_legacy_row(row, out, false);
-}
-
-fn lay_q5_0_row(row: &[u8], out: &mut [u8]) {
-    lay_legacy_row(row, out, true);
 }
 
 #[cfg(test)]

@@ -16,7 +16,7 @@
 //! matrix is generated in fixed chunks of `CHUNK_WEIGHTS`, each from its own stream, on every
 //! core (E4B's 7 G weights took 92 s on one core of two).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::mem::MaybeUninit;
 use std::sync::{Arc, Mutex};
 
@@ -236,9 +236,10 @@ impl SyntheticWeights {
     pub fn new(spec: SyntheticSpec) -> Result<Self> {
         let cfg = Gemma4Config::from_hf_json(&spec.variant.hf_config())?;
         let ple_table = "embed_tokens_per_layer.weight";
-        let more_bits = more_bits_matrices(&cfg, spec.mix_m);
+        let shapes = hf_tensor_shapes(&cfg);
+        let more_bits = more_bits_matrices(&cfg, &shapes, spec.mix_m);
         let mut tensors = BTreeMap::new();
-        for (name, shape) in hf_tensor_shapes(&cfg) {
+        for (name, shape) in shapes {
             let fill = if shape.len() == 1 {
                 if name.ends_with("layer_scalar") {
                     Fill::Vector {
@@ -393,19 +394,24 @@ impl SyntheticWeights {
 /// The matrices llama.cpp's `_M` mixes store in Q6_K (none without `mix_m`): the tied
 /// embedding (the LM head), and `v_proj` and the down projections (dense and experts') on
 /// the layers of `use_more_bits(i, n)` — `i < n/8 || i >= 7n/8 || (i − n/8) % 3 == 2` in
-/// integers, where for `v_proj` `i` counts the layers that have one.
-fn more_bits_matrices(cfg: &Gemma4Config, mix_m: bool) -> Vec<String> {
+/// integers, where for `v_proj` `i` counts the layers that have one. `shapes`: the model's
+/// tensors (`hf_tensor_shapes`).
+fn more_bits_matrices(
+    cfg: &Gemma4Config,
+    shapes: &[(String, Vec<usize>)],
+    mix_m: bool,
+) -> Vec<String> {
     if !mix_m {
         return Vec::new();
     }
     let use_more_bits = |i: usize, n: usize| {
         i < n / 8 || i >= 7 * n / 8 || (i as i64 - (n / 8) as i64).rem_euclid(3) == 2
     };
-    let names: Vec<String> = hf_tensor_shapes(cfg).into_iter().map(|(n, _)| n).collect();
+    let names: BTreeSet<&str> = shapes.iter().map(|(n, _)| n.as_str()).collect();
     let mut out = vec!["embed_tokens.weight".to_string()];
     let n_layers = cfg.layers.len();
     let v_layers: Vec<usize> = (0..n_layers)
-        .filter(|i| names.contains(&format!("layers.{i}.self_attn.v_proj.weight")))
+        .filter(|i| names.contains(format!("layers.{i}.self_attn.v_proj.weight").as_str()))
         .collect();
     for (k, &i) in v_layers.iter().enumerate() {
         if use_more_bits(k, v_layers.len()) {
@@ -417,7 +423,7 @@ fn more_bits_matrices(cfg: &Gemma4Config, mix_m: bool) -> Vec<String> {
             format!("layers.{i}.mlp.down_proj.weight"),
             format!("layers.{i}.experts.down_proj"),
         ] {
-            if names.contains(&down) {
+            if names.contains(down.as_str()) {
                 out.push(down);
             }
         }
@@ -486,19 +492,12 @@ fn fill_chunk(rng: &mut Rng, ty: GgmlType, out: &mut [u8], amp: f32) {
                     .for_each(|q| *q = ((rng.next() % 255) as i32 - 127) as i8 as u8);
             }
         }
-        GgmlType::Q4_0 => {
-            // Q4_0: w = d·(q − 8) with 4-bit q: d = amp / 8 gives ±amp.
-            let d = f16_bits(amp / 8.0).to_le_bytes();
-            for block in out.chunks_exact_mut(18) {
-                block[..2].copy_from_slice(&d);
-                block[2..].iter_mut().for_each(|q| *q = rng.next() as u8);
-            }
-        }
-        GgmlType::Q5_0 => {
-            // Q5_0: w = d·(q − 16) with 5-bit q (low 4 bits in qs, the fifth in qh): d =
-            // amp / 16 gives ±amp.
-            let d = f16_bits(amp / 16.0).to_le_bytes();
-            for block in out.chunks_exact_mut(22) {
+        GgmlType::Q4_0 | GgmlType::Q5_0 => {
+            // w = d·(q − o), o = 8 for Q4_0's 4-bit q, 16 for Q5_0's 5-bit q (the fifth bits
+            // in a word ahead of the nibbles): d = amp / o gives ±amp.
+            let o = if ty == GgmlType::Q4_0 { 8.0 } else { 16.0 };
+            let d = f16_bits(amp / o).to_le_bytes();
+            for block in out.chunks_exact_mut(ty.type_size()) {
                 block[..2].copy_from_slice(&d);
                 block[2..].iter_mut().for_each(|q| *q = rng.next() as u8);
             }
