@@ -207,6 +207,7 @@ fn gemv_bandwidth(be: &CudaBackend, shapes: &LayerShapes, n: usize) {
         GgmlType::Q8_0,
         GgmlType::Q4_0,
         GgmlType::Q5_0,
+        GgmlType::Q5_K,
     ] {
         let mut load = |rows, cols| {
             be.load_matrix(&random_matrix(ty, rows, cols, &mut seed))

@@ -37,12 +37,16 @@
 #ifndef Q8_0_UNITS_AHEAD
 #define Q8_0_UNITS_AHEAD 4
 #endif
+// Q5_K's (36 bytes each).
+#ifndef Q5K_UNITS_AHEAD
+#define Q5K_UNITS_AHEAD 4
+#endif
 // Q6_K's (28 bytes each).
 #ifndef Q6K_UNITS_AHEAD
 #define Q6K_UNITS_AHEAD 4
 #endif
-#if Q4K_UNITS_AHEAD < 1 || Q8_0_UNITS_AHEAD < 1 || Q6K_UNITS_AHEAD < 1
-#error "Q4K_UNITS_AHEAD, Q8_0_UNITS_AHEAD and Q6K_UNITS_AHEAD must be at least 1"
+#if Q4K_UNITS_AHEAD < 1 || Q8_0_UNITS_AHEAD < 1 || Q6K_UNITS_AHEAD < 1 || Q5K_UNITS_AHEAD < 1
+#error "the walks' UNITS_AHEAD must be at least 1"
 #endif
 
 // What a lane needs to pick its two chunks' 6-bit scales and mins out of a super-block's
@@ -168,6 +172,56 @@ __device__ __forceinline__ float unsigned_slot_dot(const u32* lo, const u32* hi,
     }
     return d0 * (m0.x * (float)sl - off * m0.y) + d1 * (m1.x * (float)sh - off * m1.y);
 }
+
+// Q5_K super-blocks as stored (176 bytes, 16-byte aligned): a slot's 16 quant bytes (as
+// Q4_K's) and 16 bytes of fifth bits, and one word of the super-block's 16-byte header (the 8
+// lanes of a super-block trade the words when they use it, as WalkQ4k's).
+struct WalkQ5k {
+    static constexpr int UNIT_BYTES = 176, AHEAD = Q5K_UNITS_AHEAD;
+    struct Slice {
+        uint4 q, qh;
+        u32 hw;
+    };
+    struct Lane {};
+    static __device__ __forceinline__ Lane lane(int) { return {}; }
+
+    static __device__ __forceinline__ void load(const u8* unit, int sub, Slice& s) {
+        s.q = __ldg((const uint4*)(unit + 48) + sub);
+        s.qh = __ldg((const uint4*)(unit + 16) + (sub & 1));
+        s.hw = __ldg((const u32*)unit + (sub & 3));
+    }
+
+    // d·scale·Σ q·x − dmin·min·Σ x a chunk half (Q4_K's form, on 5-bit values).
+    static __device__ __forceinline__ float dot(const Slice& s, const uint4* xq, const float2* xm,
+                                                const Lane&) {
+        const int base = threadIdx.x & 24, n = (threadIdx.x & 7) >> 1;
+        const uint4 h = make_uint4(__shfl_sync(0xffffffffu, s.hw, base),
+                                   __shfl_sync(0xffffffffu, s.hw, base + 1),
+                                   __shfl_sync(0xffffffffu, s.hw, base + 2),
+                                   __shfl_sync(0xffffffffu, s.hw, base + 3));
+        const uint4 x0 = xq[0], x1 = xq[8], x2 = xq[16], x3 = xq[24];
+        const float2 m0 = xm[0], m1 = xm[2];
+        const u32 xa[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+        const u32 xb[8] = {x2.x, x2.y, x2.z, x2.w, x3.x, x3.y, x3.z, x3.w};
+        const u32 w[4] = {s.q.x, s.q.y, s.q.z, s.q.w};
+        const u32 qh[4] = {s.qh.x, s.qh.y, s.qh.z, s.qh.w};
+        int sl = 0, sh = 0;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const u32 lo = (w[i] & 0x0F0F0F0Fu) | (((qh[i] >> (2 * n)) & 0x01010101u) << 4);
+            const u32 hi =
+                ((w[i] >> 4) & 0x0F0F0F0Fu) | (((qh[i] >> (2 * n + 1)) & 0x01010101u) << 4);
+            sl = dp2a_hi(xa[2 * i + 1], lo, dp2a_lo(xa[2 * i], lo, sl));
+            sh = dp2a_hi(xb[2 * i + 1], hi, dp2a_lo(xb[2 * i], hi, sh));
+        }
+        const float d = f16_to_f32((u16)(h.x & 0xffff)), dmin = f16_to_f32((u16)(h.x >> 16));
+        float sc0, mn0, sc1, mn1;
+        q4k_scale_min(h, 2 * n, &sc0, &mn0);
+        q4k_scale_min(h, 2 * n + 1, &sc1, &mn1);
+        return d * sc0 * m0.x * (float)sl - dmin * mn0 * m0.y + d * sc1 * m1.x * (float)sh -
+               dmin * mn1 * m1.y;
+    }
+};
 
 // Q6_K super-blocks as laid out on the device (layout.rs): a slot's 16 bytes of low bits, two
 // words of high bits and its word of scales and d, all its own (no trading between lanes).
@@ -409,6 +463,10 @@ GEMV_WALK_KERNELS(q4_k, WalkQ4k, 2)
 #if FORMAT_q8_0
 GEMV_WALK_KERNELS(q8_0, WalkQ8_0, 1)
 GEMV_WALK_KERNELS(q8_0, WalkQ8_0, 2)
+#endif
+#if FORMAT_q5_k
+GEMV_WALK_KERNELS(q5_k, WalkQ5k, 1)
+GEMV_WALK_KERNELS(q5_k, WalkQ5k, 2)
 #endif
 #if FORMAT_q6_k
 GEMV_WALK_KERNELS(q6_k, WalkQ6k, 1)

@@ -584,20 +584,22 @@ __device__ __forceinline__ int dp2a_hi_s8(u32 a, u32 b, int c) {
 // Formats whose rows of a multiple of 256 values run on 16-bit activations (i16_rows): Q4_K,
 // Q6_K, Q4_0 and Q5_0 as laid out on the device, and Q8_0 as regrouped there (q8_0_block).
 __host__ __device__ constexpr bool fmt_i16(int f) {
-    return f == F_Q4_K || f == F_Q6_K || f == F_Q8_0 || f == F_Q4_0 || f == F_Q5_0;
+    return f == F_Q4_K || f == F_Q5_K || f == F_Q6_K || f == F_Q8_0 || f == F_Q4_0 ||
+           f == F_Q5_0;
 }
 
 // Whether rows of format f, k values wide, run on 16-bit activations: Q4_K and Q6_K rows
 // (always whole super-blocks), Q8_0, Q4_0 and Q5_0 rows of whole 256-value units.
 __device__ __forceinline__ bool i16_takes(int f, int k) {
-    return f == F_Q4_K || f == F_Q6_K ||
+    return f == F_Q4_K || f == F_Q5_K || f == F_Q6_K ||
            ((f == F_Q8_0 || f == F_Q4_0 || f == F_Q5_0) && (k & 255) == 0);
 }
 
 // Bytes of a 256-value unit of an fmt_i16 row: a Q4_K super-block, a Q6_K one as on the
 // device, a Q8_0 group, 8 Q4_0 or Q5_0 blocks.
 __host__ __device__ constexpr int i16_unit_bytes(int f) {
-    return f == F_Q4_K ? 144 : f == F_Q6_K ? 224 : f == F_Q4_0 ? 144 : f == F_Q5_0 ? 176 : 272;
+    return f == F_Q4_K ? 144 : f == F_Q5_K ? 176 : f == F_Q6_K ? 224 : f == F_Q4_0 ? 144
+         : f == F_Q5_0 ? 176 : 272;
 }
 
 // Whether an fmt_i16 format's weights enter `dp2a` as unsigned bytes, their offset (Q4_K's
@@ -607,7 +609,8 @@ __host__ __device__ constexpr bool i16_unsigned(int f) { return f != F_Q8_0; }
 // Lane `sub`'s (of a unit's 8) share of one unit of one row: values 16·(sub & 1) .. + 15 of
 // the unit's chunks 2·(sub >> 1) and the one after it (32-value chunks), and their scales.
 // Q4_K: the 16 quant bytes holding both chunks' values (low and high nibbles) and the
-// super-block's 16-byte header. Q6_K (layout.rs): the slot's 16 bytes of low 4 bits, its two
+// super-block's 16-byte header. Q5_K: the same, and the 16 bytes of fifth bits of the slot's
+// values (bit j of byte l: value l of chunk j). Q6_K (layout.rs): the slot's 16 bytes of low 4 bits, its two
 // words of high 2 bits and its word of two scales and d. Q4_0, Q5_0 (layout.rs): the slot's
 // 16 bytes of nibbles, (Q5_0) its word of fifth bits, and the word of the two blocks' f16
 // scales. Q8_0: each chunk's 16 quants and the word of their two f16 scales.
@@ -616,6 +619,10 @@ struct I16Slice;
 template <>
 struct I16Slice<F_Q4_K> {
     uint4 q, h;
+};
+template <>
+struct I16Slice<F_Q5_K> {
+    uint4 q, h, qh;
 };
 template <>
 struct I16Slice<F_Q6_K> {
@@ -680,6 +687,12 @@ __device__ __forceinline__ void i16_load(const u8* row, int b, int sub, I16Slice
     if constexpr (FMT == F_Q4_K) {
         s.q = __ldg((const uint4*)(unit + 16) + sub);
         s.h = __ldg((const uint4*)unit);
+    } else if constexpr (FMT == F_Q5_K) {
+        // Header, then 32 bytes of fifth bits (value l's of chunk j at bit j of byte l), then
+        // the quants as Q4_K's.
+        s.q = __ldg((const uint4*)(unit + 48) + sub);
+        s.h = __ldg((const uint4*)unit);
+        s.qh = __ldg((const uint4*)(unit + 16) + (sub & 1));
     } else if constexpr (FMT == F_Q6_K) {
         s.q = __ldg((const uint4*)unit + sub);
         s.h = __ldg((const uint2*)(unit + 128) + sub);
@@ -712,12 +725,17 @@ __device__ __forceinline__ void i16_block(const I16Slice<FMT>* s, const uint4* x
     float d0[R], c0[R], d1[R], c1[R];
 #pragma unroll
     for (int r = 0; r < R; r++) {
-        if constexpr (FMT == F_Q4_K) {
+        if constexpr (FMT == F_Q4_K || FMT == F_Q5_K) {
             u32 w[4] = {s[r].q.x, s[r].q.y, s[r].q.z, s[r].q.w};
 #pragma unroll
             for (int i = 0; i < 4; i++) {
                 lo[r][i] = w[i] & 0x0F0F0F0Fu;
                 hi[r][i] = (w[i] >> 4) & 0x0F0F0F0Fu;
+                if constexpr (FMT == F_Q5_K) {
+                    const u32 qh[4] = {s[r].qh.x, s[r].qh.y, s[r].qh.z, s[r].qh.w};
+                    lo[r][i] |= ((qh[i] >> (2 * n)) & 0x01010101u) << 4;
+                    hi[r][i] |= ((qh[i] >> (2 * n + 1)) & 0x01010101u) << 4;
+                }
             }
             float d = f16_to_f32((u16)(s[r].h.x & 0xffff)),
                   dmin = f16_to_f32((u16)(s[r].h.x >> 16));

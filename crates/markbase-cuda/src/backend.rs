@@ -313,11 +313,11 @@ pub enum ProductInputs {
 
 /// Whether a product with weights stored as `ty`, rows `cols` wide, that runs as GEMV launches
 /// (`ProductInputs::F32`) takes its activations quantized to 16 bits (each 32 values as
-/// integers times max|x| / 32767, the CPU path's scheme): every token row of a launch of Q4_K
-/// or Q6_K rows, or of Q8_0, Q4_0 or Q5_0 rows of a multiple of 256 values (quant.cuh,
+/// integers times max|x| / 32767, the CPU path's scheme): every token row of a launch of Q4_K,
+/// Q5_K or Q6_K rows, or of Q8_0, Q4_0 or Q5_0 rows of a multiple of 256 values (quant.cuh,
 /// `i16_rows`), the MoE expert products included.
 pub fn gemv_takes_16_bit_activations(ty: GgmlType, cols: usize) -> bool {
-    matches!(ty, GgmlType::Q4_K | GgmlType::Q6_K)
+    matches!(ty, GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K)
         || (matches!(ty, GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q5_0)
             && cols.is_multiple_of(256))
 }

@@ -515,6 +515,7 @@ fn one_token_products_over_many_rows_match_reference() {
         (GgmlType::Q6_K, 768),
         (GgmlType::Q4_0, 512),
         (GgmlType::Q5_0, 768),
+        (GgmlType::Q5_K, 768),
     ] {
         let (gm, um) = (
             random_matrix(&mut r, ty, rows, k),
@@ -568,6 +569,7 @@ fn one_token_products_over_an_lm_head_of_rows_match_reference() {
         (GgmlType::Q6_K, 65_537, 2_560),
         (GgmlType::Q4_0, 65_538, 512),
         (GgmlType::Q5_0, 65_540, 2_816),
+        (GgmlType::Q5_K, 65_538, 512),
     ] {
         let m = random_matrix(&mut r, ty, rows, k);
         let w = g.load_matrix(&m).unwrap();
