@@ -17,8 +17,8 @@ struct Cli {
     #[arg(short = 'm', long = "model", global = true, value_name = "PATH")]
     model: Option<std::path::PathBuf>,
     /// Instead of -m: random weights at a released Gemma 4 variant's shapes, VARIANT[:FORMAT[:SEED]]
-    /// (e2b, e4b, 12b, 26b-a4b, 31b; bf16, q8_0, q4_k, q4_0, or q4_k_m: llama.cpp's Q4_K_M
-    /// mix), for bench, inspect and perplexity --tokens-file.
+    /// (e2b, e4b, 12b, 26b-a4b, 31b; bf16, q8_0, q4_k, q5_k, q4_0, or q4_k_m / q5_k_m:
+    /// llama.cpp's Q4_K_M / Q5_K_M mixes), for bench, inspect and perplexity --tokens-file.
     #[arg(long, global = true, value_name = "SPEC", conflicts_with = "model")]
     synthetic: Option<String>,
     /// Where the model runs: `cpu`, `cuda` (GPU 0) or `cuda:N`.

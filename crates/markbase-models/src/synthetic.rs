@@ -2,15 +2,15 @@
 //! shapes, for benchmarks and GPU tests where real weights are not at hand.
 //!
 //! Variants: `e2b`, `e4b`, `12b`, `26b-a4b`, `31b` (hyper-parameters of gemma4.md §1.1).
-//! Formats: `bf16` (default), `q8_0`, `q4_k`, `q4_0` for the matrices; norms and scalars are
-//! f32.
+//! Formats: `bf16` (default), `q8_0`, `q4_k`, `q5_k`, `q4_0` for the matrices; norms and
+//! scalars are f32.
 //! `q4_k_m` is llama.cpp's Q4_K_M mix, the file most users download: Q4_K, but Q6_K for the
 //! tied embedding / LM head and, on the layers llama.cpp's `use_more_bits` picks (the first
-//! and last eighth, and every third between), for `v_proj` and the down projections. A
-//! matrix whose rows do not split into whole blocks of the format (the 26B-A4B experts'
-//! 704-wide down projection in Q4_K) falls back to Q8_0 (under `q4_k_m` as llama.cpp does:
-//! Q4_K to Q5_0, Q6_K to Q8_0), then BF16; the per-layer embedding table stays at ≥ 8 bits
-//! (Q8_0 under `q4_k`, `q4_k_m` and `q4_0`). Nothing is generated until a tensor is asked
+//! and last eighth, and every third between), for `v_proj` and the down projections;
+//! `q5_k_m` the same over Q5_K. A matrix whose rows do not split into whole blocks of the
+//! format (the 26B-A4B experts' 704-wide down projection in Q4_K) falls back to Q8_0 (under the
+//! `_m` mixes as llama.cpp does: Q4_K to Q5_0, Q5_K to Q5_1, Q6_K to Q8_0), then BF16; the
+//! per-layer embedding table stays at ≥ 8 bits (Q8_0 under every format of fewer bits). Nothing is generated until a tensor is asked
 //! for: the shapes and byte counts (`inspect`) come from the configuration alone, and each
 //! tensor's bytes are a pure function of (seed, tensor name), so a run is reproducible. A
 //! matrix is generated in fixed chunks of `CHUNK_WEIGHTS`, each from its own stream, on every
@@ -135,17 +135,17 @@ impl Variant {
 pub struct SyntheticSpec {
     /// Which released model's shapes.
     pub variant: Variant,
-    /// Storage format of the matrices (BF16, Q8_0, Q4_K or Q4_0).
+    /// Storage format of the matrices (BF16, Q8_0, Q4_K, Q5_K or Q4_0).
     pub format: GgmlType,
-    /// llama.cpp's `_M` mix over `format` (Q4_K): Q6_K for the LM head, and for `v_proj` and
-    /// the down projections on the layers `use_more_bits` picks.
+    /// llama.cpp's `_M` mix over `format` (Q4_K or Q5_K): Q6_K for the LM head, and for
+    /// `v_proj` and the down projections on the layers `use_more_bits` picks.
     pub mix_m: bool,
     /// Seed of the random weights.
     pub seed: u64,
 }
 
 impl SyntheticSpec {
-    /// Parses `VARIANT[:FORMAT[:SEED]]`, e.g. `e2b`, `31b:q4_k`, `e4b:q4_k_m`,
+    /// Parses `VARIANT[:FORMAT[:SEED]]`, e.g. `e2b`, `31b:q4_k`, `e4b:q4_k_m`, `e4b:q5_k_m`,
     /// `26b-a4b:q8_0:7` (format defaults to bf16, seed to 0).
     pub fn parse(spec: &str) -> Result<Self> {
         let mut parts = spec.split(':');
@@ -163,10 +163,13 @@ impl SyntheticSpec {
             Some("q8_0") => (GgmlType::Q8_0, false),
             Some("q4_k") => (GgmlType::Q4_K, false),
             Some("q4_k_m") => (GgmlType::Q4_K, true),
+            Some("q5_k") => (GgmlType::Q5_K, false),
+            Some("q5_k_m") => (GgmlType::Q5_K, true),
             Some("q4_0") => (GgmlType::Q4_0, false),
             Some(other) => {
                 return Err(Error::Invalid(format!(
-                    "synthetic format '{other}' (expected bf16, q8_0, q4_k, q4_k_m or q4_0)"
+                    "synthetic format '{other}' (expected bf16, q8_0, q4_k, q4_k_m, q5_k, \
+                     q5_k_m or q4_0)"
                 )))
             }
         };
@@ -195,6 +198,8 @@ impl SyntheticSpec {
             (GgmlType::Q8_0, _) => "q8_0",
             (GgmlType::Q4_K, false) => "q4_k",
             (GgmlType::Q4_K, true) => "q4_k_m",
+            (GgmlType::Q5_K, false) => "q5_k",
+            (GgmlType::Q5_K, true) => "q5_k_m",
             (GgmlType::Q4_0, _) => "q4_0",
             _ => "bf16",
         };
@@ -260,18 +265,21 @@ impl SyntheticWeights {
             } else {
                 let cols = shape[shape.len() - 1];
                 let want = if name == ple_table
-                    && matches!(spec.format, GgmlType::Q4_K | GgmlType::Q4_0)
-                {
+                    && matches!(
+                        spec.format,
+                        GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q4_0
+                    ) {
                     GgmlType::Q8_0
                 } else if more_bits.contains(&name) {
                     GgmlType::Q6_K
                 } else {
                     spec.format
                 };
-                // Rows that do not split into whole blocks: llama.cpp's fallbacks under
-                // `q4_k_m` (Q4_K → Q5_0, Q6_K → Q8_0), Q8_0 otherwise; then BF16.
+                // Rows that do not split into whole blocks: llama.cpp's fallbacks under the
+                // `_m` mixes (Q4_K → Q5_0, Q5_K → Q5_1, Q6_K → Q8_0), Q8_0 otherwise; then BF16.
                 let fallback = match want {
                     GgmlType::Q4_K if spec.mix_m => GgmlType::Q5_0,
+                    GgmlType::Q5_K if spec.mix_m => GgmlType::Q5_1,
                     _ => GgmlType::Q8_0,
                 };
                 let ty = [want, fallback, GgmlType::BF16]
@@ -445,7 +453,9 @@ fn fill_bytes(rng: Rng, ty: GgmlType, n: usize, amp: f32) -> Result<Arc<[u8]>> {
             | GgmlType::Q8_0
             | GgmlType::Q4_0
             | GgmlType::Q5_0
+            | GgmlType::Q5_1
             | GgmlType::Q4_K
+            | GgmlType::Q5_K
             | GgmlType::Q6_K
     ) {
         return Err(Error::Unsupported(format!("synthetic weights in {ty}")));
@@ -502,6 +512,17 @@ fn fill_chunk(rng: &mut Rng, ty: GgmlType, out: &mut [u8], amp: f32) {
                 block[2..].iter_mut().for_each(|q| *q = rng.next() as u8);
             }
         }
+        GgmlType::Q5_1 => {
+            // w = d·q + m with 5-bit q (the fifth bits in a word ahead of the nibbles):
+            // d = amp / 16 and m = −amp give ±amp.
+            let d = f16_bits(amp / 16.0).to_le_bytes();
+            let m = (f16_bits(amp) | 0x8000).to_le_bytes();
+            for block in out.chunks_exact_mut(24) {
+                block[..2].copy_from_slice(&d);
+                block[2..4].copy_from_slice(&m);
+                block[4..].iter_mut().for_each(|q| *q = rng.next() as u8);
+            }
+        }
         GgmlType::Q6_K => {
             // Q6_K: w = d·sc·(q − 32) with 8-bit sc and 6-bit q (low 4 bits in ql, high 2 in
             // qh): sc = 16 and d = amp / 512 give ±amp.
@@ -513,11 +534,18 @@ fn fill_chunk(rng: &mut Rng, ty: GgmlType, out: &mut [u8], amp: f32) {
             }
         }
         _ => {
-            // Q4_K: w = d·sc·q − dmin·m with 6-bit sc, m and 4-bit q: sc = m = 32 gives
-            // d·32·(q − dmin/d) ≈ ±amp for q in 0..15 with dmin = 7.5·d.
-            let d = amp / (32.0 * 7.5);
-            let (dh, mh) = (f16_bits(d).to_le_bytes(), f16_bits(7.5 * d).to_le_bytes());
-            for block in out.chunks_exact_mut(144) {
+            // Q4_K (Q5_K): w = d·sc·q − dmin·m with 6-bit sc, m and 4-bit (5-bit) q: sc = m =
+            // 32 gives d·32·(q − dmin/d) ≈ ±amp for q in 0..15 with dmin = 7.5·d (0..31, 15.5·d).
+            // Q5_K's 32 bytes of fifth bits lie between the header and the nibbles, random
+            // as the nibbles.
+            let (block_bytes, mid) = if ty == GgmlType::Q5_K {
+                (176, 15.5)
+            } else {
+                (144, 7.5)
+            };
+            let d = amp / (32.0 * mid);
+            let (dh, mh) = (f16_bits(d).to_le_bytes(), f16_bits(mid * d).to_le_bytes());
+            for block in out.chunks_exact_mut(block_bytes) {
                 block[..2].copy_from_slice(&dh);
                 block[2..4].copy_from_slice(&mh);
                 // Every sub-block scale and min = 32: bytes 0..4 / 4..8 hold those of
@@ -637,6 +665,16 @@ mod tests {
         assert!(w.iter().all(|v| v.abs() <= 0.51));
         let mean_sq = w.iter().map(|v| v * v).sum::<f32>() / w.len() as f32;
         assert!((mean_sq / (0.25 / 3.0) - 1.0).abs() < 0.1, "{mean_sq}");
-        assert!(fill_bytes(Rng::new(7, "t"), GgmlType::Q5_K, 256, 0.5).is_err());
+        for ty in [GgmlType::Q5_K, GgmlType::Q5_1] {
+            let q = fill_bytes(Rng::new(7, "t"), ty, 2 * CHUNK_WEIGHTS, 0.5).unwrap();
+            dequantize_row(ty, &q, &mut w).unwrap();
+            assert!(w.iter().all(|v| v.abs() <= 0.51), "{ty}");
+            let mean_sq = w.iter().map(|v| v * v).sum::<f32>() / w.len() as f32;
+            assert!(
+                (mean_sq / (0.25 / 3.0) - 1.0).abs() < 0.1,
+                "{ty}: {mean_sq}"
+            );
+        }
+        assert!(fill_bytes(Rng::new(7, "t"), GgmlType::Q3_K, 256, 0.5).is_err());
     }
 }

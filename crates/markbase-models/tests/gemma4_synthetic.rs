@@ -32,6 +32,11 @@ fn parses_specs_and_rejects_bad_ones() {
     let s = SyntheticSpec::parse("e4b:Q4_K_M").unwrap();
     assert_eq!((s.format, s.mix_m), (GgmlType::Q4_K, true));
     assert_eq!(s.describe(), "e4b:q4_k_m:0");
+    let s = SyntheticSpec::parse("e4b:q5_k_m:3").unwrap();
+    assert_eq!(
+        (s.format, s.mix_m, s.describe().as_str()),
+        (GgmlType::Q5_K, true, "e4b:q5_k_m:3")
+    );
     let s = SyntheticSpec::parse("e4b:q4_0").unwrap();
     assert_eq!(
         (s.format, s.mix_m, s.describe().as_str()),
@@ -40,7 +45,7 @@ fn parses_specs_and_rejects_bad_ones() {
     for bad in [
         "",
         "e3b",
-        "e2b:q5_k",
+        "e2b:q3_k",
         "e2b:q4_k_s",
         "e2b:bf16:x",
         "e2b:bf16:1:2",
@@ -171,10 +176,33 @@ fn q4_k_m_follows_llama_cpp_mix() {
     assert_eq!(row.ty, GgmlType::Q6_K);
 }
 
+/// `q5_k_m` is the same mix over Q5_K, whose rows without whole super-blocks fall back to
+/// Q5_1 (llama.cpp's fallback).
+#[test]
+fn q5_k_m_mixes_as_q4_k_m_over_q5_k() {
+    let ty = |w: &SyntheticWeights, name: &str| w.tensors()[name].ty;
+    let (m4, m5) = (weights("e4b:q4_k_m"), weights("e4b:q5_k_m"));
+    for (name, t) in m4.tensors() {
+        let want = match t.ty {
+            GgmlType::Q4_K => GgmlType::Q5_K,
+            other => other,
+        };
+        assert_eq!(ty(&m5, name), want, "{name}");
+    }
+    assert_eq!(
+        ty(&weights("e4b:q5_k"), "layers.0.mlp.down_proj.weight"),
+        GgmlType::Q5_K
+    );
+    let moe = weights("26b-a4b:q5_k_m");
+    assert_eq!(ty(&moe, "layers.0.experts.down_proj"), GgmlType::Q8_0);
+    assert_eq!(ty(&moe, "layers.4.experts.down_proj"), GgmlType::Q5_1);
+    assert_eq!(ty(&moe, "layers.4.experts.gate_up_proj"), GgmlType::Q5_K);
+}
+
 /// Generated tensors are a pure function of (seed, name), of sane magnitude in every format.
 #[test]
 fn generation_is_deterministic_and_sane() {
-    for spec in ["e2b:bf16", "e2b:q8_0", "e2b:q4_k", "e2b:q4_0"] {
+    for spec in ["e2b:bf16", "e2b:q8_0", "e2b:q4_k", "e2b:q5_k", "e2b:q4_0"] {
         let w = weights(spec);
         let name = "layers.3.self_attn.q_proj.weight";
         let a = w.matrix(name, 2048, 1536).unwrap();
