@@ -83,6 +83,13 @@ __device__ __forceinline__ u32 byte_pair_f16(u32 w, u32 sel, u32 bias, u32 s) {
     return h2_mul(h2_sub(__byte_perm(w, 0x64646464u, sel), bias), s);
 }
 
+// The f16 pair of word w's unsigned bytes b0, b1 (sel 0x4140) or b2, b3 (sel 0x4342), each
+// b · s + m rounded once (s, m broadcast f16 pairs): a byte b becomes the f16 1024 + b by a byte
+// permutation with 0x64, then b by an exact subtraction.
+__device__ __forceinline__ u32 byte_pair_f16_fma(u32 w, u32 sel, u32 s, u32 m) {
+    return h2_fma(h2_sub(__byte_perm(w, 0x64646464u, sel), 0x64006400u), s, m);
+}
+
 // The f16 pair of quant word w's signed bytes b0, b1 (sel 0x4140) or b2, b3 (sel 0x4342)
 // times the broadcast f16 scale s, each rounded once; w has its bytes offset by 128 (the
 // stored bytes ^ 0x80808080), taken off as 1024 + 128.

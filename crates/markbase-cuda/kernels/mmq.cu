@@ -1,10 +1,10 @@
 // Products of 2–32 token rows a launch on the tensor cores (mma.sync m16n8k16, f32 sums):
-// out[t, r] = Σ_k x[t, k] · w[r, k], for Q4_K, Q6_K, Q8_0, Q4_0 and Q5_0 weights (dequantized
+// out[t, r] = Σ_k x[t, k] · w[r, k], for Q4_K, Q5_K, Q6_K, Q8_0, Q4_0 and Q5_0 weights (dequantized
 // to f16 in registers, f16 activations). The weights stream from memory once for all the tokens,
 // straight into registers; the GEMVs they replace read each weight once a token row (their dot
 // products grow with the tokens), and cuBLAS needs them dequantized into memory first. The walk is
 // written over a format's unit (F: its loads, its products, its staging).
-// Appended to gemv.cu's module (its Q4_K, Q6_K, Q8_0, Q4_0 and Q5_0 units).
+// Appended to gemv.cu's module (its Q4_K, Q5_K, Q6_K, Q8_0, Q4_0 and Q5_0 units).
 //
 // The work is items — a row tile of one of the launch's matrices (up to 4 of one width: q, k,
 // v or gate, up) over one split of the rows' units (blockIdx.y of the launch's `splits`) —
@@ -25,7 +25,7 @@
 // permutation shared by the A (weight) and B (activation) fragments, so the sums are the
 // product's.
 
-#if (FORMAT_q4_k || FORMAT_q6_k || FORMAT_q8_0 || FORMAT_q4_0 || FORMAT_q5_0) && \
+#if (FORMAT_q4_k || FORMAT_q5_k || FORMAT_q6_k || FORMAT_q8_0 || FORMAT_q4_0 || FORMAT_q5_0) && \
     __CUDA_ARCH__ >= 800  // mma.sync m16n8k16, cp.async
 
 // Units a warp has loaded ahead of the one it multiplies: Q4_K's (48 bytes a lane), Q8_0's
@@ -35,6 +35,10 @@
 #endif
 #ifndef MMQ_Q8_0_UNITS_AHEAD
 #define MMQ_Q8_0_UNITS_AHEAD 1
+#endif
+// Q5_K's (80 bytes a lane).
+#ifndef MMQ_Q5K_UNITS_AHEAD
+#define MMQ_Q5K_UNITS_AHEAD 1
 #endif
 // Q6_K's (56 bytes a lane).
 #ifndef MMQ_Q6K_UNITS_AHEAD
@@ -134,6 +138,32 @@ __device__ __forceinline__ MmqBlockScales mmq_block_scales(const u32* d) {
     return r;
 }
 
+// Q4_K's and Q5_K's scales of chunks 2c (hi 0) and 2c + 1 (hi 1) of a lane's two rows (their
+// super-blocks' 16-byte headers h) as broadcast f16 pairs: s[row][hi] = S = f16(d · scale),
+// m[row][hi] = −M = −f16(dmin · min), each rounded once (saturating at ±65 504); `c` the lane's
+// chunk pair (a Q5_K unit's fifth bits are bits 2c and 2c + 1 of its bytes).
+struct MmqKScales {
+    u32 s[2][2], m[2][2];
+    int c;
+};
+
+__device__ __forceinline__ MmqKScales mmq_k_scales(const uint4* h, int c) {
+    MmqKScales r;
+    r.c = c;
+#pragma unroll
+    for (int e = 0; e < 2; e++) {
+        float d = f16_to_f32((u16)(h[e].x & 0xffff)), dm = f16_to_f32((u16)(h[e].x >> 16));
+#pragma unroll
+        for (int hi = 0; hi < 2; hi++) {
+            float s, m;
+            q4k_scale_min(h[e], 2 * c + hi, &s, &m);
+            r.s[e][hi] = f16x2_sat(d * s, d * s);
+            r.m[e][hi] = f16x2_sat(-(dm * m), -(dm * m));
+        }
+    }
+    return r;
+}
+
 // Q4_K weights. A unit is a super-block (256 values, 144 bytes a row). A lane holds for each
 // of its two rows the 16-byte header and quant bytes 32c .. 32c + 31: chunk 2c's 32 weights
 // (low nibbles) and chunk 2c + 1's (high nibbles), so it needs one chunk pair's scales. Word
@@ -164,25 +194,10 @@ struct MmqQ4k : MmqSlots {
         a.q[1][1] = __ldg((const uint4*)(hi + 32 + 32 * c));
     }
 
-    // The lane's chunk pair's scales as broadcast f16 pairs: s[row][hi], m[row][hi] = −M.
-    struct Scales {
-        u32 s[2][2], m[2][2];
-    };
-
+    // The lane's chunk pair's scales (MmqKScales).
+    typedef MmqKScales Scales;
     static __device__ __forceinline__ Scales scales(const Unit& a, int c) {
-        Scales r;
-#pragma unroll
-        for (int e = 0; e < 2; e++) {
-            float d = f16_to_f32((u16)(a.h[e].x & 0xffff)), dm = f16_to_f32((u16)(a.h[e].x >> 16));
-#pragma unroll
-            for (int hi = 0; hi < 2; hi++) {
-                float s, m;
-                q4k_scale_min(a.h[e], 2 * c + hi, &s, &m);
-                r.s[e][hi] = f16x2_sat(d * s, d * s);
-                r.m[e][hi] = f16x2_sat(-(dm * m), -(dm * m));
-            }
-        }
-        return r;
+        return mmq_k_scales(a.h, c);
     }
 
     // The A fragments of words 2ip and 2ip + 1 of the lane's chunks (MmqSlots::mma's layout).
@@ -198,6 +213,63 @@ struct MmqQ4k : MmqSlots {
                 A[wi][0][2 + e] = h2_fma(l1, sc.s[e][0], sc.m[e][0]);
                 A[wi][1][e] = h2_fma(h0, sc.s[e][1], sc.m[e][1]);
                 A[wi][1][2 + e] = h2_fma(h1, sc.s[e][1], sc.m[e][1]);
+            }
+        }
+    }
+};
+
+// Q5_K weights as stored: a unit is a super-block (256 values, 176 bytes a row, 16-byte
+// aligned: Q4_K's 16-byte header, 32 bytes of fifth bits — value l of chunk j at bit j of byte
+// l — then the quant bytes as Q4_K's). A lane holds for each of its two rows the header, quant
+// bytes 32c .. 32c + 31 (chunks 2c and 2c + 1, as MmqQ4k's) and all 32 fifth-bit bytes; word i
+// of each gives the chunks' weights 4i .. 4i + 3 as 5-bit bytes (the fifth bits by a shift and a
+// mask), which become the f16 1024 + q by a byte permutation with 0x64, q by an exact
+// subtraction, then w = fma(q, S, −M) rounded once to f16 (S, M as Q4_K's). Tests model exactly
+// this rounding.
+struct MmqQ5k : MmqSlots {
+    // A unit's bytes in a row; units a warp loads ahead.
+    static constexpr int UNIT_BYTES = 176, AHEAD = MMQ_Q5K_UNITS_AHEAD;
+
+    struct Unit {
+        uint4 h[2];
+        uint4 q[2][2];
+        uint4 qh[2][2];
+    };
+
+    // The unit of rows `lo` and `hi` (each at the unit's first byte).
+    static __device__ __forceinline__ void load(const u8* lo, const u8* hi, int c, Unit& a) {
+        const u8* r[2] = {lo, hi};
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+            a.h[e] = __ldg((const uint4*)r[e]);
+            a.qh[e][0] = __ldg((const uint4*)(r[e] + 16));
+            a.qh[e][1] = __ldg((const uint4*)(r[e] + 32));
+            a.q[e][0] = __ldg((const uint4*)(r[e] + 48 + 32 * c));
+            a.q[e][1] = __ldg((const uint4*)(r[e] + 64 + 32 * c));
+        }
+    }
+
+    // The lane's chunk pair's scales (MmqKScales).
+    typedef MmqKScales Scales;
+    static __device__ __forceinline__ Scales scales(const Unit& a, int c) {
+        return mmq_k_scales(a.h, c);
+    }
+
+    // The A fragments of words 2ip and 2ip + 1 of the lane's chunks (MmqSlots::mma's layout).
+    static __device__ __forceinline__ void fragments(const Unit& a, const Scales& sc, int ip,
+                                                     u32 (*A)[2][4]) {
+#pragma unroll
+        for (int wi = 0; wi < 2; wi++) {
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const u32 q = mmq_word(a.q[e], 2 * ip + wi);
+                const u32 f = mmq_word(a.qh[e], 2 * ip + wi) >> (2 * sc.c);
+                const u32 lo = (q & 0x0F0F0F0Fu) | ((f & 0x01010101u) << 4);
+                const u32 up = ((q >> 4) & 0x0F0F0F0Fu) | (((f >> 1) & 0x01010101u) << 4);
+                A[wi][0][e] = byte_pair_f16_fma(lo, 0x4140u, sc.s[e][0], sc.m[e][0]);
+                A[wi][0][2 + e] = byte_pair_f16_fma(lo, 0x4342u, sc.s[e][0], sc.m[e][0]);
+                A[wi][1][e] = byte_pair_f16_fma(up, 0x4140u, sc.s[e][1], sc.m[e][1]);
+                A[wi][1][2 + e] = byte_pair_f16_fma(up, 0x4342u, sc.s[e][1], sc.m[e][1]);
             }
         }
     }
@@ -663,6 +735,11 @@ __device__ void mmq_impl(const Products& p, u64 row_bytes, int k, const u16* xh,
 MMQ_KERNEL(q4_k, MmqQ4k, 1)
 MMQ_KERNEL(q4_k, MmqQ4k, 2)
 MMQ_KERNEL(q4_k, MmqQ4k, 4)
+#endif
+#if FORMAT_q5_k
+MMQ_KERNEL(q5_k, MmqQ5k, 1)
+MMQ_KERNEL(q5_k, MmqQ5k, 2)
+MMQ_KERNEL(q5_k, MmqQ5k, 4)
 #endif
 #if FORMAT_q6_k
 MMQ_KERNEL(q6_k, MmqQ6k, 1)

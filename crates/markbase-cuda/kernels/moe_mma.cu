@@ -1,8 +1,8 @@
 // The grouped MoE products on the tensor cores (mma.sync m16n8k16, f32 sums): each tile of up
 // to 8 pairs of one expert (moe_group's tiles, one a block row of the grid) is the 8 columns
 // of one n-tile, so a warp streams 16 of the expert's rows once for all the tile's pairs.
-// Weights go from memory straight into registers (bf16 and f16 as they are, Q5_0, Q8_0 and
-// Q4_K dequantized to f16 there); the activations are the gathered slot rows as 16-bit values
+// Weights go from memory straight into registers (bf16 and f16 as they are, Q5_0, Q8_0, Q4_K
+// and Q5_K dequantized to f16 there); the activations are the gathered slot rows as 16-bit values
 // (bf16 for bf16 weights, f16 otherwise: moe_gather_16), read through L1. The gated launch
 // (gate and up) writes gelu_tanh(gate) · up rounded to 16 bits, the down launch's input; the
 // down launch writes f32 rows for moe_combine. Appended to moe.cu's module; needs mma.cuh.
@@ -13,7 +13,7 @@
 // B fragment is the same 4 values of token g (the tile's pair g), two 16-byte loads a unit at
 // the format's offsets. Every run gives the same bits (one warp sums a tile's outputs).
 
-#if (FORMAT_bf16 || FORMAT_f16 || FORMAT_q5_0 || FORMAT_q8_0 || FORMAT_q4_k) && \
+#if (FORMAT_bf16 || FORMAT_f16 || FORMAT_q5_0 || FORMAT_q8_0 || FORMAT_q4_k || FORMAT_q5_k) && \
     __CUDA_ARCH__ >= 800
 
 // Units a warp has loaded ahead of the one it multiplies. One 26B-A4B layer's experts for 64
@@ -151,44 +151,58 @@ struct MoeQ5_0 {
     }
 };
 
-// Q4_K weights: a unit is the chunk pair u % 4 of super-block u / 4 (its 32 quant bytes:
-// chunk 2p in the low nibbles, 2p + 1 in the high). Lane c holds bytes 8c .. 8c + 7: values
-// 8c .. 8c + 7 of each chunk (unit values 8c .. and 32 + 8c ..), each weight fma(n, S, −M)
-// rounded once to f16 as mmq.cu's MmqQ4k dequantizes.
-struct MoeQ4k {
+// Q4_K (FIFTH false) and Q5_K (true) weights: a unit is the chunk pair p = u % 4 of
+// super-block u / 4 (its 32 quant bytes: chunk 2p in the low nibbles, 2p + 1 in the high; Q5_K's
+// fifth bits at bits 2p and 2p + 1 of its 32 fifth-bit bytes). Lane c holds bytes 8c .. 8c + 7:
+// values 8c .. 8c + 7 of each chunk (unit values 8c .. and 32 + 8c ..), each weight
+// fma(q, S, −M) rounded once to f16 as mmq.cu's MmqQ4k and MmqQ5k dequantize.
+template <bool FIFTH>
+struct MoeK {
     static constexpr bool IS_BF16 = false;
     static __device__ __forceinline__ int piece(int c, int i) { return 8 * c + 32 * i; }
 
     struct Unit {
         uint4 h;
-        uint2 q;
+        uint2 q, qh;
     };
 
     static __device__ __forceinline__ void load(const u8* row, int u, int, int c, Unit& a) {
-        const u8* sb = row + 144 * (u64)(u >> 2);
+        const u8* sb = row + (FIFTH ? 176 : 144) * (u64)(u >> 2);
         a.h = __ldg((const uint4*)sb);
-        a.q = __ldg((const uint2*)(sb + 16 + 32 * (u & 3) + 8 * c));
+        a.q = __ldg((const uint2*)(sb + (FIFTH ? 48 : 16) + 32 * (u & 3) + 8 * c));
+        if (FIFTH) a.qh = __ldg((const uint2*)(sb + 16 + 8 * c));
     }
 
     static __device__ __forceinline__ void slabs(const Unit& a, int u, u32* W) {
+        const int p = u & 3;
         const float d = f16_to_f32((u16)(a.h.x & 0xffff)), dm = f16_to_f32((u16)(a.h.x >> 16));
         u32 S[2], M[2];
 #pragma unroll
         for (int hi = 0; hi < 2; hi++) {
             float s, m;
-            q4k_scale_min(a.h, 2 * (u & 3) + hi, &s, &m);
+            q4k_scale_min(a.h, 2 * p + hi, &s, &m);
             S[hi] = f16x2_sat(d * s, d * s);
             M[hi] = f16x2_sat(-(dm * m), -(dm * m));
         }
-        const u32 q[2] = {a.q.x, a.q.y};
+        const u32 q[2] = {a.q.x, a.q.y}, qh[2] = {a.qh.x, a.qh.y};
 #pragma unroll
         for (int i = 0; i < 2; i++) {
-            u32 l0, l1, h0, h1;
-            q4_nibbles_f16(q[i], l0, l1, h0, h1);
-            W[2 * i] = h2_fma(l0, S[0], M[0]);
-            W[2 * i + 1] = h2_fma(l1, S[0], M[0]);
-            W[4 + 2 * i] = h2_fma(h0, S[1], M[1]);
-            W[4 + 2 * i + 1] = h2_fma(h1, S[1], M[1]);
+            if constexpr (FIFTH) {
+                const u32 f = qh[i] >> (2 * p);
+                const u32 lo = (q[i] & 0x0F0F0F0Fu) | ((f & 0x01010101u) << 4);
+                const u32 up = ((q[i] >> 4) & 0x0F0F0F0Fu) | (((f >> 1) & 0x01010101u) << 4);
+                W[2 * i] = byte_pair_f16_fma(lo, 0x4140u, S[0], M[0]);
+                W[2 * i + 1] = byte_pair_f16_fma(lo, 0x4342u, S[0], M[0]);
+                W[4 + 2 * i] = byte_pair_f16_fma(up, 0x4140u, S[1], M[1]);
+                W[4 + 2 * i + 1] = byte_pair_f16_fma(up, 0x4342u, S[1], M[1]);
+            } else {
+                u32 l0, l1, h0, h1;
+                q4_nibbles_f16(q[i], l0, l1, h0, h1);
+                W[2 * i] = h2_fma(l0, S[0], M[0]);
+                W[2 * i + 1] = h2_fma(l1, S[0], M[0]);
+                W[4 + 2 * i] = h2_fma(h0, S[1], M[1]);
+                W[4 + 2 * i + 1] = h2_fma(h1, S[1], M[1]);
+            }
         }
     }
 };
@@ -302,7 +316,10 @@ MOE_MMA_KERNEL(q5_0, MoeQ5_0)
 MOE_MMA_KERNEL(q8_0, MoeQ8_0)
 #endif
 #if FORMAT_q4_k
-MOE_MMA_KERNEL(q4_k, MoeQ4k)
+MOE_MMA_KERNEL(q4_k, MoeK<false>)
+#endif
+#if FORMAT_q5_k
+MOE_MMA_KERNEL(q5_k, MoeK<true>)
 #endif
 
 #endif

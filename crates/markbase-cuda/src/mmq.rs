@@ -1,5 +1,5 @@
-//! Products of a few token rows on the tensor cores (kernels/mmq.cu): Q4_K, Q6_K, Q8_0, Q4_0 and
-//! Q5_0 weights (rows of whole 256-value units) of
+//! Products of a few token rows on the tensor cores (kernels/mmq.cu): Q4_K, Q5_K, Q6_K, Q8_0,
+//! Q4_0 and Q5_0 weights (rows of whole 256-value units) of
 //! 2–48 token rows, dequantized to f16 in registers, on the f16 rounded copy of the activations.
 //! The weights stream once for up to 32 tokens (a launch). Up to `MAX_PRODUCTS` matrices of
 //! one width take one launch, or a gated pair (gate and up) whose launch stores
@@ -45,8 +45,8 @@ const ITEMS_PER_SM: usize = 8;
 /// Blocks resident on a multiprocessor (`__launch_bounds__(256, 2)`).
 const BLOCKS_PER_SM: usize = 2;
 
-/// How the kernels of a weight format cut a row (mmq.cu's `MmqQ4k`, `MmqQ6k`, `MmqQ8_0`,
-/// `MmqLegacy`).
+/// How the kernels of a weight format cut a row (mmq.cu's `MmqQ4k`, `MmqQ5k`, `MmqQ6k`,
+/// `MmqQ8_0`, `MmqLegacy`).
 struct Format {
     /// Values a unit covers (`F::K`).
     unit: usize,
@@ -61,13 +61,16 @@ fn format(ty: GgmlType) -> Option<Format> {
     match ty {
         // A super-block (Q6_K's as laid out on the device), a regrouped group of 8 blocks
         // (Q8_0; Q4_0 and Q5_0 laid out: layout.rs): the same activation slots.
-        GgmlType::Q4_K | GgmlType::Q6_K | GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q5_0 => {
-            Some(Format {
-                unit: 256,
-                token_bytes: 576,
-                most_nt: 4,
-            })
-        }
+        GgmlType::Q4_K
+        | GgmlType::Q5_K
+        | GgmlType::Q6_K
+        | GgmlType::Q8_0
+        | GgmlType::Q4_0
+        | GgmlType::Q5_0 => Some(Format {
+            unit: 256,
+            token_bytes: 576,
+            most_nt: 4,
+        }),
         _ => None,
     }
 }
@@ -313,12 +316,13 @@ mod tests {
         assert!(!mma_suits(q8, 2560, 1) && !mma_suits(q8, 2560, 49));
         // Q8_0 rows of a part group (layout.rs) stay on the other paths.
         assert!(!mma_suits(q8, 640, 8) && !mma_suits(q8, 96, 8));
-        let q6k = GgmlType::Q6_K;
-        assert!(mma_suits(q6k, 2560, 8) && !mma_suits(q6k, 2560, 1));
+        for ty in [GgmlType::Q5_K, GgmlType::Q6_K] {
+            assert!(mma_suits(ty, 2560, 8) && !mma_suits(ty, 2560, 1));
+        }
         // Q4_0 / Q5_0 rows of whole 8-block units (layout.rs); 640 wide stays as stored.
         for ty in [GgmlType::Q4_0, GgmlType::Q5_0] {
             assert!(mma_suits(ty, 2560, 8) && !mma_suits(ty, 640, 8) && !mma_suits(ty, 2560, 1));
         }
-        assert!(!mma_suits(GgmlType::Q5_K, 2560, 8) && !mma_suits(GgmlType::BF16, 2560, 8));
+        assert!(!mma_suits(GgmlType::Q5_1, 2560, 8) && !mma_suits(GgmlType::BF16, 2560, 8));
     }
 }

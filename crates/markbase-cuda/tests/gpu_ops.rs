@@ -172,7 +172,7 @@ fn random_matrix(r: &mut StdRng, ty: GgmlType, rows: usize, cols: usize) -> Host
 /// The activations `x` (`n` rows) and the weights `m` as a product sees them
 /// (`product_inputs`, with cuBLAS): activations rounded to bf16 for bf16 weights; activations
 /// and dequantized weights rounded to f16 for quantized ones (Q4_K weights of the tensor-core
-/// kernel's products as it dequantizes them, `q4k_as_f16_fma`, Q6_K's `q6k_as_f16`); otherwise
+/// kernel's products as it dequantizes them, `k_quant_as_f16_fma`, Q6_K's `q6k_as_f16`); otherwise
 /// as they are, or as 16-bit integers per 32 values where the GEMVs take them so
 /// (`as_16_bit`).
 fn as_seen(g: &CudaBackend, m: &HostMatrix, n: usize, x: &[f32]) -> (Vec<f32>, HostMatrix) {
@@ -198,7 +198,7 @@ fn as_seen(g: &CudaBackend, m: &HostMatrix, n: usize, x: &[f32]) -> (Vec<f32>, H
             let xs = x.iter().map(|&v| f16::from_f32(v).to_f32()).collect();
             if mma_suits(m.ty, m.cols, n) && g.device().capability().0 >= 8 {
                 match m.ty {
-                    GgmlType::Q4_K => return (xs, q4k_as_f16_fma(m)),
+                    GgmlType::Q4_K | GgmlType::Q5_K => return (xs, k_quant_as_f16_fma(m)),
                     GgmlType::Q6_K => return (xs, q6k_as_f16(m)),
                     _ => {}
                 }
@@ -208,14 +208,20 @@ fn as_seen(g: &CudaBackend, m: &HostMatrix, n: usize, x: &[f32]) -> (Vec<f32>, H
     }
 }
 
-/// A Q4_K matrix as the tensor-core kernel (mmq.cu) dequantizes it to f16: each weight
-/// fma(q, S, −M) rounded once, S = f16(d · scale) and M = f16(dmin · min) each rounded once
-/// (saturating at ±65 504). Checked against the reference's dequantization to within those
-/// roundings.
-fn q4k_as_f16_fma(m: &HostMatrix) -> HostMatrix {
+/// A Q4_K or Q5_K matrix as the tensor-core kernels (mmq.cu, moe_mma.cu) dequantize it to f16:
+/// each weight fma(q, S, −M) rounded once, S = f16(d · scale) and M = f16(dmin · min) each
+/// rounded once (saturating at ±65 504). Checked against the reference's dequantization to
+/// within those roundings.
+fn k_quant_as_f16_fma(m: &HostMatrix) -> HostMatrix {
     let f16_sat = |v: f32| f16::from_f32(v.clamp(-65_504.0, 65_504.0));
+    // Q5_K: 32 bytes of fifth bits (value l of chunk j at bit j of byte l) after the header.
+    let (block, quants, top) = match m.ty {
+        GgmlType::Q4_K => (144, 16, 15.0),
+        GgmlType::Q5_K => (176, 48, 31.0),
+        ty => panic!("{ty} is not Q4_K or Q5_K"),
+    };
     let mut w = Vec::with_capacity(m.rows * m.cols);
-    for b in m.bytes.as_slice().chunks_exact(144) {
+    for b in m.bytes.as_slice().chunks_exact(block) {
         let d = f16::from_le_bytes([b[0], b[1]]).to_f32();
         let dmin = f16::from_le_bytes([b[2], b[3]]).to_f32();
         let sc = &b[4..16];
@@ -230,8 +236,11 @@ fn q4k_as_f16_fma(m: &HostMatrix) -> HostMatrix {
                     (sc[chunk + 4] >> 4) | ((sc[chunk] >> 6) << 4),
                 )
             };
-            let byte = b[16 + 32 * j + l % 32];
-            let q = if l < 32 { byte & 15 } else { byte >> 4 };
+            let byte = b[quants + 32 * j + l % 32];
+            let mut q = if l < 32 { byte & 15 } else { byte >> 4 };
+            if m.ty == GgmlType::Q5_K {
+                q |= ((b[16 + l % 32] >> chunk) & 1) << 4;
+            }
             let s16 = f16_sat(d * f32::from(s)).to_f64();
             let m16 = f16_sat(dmin * f32::from(mn)).to_f64();
             w.push(f16::from_f64(f64::from(q) * s16 - m16));
@@ -239,8 +248,8 @@ fn q4k_as_f16_fma(m: &HostMatrix) -> HostMatrix {
     }
     let exact = reference::dequantize_matrix(m).unwrap();
     for (i, (a, e)) in w.iter().zip(&exact).enumerate() {
-        let b = &m.bytes.as_slice()[144 * (i / 256)..];
-        let scale = f16::from_le_bytes([b[0], b[1]]).to_f32().abs() * 63.0 * 15.0
+        let b = &m.bytes.as_slice()[block * (i / 256)..];
+        let scale = f16::from_le_bytes([b[0], b[1]]).to_f32().abs() * 63.0 * top
             + f16::from_le_bytes([b[2], b[3]]).to_f32().abs() * 63.0;
         let err = (a.to_f32() - e).abs();
         assert!(
@@ -324,11 +333,11 @@ fn round_16(ty: GgmlType, x: &[f32]) -> Vec<f32> {
 }
 
 /// Expert weights as the MoE tensor-core products (moe_mma.cu) see them: bf16 and f16 as
-/// stored, Q4_K as `q4k_as_f16_fma`, other formats as `dequantized_as_f16`.
+/// stored, Q4_K as `k_quant_as_f16_fma`, other formats as `dequantized_as_f16`.
 fn moe_weights_as_seen(m: &HostMatrix) -> HostMatrix {
     match m.ty {
         GgmlType::BF16 | GgmlType::F16 => m.clone(),
-        GgmlType::Q4_K => q4k_as_f16_fma(m),
+        GgmlType::Q4_K | GgmlType::Q5_K => k_quant_as_f16_fma(m),
         _ => dequantized_as_f16(m),
     }
 }
@@ -581,7 +590,8 @@ fn one_token_products_over_an_lm_head_of_rows_match_reference() {
     }
 }
 
-/// Q4_K, Q6_K, Q8_0, Q4_0 and Q5_0 products of 2–48 token rows on the tensor cores over matrices of many row
+/// Q4_K, Q5_K, Q6_K, Q8_0, Q4_0 and Q5_0 products of 2–48 token rows on the tensor cores over
+/// matrices of many row
 /// tiles and long rows (tiles whose units several blocks share, part-filled tiles and splits),
 /// every n-tile count and a part-filled n-tile; a second run gives the same bits. Then
 /// several matrices in one launch.
@@ -597,6 +607,8 @@ fn tensor_core_products_match_reference_and_repeat_exactly() {
         (GgmlType::Q8_0, 333, 2_816),
         (GgmlType::Q6_K, 2_560, 10_240),
         (GgmlType::Q6_K, 333, 2_816),
+        (GgmlType::Q5_K, 2_560, 10_240),
+        (GgmlType::Q5_K, 333, 2_816),
         (GgmlType::Q4_0, 2_560, 10_240),
         (GgmlType::Q5_0, 333, 2_816),
     ];
@@ -618,6 +630,7 @@ fn tensor_core_products_match_reference_and_repeat_exactly() {
     let k = 2_560;
     for ty in [
         GgmlType::Q4_K,
+        GgmlType::Q5_K,
         GgmlType::Q6_K,
         GgmlType::Q8_0,
         GgmlType::Q5_0,
@@ -665,6 +678,7 @@ fn gated_ffn_on_tensor_cores_matches_reference_and_repeats_exactly() {
         (GgmlType::Q4_K, 2_560, 10_240, 2_560),
         (GgmlType::Q8_0, 768, 1_280, 512),
         (GgmlType::Q6_K, 2_560, 1_280, 2_560),
+        (GgmlType::Q5_K, 768, 1_280, 512),
         (GgmlType::Q4_0, 512, 1_024, 512),
     ] {
         let (gm, um, dm) = (
