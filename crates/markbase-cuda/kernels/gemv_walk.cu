@@ -37,7 +37,7 @@
 #ifndef Q8_0_UNITS_AHEAD
 #define Q8_0_UNITS_AHEAD 4
 #endif
-// Q5_K's (36 bytes each).
+// Q5_K's (24 bytes each).
 #ifndef Q5K_UNITS_AHEAD
 #define Q5K_UNITS_AHEAD 4
 #endif
@@ -173,21 +173,21 @@ __device__ __forceinline__ float unsigned_slot_dot(const u32* lo, const u32* hi,
     return d0 * (m0.x * (float)sl - off * m0.y) + d1 * (m1.x * (float)sh - off * m1.y);
 }
 
-// Q5_K super-blocks as stored (176 bytes, 16-byte aligned): a slot's 16 quant bytes (as
-// Q4_K's) and 16 bytes of fifth bits, and one word of the super-block's 16-byte header (the 8
-// lanes of a super-block trade the words when they use it, as WalkQ4k's).
+// Q5_K super-blocks as laid out on the device (layout.rs): a slot's 16 quant bytes (as Q4_K's)
+// and its word of fifth bits, and one word of the super-block's 16-byte header (the 8 lanes of
+// a super-block trade the words when they use it, as WalkQ4k's).
 struct WalkQ5k {
     static constexpr int UNIT_BYTES = 176, AHEAD = Q5K_UNITS_AHEAD;
     struct Slice {
-        uint4 q, qh;
-        u32 hw;
+        uint4 q;
+        u32 f, hw;
     };
     struct Lane {};
     static __device__ __forceinline__ Lane lane(int) { return {}; }
 
     static __device__ __forceinline__ void load(const u8* unit, int sub, Slice& s) {
-        s.q = __ldg((const uint4*)(unit + 48) + sub);
-        s.qh = __ldg((const uint4*)(unit + 16) + (sub & 1));
+        s.q = __ldg((const uint4*)(unit + 16) + sub);
+        s.f = __ldg((const u32*)(unit + 144) + sub);
         s.hw = __ldg((const u32*)unit + (sub & 3));
     }
 
@@ -204,13 +204,11 @@ struct WalkQ5k {
         const u32 xa[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
         const u32 xb[8] = {x2.x, x2.y, x2.z, x2.w, x3.x, x3.y, x3.z, x3.w};
         const u32 w[4] = {s.q.x, s.q.y, s.q.z, s.q.w};
-        const u32 qh[4] = {s.qh.x, s.qh.y, s.qh.z, s.qh.w};
         int sl = 0, sh = 0;
 #pragma unroll
         for (int i = 0; i < 4; i++) {
-            const u32 lo = (w[i] & 0x0F0F0F0Fu) | (((qh[i] >> (2 * n)) & 0x01010101u) << 4);
-            const u32 hi =
-                ((w[i] >> 4) & 0x0F0F0F0Fu) | (((qh[i] >> (2 * n + 1)) & 0x01010101u) << 4);
+            const u32 lo = (w[i] & 0x0F0F0F0Fu) | (((s.f >> i) & 0x01010101u) << 4);
+            const u32 hi = ((w[i] >> 4) & 0x0F0F0F0Fu) | (((s.f >> (4 + i)) & 0x01010101u) << 4);
             sl = dp2a_hi(xa[2 * i + 1], lo, dp2a_lo(xa[2 * i], lo, sl));
             sh = dp2a_hi(xb[2 * i + 1], hi, dp2a_lo(xb[2 * i], hi, sh));
         }

@@ -36,7 +36,7 @@
 #ifndef MMQ_Q8_0_UNITS_AHEAD
 #define MMQ_Q8_0_UNITS_AHEAD 1
 #endif
-// Q5_K's (80 bytes a lane).
+// Q5_K's (56 bytes a lane).
 #ifndef MMQ_Q5K_UNITS_AHEAD
 #define MMQ_Q5K_UNITS_AHEAD 1
 #endif
@@ -140,16 +140,13 @@ __device__ __forceinline__ MmqBlockScales mmq_block_scales(const u32* d) {
 
 // Q4_K's and Q5_K's scales of chunks 2c (hi 0) and 2c + 1 (hi 1) of a lane's two rows (their
 // super-blocks' 16-byte headers h) as broadcast f16 pairs: s[row][hi] = S = f16(d · scale),
-// m[row][hi] = −M = −f16(dmin · min), each rounded once (saturating at ±65 504); `c` the lane's
-// chunk pair (a Q5_K unit's fifth bits are bits 2c and 2c + 1 of its bytes).
+// m[row][hi] = −M = −f16(dmin · min), each rounded once (saturating at ±65 504).
 struct MmqKScales {
     u32 s[2][2], m[2][2];
-    int c;
 };
 
 __device__ __forceinline__ MmqKScales mmq_k_scales(const uint4* h, int c) {
     MmqKScales r;
-    r.c = c;
 #pragma unroll
     for (int e = 0; e < 2; e++) {
         float d = f16_to_f32((u16)(h[e].x & 0xffff)), dm = f16_to_f32((u16)(h[e].x >> 16));
@@ -218,12 +215,12 @@ struct MmqQ4k : MmqSlots {
     }
 };
 
-// Q5_K weights as stored: a unit is a super-block (256 values, 176 bytes a row, 16-byte
-// aligned: Q4_K's 16-byte header, 32 bytes of fifth bits — value l of chunk j at bit j of byte
-// l — then the quant bytes as Q4_K's). A lane holds for each of its two rows the header, quant
-// bytes 32c .. 32c + 31 (chunks 2c and 2c + 1, as MmqQ4k's) and all 32 fifth-bit bytes; word i
-// of each gives the chunks' weights 4i .. 4i + 3 as 5-bit bytes (the fifth bits by a shift and a
-// mask), which become the f16 1024 + q by a byte permutation with 0x64, q by an exact
+// Q5_K weights as laid out on the device (layout.rs): a unit is a super-block (256 values, 176
+// bytes a row: Q4_K's header and quant bytes, then a word of fifth bits a lane slot). A lane
+// holds for each of its two rows the header, quant bytes 32c .. 32c + 31 (chunks 2c and 2c + 1,
+// as MmqQ4k's) and the fifth-bit words of slots 2c and 2c + 1; word i of the quant bytes gives
+// the chunks' weights 4i .. 4i + 3 as 5-bit bytes (the fifth bits by a shift and a mask, as
+// Q5_0's), which become the f16 1024 + q by a byte permutation with 0x64, q by an exact
 // subtraction, then w = fma(q, S, −M) rounded once to f16 (S, M as Q4_K's). Tests model exactly
 // this rounding.
 struct MmqQ5k : MmqSlots {
@@ -233,7 +230,7 @@ struct MmqQ5k : MmqSlots {
     struct Unit {
         uint4 h[2];
         uint4 q[2][2];
-        uint4 qh[2][2];
+        uint2 f[2];
     };
 
     // The unit of rows `lo` and `hi` (each at the unit's first byte).
@@ -242,10 +239,9 @@ struct MmqQ5k : MmqSlots {
 #pragma unroll
         for (int e = 0; e < 2; e++) {
             a.h[e] = __ldg((const uint4*)r[e]);
-            a.qh[e][0] = __ldg((const uint4*)(r[e] + 16));
-            a.qh[e][1] = __ldg((const uint4*)(r[e] + 32));
-            a.q[e][0] = __ldg((const uint4*)(r[e] + 48 + 32 * c));
-            a.q[e][1] = __ldg((const uint4*)(r[e] + 64 + 32 * c));
+            a.q[e][0] = __ldg((const uint4*)(r[e] + 16 + 32 * c));
+            a.q[e][1] = __ldg((const uint4*)(r[e] + 32 + 32 * c));
+            a.f[e] = __ldg((const uint2*)(r[e] + 144 + 8 * c));
         }
     }
 
@@ -262,10 +258,11 @@ struct MmqQ5k : MmqSlots {
         for (int wi = 0; wi < 2; wi++) {
 #pragma unroll
             for (int e = 0; e < 2; e++) {
+                const int i = (2 * ip + wi) & 3;  // word i of lane slot 2c + (ip >> 1)
                 const u32 q = mmq_word(a.q[e], 2 * ip + wi);
-                const u32 f = mmq_word(a.qh[e], 2 * ip + wi) >> (2 * sc.c);
-                const u32 lo = (q & 0x0F0F0F0Fu) | ((f & 0x01010101u) << 4);
-                const u32 up = ((q >> 4) & 0x0F0F0F0Fu) | (((f >> 1) & 0x01010101u) << 4);
+                const u32 f = ip >> 1 ? a.f[e].y : a.f[e].x;
+                const u32 lo = (q & 0x0F0F0F0Fu) | (((f >> i) & 0x01010101u) << 4);
+                const u32 up = ((q >> 4) & 0x0F0F0F0Fu) | (((f >> (4 + i)) & 0x01010101u) << 4);
                 A[wi][0][e] = byte_pair_f16_fma(lo, 0x4140u, sc.s[e][0], sc.m[e][0]);
                 A[wi][0][2 + e] = byte_pair_f16_fma(lo, 0x4342u, sc.s[e][0], sc.m[e][0]);
                 A[wi][1][e] = byte_pair_f16_fma(up, 0x4140u, sc.s[e][1], sc.m[e][1]);

@@ -1,8 +1,8 @@
 // The grouped MoE products on the tensor cores (mma.sync m16n8k16, f32 sums): each tile of up
 // to 8 pairs of one expert (moe_group's tiles, one a block row of the grid) is the 8 columns
 // of one n-tile, so a warp streams 16 of the expert's rows once for all the tile's pairs.
-// Weights go from memory straight into registers (bf16 and f16 as they are, Q5_0, Q8_0, Q4_K
-// and Q5_K dequantized to f16 there); the activations are the gathered slot rows as 16-bit values
+// Weights go from memory straight into registers (bf16 and f16 as they are, Q4_0, Q5_0, Q5_1,
+// Q8_0, Q4_K and Q5_K dequantized to f16 there); the activations are the gathered slot rows as 16-bit values
 // (bf16 for bf16 weights, f16 otherwise: moe_gather_16), read through L1. The gated launch
 // (gate and up) writes gelu_tanh(gate) · up rounded to 16 bits, the down launch's input; the
 // down launch writes f32 rows for moe_combine. Appended to moe.cu's module; needs mma.cuh.
@@ -13,7 +13,8 @@
 // B fragment is the same 4 values of token g (the tile's pair g), two 16-byte loads a unit at
 // the format's offsets. Every run gives the same bits (one warp sums a tile's outputs).
 
-#if (FORMAT_bf16 || FORMAT_f16 || FORMAT_q5_0 || FORMAT_q8_0 || FORMAT_q4_k || FORMAT_q5_k) && \
+#if (FORMAT_bf16 || FORMAT_f16 || FORMAT_q4_0 || FORMAT_q5_0 || FORMAT_q5_1 || FORMAT_q8_0 || \
+     FORMAT_q4_k || FORMAT_q5_k) &&                                                            \
     __CUDA_ARCH__ >= 800
 
 // Units a warp has loaded ahead of the one it multiplies. One 26B-A4B layer's experts for 64
@@ -92,14 +93,24 @@ struct MoeQ8_0 {
     }
 };
 
-// Q5_0 weights: a unit is two blocks; lane c's 16 values are values 16(c & 1) .. of block
-// 2u + c / 2, times its f16 scale d, each weight (q − 16) · d rounded once to f16 (the
-// reference's weights rounded to f16). Rows of whole 8-block units lie as laid out on the
-// device (layout.rs: the lane's 16 values are one slot's nibbles, its fifth bits that slot's
-// word), other rows as stored (22-byte blocks, 2-byte aligned: 16-bit loads; the low or high
-// nibbles of the block's 16 quant bytes, bits 16(c & 1) .. of its fifth-bit word).
-struct MoeQ5_0 {
+// Bits 4i .. 4i + 3 of a 5-bit block's fifth-bit word `qh` (as stored: value j's at bit j) at
+// bit 4 of bytes 0 .. 3, spread by one multiply (the shifted copies of the 4 bits do not overlap,
+// so the product is their sum).
+__device__ __forceinline__ u32 stored_fifth_bits(u32 qh, int i) {
+    return ((((qh >> (4 * i)) & 15u) * 0x00204081u) & 0x01010101u) << 4;
+}
+
+// Q4_0 and Q5_0 weights: a unit is two blocks; lane c's 16 values are values 16(c & 1) .. of
+// block 2u + c / 2, times its f16 scale d, each weight (q − 8) · d (Q4_0) or (q − 16) · d (Q5_0)
+// rounded once to f16 (the reference's weights rounded to f16). Rows of whole 8-block units lie
+// as laid out on the device (layout.rs: the lane's 16 values are one slot's nibbles, Q5_0's
+// fifth bits that slot's word), other rows as stored (18- / 22-byte blocks, 2-byte aligned:
+// 16-bit loads; the low or high nibbles of the block's 16 quant bytes, bits 16(c & 1) .. of
+// Q5_0's fifth-bit word).
+template <int FMT>
+struct MoeLegacy {
     static constexpr bool IS_BF16 = false;
+    static constexpr bool FIFTH = FMT == F_Q5_0;
     static __device__ __forceinline__ int piece(int c, int i) { return 16 * c + 8 * i; }
 
     struct Unit {
@@ -112,50 +123,85 @@ struct MoeQ5_0 {
     static __device__ __forceinline__ void load(const u8* row, int u, int k, int c, Unit& a) {
         const int blk = 2 * u + (c >> 1);
         a.laid = (k & 255) == 0;
+        a.qh = 0;
         int shift;
         if (a.laid) {
-            const u8* grp = row + 176 * (u64)(blk >> 3);
+            const u8* grp = row + (FIFTH ? 176 : 144) * (u64)(blk >> 3);
             const int b = blk & 7, s = (b & ~1) + (c & 1);
             shift = 4 * (b & 1);
             a.d = ld16(grp + 2 * b);
             const uint4 v = __ldg((const uint4*)(grp + 16) + s);
             a.q[0] = v.x, a.q[1] = v.y, a.q[2] = v.z, a.q[3] = v.w;
-            a.qh = __ldg((const u32*)(grp + 144) + s) >> shift;
+            if (FIFTH) a.qh = __ldg((const u32*)(grp + 144) + s) >> shift;
         } else {
-            const u8* b = row + 22 * (u64)blk;
+            const u8* b = row + (FIFTH ? 22 : 18) * (u64)blk;
+            const u8* qs = b + (FIFTH ? 6 : 2);
             shift = 4 * (c & 1);
             a.d = ld16(b);
-            a.qh = ((u32)ld16(b + 2) | ((u32)ld16(b + 4) << 16)) >> (16 * (c & 1));
+            if (FIFTH) a.qh = ((u32)ld16(b + 2) | ((u32)ld16(b + 4) << 16)) >> (16 * (c & 1));
 #pragma unroll
             for (int i = 0; i < 4; i++)
-                a.q[i] = (u32)ld16(b + 6 + 4 * i) | ((u32)ld16(b + 8 + 4 * i) << 16);
+                a.q[i] = (u32)ld16(qs + 4 * i) | ((u32)ld16(qs + 2 + 4 * i) << 16);
         }
 #pragma unroll
         for (int i = 0; i < 4; i++) a.q[i] >>= shift;
     }
 
     static __device__ __forceinline__ void slabs(const Unit& a, int, u32* W) {
-        const u32 s = a.d * 0x10001u;
+        const u32 s = a.d * 0x10001u, bias = FIFTH ? 0x64106410u : 0x64086408u;
 #pragma unroll
         for (int i = 0; i < 4; i++) {
-            // Fifth bits of values 4i .. 4i + 3 to bit 4 of their bytes: laid out, bits i,
-            // 8 + i, …; as stored, bits 4i .. 4i + 3, spread by one multiply (the shifted
-            // copies of the 4 bits do not overlap, so the product is their sum).
-            const u32 fifth = a.laid ? ((a.qh >> i) & 0x01010101u) << 4
-                                     : ((((a.qh >> (4 * i)) & 15u) * 0x00204081u) & 0x01010101u)
-                                           << 4;
-            const u32 w = (a.q[i] & 0x0F0F0F0Fu) | fifth;
-            W[2 * i] = byte_pair_f16(w, 0x4140u, 0x64106410u, s);
-            W[2 * i + 1] = byte_pair_f16(w, 0x4342u, 0x64106410u, s);
+            // Q5_0's fifth bits of values 4i .. 4i + 3 to bit 4 of their bytes: laid out, bits
+            // i, 8 + i, …; as stored, bits 4i .. 4i + 3.
+            u32 w = a.q[i] & 0x0F0F0F0Fu;
+            if (FIFTH)
+                w |= a.laid ? ((a.qh >> i) & 0x01010101u) << 4 : stored_fifth_bits(a.qh, i);
+            W[2 * i] = byte_pair_f16(w, 0x4140u, bias, s);
+            W[2 * i + 1] = byte_pair_f16(w, 0x4342u, bias, s);
         }
     }
 };
 
-// Q4_K (FIFTH false) and Q5_K (true) weights: a unit is the chunk pair p = u % 4 of
-// super-block u / 4 (its 32 quant bytes: chunk 2p in the low nibbles, 2p + 1 in the high; Q5_K's
-// fifth bits at bits 2p and 2p + 1 of its 32 fifth-bit bytes). Lane c holds bytes 8c .. 8c + 7:
-// values 8c .. 8c + 7 of each chunk (unit values 8c .. and 32 + 8c ..), each weight
-// fma(q, S, −M) rounded once to f16 as mmq.cu's MmqQ4k and MmqQ5k dequantize.
+// Q5_1 weights as stored (24-byte blocks, 8-byte aligned in rows of whole 64-value units): a
+// unit is two blocks; lane c's 16 values are values 16(c & 1) .. of block 2u + c / 2 (the low or
+// high nibbles of its 16 quant bytes, bits 16(c & 1) .. of its fifth-bit word), each weight
+// fma(q, d, m) rounded once to f16 (d and m its f16 scale and offset).
+struct MoeQ5_1 {
+    static constexpr bool IS_BF16 = false;
+    static __device__ __forceinline__ int piece(int c, int i) { return 16 * c + 8 * i; }
+
+    struct Unit {
+        u32 q[4];
+        u32 qh;
+        u32 dm;
+    };
+
+    static __device__ __forceinline__ void load(const u8* row, int u, int, int c, Unit& a) {
+        const u8* b = row + 24 * (u64)(2 * u + (c >> 1));
+        const int shift = 4 * (c & 1);
+        a.dm = __ldg((const u32*)b);
+        a.qh = __ldg((const u32*)b + 1) >> (16 * (c & 1));
+        const uint2 v0 = __ldg((const uint2*)(b + 8)), v1 = __ldg((const uint2*)(b + 16));
+        a.q[0] = v0.x >> shift, a.q[1] = v0.y >> shift, a.q[2] = v1.x >> shift, a.q[3] = v1.y >> shift;
+    }
+
+    static __device__ __forceinline__ void slabs(const Unit& a, int, u32* W) {
+        const u32 d = (a.dm & 0xffffu) * 0x10001u, m = (a.dm >> 16) * 0x10001u;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const u32 w = (a.q[i] & 0x0F0F0F0Fu) | stored_fifth_bits(a.qh, i);
+            W[2 * i] = byte_pair_f16_fma(w, 0x4140u, d, m);
+            W[2 * i + 1] = byte_pair_f16_fma(w, 0x4342u, d, m);
+        }
+    }
+};
+
+// Q4_K (FIFTH false) and Q5_K (true, as laid out on the device: layout.rs) weights: a unit is
+// the chunk pair p = u % 4 of super-block u / 4 (its 32 quant bytes: chunk 2p in the low
+// nibbles, 2p + 1 in the high; Q5_K's fifth bits in the words of lane slots 2p and 2p + 1).
+// Lane c holds bytes 8c .. 8c + 7: values 8c .. 8c + 7 of each chunk (unit values 8c .. and
+// 32 + 8c ..), each weight fma(q, S, −M) rounded once to f16 as mmq.cu's MmqQ4k and MmqQ5k
+// dequantize.
 template <bool FIFTH>
 struct MoeK {
     static constexpr bool IS_BF16 = false;
@@ -163,14 +209,16 @@ struct MoeK {
 
     struct Unit {
         uint4 h;
-        uint2 q, qh;
+        uint2 q;
+        u32 f;
     };
 
     static __device__ __forceinline__ void load(const u8* row, int u, int, int c, Unit& a) {
         const u8* sb = row + (FIFTH ? 176 : 144) * (u64)(u >> 2);
         a.h = __ldg((const uint4*)sb);
-        a.q = __ldg((const uint2*)(sb + (FIFTH ? 48 : 16) + 32 * (u & 3) + 8 * c));
-        if (FIFTH) a.qh = __ldg((const uint2*)(sb + 16 + 8 * c));
+        a.q = __ldg((const uint2*)(sb + 16 + 32 * (u & 3) + 8 * c));
+        // Slot 2p + c / 2's word, its values 8(c & 1) .. (words 2(c & 1), + 1) at bits 0 ..
+        if (FIFTH) a.f = __ldg((const u32*)(sb + 144) + 2 * (u & 3) + (c >> 1)) >> (2 * (c & 1));
     }
 
     static __device__ __forceinline__ void slabs(const Unit& a, int u, u32* W) {
@@ -184,13 +232,12 @@ struct MoeK {
             S[hi] = f16x2_sat(d * s, d * s);
             M[hi] = f16x2_sat(-(dm * m), -(dm * m));
         }
-        const u32 q[2] = {a.q.x, a.q.y}, qh[2] = {a.qh.x, a.qh.y};
+        const u32 q[2] = {a.q.x, a.q.y};
 #pragma unroll
         for (int i = 0; i < 2; i++) {
             if constexpr (FIFTH) {
-                const u32 f = qh[i] >> (2 * p);
-                const u32 lo = (q[i] & 0x0F0F0F0Fu) | ((f & 0x01010101u) << 4);
-                const u32 up = ((q[i] >> 4) & 0x0F0F0F0Fu) | (((f >> 1) & 0x01010101u) << 4);
+                const u32 lo = (q[i] & 0x0F0F0F0Fu) | (((a.f >> i) & 0x01010101u) << 4);
+                const u32 up = ((q[i] >> 4) & 0x0F0F0F0Fu) | (((a.f >> (4 + i)) & 0x01010101u) << 4);
                 W[2 * i] = byte_pair_f16_fma(lo, 0x4140u, S[0], M[0]);
                 W[2 * i + 1] = byte_pair_f16_fma(lo, 0x4342u, S[0], M[0]);
                 W[4 + 2 * i] = byte_pair_f16_fma(up, 0x4140u, S[1], M[1]);
@@ -309,8 +356,14 @@ MOE_MMA_KERNEL(bf16, MoePlain<true>)
 #if FORMAT_f16
 MOE_MMA_KERNEL(f16, MoePlain<false>)
 #endif
+#if FORMAT_q4_0
+MOE_MMA_KERNEL(q4_0, MoeLegacy<F_Q4_0>)
+#endif
 #if FORMAT_q5_0
-MOE_MMA_KERNEL(q5_0, MoeQ5_0)
+MOE_MMA_KERNEL(q5_0, MoeLegacy<F_Q5_0>)
+#endif
+#if FORMAT_q5_1
+MOE_MMA_KERNEL(q5_1, MoeQ5_1)
 #endif
 #if FORMAT_q8_0
 MOE_MMA_KERNEL(q8_0, MoeQ8_0)

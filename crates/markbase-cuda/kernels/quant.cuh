@@ -196,8 +196,9 @@ __device__ __forceinline__ void deq32(const u8* row, int c, int kv, int k, float
             w[l] = d * (float)sc[l >> 4] * (float)v;
         }
     } else if (FMT == F_Q4_K || FMT == F_Q5_K) {
+        // Q5_K as laid out on the device (layout.rs): Q4_K's header and quants, then a word of
+        // fifth bits for each lane slot (chunk c's halves: slots 2n and 2n + 1).
         const int bs = FMT == F_Q4_K ? 144 : 176;
-        const int qoff = FMT == F_Q4_K ? 16 : 48;
         const u8* b = row + (size_t)(c >> 3) * bs;
         int j = c & 7;
         float d = f16_to_f32(ld16(b)), dmin = f16_to_f32(ld16(b + 2));
@@ -207,13 +208,19 @@ __device__ __forceinline__ void deq32(const u8* row, int c, int kv, int k, float
         k_scale_min(sb, j, &s, &m);
         float d1 = d * (float)s, m1 = dmin * (float)m;
         u8 q[32];
-        ld_bytes<16>(b + qoff + 32 * (j >> 1), q);
-        u8 qh[32];
-        if (FMT == F_Q5_K) ld_bytes<16>(b + 16, qh);
+        ld_bytes<16>(b + 16 + 32 * (j >> 1), q);
+        u32 fw[2] = {0, 0};
+        if (FMT == F_Q5_K) {
+            // Plain loads: `row` may be a staged copy in shared memory.
+            const u32* f = (const u32*)(b + 144) + 2 * (j >> 1);
+            fw[0] = f[0] >> (4 * (j & 1));
+            fw[1] = f[1] >> (4 * (j & 1));
+        }
 #pragma unroll
         for (int l = 0; l < 32; l++) {
             int v = (q[l] >> (4 * (j & 1))) & 15;
-            if (FMT == F_Q5_K) v |= ((qh[l] >> j) & 1) << 4;
+            const int m = l & 15;
+            if (FMT == F_Q5_K) v |= ((fw[l >> 4] >> (8 * (m & 3) + (m >> 2))) & 1) << 4;
             w[l] = d1 * (float)v - m1;
         }
     } else if (FMT == F_Q6_K) {
@@ -609,9 +616,9 @@ __host__ __device__ constexpr bool i16_unsigned(int f) { return f != F_Q8_0; }
 // Lane `sub`'s (of a unit's 8) share of one unit of one row: values 16·(sub & 1) .. + 15 of
 // the unit's chunks 2·(sub >> 1) and the one after it (32-value chunks), and their scales.
 // Q4_K: the 16 quant bytes holding both chunks' values (low and high nibbles) and the
-// super-block's 16-byte header. Q5_K: the same, and the 16 bytes of fifth bits of the slot's
-// values (bit j of byte l: value l of chunk j). Q6_K (layout.rs): the slot's 16 bytes of low 4 bits, its two
-// words of high 2 bits and its word of two scales and d. Q4_0, Q5_0 (layout.rs): the slot's
+// super-block's 16-byte header. Q5_K (layout.rs): the same, and the slot's word of fifth bits.
+// Q6_K (layout.rs): the slot's 16 bytes of low 4 bits, its two words of high 2 bits and its
+// word of two scales and d. Q4_0, Q5_0 (layout.rs): the slot's
 // 16 bytes of nibbles, (Q5_0) its word of fifth bits, and the word of the two blocks' f16
 // scales. Q8_0: each chunk's 16 quants and the word of their two f16 scales.
 template <int FMT>
@@ -622,7 +629,8 @@ struct I16Slice<F_Q4_K> {
 };
 template <>
 struct I16Slice<F_Q5_K> {
-    uint4 q, h, qh;
+    uint4 q, h;
+    u32 f;
 };
 template <>
 struct I16Slice<F_Q6_K> {
@@ -688,11 +696,9 @@ __device__ __forceinline__ void i16_load(const u8* row, int b, int sub, I16Slice
         s.q = __ldg((const uint4*)(unit + 16) + sub);
         s.h = __ldg((const uint4*)unit);
     } else if constexpr (FMT == F_Q5_K) {
-        // Header, then 32 bytes of fifth bits (value l's of chunk j at bit j of byte l), then
-        // the quants as Q4_K's.
-        s.q = __ldg((const uint4*)(unit + 48) + sub);
+        s.q = __ldg((const uint4*)(unit + 16) + sub);
         s.h = __ldg((const uint4*)unit);
-        s.qh = __ldg((const uint4*)(unit + 16) + (sub & 1));
+        s.f = __ldg((const u32*)(unit + 144) + sub);
     } else if constexpr (FMT == F_Q6_K) {
         s.q = __ldg((const uint4*)unit + sub);
         s.h = __ldg((const uint2*)(unit + 128) + sub);
@@ -732,9 +738,8 @@ __device__ __forceinline__ void i16_block(const I16Slice<FMT>* s, const uint4* x
                 lo[r][i] = w[i] & 0x0F0F0F0Fu;
                 hi[r][i] = (w[i] >> 4) & 0x0F0F0F0Fu;
                 if constexpr (FMT == F_Q5_K) {
-                    const u32 qh[4] = {s[r].qh.x, s[r].qh.y, s[r].qh.z, s[r].qh.w};
-                    lo[r][i] |= ((qh[i] >> (2 * n)) & 0x01010101u) << 4;
-                    hi[r][i] |= ((qh[i] >> (2 * n + 1)) & 0x01010101u) << 4;
+                    lo[r][i] |= ((s[r].f >> i) & 0x01010101u) << 4;
+                    hi[r][i] |= ((s[r].f >> (4 + i)) & 0x01010101u) << 4;
                 }
             }
             float d = f16_to_f32((u16)(s[r].h.x & 0xffff)),

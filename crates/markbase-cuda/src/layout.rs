@@ -25,6 +25,13 @@
 //! `16h + m` at bit `8(m % 4) + m / 4`, block `2n + 1`'s 4 bits above it (so `(w >> i) &
 //! 0x01010101` gives word `i` of the low bits their fifth bits). Rows of other widths, and
 //! every other format, lie as stored.
+//!
+//! Q5_K super-blocks (176 bytes, 16-byte aligned as stored) keep their bytes but not their
+//! order: the 16-byte header, then the 128 quant bytes (as Q4_K's, at the same offset), then
+//! for each lane slot `s = 2n + h` the word of its values' fifth bits, chunk `2n`'s value
+//! `16h + m` at bit `8(m % 4) + m / 4` and chunk `2n + 1`'s 4 bits above it (as Q5_0's). As
+//! stored, all 32 bytes of fifth bits hold bits of every chunk, so each lane read 16 bytes
+//! to use 4.
 
 use std::borrow::Cow;
 
@@ -39,6 +46,9 @@ const GROUP_BLOCKS: usize = 8;
 const Q6_K_BLOCK: usize = 210;
 /// Bytes of a Q6_K super-block on the device.
 const Q6_K_DEVICE_BLOCK: usize = 224;
+
+/// Bytes of a Q5_K super-block (as stored and on the device).
+const Q5_K_BLOCK: usize = 176;
 
 /// Bytes of a Q4_0 block: its f16 scale and 16 bytes of nibbles.
 const Q4_0_BLOCK: usize = 18;
@@ -57,6 +67,7 @@ pub(crate) fn device_bytes(ty: GgmlType, bytes: &[u8], rows: usize) -> Cow<'_, [
             bytes.len() / rows / Q6_K_BLOCK * Q6_K_DEVICE_BLOCK,
             lay_q6_k_row,
         ),
+        GgmlType::Q5_K => (bytes.len() / rows, lay_q5_k_row),
         GgmlType::Q4_0 if (bytes.len() / rows / Q4_0_BLOCK).is_multiple_of(GROUP_BLOCKS) => {
             (bytes.len() / rows, |r, o| lay_legacy_row(r, o, false))
         }
@@ -132,6 +143,28 @@ fn lay_q6_k_row(row: &[u8], out: &mut [u8]) {
             o[hdr] = scales[4 * n + h];
             o[hdr + 1] = scales[4 * n + 2 + h];
             o[hdr + 2..hdr + 4].copy_from_slice(d);
+        }
+    }
+}
+
+/// One Q5_K row (as stored) into `out` (as on the device: the module's layout).
+fn lay_q5_k_row(row: &[u8], out: &mut [u8]) {
+    for (b, o) in row
+        .chunks_exact(Q5_K_BLOCK)
+        .zip(out.chunks_exact_mut(Q5_K_BLOCK))
+    {
+        let qh = &b[16..48];
+        o[..16].copy_from_slice(&b[..16]);
+        o[16..144].copy_from_slice(&b[48..]);
+        for s in 0..8 {
+            let (n, h) = (s / 2, s % 2);
+            let mut fifth = 0u32;
+            for m in 0..16 {
+                let bits = qh[16 * h + m] >> (2 * n);
+                let at = 8 * (m % 4) + m / 4;
+                fifth |= u32::from(bits & 1) << at | u32::from((bits >> 1) & 1) << (at + 4);
+            }
+            o[144 + 4 * s..148 + 4 * s].copy_from_slice(&fifth.to_le_bytes());
         }
     }
 }
@@ -253,6 +286,42 @@ mod tests {
                     * (f32::from(lo | (hi as u8) << 4) - 32.0);
                 assert_eq!(got, w, "row {r} weight {i}");
             }
+        }
+    }
+
+    /// The device's Q5_K super-blocks, read as the layout above says (the twin of quant.cuh's
+    /// readers: each value's nibble and fifth bit), give back the stored bytes.
+    #[test]
+    fn q5_k_super_blocks_lay_out_for_their_readers() {
+        let (rows, blocks) = (3, 4);
+        let mut seed = 0x1234_5678_9abc_def1u64;
+        let bytes: Vec<u8> = (0..rows * blocks * Q5_K_BLOCK)
+            .map(|_| {
+                seed = seed.wrapping_mul(6364136223846793005).wrapping_add(7);
+                (seed >> 56) as u8
+            })
+            .collect();
+        let dev = device_bytes(GgmlType::Q5_K, &bytes, rows);
+        assert_eq!(dev.len(), bytes.len());
+        for (b, u) in bytes
+            .chunks_exact(Q5_K_BLOCK)
+            .zip(dev.chunks_exact(Q5_K_BLOCK))
+        {
+            assert_eq!(&u[..16], &b[..16]);
+            let mut stored = b[..16].to_vec();
+            stored.resize(Q5_K_BLOCK, 0);
+            for c in 0..8 {
+                for v in 0..32 {
+                    let (n, odd, h, m) = (c / 2, c % 2, v / 16, v % 16);
+                    let s = 2 * n + h;
+                    let q = (u[16 + 16 * s + m] >> (4 * odd)) & 0x0F;
+                    let fw = u32::from_le_bytes(u[144 + 4 * s..148 + 4 * s].try_into().unwrap());
+                    let fifth = (fw >> (8 * (m % 4) + 4 * odd + m / 4)) & 1;
+                    stored[48 + 32 * n + v] |= q << (4 * odd);
+                    stored[16 + v] |= (fifth as u8) << c;
+                }
+            }
+            assert_eq!(stored, b);
         }
     }
 

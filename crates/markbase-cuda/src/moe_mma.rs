@@ -20,15 +20,17 @@ const BLOCK_WARPS: usize = 8;
 
 /// Whether the grouped expert products of experts stored as `gate_up` and `down`, `dim` values
 /// wide with experts `width` wide, run on the tensor cores (on a device of compute capability
-/// 8.0 or newer): weights of bf16, f16, Q5_0, Q8_0, Q4_K or Q5_K, and both widths whole
-/// 64-value units.
+/// 8.0 or newer): weights of bf16, f16, Q4_0, Q5_0, Q5_1, Q8_0, Q4_K or Q5_K, and both widths
+/// whole 64-value units.
 pub fn moe_on_tensor_cores(gate_up: GgmlType, down: GgmlType, dim: usize, width: usize) -> bool {
     let takes = |ty| {
         matches!(
             ty,
             GgmlType::BF16
                 | GgmlType::F16
+                | GgmlType::Q4_0
                 | GgmlType::Q5_0
+                | GgmlType::Q5_1
                 | GgmlType::Q8_0
                 | GgmlType::Q4_K
                 | GgmlType::Q5_K
@@ -154,16 +156,23 @@ mod tests {
             2816,
             704
         ));
-        // llama.cpp's Q5_K_M: Q5_K gate/up, Q5_1 down (704 wide; generic) on most layers.
+        // llama.cpp's Q5_K_M: Q5_K gate/up, Q5_1 down (704 wide) on most layers.
         assert!(moe_on_tensor_cores(
             GgmlType::Q5_K,
-            GgmlType::Q8_0,
+            GgmlType::Q5_1,
             2816,
             704
         ));
         assert!(!moe_on_tensor_cores(
-            GgmlType::Q5_K,
             GgmlType::Q5_1,
+            GgmlType::Q5_1,
+            2816,
+            96
+        ));
+        // Google's Q4_0 files: every expert matrix in Q4_0.
+        assert!(moe_on_tensor_cores(
+            GgmlType::Q4_0,
+            GgmlType::Q4_0,
             2816,
             704
         ));

@@ -1010,8 +1010,14 @@ fn moe_ffn_matches_reference_for_every_format() {
             shapes.extend([(320, 192), (512, 256), (2_816, 704)]);
         }
         if ty == GgmlType::Q4_0 {
-            // Rows of whole 8-block units, laid out (the GEMVs on 16-bit activations).
-            shapes.push((512, 256));
+            // Rows of whole 8-block units, laid out (the GEMVs on 16-bit activations), and on
+            // the tensor cores as laid out or as stored (26B-A4B's experts).
+            shapes.extend([(512, 256), (320, 192), (2_816, 704)]);
+        }
+        if ty == GgmlType::Q5_1 {
+            // Whole 64-value units on the tensor cores (blocks as stored): llama.cpp's Q5_K_M
+            // of 26B-A4B keeps its experts' down rows (704 wide) in Q5_1.
+            shapes.extend([(320, 192), (2_816, 704)]);
         }
         for (d, f) in shapes {
             // (tokens, experts, top_k, an expert no token chooses): 3 tokens take the per-pair
