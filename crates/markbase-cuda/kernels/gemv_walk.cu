@@ -1,4 +1,4 @@
-// The gated feed-forward's first half for one token row of Q4_K or Q6_K weights, or of Q8_0,
+// The gated feed-forward's first half for one token row of Q4_K, Q5_K or Q6_K weights, or of Q8_0,
 // Q4_0 or Q5_0 weights of whole 256-value units (gemv_walk.rs): out[r] =
 // gelu_tanh(gate_r · x) · (up_r · x); and the same walk over one matrix's two halves as its
 // row pairs (an LM head: out[r] and out[rows + r]). Appended to gemv.cu's module.

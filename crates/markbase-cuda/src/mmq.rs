@@ -1,6 +1,7 @@
 //! Products of a few token rows on the tensor cores (kernels/mmq.cu): Q4_K, Q5_K, Q6_K, Q8_0,
-//! Q4_0 and Q5_0 weights (rows of whole 256-value units) of
-//! 2–48 token rows, dequantized to f16 in registers, on the f16 rounded copy of the activations.
+//! Q4_0 and Q5_0 weights (rows of whole 256-value units) of 2–48 token rows (launches of
+//! several matrices, q/k/v: up to 64), dequantized to f16 in registers, on the f16 rounded copy
+//! of the activations.
 //! The weights stream once for up to 32 tokens (a launch). Up to `MAX_PRODUCTS` matrices of
 //! one width take one launch, or a gated pair (gate and up) whose launch stores
 //! gelu_tanh(gate) · up as the 16-bit activations of the down product. Warps walk row tiles of
@@ -26,6 +27,13 @@ use crate::sources::Module;
 /// (session 33): 8 / 16 / 32 / 48 sequences 817 / 846 / 3 318 / 4 946 → 2 261 / 3 705 /
 /// 5 414 / 5 015.
 const MMQ_TOKENS: std::ops::RangeInclusive<usize> = 2..=48;
+/// Token rows up to which a launch of several matrices of one width (q, k and v) runs here:
+/// cuBLAS dequantizes and multiplies each matrix apart, while one launch here takes them all
+/// (two launches from 33 rows). H200, E4B's q, k and v at 64 rows (`cuda_bench --gemv --tokens
+/// 64`): Q4_K 81.1 → 29.0 µs, Q8_0 70.2 → 28.8, Q4_0 66.9 → 27.6; `bench -p 0 -n 32 -b 64`:
+/// E4B Q4_K_M 6 037 / 6 068 → 6 353 / 6 344 t/s, Q4_0 6 743 / 6 749 → 6 910 / 6 917 (docs/perf.md
+/// session 38).
+const MANY_TOKENS: usize = 64;
 /// Token rows one launch takes at most (4 n-tiles of 8, `MMQ_KERNEL(q4_k, …, 4)`); more run
 /// as several launches, each reading the weights. 8 n-tiles in one launch spilled 752 bytes
 /// and ran 48 / 64 sequences at 3 355 / 3 700 t/s (session 32).
@@ -80,6 +88,13 @@ fn format(ty: GgmlType) -> Option<Format> {
 /// whole units, `mmq_rows`.
 pub fn mma_suits(ty: GgmlType, cols: usize, n: usize) -> bool {
     format(ty).is_some_and(|f| cols.is_multiple_of(f.unit)) && mmq_rows(n)
+}
+
+/// Whether a launch of `matrices` matrices of one storage (`ty`, rows `cols` wide) for `n`
+/// token rows runs here (where the device allows): `mma_suits`, or several matrices of up to
+/// `MANY_TOKENS` rows.
+pub fn mma_suits_many(ty: GgmlType, cols: usize, n: usize, matrices: usize) -> bool {
+    mma_suits(ty, cols, n) || (matrices >= 2 && n <= MANY_TOKENS && mma_suits(ty, cols, 2))
 }
 
 /// Whether products of `n` token rows run here where their format and width do (`mma_suits`).
@@ -163,7 +178,11 @@ impl CudaBackend {
         let (w0, tiles) = job.first_and_tiles();
         let f = format(w0.ty)?;
         let capable = self.dev.capability().0 >= 8;
-        if !capable || !mma_suits(w0.ty, w0.cols, n) {
+        let matrices = match job {
+            Job::Products(p) => p.len(),
+            Job::Gated { .. } => 1,
+        };
+        if !capable || !mma_suits_many(w0.ty, w0.cols, n, matrices) {
             return None;
         }
         let sms = self.dev.multiprocessors() as usize;
@@ -324,5 +343,9 @@ mod tests {
             assert!(mma_suits(ty, 2560, 8) && !mma_suits(ty, 640, 8) && !mma_suits(ty, 2560, 1));
         }
         assert!(!mma_suits(GgmlType::Q5_1, 2560, 8) && !mma_suits(GgmlType::BF16, 2560, 8));
+        // Launches of several matrices (q, k, v) up to 64 rows; one matrix up to 48.
+        assert!(mma_suits_many(q4k, 2560, 64, 3) && mma_suits_many(q4k, 2560, 64, 2));
+        assert!(!mma_suits_many(q4k, 2560, 64, 1) && !mma_suits_many(q4k, 2560, 65, 3));
+        assert!(!mma_suits_many(GgmlType::BF16, 2560, 64, 3));
     }
 }

@@ -51,10 +51,10 @@ const COMMON: &str = include_str!("../kernels/common.cuh");
 const QUANT: &str = include_str!("../kernels/quant.cuh");
 /// Tensor-core and packed-f16 helpers of the GEMV and MoE modules' tensor-core products.
 const MMA: &str = include_str!("../kernels/mma.cuh");
-/// The GEMV module's one-token walks over Q4_K, Q6_K, Q8_0, Q4_0 and Q5_0 rows, appended to
+/// The GEMV module's one-token walks over Q4_K, Q5_K, Q6_K, Q8_0, Q4_0 and Q5_0 rows, appended to
 /// gemv.cu.
 const GEMV_WALK: &str = include_str!("../kernels/gemv_walk.cu");
-/// The GEMV module's tensor-core products of a few token rows (Q4_K, Q6_K, Q8_0, Q4_0 and Q5_0
+/// The GEMV module's tensor-core products of a few token rows (Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q5_0
 /// weights), appended after GEMV_WALK.
 const MMQ: &str = include_str!("../kernels/mmq.cu");
 /// The MoE module's grouped expert products on the tensor cores, appended to moe.cu.

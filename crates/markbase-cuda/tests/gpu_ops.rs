@@ -16,7 +16,7 @@ use markbase_core::backend::{
 use markbase_core::quant::GgmlType;
 use markbase_cpu::reference;
 use markbase_cuda::{
-    gemv_takes_16_bit_activations, mma_suits, moe_groups_pairs, moe_on_tensor_cores,
+    gemv_takes_16_bit_activations, mma_suits_many, moe_groups_pairs, moe_on_tensor_cores,
     product_inputs, CudaBackend, CudaBuffer, CudaMatrix, ProductInputs, SampleParams,
     ATTN_FLASH_MIN_ROWS,
 };
@@ -176,6 +176,18 @@ fn random_matrix(r: &mut StdRng, ty: GgmlType, rows: usize, cols: usize) -> Host
 /// as they are, or as 16-bit integers per 32 values where the GEMVs take them so
 /// (`as_16_bit`).
 fn as_seen(g: &CudaBackend, m: &HostMatrix, n: usize, x: &[f32]) -> (Vec<f32>, HostMatrix) {
+    as_seen_in(g, m, n, x, 1)
+}
+
+/// `as_seen` for a product in a launch of `matrices` matrices of one storage (`matmul_many`:
+/// several of them take the tensor-core kernel for more token rows, `mma_suits_many`).
+fn as_seen_in(
+    g: &CudaBackend,
+    m: &HostMatrix,
+    n: usize,
+    x: &[f32],
+    matrices: usize,
+) -> (Vec<f32>, HostMatrix) {
     let inputs = if g.has_cublas() {
         product_inputs(m.ty, m.cols, n)
     } else {
@@ -196,7 +208,7 @@ fn as_seen(g: &CudaBackend, m: &HostMatrix, n: usize, x: &[f32]) -> (Vec<f32>, H
         }
         ProductInputs::F16 => {
             let xs = x.iter().map(|&v| f16::from_f32(v).to_f32()).collect();
-            if mma_suits(m.ty, m.cols, n) && g.device().capability().0 >= 8 {
+            if mma_suits_many(m.ty, m.cols, n, matrices) && g.device().capability().0 >= 8 {
                 match m.ty {
                     GgmlType::Q4_K | GgmlType::Q5_K => return (xs, k_quant_as_f16_fma(m)),
                     GgmlType::Q6_K => return (xs, q6k_as_f16(m)),
@@ -640,13 +652,14 @@ fn tensor_core_products_match_reference_and_repeat_exactly() {
             .map(|&rows| random_matrix(&mut r, ty, rows, k))
             .collect();
         let ws: Vec<_> = mats.iter().map(|m| g.load_matrix(m).unwrap()).collect();
-        for n in [5, 24, 50] {
+        // 50 and 64: two launches of the tensor-core kernel (one matrix alone: cuBLAS).
+        for n in [5, 24, 50, 64] {
             let x = uniform(&mut r, n * k, 1.0);
             let mut outs: Vec<CudaBuffer> = mats.iter().map(|m| poisoned(g, n * m.rows)).collect();
             let mut products: Vec<_> = ws.iter().zip(outs.iter_mut()).collect();
             g.matmul_many(&up(g, &x), n, &mut products).unwrap();
             for (m, out) in mats.iter().zip(&outs) {
-                let (sx, sm) = as_seen(g, m, n, &x);
+                let (sx, sm) = as_seen_in(g, m, n, &x, mats.len());
                 let want = reference::matmul(&sx, n, &sm).unwrap();
                 let what = format!("matmul_many {ty} rows {} n={n}", m.rows);
                 assert_close(
