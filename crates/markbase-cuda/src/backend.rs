@@ -230,9 +230,9 @@ fn gemv_block_warps(ty: GgmlType, split: usize) -> usize {
 }
 
 /// Whether a product of `n` token rows with weights stored as `ty`, rows `cols` wide, runs as
-/// GEMV launches (otherwise, where cuBLAS is present, on the tensor cores: cuBLAS, or for Q4_K
-/// and Q8_0 weights of 2–48 rows the kernel of `mmq`, on devices of compute capability 8.0 and
-/// newer).
+/// GEMV launches (otherwise, where cuBLAS is present, on the tensor cores: cuBLAS, or for the
+/// weights and rows of `mma_suits` / `mma_suits_many` the kernel of `mmq`, on devices of
+/// compute capability 8.0 and newer).
 fn gemv_suits(n: usize, ty: GgmlType, cols: usize) -> bool {
     n <= GEMV_UP_TO && !(ty == GgmlType::BF16 && n > BF16_GEMV_UP_TO) && !mma_suits(ty, cols, n)
 }
