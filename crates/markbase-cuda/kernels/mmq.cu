@@ -161,24 +161,31 @@ __device__ __forceinline__ MmqKScales mmq_k_scales(const uint4* h, int c) {
     return r;
 }
 
-// Q4_K weights. A unit is a super-block (256 values, 144 bytes a row). A lane holds for each
-// of its two rows the 16-byte header and quant bytes 32c .. 32c + 31: chunk 2c's 32 weights
-// (low nibbles) and chunk 2c + 1's (high nibbles), so it needs one chunk pair's scales. Word
-// i of those bytes gives one k16 slab per chunk: its weights 4i, 4i + 1 in the A fragment's
-// first k pair and 4i + 2, 4i + 3 in its second; the B fragment takes the same four
-// activations of token g, contiguous in shared memory.
+// Q4_K (FIFTH false) and Q5_K (true) weights. A unit is a super-block (256 values; Q4_K 144
+// bytes a row, Q5_K 176 as laid out on the device, layout.rs: Q4_K's header and quant bytes,
+// then a word of fifth bits a lane slot). A lane holds for each of its two rows the 16-byte
+// header and quant bytes 32c .. 32c + 31: chunk 2c's 32 weights (low nibbles) and chunk
+// 2c + 1's (high nibbles), so it needs one chunk pair's scales (Q5_K: and the fifth-bit words
+// of lane slots 2c and 2c + 1). Word i of those bytes gives one k16 slab per chunk: its
+// weights 4i, 4i + 1 in the A fragment's first k pair and 4i + 2, 4i + 3 in its second; the B
+// fragment takes the same four activations of token g, contiguous in shared memory.
 //
-// Dequantization: a nibble n becomes the f16 1024 + n (or 1024 + 16n from the high nibble)
-// by one lop3 with 0x6400, then the exact n by a subtraction (or 1/16 · v − 64), then
-// w = fma(n, S, −M) rounded once to f16, with S = f16(d · scale) and M = f16(dmin · min) (each
-// rounded once, saturating at ±65 504). Tests model exactly this rounding.
-struct MmqQ4k : MmqSlots {
+// Dequantization, Q4_K: a nibble n becomes the f16 1024 + n (or 1024 + 16n from the high
+// nibble) by one lop3 with 0x6400, then the exact n by a subtraction (or 1/16 · v − 64). Q5_K:
+// the 5-bit bytes (the fifth bits by a shift and a mask, as Q5_0's) become the f16 1024 + q by
+// a byte permutation with 0x64, q by an exact subtraction. Then w = fma(q, S, −M) rounded once
+// to f16, with S = f16(d · scale) and M = f16(dmin · min) (each rounded once, saturating at
+// ±65 504). Tests model exactly this rounding.
+template <bool FIFTH>
+struct MmqK : MmqSlots {
     // A unit's bytes in a row; units a warp loads ahead.
-    static constexpr int UNIT_BYTES = 144, AHEAD = MMQ_UNITS_AHEAD;
+    static constexpr int UNIT_BYTES = FIFTH ? 176 : 144,
+                         AHEAD = FIFTH ? MMQ_Q5K_UNITS_AHEAD : MMQ_UNITS_AHEAD;
 
     struct Unit {
         uint4 h[2];
         uint4 q[2][2];
+        uint2 f[2];
     };
 
     // The unit of rows `lo` and `hi` (each at the unit's first byte).
@@ -189,59 +196,9 @@ struct MmqQ4k : MmqSlots {
         a.q[0][1] = __ldg((const uint4*)(lo + 32 + 32 * c));
         a.q[1][0] = __ldg((const uint4*)(hi + 16 + 32 * c));
         a.q[1][1] = __ldg((const uint4*)(hi + 32 + 32 * c));
-    }
-
-    // The lane's chunk pair's scales (MmqKScales).
-    typedef MmqKScales Scales;
-    static __device__ __forceinline__ Scales scales(const Unit& a, int c) {
-        return mmq_k_scales(a.h, c);
-    }
-
-    // The A fragments of words 2ip and 2ip + 1 of the lane's chunks (MmqSlots::mma's layout).
-    static __device__ __forceinline__ void fragments(const Unit& a, const Scales& sc, int ip,
-                                                     u32 (*A)[2][4]) {
-#pragma unroll
-        for (int wi = 0; wi < 2; wi++) {
-#pragma unroll
-            for (int e = 0; e < 2; e++) {
-                u32 l0, l1, h0, h1;
-                q4_nibbles_f16(mmq_word(a.q[e], 2 * ip + wi), l0, l1, h0, h1);
-                A[wi][0][e] = h2_fma(l0, sc.s[e][0], sc.m[e][0]);
-                A[wi][0][2 + e] = h2_fma(l1, sc.s[e][0], sc.m[e][0]);
-                A[wi][1][e] = h2_fma(h0, sc.s[e][1], sc.m[e][1]);
-                A[wi][1][2 + e] = h2_fma(h1, sc.s[e][1], sc.m[e][1]);
-            }
-        }
-    }
-};
-
-// Q5_K weights as laid out on the device (layout.rs): a unit is a super-block (256 values, 176
-// bytes a row: Q4_K's header and quant bytes, then a word of fifth bits a lane slot). A lane
-// holds for each of its two rows the header, quant bytes 32c .. 32c + 31 (chunks 2c and 2c + 1,
-// as MmqQ4k's) and the fifth-bit words of slots 2c and 2c + 1; word i of the quant bytes gives
-// the chunks' weights 4i .. 4i + 3 as 5-bit bytes (the fifth bits by a shift and a mask, as
-// Q5_0's), which become the f16 1024 + q by a byte permutation with 0x64, q by an exact
-// subtraction, then w = fma(q, S, −M) rounded once to f16 (S, M as Q4_K's). Tests model exactly
-// this rounding.
-struct MmqQ5k : MmqSlots {
-    // A unit's bytes in a row; units a warp loads ahead.
-    static constexpr int UNIT_BYTES = 176, AHEAD = MMQ_Q5K_UNITS_AHEAD;
-
-    struct Unit {
-        uint4 h[2];
-        uint4 q[2][2];
-        uint2 f[2];
-    };
-
-    // The unit of rows `lo` and `hi` (each at the unit's first byte).
-    static __device__ __forceinline__ void load(const u8* lo, const u8* hi, int c, Unit& a) {
-        const u8* r[2] = {lo, hi};
-#pragma unroll
-        for (int e = 0; e < 2; e++) {
-            a.h[e] = __ldg((const uint4*)r[e]);
-            a.q[e][0] = __ldg((const uint4*)(r[e] + 16 + 32 * c));
-            a.q[e][1] = __ldg((const uint4*)(r[e] + 32 + 32 * c));
-            a.f[e] = __ldg((const uint2*)(r[e] + 144 + 8 * c));
+        if (FIFTH) {
+            a.f[0] = __ldg((const uint2*)(lo + 144 + 8 * c));
+            a.f[1] = __ldg((const uint2*)(hi + 144 + 8 * c));
         }
     }
 
@@ -258,15 +215,25 @@ struct MmqQ5k : MmqSlots {
         for (int wi = 0; wi < 2; wi++) {
 #pragma unroll
             for (int e = 0; e < 2; e++) {
-                const int i = (2 * ip + wi) & 3;  // word i of lane slot 2c + (ip >> 1)
                 const u32 q = mmq_word(a.q[e], 2 * ip + wi);
-                const u32 f = ip >> 1 ? a.f[e].y : a.f[e].x;
-                const u32 lo = (q & 0x0F0F0F0Fu) | (((f >> i) & 0x01010101u) << 4);
-                const u32 up = ((q >> 4) & 0x0F0F0F0Fu) | (((f >> (4 + i)) & 0x01010101u) << 4);
-                A[wi][0][e] = byte_pair_f16_fma(lo, 0x4140u, sc.s[e][0], sc.m[e][0]);
-                A[wi][0][2 + e] = byte_pair_f16_fma(lo, 0x4342u, sc.s[e][0], sc.m[e][0]);
-                A[wi][1][e] = byte_pair_f16_fma(up, 0x4140u, sc.s[e][1], sc.m[e][1]);
-                A[wi][1][2 + e] = byte_pair_f16_fma(up, 0x4342u, sc.s[e][1], sc.m[e][1]);
+                if constexpr (FIFTH) {
+                    const int i = (2 * ip + wi) & 3;  // word i of lane slot 2c + (ip >> 1)
+                    const u32 f = ip >> 1 ? a.f[e].y : a.f[e].x;
+                    const u32 lo = (q & 0x0F0F0F0Fu) | (((f >> i) & 0x01010101u) << 4);
+                    const u32 up =
+                        ((q >> 4) & 0x0F0F0F0Fu) | (((f >> (4 + i)) & 0x01010101u) << 4);
+                    A[wi][0][e] = byte_pair_f16_fma(lo, 0x4140u, sc.s[e][0], sc.m[e][0]);
+                    A[wi][0][2 + e] = byte_pair_f16_fma(lo, 0x4342u, sc.s[e][0], sc.m[e][0]);
+                    A[wi][1][e] = byte_pair_f16_fma(up, 0x4140u, sc.s[e][1], sc.m[e][1]);
+                    A[wi][1][2 + e] = byte_pair_f16_fma(up, 0x4342u, sc.s[e][1], sc.m[e][1]);
+                } else {
+                    u32 l0, l1, h0, h1;
+                    q4_nibbles_f16(q, l0, l1, h0, h1);
+                    A[wi][0][e] = h2_fma(l0, sc.s[e][0], sc.m[e][0]);
+                    A[wi][0][2 + e] = h2_fma(l1, sc.s[e][0], sc.m[e][0]);
+                    A[wi][1][e] = h2_fma(h0, sc.s[e][1], sc.m[e][1]);
+                    A[wi][1][2 + e] = h2_fma(h1, sc.s[e][1], sc.m[e][1]);
+                }
             }
         }
     }
@@ -729,14 +696,14 @@ __device__ void mmq_impl(const Products& p, u64 row_bytes, int k, const u16* xh,
         mmq_impl<F, NT>(p, row_bytes, k, xh, n, gated, parts, tickets, splits, per_split);     \
     }
 #if FORMAT_q4_k
-MMQ_KERNEL(q4_k, MmqQ4k, 1)
-MMQ_KERNEL(q4_k, MmqQ4k, 2)
-MMQ_KERNEL(q4_k, MmqQ4k, 4)
+MMQ_KERNEL(q4_k, MmqK<false>, 1)
+MMQ_KERNEL(q4_k, MmqK<false>, 2)
+MMQ_KERNEL(q4_k, MmqK<false>, 4)
 #endif
 #if FORMAT_q5_k
-MMQ_KERNEL(q5_k, MmqQ5k, 1)
-MMQ_KERNEL(q5_k, MmqQ5k, 2)
-MMQ_KERNEL(q5_k, MmqQ5k, 4)
+MMQ_KERNEL(q5_k, MmqK<true>, 1)
+MMQ_KERNEL(q5_k, MmqK<true>, 2)
+MMQ_KERNEL(q5_k, MmqK<true>, 4)
 #endif
 #if FORMAT_q6_k
 MMQ_KERNEL(q6_k, MmqQ6k, 1)

@@ -200,7 +200,7 @@ struct MoeQ5_1 {
 // the chunk pair p = u % 4 of super-block u / 4 (its 32 quant bytes: chunk 2p in the low
 // nibbles, 2p + 1 in the high; Q5_K's fifth bits in the words of lane slots 2p and 2p + 1).
 // Lane c holds bytes 8c .. 8c + 7: values 8c .. 8c + 7 of each chunk (unit values 8c .. and
-// 32 + 8c ..), each weight fma(q, S, −M) rounded once to f16 as mmq.cu's MmqQ4k and MmqQ5k
+// 32 + 8c ..), each weight fma(q, S, −M) rounded once to f16 as mmq.cu's MmqK
 // dequantize.
 template <bool FIFTH>
 struct MoeK {

@@ -53,8 +53,8 @@ const ITEMS_PER_SM: usize = 8;
 /// Blocks resident on a multiprocessor (`__launch_bounds__(256, 2)`).
 const BLOCKS_PER_SM: usize = 2;
 
-/// How the kernels of a weight format cut a row (mmq.cu's `MmqQ4k`, `MmqQ5k`, `MmqQ6k`,
-/// `MmqQ8_0`, `MmqLegacy`).
+/// How the kernels of a weight format cut a row (mmq.cu's `MmqK`, `MmqQ6k`, `MmqQ8_0`,
+/// `MmqLegacy`).
 struct Format {
     /// Values a unit covers (`F::K`).
     unit: usize,
