@@ -207,8 +207,8 @@ struct WalkQ5k {
         int sl = 0, sh = 0;
 #pragma unroll
         for (int i = 0; i < 4; i++) {
-            const u32 lo = (w[i] & 0x0F0F0F0Fu) | (((s.f >> i) & 0x01010101u) << 4);
-            const u32 hi = ((w[i] >> 4) & 0x0F0F0F0Fu) | (((s.f >> (4 + i)) & 0x01010101u) << 4);
+            u32 lo, hi;
+            laid_five_bit_bytes(w[i], s.f, i, lo, hi);
             sl = dp2a_hi(xa[2 * i + 1], lo, dp2a_lo(xa[2 * i], lo, sl));
             sh = dp2a_hi(xb[2 * i + 1], hi, dp2a_lo(xb[2 * i], hi, sh));
         }

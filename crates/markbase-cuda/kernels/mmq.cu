@@ -219,9 +219,8 @@ struct MmqK : MmqSlots {
                 if constexpr (FIFTH) {
                     const int i = (2 * ip + wi) & 3;  // word i of lane slot 2c + (ip >> 1)
                     const u32 f = ip >> 1 ? a.f[e].y : a.f[e].x;
-                    const u32 lo = (q & 0x0F0F0F0Fu) | (((f >> i) & 0x01010101u) << 4);
-                    const u32 up =
-                        ((q >> 4) & 0x0F0F0F0Fu) | (((f >> (4 + i)) & 0x01010101u) << 4);
+                    u32 lo, up;
+                    laid_five_bit_bytes(q, f, i, lo, up);
                     A[wi][0][e] = byte_pair_f16_fma(lo, 0x4140u, sc.s[e][0], sc.m[e][0]);
                     A[wi][0][2 + e] = byte_pair_f16_fma(lo, 0x4342u, sc.s[e][0], sc.m[e][0]);
                     A[wi][1][e] = byte_pair_f16_fma(up, 0x4140u, sc.s[e][1], sc.m[e][1]);
@@ -428,8 +427,8 @@ struct MmqLegacy : MmqSlots {
                     A[wi][1][2 + e] = h2_mul(h1, sc.s[e][1]);
                 } else {
                     const u32 f = h ? a.fw[e].y : a.fw[e].x;
-                    const u32 lo = (q & 0x0F0F0F0Fu) | (((f >> i) & 0x01010101u) << 4);
-                    const u32 up = ((q >> 4) & 0x0F0F0F0Fu) | (((f >> (4 + i)) & 0x01010101u) << 4);
+                    u32 lo, up;
+                    laid_five_bit_bytes(q, f, i, lo, up);
                     A[wi][0][e] = byte_pair_f16(lo, 0x4140u, 0x64106410u, sc.s[e][0]);
                     A[wi][0][2 + e] = byte_pair_f16(lo, 0x4342u, 0x64106410u, sc.s[e][0]);
                     A[wi][1][e] = byte_pair_f16(up, 0x4140u, 0x64106410u, sc.s[e][1]);

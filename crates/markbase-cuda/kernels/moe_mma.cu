@@ -236,8 +236,8 @@ struct MoeK {
 #pragma unroll
         for (int i = 0; i < 2; i++) {
             if constexpr (FIFTH) {
-                const u32 lo = (q[i] & 0x0F0F0F0Fu) | (((a.f >> i) & 0x01010101u) << 4);
-                const u32 up = ((q[i] >> 4) & 0x0F0F0F0Fu) | (((a.f >> (4 + i)) & 0x01010101u) << 4);
+                u32 lo, up;
+                laid_five_bit_bytes(q[i], a.f, i, lo, up);
                 W[2 * i] = byte_pair_f16_fma(lo, 0x4140u, S[0], M[0]);
                 W[2 * i + 1] = byte_pair_f16_fma(lo, 0x4342u, S[0], M[0]);
                 W[4 + 2 * i] = byte_pair_f16_fma(up, 0x4140u, S[1], M[1]);

@@ -621,6 +621,15 @@ __host__ __device__ constexpr bool i16_unsigned(int f) { return f != F_Q8_0; }
 // word of two scales and d. Q4_0, Q5_0 (layout.rs): the slot's
 // 16 bytes of nibbles, (Q5_0) its word of fifth bits, and the word of the two blocks' f16
 // scales. Q8_0: each chunk's 16 quants and the word of their two f16 scales.
+// The 5-bit bytes of quant word q, four a word: its low nibbles (lo: chunk or block 2n) and
+// high nibbles (hi: 2n + 1) with their fifth bits from a lane slot's word f as laid out on the
+// device (layout.rs, Q5_0 and Q5_K: word i's at bits i, 8 + i, 16 + i, 24 + i, the high
+// chunk's 4 above them), so a shift and a mask line them up.
+__device__ __forceinline__ void laid_five_bit_bytes(u32 q, u32 f, int i, u32& lo, u32& hi) {
+    lo = (q & 0x0F0F0F0Fu) | (((f >> i) & 0x01010101u) << 4);
+    hi = ((q >> 4) & 0x0F0F0F0Fu) | (((f >> (4 + i)) & 0x01010101u) << 4);
+}
+
 template <int FMT>
 struct I16Slice;
 template <>
@@ -677,11 +686,11 @@ __device__ __forceinline__ void legacy_unpack(const I16Slice<FMT>& s, u32* lo, u
     const u32 w[4] = {s.q.x, s.q.y, s.q.z, s.q.w};
 #pragma unroll
     for (int i = 0; i < 4; i++) {
-        lo[i] = w[i] & 0x0F0F0F0Fu;
-        hi[i] = (w[i] >> 4) & 0x0F0F0F0Fu;
         if constexpr (FMT == F_Q5_0) {
-            lo[i] |= ((s.h >> i) & 0x01010101u) << 4;
-            hi[i] |= ((s.h >> (4 + i)) & 0x01010101u) << 4;
+            laid_five_bit_bytes(w[i], s.h, i, lo[i], hi[i]);
+        } else {
+            lo[i] = w[i] & 0x0F0F0F0Fu;
+            hi[i] = (w[i] >> 4) & 0x0F0F0F0Fu;
         }
     }
     *d0 = f16_to_f32((u16)(s.d & 0xffff));
@@ -735,11 +744,11 @@ __device__ __forceinline__ void i16_block(const I16Slice<FMT>* s, const uint4* x
             u32 w[4] = {s[r].q.x, s[r].q.y, s[r].q.z, s[r].q.w};
 #pragma unroll
             for (int i = 0; i < 4; i++) {
-                lo[r][i] = w[i] & 0x0F0F0F0Fu;
-                hi[r][i] = (w[i] >> 4) & 0x0F0F0F0Fu;
                 if constexpr (FMT == F_Q5_K) {
-                    lo[r][i] |= ((s[r].f >> i) & 0x01010101u) << 4;
-                    hi[r][i] |= ((s[r].f >> (4 + i)) & 0x01010101u) << 4;
+                    laid_five_bit_bytes(w[i], s[r].f, i, lo[r][i], hi[r][i]);
+                } else {
+                    lo[r][i] = w[i] & 0x0F0F0F0Fu;
+                    hi[r][i] = (w[i] >> 4) & 0x0F0F0F0Fu;
                 }
             }
             float d = f16_to_f32((u16)(s[r].h.x & 0xffff)),
