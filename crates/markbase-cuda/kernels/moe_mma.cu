@@ -2,10 +2,11 @@
 // to 8 pairs of one expert (moe_group's tiles, one a block row of the grid) is the 8 columns
 // of one n-tile, so a warp streams 16 of the expert's rows once for all the tile's pairs.
 // Weights go from memory straight into registers (bf16 and f16 as they are, Q4_0, Q5_0, Q5_1,
-// Q8_0, Q4_K and Q5_K dequantized to f16 there); the activations are the gathered slot rows as 16-bit values
-// (bf16 for bf16 weights, f16 otherwise: moe_gather_16), read through L1. The gated launch
-// (gate and up) writes gelu_tanh(gate) · up rounded to 16 bits, the down launch's input; the
-// down launch writes f32 rows for moe_combine. Appended to moe.cu's module; needs mma.cuh.
+// Q8_0, Q4_K and Q5_K dequantized to f16 there); the activations are the gathered slot rows as
+// 16-bit values (bf16 for bf16 weights, f16 otherwise: moe_gather_16), read through L1. The
+// gated launch (gate and up) writes gelu_tanh(gate) · up rounded to 16 bits, the down launch's
+// input; the down launch writes f32 rows for moe_combine. Appended to moe.cu's module; needs
+// mma.cuh.
 //
 // A unit is 64 values of a row. Lane (g, c) holds rows g and g + 8 of its warp's tile (gated:
 // gate row 8τ + g and up row 8τ + g), 16 values of each row per unit, as four k16 slabs of 4
@@ -182,7 +183,8 @@ struct MoeQ5_1 {
         a.dm = __ldg((const u32*)b);
         a.qh = __ldg((const u32*)b + 1) >> (16 * (c & 1));
         const uint2 v0 = __ldg((const uint2*)(b + 8)), v1 = __ldg((const uint2*)(b + 16));
-        a.q[0] = v0.x >> shift, a.q[1] = v0.y >> shift, a.q[2] = v1.x >> shift, a.q[3] = v1.y >> shift;
+        a.q[0] = v0.x >> shift, a.q[1] = v0.y >> shift;
+        a.q[2] = v1.x >> shift, a.q[3] = v1.y >> shift;
     }
 
     static __device__ __forceinline__ void slabs(const Unit& a, int, u32* W) {

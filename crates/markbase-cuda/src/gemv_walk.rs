@@ -1,6 +1,6 @@
 //! The gated feed-forward's first half for one token row of Q4_K, Q5_K or Q6_K weights (or Q8_0,
-//! Q4_0 or Q5_0 weights of whole 256-value units), and the product of one token row with a matrix of many rows (an
-//! LM head), as walks (kernels/gemv_walk.cu): each warp walks groups of row pairs (a gate row
+//! Q4_0 or Q5_0 weights of whole 256-value units), and the product of one token row with a
+//! matrix of many rows (an LM head), as walks (kernels/gemv_walk.cu): each warp walks groups of row pairs (a gate row
 //! and its up row; or rows r and rows/2 + r of one matrix) grid-stride, their 16- or 32-byte
 //! slices dealt evenly to its lanes, several slices' loads in flight a lane. Each block holds
 //! the activations as Q4_K tiles in dynamic shared memory: copied from the producer's

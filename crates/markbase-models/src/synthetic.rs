@@ -10,8 +10,8 @@
 //! `q5_k_m` the same over Q5_K. A matrix whose rows do not split into whole blocks of the
 //! format (the 26B-A4B experts' 704-wide down projection in Q4_K) falls back to Q8_0 (under the
 //! `_m` mixes as llama.cpp does: Q4_K to Q5_0, Q5_K to Q5_1, Q6_K to Q8_0), then BF16; the
-//! per-layer embedding table stays at ≥ 8 bits (Q8_0 under every format of fewer bits). Nothing is generated until a tensor is asked
-//! for: the shapes and byte counts (`inspect`) come from the configuration alone, and each
+//! per-layer embedding table stays at ≥ 8 bits (Q8_0 under every format of fewer bits).
+//! Nothing is generated until a tensor is asked for: the shapes and byte counts (`inspect`) come from the configuration alone, and each
 //! tensor's bytes are a pure function of (seed, tensor name), so a run is reproducible. A
 //! matrix is generated in fixed chunks of `CHUNK_WEIGHTS`, each from its own stream, on every
 //! core (E4B's 7 G weights took 92 s on one core of two).
