@@ -1,4 +1,4 @@
-// Products of 2–32 token rows a launch on the tensor cores (mma.sync m16n8k16, f32 sums):
+// Products of 2–64 token rows a launch on the tensor cores (mma.sync m16n8k16, f32 sums):
 // out[t, r] = Σ_k x[t, k] · w[r, k], for Q4_K, Q5_K, Q6_K, Q8_0, Q4_0 and Q5_0 weights (dequantized
 // to f16 in registers, f16 activations). The weights stream from memory once for all the tokens,
 // straight into registers; the GEMVs they replace read each weight once a token row (their dot
@@ -47,6 +47,12 @@
 // Q4_0's and Q5_0's (72 / 88 bytes a lane; two spilled at 4 n-tiles).
 #ifndef MMQ_LEGACY_UNITS_AHEAD
 #define MMQ_LEGACY_UNITS_AHEAD 1
+#endif
+// Units loaded ahead by a warp of a launch of 8 n-tiles (every format; a block a
+// multiprocessor, up to 255 registers a thread). 2 fits Q4_0, Q5_0, Q5_K and Q6_K without a
+// spill but ran E4B Q4_K_M's 64-sequence step 2–4 % slower (docs/perf.md session 39).
+#ifndef MMQ_WIDE_UNITS_AHEAD
+#define MMQ_WIDE_UNITS_AHEAD 1
 #endif
 // Accumulator sets of a warp for up to 16 tokens (one for more): a unit's products go to two
 // chains of dependent mma instructions, not one.
@@ -609,7 +615,7 @@ __device__ __forceinline__ void mmq_store(const MmqCursor& u, int gated, float (
 template <class F, int NT>
 __device__ void mmq_impl(const Products& p, u64 row_bytes, int k, const u16* xh, int n,
                          int gated, float* parts, u32* tickets, int splits, int per_split) {
-    constexpr int D = F::AHEAD;
+    constexpr int D = NT > 4 ? MMQ_WIDE_UNITS_AHEAD : F::AHEAD;
     extern __shared__ uint4 mmq_smem[];
     const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
     const int sb0 = blockIdx.y * per_split, count = min(k / F::K, sb0 + per_split) - sb0;
@@ -687,9 +693,10 @@ __device__ void mmq_impl(const Products& p, u64 row_bytes, int k, const u16* xh,
 }
 
 // The kernels mmq_<format>_<NT> for NT n-tiles (up to 8 · NT token rows); blocks of 256
-// threads with 8·NT · per_split · F::TOKEN_BYTES of dynamic shared memory.
+// threads with 8·NT · per_split · F::TOKEN_BYTES of dynamic shared memory, two a
+// multiprocessor (8 n-tiles: one, whose 64 tokens' sums take up to 255 registers a thread).
 #define MMQ_KERNEL(SUFFIX, F, NT)                                                              \
-    extern "C" __global__ void __launch_bounds__(256, 2)                                       \
+    extern "C" __global__ void __launch_bounds__(256, NT > 4 ? 1 : 2)                          \
         mmq_##SUFFIX##_##NT(Products p, u64 row_bytes, int k, const u16* xh, int n, int gated, \
                             float* parts, u32* tickets, int splits, int per_split) {           \
         mmq_impl<F, NT>(p, row_bytes, k, xh, n, gated, parts, tickets, splits, per_split);     \
@@ -698,31 +705,37 @@ __device__ void mmq_impl(const Products& p, u64 row_bytes, int k, const u16* xh,
 MMQ_KERNEL(q4_k, MmqK<false>, 1)
 MMQ_KERNEL(q4_k, MmqK<false>, 2)
 MMQ_KERNEL(q4_k, MmqK<false>, 4)
+MMQ_KERNEL(q4_k, MmqK<false>, 8)
 #endif
 #if FORMAT_q5_k
 MMQ_KERNEL(q5_k, MmqK<true>, 1)
 MMQ_KERNEL(q5_k, MmqK<true>, 2)
 MMQ_KERNEL(q5_k, MmqK<true>, 4)
+MMQ_KERNEL(q5_k, MmqK<true>, 8)
 #endif
 #if FORMAT_q6_k
 MMQ_KERNEL(q6_k, MmqQ6k, 1)
 MMQ_KERNEL(q6_k, MmqQ6k, 2)
 MMQ_KERNEL(q6_k, MmqQ6k, 4)
+MMQ_KERNEL(q6_k, MmqQ6k, 8)
 #endif
 #if FORMAT_q4_0
 MMQ_KERNEL(q4_0, MmqLegacy<F_Q4_0>, 1)
 MMQ_KERNEL(q4_0, MmqLegacy<F_Q4_0>, 2)
 MMQ_KERNEL(q4_0, MmqLegacy<F_Q4_0>, 4)
+MMQ_KERNEL(q4_0, MmqLegacy<F_Q4_0>, 8)
 #endif
 #if FORMAT_q5_0
 MMQ_KERNEL(q5_0, MmqLegacy<F_Q5_0>, 1)
 MMQ_KERNEL(q5_0, MmqLegacy<F_Q5_0>, 2)
 MMQ_KERNEL(q5_0, MmqLegacy<F_Q5_0>, 4)
+MMQ_KERNEL(q5_0, MmqLegacy<F_Q5_0>, 8)
 #endif
 #if FORMAT_q8_0
 MMQ_KERNEL(q8_0, MmqQ8_0, 1)
 MMQ_KERNEL(q8_0, MmqQ8_0, 2)
 MMQ_KERNEL(q8_0, MmqQ8_0, 4)
+MMQ_KERNEL(q8_0, MmqQ8_0, 8)
 #endif
 
 #endif

@@ -115,7 +115,7 @@ pub struct CudaBackend {
     /// drops its graphs before the kernels they launch are unloaded.
     pub(crate) steps: Steps,
     pub(crate) kernels: Kernels,
-    blas: Option<Arc<Blas>>,
+    pub(crate) blas: Option<Arc<Blas>>,
     pub(crate) scratch: Mutex<Scratch>,
     /// Work items queued on the stream (see `rounded`).
     pub(crate) queue: QueueCount,
@@ -231,7 +231,7 @@ fn gemv_block_warps(ty: GgmlType, split: usize) -> usize {
 
 /// Whether a product of `n` token rows with weights stored as `ty`, rows `cols` wide, runs as
 /// GEMV launches (otherwise, where cuBLAS is present, on the tensor cores: cuBLAS, or for the
-/// weights and rows of `mma_suits` / `mma_suits_many` the kernel of `mmq`, on devices of
+/// weights and rows of `mma_suits` the kernel of `mmq` where its plan takes them, on devices of
 /// compute capability 8.0 and newer).
 fn gemv_suits(n: usize, ty: GgmlType, cols: usize) -> bool {
     n <= GEMV_UP_TO && !(ty == GgmlType::BF16 && n > BF16_GEMV_UP_TO) && !mma_suits(ty, cols, n)
@@ -1002,9 +1002,9 @@ impl CudaBackend {
 
     /// `out = x · wᵀ` on the tensor cores from `xh`, the `n` activation rows already rounded
     /// as `product_inputs` says: bf16 weights as stored, those of `mma_suits` (Q4_K, Q5_K, Q6_K,
-    /// Q8_0, Q4_0, Q5_0) of 2–48 token rows by `mmq`, other quantized ones dequantized to f16 a
+    /// Q8_0, Q4_0, Q5_0) of 2–64 token rows by `mmq` where it takes them, other quantized ones dequantized to f16 a
     /// tile of rows at a time (sizes checked by the caller).
-    fn gemm_half(
+    pub(crate) fn gemm_half(
         &self,
         blas: &Blas,
         s: &mut Scratch,

@@ -50,7 +50,10 @@ impl CudaBackend {
         };
         let downs = [(down, out.ptr)];
         let down_job = Job::Products(&downs);
-        if !(one_format && shapes && self.mmq_takes(&fused, n) && self.mmq_takes(&down_job, n)) {
+        let Some(blas) = &self.blas else {
+            return Ok(false);
+        };
+        if !(one_format && shapes && self.mmq_takes(&fused, n)) {
             return Ok(false);
         }
         need("feed-forward input", x.len(), n * k)?;
@@ -60,7 +63,10 @@ impl CudaBackend {
         let form = rounded_form(gate.ty, k, n, product_inputs(gate.ty, k, n));
         let xh = self.round_inputs(&mut s, form, x.ptr, n * k)?;
         self.mmq(&mut s, xh, n, fused)?;
-        self.mmq(&mut s, gate_out.ptr, n, down_job)
+        if !self.mmq(&mut s, gate_out.ptr, n, down_job)? {
+            self.gemm_half(blas, &mut s, gate_out.ptr, n, down, out.ptr)?;
+        }
+        Ok(true)
     }
 
     /// [`markbase_core::backend::Backend::gated_ffn`] with bf16 activations between the

@@ -10,7 +10,7 @@
 //! Weights stay in their stored format on the device (GGUF blocks, BF16, F16, F32; Q8_0 rows
 //! regrouped and Q5_K, Q6_K, Q4_0 and Q5_0 blocks laid out for their readers, `layout`); decode
 //! products are warp-per-row GEMVs that read each weight row once for up to 8 token rows
-//! (Q4_K, Q5_K, Q6_K, Q8_0, Q4_0 and Q5_0 products of 2–48 token rows run on the tensor cores,
+//! (Q4_K, Q5_K, Q6_K, Q8_0, Q4_0 and Q5_0 products of 2–64 token rows run on the tensor cores,
 //! [`mma_suits`], and so do the grouped MoE expert products, [`moe_on_tensor_cores`]); prefill
 //! products dequantize tiles and call cuBLAS, and prefill attention runs as batched products.
 //! Activations are f32.
@@ -40,6 +40,6 @@ pub use backend::{
     BF16_GEMV_UP_TO,
 };
 pub use buffer::{CudaBuffer, CudaMatrix};
-pub use mmq::{mma_suits, mma_suits_many};
+pub use mmq::mma_suits;
 pub use moe_mma::moe_on_tensor_cores;
 pub use sample::{SampleParams, MAX_TOP_K};

@@ -1,12 +1,14 @@
 //! Products of a few token rows on the tensor cores (kernels/mmq.cu): Q4_K, Q5_K, Q6_K, Q8_0,
-//! Q4_0 and Q5_0 weights (rows of whole 256-value units) of 2–48 token rows (launches of
-//! several matrices, q/k/v: up to 64), dequantized to f16 in registers, on the f16 rounded copy
-//! of the activations.
-//! The weights stream once for up to 32 tokens (a launch). Up to `MAX_PRODUCTS` matrices of
-//! one width take one launch, or a gated pair (gate and up) whose launch stores
-//! gelu_tanh(gate) · up as the 16-bit activations of the down product. Warps walk row tiles of
-//! 16 rows; matrices of few tiles split their units over several items a tile, whose parts the
-//! tile's last warp adds in order (a ticket a tile in `tickets`).
+//! Q4_0 and Q5_0 weights (rows of whole 256-value units) of 2–64 token rows, dequantized to
+//! f16 in registers, on the f16 rounded copy of the activations.
+//! The weights stream once a launch: of up to 32 token rows (4 n-tiles of 8, two blocks a
+//! multiprocessor), or of 33–64 in one launch of 8 n-tiles (a block a multiprocessor) where its
+//! tiles split their units fewer than `WIDE_SPLITS` ways — else 32 rows a launch, and one
+//! matrix of more than 48 rows goes to cuBLAS. Up to `MAX_PRODUCTS` matrices of one width take
+//! one launch, or a gated pair (gate and up) whose launch stores gelu_tanh(gate) · up as the
+//! 16-bit activations of the down product. Warps walk row tiles of 16 rows; matrices of few
+//! tiles split their units over several items a tile, whose parts the tile's last warp adds in
+//! order (a ticket a tile in `tickets`).
 
 use markbase_core::quant::GgmlType;
 use markbase_core::Result;
@@ -21,28 +23,36 @@ use crate::sources::Module;
 /// (`bench -p 0 -n 32`, docs/perf.md sessions 31–33), E4B Q4_K: 2 / 3 / 4 / 8 / 16 / 32
 /// sequences 581 / 684 / 761 / 861 / 887 / 3 176 t/s before, 647 / 936 / 1 242 / 2 255 /
 /// 3 602 / 4 838 here (session 31), and with the gated pair in one launch and the split parts
-/// added in parallel 8 / 16 / 32 sequences 2 196 / 3 567 / 4 838 → 2 434 / 3 918 / 5 564. More
-/// than `LAUNCH_TOKENS` run as two launches: 40 / 48 sequences 3 870 / 4 663 on cuBLAS →
-/// 4 755 / 5 227 here, but 64 sequences 6 088 → 5 693, so 64 stay on cuBLAS. E4B Q8_0
-/// (session 33): 8 / 16 / 32 / 48 sequences 817 / 846 / 3 318 / 4 946 → 2 261 / 3 705 /
-/// 5 414 / 5 015.
-const MMQ_TOKENS: std::ops::RangeInclusive<usize> = 2..=48;
-/// Token rows up to which a launch of several matrices of one width (q, k and v) runs here:
-/// cuBLAS dequantizes and multiplies each matrix apart, while one launch here takes them all
-/// (two launches from 33 rows). H200, E4B's q, k and v at 64 rows (`cuda_bench --gemv --tokens
-/// 64`): Q4_K 81.1 → 29.0 µs, Q8_0 70.2 → 28.8, Q4_0 66.9 → 27.6; `bench -p 0 -n 32 -b 64`:
-/// E4B Q4_K_M 6 037 / 6 068 → 6 353 / 6 344 t/s, Q4_0 6 743 / 6 749 → 6 910 / 6 917 (docs/perf.md
-/// session 38).
-const MANY_TOKENS: usize = 64;
-/// Token rows one launch takes at most (4 n-tiles of 8, `MMQ_KERNEL(q4_k, …, 4)`); more run
-/// as several launches, each reading the weights. 8 n-tiles in one launch spilled 752 bytes
-/// and ran 48 / 64 sequences at 3 355 / 3 700 t/s (session 32).
+/// added in parallel 8 / 16 / 32 sequences 2 196 / 3 567 / 4 838 → 2 434 / 3 918 / 5 564. E4B
+/// Q8_0 (session 33): 8 / 16 / 32 / 48 sequences 817 / 846 / 3 318 / 4 946 → 2 261 / 3 705 /
+/// 5 414 / 5 015. 33–64 rows: see `WIDE_SPLITS`.
+const MMQ_TOKENS: std::ops::RangeInclusive<usize> = 2..=64;
+/// Token rows up to which one matrix alone runs here where its launch of 8 n-tiles is declined
+/// (`WIDE_SPLITS`): as launches of 32 rows, each reading the weights, 40 / 48 sequences ran
+/// 3 870 / 4 663 t/s on cuBLAS → 4 755 / 5 227 here, but 64 sequences 6 088 → 5 693 (session
+/// 32). Several matrices in one launch (q, k, v) run here up to 64 rows either way: cuBLAS
+/// multiplies each apart (E4B's q, k and v at 64 rows: Q4_K 81.1 → 29.0 µs, session 38).
+const ALONE_TOKENS: usize = 48;
+/// Token rows of a launch of 4 n-tiles (`MMQ_KERNEL(q4_k, …, 4)`).
 const LAUNCH_TOKENS: usize = 32;
+/// Splits of a tile's units from which a launch of 8 n-tiles (33–64 rows) is declined: its
+/// warps are 8 a multiprocessor, and with many splits a tile's parts and their fix-up cost
+/// more than the launch saves. H200, `cuda_bench --gemv --tokens 64`, E4B Q4_K (8 n-tiles
+/// against the launches of 32 rows or cuBLAS before; µs): q/k/v 28.7 → 23.1 (5 splits), q
+/// alone 26.3 → 21.9 (5), o 20.5 → 19.9 (4), gate + up 83.0 → 63.9 (2), PLE projection 18.3 →
+/// 9.0 (1), but down 52.0 → 70.3 (8) and the PLE gate 22.8 → 29.0 (10); 48 tokens: q/k/v 24.3
+/// → 19.8, gate + up 67.9 → 58.1. `bench -p 0 -n 32`, E4B Q4_K_M: 40 / 48 / 64 sequences
+/// 4 529 / 4 977 / 6 334 → 4 829 / 5 371 / 7 236 t/s, Q4_0 at 64 6 890 → 7 714 (docs/perf.md
+/// session 39).
+const WIDE_SPLITS: usize = 8;
 /// Warps of a block.
 const BLOCK_WARPS: usize = 8;
-/// Most dynamic shared memory of a block (a split's activations): two blocks fit a
-/// multiprocessor.
+/// Most dynamic shared memory of a block of 4 n-tiles or fewer (a split's activations): two
+/// blocks fit a multiprocessor.
 const MAX_SHARED: usize = 100 << 10;
+/// Most dynamic shared memory of a block of 8 n-tiles (a block a multiprocessor): 5 units of
+/// 64 tokens' activations.
+const WIDE_SHARED: usize = 200 << 10;
 /// Row tiles whose launches may split their units: one ticket each.
 pub(crate) const TICKETS: usize = 1 << 16;
 /// Items (a row tile over a split) a launch aims for a multiprocessor: matrices of fewer row
@@ -50,7 +60,8 @@ pub(crate) const TICKETS: usize = 1 << 16;
 /// 8-sequence step 15 % slower (the parts' fix-up), 4 up to 4 % slower (docs/perf.md
 /// session 31).
 const ITEMS_PER_SM: usize = 8;
-/// Blocks resident on a multiprocessor (`__launch_bounds__(256, 2)`).
+/// Blocks resident on a multiprocessor of launches of 4 n-tiles or fewer
+/// (`__launch_bounds__(256, 2)`; 8 n-tiles: one).
 const BLOCKS_PER_SM: usize = 2;
 
 /// How the kernels of a weight format cut a row (mmq.cu's `MmqK`, `MmqQ6k`, `MmqQ8_0`,
@@ -77,29 +88,41 @@ fn format(ty: GgmlType) -> Option<Format> {
         | GgmlType::Q5_0 => Some(Format {
             unit: 256,
             token_bytes: 576,
-            most_nt: 4,
+            most_nt: 8,
         }),
         _ => None,
     }
 }
 
-/// Whether a product of `n` token rows with weights stored as `ty`, rows `cols` wide, runs here
-/// (where the device allows, `CudaBackend::mmq_takes` says): a format of the kernels, rows of
-/// whole units, `mmq_rows`.
+/// Whether a product of `n` token rows with weights stored as `ty`, rows `cols` wide, may run
+/// here (where the device and the launch's shape allow, `CudaBackend::mmq_takes_products`
+/// says): a format of the kernels, rows of whole units, `mmq_rows`.
 pub fn mma_suits(ty: GgmlType, cols: usize, n: usize) -> bool {
     format(ty).is_some_and(|f| cols.is_multiple_of(f.unit)) && mmq_rows(n)
 }
 
-/// Whether a launch of `matrices` matrices of one storage (`ty`, rows `cols` wide) for `n`
-/// token rows runs here (where the device allows): `mma_suits`, or several matrices of up to
-/// `MANY_TOKENS` rows.
-pub fn mma_suits_many(ty: GgmlType, cols: usize, n: usize, matrices: usize) -> bool {
-    mma_suits(ty, cols, n) || (matrices >= 2 && n <= MANY_TOKENS && mma_suits(ty, cols, 2))
-}
-
-/// Whether products of `n` token rows run here where their format and width do (`mma_suits`).
+/// Whether products of `n` token rows may run here where their format and width do
+/// (`mma_suits`).
 pub(crate) fn mmq_rows(n: usize) -> bool {
     MMQ_TOKENS.contains(&n)
+}
+
+/// Blocks of a launch of `nt` n-tiles resident on a multiprocessor.
+fn blocks_per_sm(nt: usize) -> usize {
+    if nt > 4 {
+        1
+    } else {
+        BLOCKS_PER_SM
+    }
+}
+
+/// Most dynamic shared memory of a block of `nt` n-tiles.
+fn max_shared(nt: usize) -> usize {
+    if nt > 4 {
+        WIDE_SHARED
+    } else {
+        MAX_SHARED
+    }
 }
 
 /// How a launch covers its matrices' `tiles` row tiles: `nt` n-tiles of 8 tokens, each tile's
@@ -125,7 +148,7 @@ impl Shape {
 fn shape(f: &Format, tiles: usize, k: usize, n: usize, sms: usize) -> Option<Shape> {
     let nt = n.div_ceil(8).next_power_of_two().min(f.most_nt);
     let units = k / f.unit;
-    let most_per_split = (MAX_SHARED / (8 * nt * f.token_bytes)).min(units);
+    let most_per_split = (max_shared(nt) / (8 * nt * f.token_bytes)).min(units);
     let want = (ITEMS_PER_SM * sms)
         .div_ceil(tiles)
         .clamp(units.div_ceil(most_per_split), units);
@@ -134,7 +157,7 @@ fn shape(f: &Format, tiles: usize, k: usize, n: usize, sms: usize) -> Option<Sha
     if splits > 1 && tiles > TICKETS {
         return None;
     }
-    let resident = (BLOCKS_PER_SM * sms / splits).max(1);
+    let resident = (blocks_per_sm(nt) * sms / splits).max(1);
     Some(Shape {
         nt,
         splits,
@@ -155,6 +178,15 @@ pub(crate) enum Job<'a> {
     },
 }
 
+/// What a launch's plan depends on: its matrices' storage and width, their row tiles, and
+/// whether it holds one matrix alone.
+struct Extent {
+    ty: GgmlType,
+    cols: usize,
+    tiles: usize,
+    alone: bool,
+}
+
 impl Job<'_> {
     /// The first matrix (all share its format and width) and the launch's row tiles.
     fn first_and_tiles(&self) -> (&CudaMatrix, usize) {
@@ -166,50 +198,92 @@ impl Job<'_> {
             Job::Gated { gate, .. } => (gate, gate.rows.div_ceil(8)),
         }
     }
+
+    /// The launch's `Extent` (a gated pair counts as one matrix).
+    fn extent(&self) -> Extent {
+        let (w0, tiles) = self.first_and_tiles();
+        Extent {
+            ty: w0.ty,
+            cols: w0.cols,
+            tiles,
+            alone: !matches!(self, Job::Products(p) if p.len() > 1),
+        }
+    }
+}
+
+/// A launch of a plan: its first token row, its token rows, its shape and shared memory.
+type Launch = (usize, usize, Shape, usize);
+
+/// The launches of a job of extent `e` for `n` token rows on `sms` multiprocessors that give a
+/// block `most_shared` bytes, if the kernels take it: a format they have, `mma_suits` rows and
+/// width, tiles few enough to split, and shared memory enough (GPUs of compute capability 8.6
+/// and 8.9 give 99 KB). Up to `LAUNCH_TOKENS` rows take one launch; 33–64 one launch of 8
+/// n-tiles where it splits its tiles fewer than `WIDE_SPLITS` ways, else launches of
+/// `LAUNCH_TOKENS` rows, which one matrix alone takes up to `ALONE_TOKENS`.
+fn plan(e: &Extent, n: usize, sms: usize, most_shared: usize) -> Option<Vec<Launch>> {
+    let f = format(e.ty)?;
+    if !mma_suits(e.ty, e.cols, n) {
+        return None;
+    }
+    let launches = |chunk: usize| -> Option<Vec<Launch>> {
+        (0..n)
+            .step_by(chunk)
+            .map(|t0| {
+                let len = (n - t0).min(chunk);
+                let sh = shape(&f, e.tiles, e.cols, len, sms)?;
+                let shared = sh.shared(&f);
+                (shared <= most_shared).then_some((t0, len, sh, shared))
+            })
+            .collect()
+    };
+    if n > LAUNCH_TOKENS {
+        if let Some(one) = launches(n).filter(|p| p[0].2.splits < WIDE_SPLITS) {
+            return Some(one);
+        }
+        if e.alone && n > ALONE_TOKENS {
+            return None;
+        }
+    }
+    launches(LAUNCH_TOKENS)
 }
 
 impl CudaBackend {
-    /// The launches of `job` for `n` token rows, if the kernels take it — (first token row,
-    /// token rows, shape, shared memory) each, at most `LAUNCH_TOKENS` rows a launch: a
-    /// format they have, a device of compute capability 8.0 or newer, `mma_suits` rows and
-    /// width, tiles few enough to split, and shared
-    /// memory the device gives a block (GPUs of compute capability 8.6 and 8.9 give 99 KB).
-    fn mmq_plan(&self, job: &Job<'_>, n: usize) -> Option<Vec<(usize, usize, Shape, usize)>> {
-        let (w0, tiles) = job.first_and_tiles();
-        let f = format(w0.ty)?;
-        let capable = self.dev.capability().0 >= 8;
-        let matrices = match job {
-            Job::Products(p) => p.len(),
-            Job::Gated { .. } => 1,
-        };
-        if !capable || !mma_suits_many(w0.ty, w0.cols, n, matrices) {
+    /// The launches of a job of extent `e` for `n` token rows (`plan`) on a device of compute
+    /// capability 8.0 or newer.
+    fn mmq_plan(&self, e: &Extent, n: usize) -> Option<Vec<Launch>> {
+        if self.dev.capability().0 < 8 {
             return None;
         }
         let sms = self.dev.multiprocessors() as usize;
-        let most = self.dev.max_block_shared() as usize;
-        (0..n)
-            .step_by(LAUNCH_TOKENS)
-            .map(|t0| {
-                let len = (n - t0).min(LAUNCH_TOKENS);
-                let sh = shape(&f, tiles, w0.cols, len, sms)?;
-                let shared = sh.shared(&f);
-                (shared <= most).then_some((t0, len, sh, shared))
-            })
-            .collect()
+        plan(e, n, sms, self.dev.max_block_shared() as usize)
     }
 
     /// Whether `mmq` takes `job` for `n` token rows.
     pub(crate) fn mmq_takes(&self, job: &Job<'_>, n: usize) -> bool {
-        self.mmq_plan(job, n).is_some()
+        self.mmq_plan(&job.extent(), n).is_some()
+    }
+
+    /// Whether a product of `n` token rows of matrices of `rows` rows each (one call of
+    /// `matmul_many`, or `matmul` for one), stored as `ty`, `cols` wide, runs on the
+    /// tensor-core kernels here (their rounding differs from cuBLAS's on dequantized weights:
+    /// the GPU tests model it).
+    pub fn mmq_takes_products(&self, ty: GgmlType, cols: usize, rows: &[usize], n: usize) -> bool {
+        let e = Extent {
+            ty,
+            cols,
+            tiles: rows.iter().map(|r| r.div_ceil(16)).sum(),
+            alone: rows.len() == 1,
+        };
+        !rows.is_empty() && self.mmq_plan(&e, n).is_some()
     }
 
     /// Runs `job` for `n` token rows whose activations `xh` are rounded to the 16-bit type of
-    /// the weights' products (f16), sizes checked by the caller, in one launch a
-    /// `LAUNCH_TOKENS` rows; false (nothing queued) where the kernels do not take it
+    /// the weights' products (f16), sizes checked by the caller, in the launches of
+    /// `mmq_plan`; false (nothing queued) where the kernels do not take it
     /// (`mmq_plan`). The parts of split tiles go to the f16 tile scratch, which the caller
     /// does not hold `xh` in.
     pub(crate) fn mmq(&self, s: &mut Scratch, xh: u64, n: usize, job: Job<'_>) -> Result<bool> {
-        let Some(launches) = self.mmq_plan(&job, n) else {
+        let Some(launches) = self.mmq_plan(&job.extent(), n) else {
             return Ok(false);
         };
         let (w0, tiles) = job.first_and_tiles();
@@ -294,20 +368,26 @@ mod tests {
             (16_384, 2560),
             (5, 12_800),
         ] {
-            // One launch's token rows (more take several).
-            for n in [2, 8, 9, 16, 17, 25, 32] {
+            // One launch's token rows.
+            for n in [2, 8, 9, 16, 17, 25, 32, 33, 48, 64] {
                 let sh = shape(&q4k, tiles, k, n, 132).unwrap();
                 let units = k / q4k.unit;
                 assert!(sh.nt * 8 >= n && (sh.nt == 1 || sh.nt * 4 < n), "{n}");
                 assert!(sh.nt <= q4k.most_nt && sh.nt.is_power_of_two());
                 assert!(sh.splits * sh.per_split >= units);
                 assert!((sh.splits - 1) * sh.per_split < units, "no empty split");
-                assert!(sh.shared(&q4k) <= MAX_SHARED, "{tiles}x{k} n={n}: {sh:?}");
-                assert!(sh.blocks * sh.splits <= 2 * 132 || sh.blocks == 1);
-                assert!(sh.blocks >= 1 && sh.blocks <= tiles.div_ceil(8));
-                // Enough items, or one super-block a split.
                 assert!(
-                    2 * tiles * sh.splits >= 8 * 132 || sh.per_split == 1,
+                    sh.shared(&q4k) <= max_shared(sh.nt),
+                    "{tiles}x{k} n={n}: {sh:?}"
+                );
+                let resident = blocks_per_sm(sh.nt) * 132;
+                assert!(sh.blocks * sh.splits <= resident || sh.blocks == 1);
+                assert!(sh.blocks >= 1 && sh.blocks <= tiles.div_ceil(8));
+                // Enough items, or one super-block a split, or shared memory full.
+                assert!(
+                    2 * tiles * sh.splits >= 8 * 132
+                        || sh.per_split == 1
+                        || sh.per_split * 2 > max_shared(sh.nt) / (64 * sh.nt * q4k.token_bytes),
                     "{tiles}x{k} n={n}: {sh:?}"
                 );
             }
@@ -325,14 +405,54 @@ mod tests {
     }
 
     #[test]
+    fn launches_of_33_to_64_rows_take_8_n_tiles_unless_they_split_8_ways() {
+        let h200 = |ty, cols, rows: &[usize], n| {
+            let e = Extent {
+                ty,
+                cols,
+                tiles: rows.iter().map(|r: &usize| r.div_ceil(16)).sum(),
+                alone: rows.len() == 1,
+            };
+            plan(&e, n, 132, 227 << 10).map(|p| {
+                p.iter()
+                    .map(|(t0, len, sh, _)| (*t0, *len, sh.nt, sh.splits))
+                    .collect::<Vec<_>>()
+            })
+        };
+        let q4k = GgmlType::Q4_K;
+        // E4B's q, k and v; gate alone; o: one launch.
+        assert_eq!(
+            h200(q4k, 2560, &[2048, 512, 512], 64),
+            Some(vec![(0, 64, 8, 5)])
+        );
+        assert_eq!(h200(q4k, 2560, &[10_240], 40), Some(vec![(0, 40, 8, 2)]));
+        assert_eq!(h200(q4k, 2048, &[2560], 64), Some(vec![(0, 64, 8, 4)]));
+        // Down splits 8 ways at 8 n-tiles: launches of 32 rows up to 48, cuBLAS past.
+        assert_eq!(
+            h200(q4k, 10_240, &[2560], 48),
+            Some(vec![(0, 32, 4, 8), (32, 16, 2, 7)])
+        );
+        assert_eq!(h200(q4k, 10_240, &[2560], 49), None);
+        // Several matrices that split 8 ways: launches of 32 rows up to 64.
+        assert_eq!(
+            h200(q4k, 10_240, &[2560, 2560], 64),
+            Some(vec![(0, 32, 4, 8), (32, 32, 4, 8)])
+        );
+        // Up to 32 rows: one launch of up to 4 n-tiles; past 64: none.
+        assert_eq!(h200(q4k, 10_240, &[2560], 32), Some(vec![(0, 32, 4, 8)]));
+        assert_eq!(h200(q4k, 2560, &[2048, 512, 512], 65), None);
+        assert_eq!(h200(GgmlType::BF16, 2560, &[2048], 8), None);
+    }
+
+    #[test]
     fn few_token_products_take_the_tensor_cores() {
         let (q4k, q8) = (GgmlType::Q4_K, GgmlType::Q8_0);
         assert!(!mma_suits(q4k, 256, 1));
         assert!(mma_suits(q4k, 256, 2));
-        assert!(mma_suits(q4k, 2560, 33) && mma_suits(q4k, 2560, 48));
-        assert!(!mma_suits(q4k, 2560, 49));
+        assert!(mma_suits(q4k, 2560, 33) && mma_suits(q4k, 2560, 64));
+        assert!(!mma_suits(q4k, 2560, 65));
         assert!(mma_suits(q8, 2560, 2) && mma_suits(q8, 512, 48));
-        assert!(!mma_suits(q8, 2560, 1) && !mma_suits(q8, 2560, 49));
+        assert!(!mma_suits(q8, 2560, 1) && !mma_suits(q8, 2560, 65));
         // Q8_0 rows of a part group (layout.rs) stay on the other paths.
         assert!(!mma_suits(q8, 640, 8) && !mma_suits(q8, 96, 8));
         for ty in [GgmlType::Q5_K, GgmlType::Q6_K] {
@@ -343,9 +463,5 @@ mod tests {
             assert!(mma_suits(ty, 2560, 8) && !mma_suits(ty, 640, 8) && !mma_suits(ty, 2560, 1));
         }
         assert!(!mma_suits(GgmlType::Q5_1, 2560, 8) && !mma_suits(GgmlType::BF16, 2560, 8));
-        // Launches of several matrices (q, k, v) up to 64 rows; one matrix up to 48.
-        assert!(mma_suits_many(q4k, 2560, 64, 3) && mma_suits_many(q4k, 2560, 64, 2));
-        assert!(!mma_suits_many(q4k, 2560, 64, 1) && !mma_suits_many(q4k, 2560, 65, 3));
-        assert!(!mma_suits_many(GgmlType::BF16, 2560, 64, 3));
     }
 }

@@ -16,9 +16,8 @@ use markbase_core::backend::{
 use markbase_core::quant::GgmlType;
 use markbase_cpu::reference;
 use markbase_cuda::{
-    gemv_takes_16_bit_activations, mma_suits_many, moe_groups_pairs, moe_on_tensor_cores,
-    product_inputs, CudaBackend, CudaBuffer, CudaMatrix, ProductInputs, SampleParams,
-    ATTN_FLASH_MIN_ROWS,
+    gemv_takes_16_bit_activations, moe_groups_pairs, moe_on_tensor_cores, product_inputs,
+    CudaBackend, CudaBuffer, CudaMatrix, ProductInputs, SampleParams, ATTN_FLASH_MIN_ROWS,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, RngCore, SeedableRng};
@@ -176,17 +175,18 @@ fn random_matrix(r: &mut StdRng, ty: GgmlType, rows: usize, cols: usize) -> Host
 /// as they are, or as 16-bit integers per 32 values where the GEMVs take them so
 /// (`as_16_bit`).
 fn as_seen(g: &CudaBackend, m: &HostMatrix, n: usize, x: &[f32]) -> (Vec<f32>, HostMatrix) {
-    as_seen_in(g, m, n, x, 1)
+    as_seen_in(g, m, n, x, &[m.rows])
 }
 
-/// `as_seen` for a product in a launch of `matrices` matrices of one storage (`matmul_many`:
-/// several of them take the tensor-core kernel for more token rows, `mma_suits_many`).
+/// `as_seen` for a product in one call with matrices of `rows` rows each, `m` among them
+/// (`matmul_many`: whether the tensor-core kernel takes them depends on them all,
+/// `mmq_takes_products`).
 fn as_seen_in(
     g: &CudaBackend,
     m: &HostMatrix,
     n: usize,
     x: &[f32],
-    matrices: usize,
+    rows: &[usize],
 ) -> (Vec<f32>, HostMatrix) {
     let inputs = if g.has_cublas() {
         product_inputs(m.ty, m.cols, n)
@@ -208,7 +208,7 @@ fn as_seen_in(
         }
         ProductInputs::F16 => {
             let xs = x.iter().map(|&v| f16::from_f32(v).to_f32()).collect();
-            if mma_suits_many(m.ty, m.cols, n, matrices) && g.device().capability().0 >= 8 {
+            if g.mmq_takes_products(m.ty, m.cols, rows, n) {
                 match m.ty {
                     GgmlType::Q4_K | GgmlType::Q5_K => return (xs, k_quant_as_f16_fma(m)),
                     GgmlType::Q6_K => return (xs, q6k_as_f16(m)),
@@ -429,7 +429,7 @@ fn matmul_matches_reference_for_every_format_and_batch() {
             let w = g.load_matrix(&m).unwrap();
             // 1–8: one GEMV launch; 13: two; 40: cuBLAS (f32 and f16 weights in f32, bf16 and
             // quantized ones on the tensor cores, see `as_seen`); bf16 weights take the tensor
-            // cores from 3 rows, Q4_K weights the tensor-core kernel for 2–48 (`mma_suits`).
+            // cores from 3 rows, Q4_K weights the tensor-core kernel for 2–64 (`mma_suits`).
             for n in [1, 2, 3, 8, 13, 40] {
                 let x = uniform(&mut r, n * k, 1.0);
                 matmul_checked(g, &m, &w, n, &up(g, &x), &x, &format!("matmul {ty} k={k}"));
@@ -602,7 +602,7 @@ fn one_token_products_over_an_lm_head_of_rows_match_reference() {
     }
 }
 
-/// Q4_K, Q5_K, Q6_K, Q8_0, Q4_0 and Q5_0 products of 2–48 token rows on the tensor cores over
+/// Q4_K, Q5_K, Q6_K, Q8_0, Q4_0 and Q5_0 products of 2–64 token rows on the tensor cores over
 /// matrices of many row
 /// tiles and long rows (tiles whose units several blocks share, part-filled tiles and splits),
 /// every n-tile count and a part-filled n-tile; a second run gives the same bits. Then
@@ -627,7 +627,9 @@ fn tensor_core_products_match_reference_and_repeat_exactly() {
     for (ty, rows, k) in shapes {
         let m = random_matrix(&mut r, ty, rows, k);
         let w = g.load_matrix(&m).unwrap();
-        // 33–48: two launches; 64: cuBLAS on the weights dequantized as the kernel does.
+        // 33–64: one launch of 8 n-tiles, or where it would split the tiles 8 ways or more
+        // ([2 560, 10 240], [333, 2 816] on an H200) two launches up to 48 rows and cuBLAS on
+        // the weights dequantized to f16 at 64 (`as_seen` models which).
         for n in [2, 7, 16, 29, 32, 41, 48, 64] {
             let x = uniform(&mut r, n * k, 1.0);
             let xb = up(g, &x);
@@ -652,14 +654,15 @@ fn tensor_core_products_match_reference_and_repeat_exactly() {
             .map(|&rows| random_matrix(&mut r, ty, rows, k))
             .collect();
         let ws: Vec<_> = mats.iter().map(|m| g.load_matrix(m).unwrap()).collect();
-        // 50 and 64: two launches of the tensor-core kernel (one matrix alone: cuBLAS).
+        // 50 and 64: one launch of 8 n-tiles, or two of 4 (one matrix alone: cuBLAS).
         for n in [5, 24, 50, 64] {
             let x = uniform(&mut r, n * k, 1.0);
             let mut outs: Vec<CudaBuffer> = mats.iter().map(|m| poisoned(g, n * m.rows)).collect();
             let mut products: Vec<_> = ws.iter().zip(outs.iter_mut()).collect();
             g.matmul_many(&up(g, &x), n, &mut products).unwrap();
             for (m, out) in mats.iter().zip(&outs) {
-                let (sx, sm) = as_seen_in(g, m, n, &x, mats.len());
+                let rows: Vec<usize> = mats.iter().map(|m| m.rows).collect();
+                let (sx, sm) = as_seen_in(g, m, n, &x, &rows);
                 let want = reference::matmul(&sx, n, &sm).unwrap();
                 let what = format!("matmul_many {ty} rows {} n={n}", m.rows);
                 assert_close(
