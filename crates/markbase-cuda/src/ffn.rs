@@ -28,8 +28,9 @@ use crate::sources::Module;
 impl CudaBackend {
     /// [`markbase_core::backend::Backend::gated_ffn`] as two tensor-core launches (mmq.rs): the
     /// gated pair, storing gelu_tanh(gate) · up rounded into `gate_out`, then the down product
-    /// on them. False (nothing queued) where the three matrices are not of one format, or the
-    /// kernels do not take both launches for `n` rows.
+    /// on them (on cuBLAS where the kernels decline it). False (nothing queued) where the three
+    /// matrices are not of one format, the kernels do not take the gated pair for `n` rows, or
+    /// they decline the down product and cuBLAS is absent.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn gated_ffn_mma(
         &self,
@@ -50,12 +51,16 @@ impl CudaBackend {
         };
         let downs = [(down, out.ptr)];
         let down_job = Job::Products(&downs);
-        let Some(blas) = &self.blas else {
-            return Ok(false);
-        };
         if !(one_format && shapes && self.mmq_takes(&fused, n)) {
             return Ok(false);
         }
+        // Where the kernels decline the down product (one matrix of 49–64 rows, `mmq::plan`),
+        // cuBLAS multiplies it from the pair's f16 outputs.
+        let down_on_blas = match (self.mmq_takes(&down_job, n), &self.blas) {
+            (true, _) => None,
+            (false, Some(blas)) => Some(blas),
+            (false, None) => return Ok(false),
+        };
         need("feed-forward input", x.len(), n * k)?;
         need("feed-forward gate scratch", gate_out.len(), n * ff)?;
         need("feed-forward output", out.len(), n * d)?;
@@ -63,8 +68,11 @@ impl CudaBackend {
         let form = rounded_form(gate.ty, k, n, product_inputs(gate.ty, k, n));
         let xh = self.round_inputs(&mut s, form, x.ptr, n * k)?;
         self.mmq(&mut s, xh, n, fused)?;
-        if !self.mmq(&mut s, gate_out.ptr, n, down_job)? {
-            self.gemm_half(blas, &mut s, gate_out.ptr, n, down, out.ptr)?;
+        match down_on_blas {
+            Some(blas) => self.gemm_half(blas, &mut s, gate_out.ptr, n, down, out.ptr)?,
+            None => {
+                self.mmq(&mut s, gate_out.ptr, n, down_job)?;
+            }
         }
         Ok(true)
     }
