@@ -33,7 +33,7 @@ const MMQ_TOKENS: std::ops::RangeInclusive<usize> = 2..=64;
 /// 32). Several matrices in one launch (q, k, v) run here up to 64 rows either way: cuBLAS
 /// multiplies each apart (E4B's q, k and v at 64 rows: Q4_K 81.1 → 29.0 µs, session 38).
 const ALONE_TOKENS: usize = 48;
-/// Token rows of a launch of 4 n-tiles (`MMQ_KERNEL(q4_k, …, 4)`).
+/// Token rows of a launch of 4 n-tiles (`mmq_<format>_4`).
 const LAUNCH_TOKENS: usize = 32;
 /// Splits of a tile's units from which a launch of 8 n-tiles (33–64 rows) is declined: its
 /// warps are 8 a multiprocessor, and with many splits a tile's parts and their fix-up cost
@@ -187,26 +187,41 @@ struct Extent {
     alone: bool,
 }
 
+impl Extent {
+    /// Products of matrices stored as `ty`, `cols` wide, of `rows` rows each: tiles of 16
+    /// rows.
+    fn products(ty: GgmlType, cols: usize, rows: impl ExactSizeIterator<Item = usize>) -> Extent {
+        let alone = rows.len() == 1;
+        Extent {
+            ty,
+            cols,
+            tiles: rows.map(|r| r.div_ceil(16)).sum(),
+            alone,
+        }
+    }
+}
+
 impl Job<'_> {
-    /// The first matrix (all share its format and width) and the launch's row tiles.
-    fn first_and_tiles(&self) -> (&CudaMatrix, usize) {
+    /// The first matrix: all share its format and width.
+    fn first(&self) -> &CudaMatrix {
         match self {
-            Job::Products(products) => (
-                products[0].0,
-                products.iter().map(|(w, _)| w.rows.div_ceil(16)).sum(),
-            ),
-            Job::Gated { gate, .. } => (gate, gate.rows.div_ceil(8)),
+            Job::Products(products) => products[0].0,
+            Job::Gated { gate, .. } => gate,
         }
     }
 
-    /// The launch's `Extent` (a gated pair counts as one matrix).
+    /// The launch's `Extent`: a gated pair counts as one matrix of tiles of 8 gate rows and
+    /// the 8 up rows beside them.
     fn extent(&self) -> Extent {
-        let (w0, tiles) = self.first_and_tiles();
-        Extent {
-            ty: w0.ty,
-            cols: w0.cols,
-            tiles,
-            alone: !matches!(self, Job::Products(p) if p.len() > 1),
+        let w0 = self.first();
+        match self {
+            Job::Products(p) => Extent::products(w0.ty, w0.cols, p.iter().map(|(w, _)| w.rows)),
+            Job::Gated { gate, .. } => Extent {
+                ty: w0.ty,
+                cols: w0.cols,
+                tiles: gate.rows.div_ceil(8),
+                alone: true,
+            },
         }
     }
 }
@@ -268,12 +283,7 @@ impl CudaBackend {
     /// tensor-core kernels here (their rounding differs from cuBLAS's on dequantized weights:
     /// the GPU tests model it).
     pub fn mmq_takes_products(&self, ty: GgmlType, cols: usize, rows: &[usize], n: usize) -> bool {
-        let e = Extent {
-            ty,
-            cols,
-            tiles: rows.iter().map(|r| r.div_ceil(16)).sum(),
-            alone: rows.len() == 1,
-        };
+        let e = Extent::products(ty, cols, rows.iter().copied());
         !rows.is_empty() && self.mmq_plan(&e, n).is_some()
     }
 
@@ -283,11 +293,11 @@ impl CudaBackend {
     /// (`mmq_plan`). The parts of split tiles go to the f16 tile scratch, which the caller
     /// does not hold `xh` in.
     pub(crate) fn mmq(&self, s: &mut Scratch, xh: u64, n: usize, job: Job<'_>) -> Result<bool> {
-        let Some(launches) = self.mmq_plan(&job.extent(), n) else {
+        let e = job.extent();
+        let Some(launches) = self.mmq_plan(&e, n) else {
             return Ok(false);
         };
-        let (w0, tiles) = job.first_and_tiles();
-        let k = w0.cols;
+        let (w0, tiles, k) = (job.first(), e.tiles, e.cols);
         for (t0, len, sh, shared) in launches {
             let mut args = ProductArgs::default();
             let gated = match job {
@@ -407,12 +417,7 @@ mod tests {
     #[test]
     fn launches_of_33_to_64_rows_take_8_n_tiles_unless_they_split_8_ways() {
         let h200 = |ty, cols, rows: &[usize], n| {
-            let e = Extent {
-                ty,
-                cols,
-                tiles: rows.iter().map(|r: &usize| r.div_ceil(16)).sum(),
-                alone: rows.len() == 1,
-            };
+            let e = Extent::products(ty, cols, rows.iter().copied());
             plan(&e, n, 132, 227 << 10).map(|p| {
                 p.iter()
                     .map(|(t0, len, sh, _)| (*t0, *len, sh.nt, sh.splits))

@@ -660,8 +660,8 @@ fn tensor_core_products_match_reference_and_repeat_exactly() {
             let mut outs: Vec<CudaBuffer> = mats.iter().map(|m| poisoned(g, n * m.rows)).collect();
             let mut products: Vec<_> = ws.iter().zip(outs.iter_mut()).collect();
             g.matmul_many(&up(g, &x), n, &mut products).unwrap();
+            let rows: Vec<usize> = mats.iter().map(|m| m.rows).collect();
             for (m, out) in mats.iter().zip(&outs) {
-                let rows: Vec<usize> = mats.iter().map(|m| m.rows).collect();
                 let (sx, sm) = as_seen_in(g, m, n, &x, &rows);
                 let want = reference::matmul(&sx, n, &sm).unwrap();
                 let what = format!("matmul_many {ty} rows {} n={n}", m.rows);
