@@ -701,41 +701,29 @@ __device__ void mmq_impl(const Products& p, u64 row_bytes, int k, const u16* xh,
                             float* parts, u32* tickets, int splits, int per_split) {           \
         mmq_impl<F, NT>(p, row_bytes, k, xh, n, gated, parts, tickets, splits, per_split);     \
     }
+// All four n-tile counts of a format.
+#define MMQ_KERNELS(SUFFIX, F) \
+    MMQ_KERNEL(SUFFIX, F, 1)   \
+    MMQ_KERNEL(SUFFIX, F, 2)   \
+    MMQ_KERNEL(SUFFIX, F, 4)   \
+    MMQ_KERNEL(SUFFIX, F, 8)
 #if FORMAT_q4_k
-MMQ_KERNEL(q4_k, MmqK<false>, 1)
-MMQ_KERNEL(q4_k, MmqK<false>, 2)
-MMQ_KERNEL(q4_k, MmqK<false>, 4)
-MMQ_KERNEL(q4_k, MmqK<false>, 8)
+MMQ_KERNELS(q4_k, MmqK<false>)
 #endif
 #if FORMAT_q5_k
-MMQ_KERNEL(q5_k, MmqK<true>, 1)
-MMQ_KERNEL(q5_k, MmqK<true>, 2)
-MMQ_KERNEL(q5_k, MmqK<true>, 4)
-MMQ_KERNEL(q5_k, MmqK<true>, 8)
+MMQ_KERNELS(q5_k, MmqK<true>)
 #endif
 #if FORMAT_q6_k
-MMQ_KERNEL(q6_k, MmqQ6k, 1)
-MMQ_KERNEL(q6_k, MmqQ6k, 2)
-MMQ_KERNEL(q6_k, MmqQ6k, 4)
-MMQ_KERNEL(q6_k, MmqQ6k, 8)
+MMQ_KERNELS(q6_k, MmqQ6k)
 #endif
 #if FORMAT_q4_0
-MMQ_KERNEL(q4_0, MmqLegacy<F_Q4_0>, 1)
-MMQ_KERNEL(q4_0, MmqLegacy<F_Q4_0>, 2)
-MMQ_KERNEL(q4_0, MmqLegacy<F_Q4_0>, 4)
-MMQ_KERNEL(q4_0, MmqLegacy<F_Q4_0>, 8)
+MMQ_KERNELS(q4_0, MmqLegacy<F_Q4_0>)
 #endif
 #if FORMAT_q5_0
-MMQ_KERNEL(q5_0, MmqLegacy<F_Q5_0>, 1)
-MMQ_KERNEL(q5_0, MmqLegacy<F_Q5_0>, 2)
-MMQ_KERNEL(q5_0, MmqLegacy<F_Q5_0>, 4)
-MMQ_KERNEL(q5_0, MmqLegacy<F_Q5_0>, 8)
+MMQ_KERNELS(q5_0, MmqLegacy<F_Q5_0>)
 #endif
 #if FORMAT_q8_0
-MMQ_KERNEL(q8_0, MmqQ8_0, 1)
-MMQ_KERNEL(q8_0, MmqQ8_0, 2)
-MMQ_KERNEL(q8_0, MmqQ8_0, 4)
-MMQ_KERNEL(q8_0, MmqQ8_0, 8)
+MMQ_KERNELS(q8_0, MmqQ8_0)
 #endif
 
 #endif
