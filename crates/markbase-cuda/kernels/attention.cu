@@ -111,7 +111,7 @@ __device__ __forceinline__ void attn_keys(const AttnArgs& a, const u32* slot, in
     attn_fold<V, KB>(a, s, vr, m, l, acc);
 }
 
-// Warps of an attn_partial block (ATTN_ROW_WARPS in backend.rs): they share one row's key
+// Warps of an attn_partial block (ATTN_ROW_WARPS in attention.rs): they share one row's key
 // chunk, groups of four keys dealt round-robin, so a short decode row is a chain of one or two
 // groups instead of all of them; the block merges their softmax states in shared memory.
 #define ATTN_ROW_WARPS 8

@@ -134,7 +134,7 @@ __device__ void gemv_gelu_impl(const u8* wg, const u8* wu, u64 row_bytes, int ro
 
 // Up to 4 products of the same activations in one launch (a layer's q, k and v): the
 // matrices' rows are numbered one after another, one warp per row; every matrix has the same
-// stored format and row length. `MAX_PRODUCTS` in backend.rs.
+// stored format and row length. `MAX_PRODUCTS` in kernels.rs.
 struct Products {
     u64 w[4];
     u64 out[4];

@@ -513,7 +513,7 @@ __device__ __forceinline__ void q4k_scale_min(uint4 h, int j, float* s, float* m
 // scales and sums). One token stages 48 super-blocks (30 KB); NT tokens 48 / NT rounded up to a
 // multiple of 8 (a warp's two passes of 4 super-blocks, so no lane idles in a full tile): 24,
 // 16 and 8 super-blocks, 30, 40 and 40 KB, within the 48 KB of static shared memory a block may
-// hold. `q4k_tile` in backend.rs mirrors it.
+// hold. `q4k_tile` in products.rs mirrors it.
 __host__ __device__ constexpr int q4k_i16_tile(int nt) { return (48 / nt + 7) / 8 * 8; }
 
 // Bytes of shared memory a block stages NT token rows in: i16_rows' tile (640 bytes a unit and

@@ -17,11 +17,12 @@
 
 use markbase_core::{Error, Result};
 
-use crate::backend::{blocks, need, product_inputs, rounded_form, CudaBackend, ProductInputs};
+use crate::backend::{blocks, need, CudaBackend};
 use crate::blas::{Blas, GemmInput, GemmOutput};
 use crate::buffer::{CudaBuffer, CudaMatrix};
 use crate::kernels::{Arg, Grid};
 use crate::mmq::Job;
+use crate::products::{product_inputs, rounded_form, ProductInputs};
 use crate::rounded::CopyForm;
 use crate::sources::Module;
 

@@ -15,31 +15,35 @@
 //! products dequantize tiles and call cuBLAS, and prefill attention runs as batched products.
 //! Activations are f32.
 
+mod attention;
 mod attention_flash;
 mod backend;
 mod blas;
 mod buffer;
 pub mod device;
 mod device_wide;
+mod elementwise;
 mod ffn;
 mod gemv_walk;
 mod graph;
 mod kernels;
 mod layout;
 mod mmq;
+mod moe;
 mod moe_mma;
+mod norms;
 pub mod nvrtc;
+mod products;
 mod rounded;
 mod sample;
 pub mod sources;
 mod tune;
 
 pub use attention_flash::ATTN_FLASH_MIN_ROWS;
-pub use backend::{
-    gemv_takes_16_bit_activations, moe_groups_pairs, product_inputs, CudaBackend, ProductInputs,
-    BF16_GEMV_UP_TO,
-};
+pub use backend::CudaBackend;
 pub use buffer::{CudaBuffer, CudaMatrix};
 pub use mmq::mma_suits;
+pub use moe::moe_groups_pairs;
 pub use moe_mma::moe_on_tensor_cores;
+pub use products::{gemv_takes_16_bit_activations, product_inputs, ProductInputs, BF16_GEMV_UP_TO};
 pub use sample::{SampleParams, MAX_TOP_K};

@@ -20,9 +20,9 @@ use std::sync::Arc;
 use cudarc::driver::CudaStream;
 use markbase_core::Result;
 
-use crate::backend::ProductInputs;
 use crate::buffer::Growable;
 use crate::graph::Steps;
+use crate::products::ProductInputs;
 
 /// Work items (kernels, copies, allocations, cuBLAS products) queued on the backend's stream
 /// so far.
