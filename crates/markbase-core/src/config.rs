@@ -494,15 +494,19 @@ fn linear_factor(obj: Option<&Map<String, Value>>, what: &str) -> Result<f64> {
     }
 }
 
-/// Typed access to config fields with defaults; a present field of the wrong type is an error.
-struct Fields<'a>(&'a Map<String, Value>);
+/// Typed access to the fields of a JSON object (a Hugging Face `config.json` or one of its
+/// sections), with defaults: a field that is absent or `null` takes the default, a present
+/// field of the wrong type is an error naming the field.
+pub struct Fields<'a>(pub &'a Map<String, Value>);
 
 impl Fields<'_> {
-    fn get(&self, k: &str) -> Option<&Value> {
+    /// Field `k`, unless absent or `null`.
+    pub fn get(&self, k: &str) -> Option<&Value> {
         self.0.get(k).filter(|v| !v.is_null())
     }
 
-    fn usize(&self, k: &str, default: usize) -> Result<usize> {
+    /// Field `k` as a non-negative integer, or `default`.
+    pub fn usize(&self, k: &str, default: usize) -> Result<usize> {
         match self.get(k) {
             None => Ok(default),
             Some(v) => v.as_u64().map(|v| v as usize).ok_or_else(|| {
@@ -511,11 +515,21 @@ impl Fields<'_> {
         }
     }
 
-    fn f64(&self, k: &str, default: f64) -> Result<f64> {
+    /// Field `k` as a non-negative integer; an error where it is absent.
+    pub fn require_usize(&self, k: &str) -> Result<usize> {
+        if self.get(k).is_none() {
+            return Err(Error::Config(format!("{k} is missing")));
+        }
+        self.usize(k, 0)
+    }
+
+    /// Field `k` as a number, or `default`.
+    pub fn f64(&self, k: &str, default: f64) -> Result<f64> {
         Ok(self.opt_f64(k)?.unwrap_or(default))
     }
 
-    fn opt_f64(&self, k: &str) -> Result<Option<f64>> {
+    /// Field `k` as a number, if present.
+    pub fn opt_f64(&self, k: &str) -> Result<Option<f64>> {
         self.get(k)
             .map(|v| {
                 v.as_f64()
@@ -524,7 +538,8 @@ impl Fields<'_> {
             .transpose()
     }
 
-    fn bool(&self, k: &str, default: bool) -> Result<bool> {
+    /// Field `k` as true or false, or `default`.
+    pub fn bool(&self, k: &str, default: bool) -> Result<bool> {
         match self.get(k) {
             None => Ok(default),
             Some(v) => v
@@ -533,7 +548,8 @@ impl Fields<'_> {
         }
     }
 
-    fn str(&self, k: &str, default: &'static str) -> Result<String> {
+    /// Field `k` as a string, or `default`.
+    pub fn str(&self, k: &str, default: &'static str) -> Result<String> {
         match self.get(k) {
             None => Ok(default.to_string()),
             Some(v) => v
@@ -678,5 +694,39 @@ mod tests {
             "rope_scaling": {"rope_type": "yarn", "factor": 2.0}}))
         .unwrap_err();
         assert!(e.to_string().contains("yarn"), "{e}");
+    }
+
+    #[test]
+    fn fields_take_defaults_for_absent_or_null_and_name_a_wrongly_typed_field() {
+        let v = json!({"n": 3, "x": 0.5, "on": false, "s": "gelu", "gone": null, "bad": "big",
+            "neg": -1});
+        let f = Fields(v.as_object().unwrap());
+        assert_eq!(f.usize("n", 7).unwrap(), 3);
+        assert_eq!(f.usize("gone", 7).unwrap(), 7);
+        assert_eq!(f.usize("absent", 7).unwrap(), 7);
+        assert_eq!(f.require_usize("n").unwrap(), 3);
+        assert_eq!(f.f64("x", 1.0).unwrap(), 0.5);
+        assert_eq!(f.opt_f64("gone").unwrap(), None);
+        assert!(!f.bool("on", true).unwrap());
+        assert_eq!(f.str("s", "none").unwrap(), "gelu");
+        assert_eq!(f.str("absent", "none").unwrap(), "none");
+        for (e, want) in [
+            (f.require_usize("gone").unwrap_err(), "gone is missing"),
+            (
+                f.usize("neg", 0).unwrap_err(),
+                "neg should be a non-negative integer, is -1",
+            ),
+            (
+                f.f64("bad", 0.0).unwrap_err(),
+                "bad should be a number, is \"big\"",
+            ),
+            (
+                f.bool("n", true).unwrap_err(),
+                "n should be true or false, is 3",
+            ),
+            (f.str("x", "").unwrap_err(), "x should be a string, is 0.5"),
+        ] {
+            assert!(matches!(&e, Error::Config(m) if m == want), "{e}");
+        }
     }
 }

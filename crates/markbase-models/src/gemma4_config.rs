@@ -6,7 +6,7 @@
 
 use std::path::Path;
 
-use markbase_core::config::LayerKind;
+use markbase_core::config::{Fields, LayerKind};
 use markbase_core::gguf::GgufFile;
 use markbase_core::{Error, Result};
 use serde_json::{Map, Value};
@@ -811,61 +811,4 @@ fn hf_rope(text: &Map<String, Value>) -> Result<(Gemma4Rope, Gemma4Rope)> {
         one("sliding_attention", 10_000.0, "default")?,
         one("full_attention", 1_000_000.0, "proportional")?,
     ))
-}
-
-/// Typed access to JSON fields; `null` counts as absent.
-struct Fields<'a>(&'a Map<String, Value>);
-
-impl Fields<'_> {
-    fn get(&self, k: &str) -> Option<&Value> {
-        self.0.get(k).filter(|v| !v.is_null())
-    }
-
-    fn usize(&self, k: &str, default: usize) -> Result<usize> {
-        match self.get(k) {
-            None => Ok(default),
-            Some(v) => v.as_u64().map(|v| v as usize).ok_or_else(|| {
-                Error::Config(format!("{k} should be a non-negative integer, is {v}"))
-            }),
-        }
-    }
-
-    fn require_usize(&self, k: &str) -> Result<usize> {
-        if self.get(k).is_none() {
-            return Err(Error::Config(format!("{k} is missing")));
-        }
-        self.usize(k, 0)
-    }
-
-    fn f64(&self, k: &str, default: f64) -> Result<f64> {
-        Ok(self.opt_f64(k)?.unwrap_or(default))
-    }
-
-    fn opt_f64(&self, k: &str) -> Result<Option<f64>> {
-        self.get(k)
-            .map(|v| {
-                v.as_f64()
-                    .ok_or_else(|| Error::Config(format!("{k} should be a number, is {v}")))
-            })
-            .transpose()
-    }
-
-    fn bool(&self, k: &str, default: bool) -> Result<bool> {
-        match self.get(k) {
-            None => Ok(default),
-            Some(v) => v
-                .as_bool()
-                .ok_or_else(|| Error::Config(format!("{k} should be true or false, is {v}"))),
-        }
-    }
-
-    fn str(&self, k: &str, default: &'static str) -> Result<String> {
-        match self.get(k) {
-            None => Ok(default.to_string()),
-            Some(v) => v
-                .as_str()
-                .map(str::to_string)
-                .ok_or_else(|| Error::Config(format!("{k} should be a string, is {v}"))),
-        }
-    }
 }
