@@ -294,7 +294,7 @@ unsafe fn q5_0_values(b: *const u8) -> Scaled32 {
 /// Byte `j` of the result is 0xFF where bit `j` of `bits` is set, else 0.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn bits_to_bytes(bits: u32) -> __m256i {
+pub(super) unsafe fn bits_to_bytes(bits: u32) -> __m256i {
     // byte j <- byte j / 8 of `bits`
     let spread = _mm256_shuffle_epi8(
         _mm256_set1_epi32(bits as i32),
@@ -369,7 +369,7 @@ fn k_scales_mins(s: &[u8]) -> (u64, u64) {
 /// The eight bytes of `v` (least significant first) as f32.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn u8x8_to_f32(v: u64) -> __m256 {
+pub(super) unsafe fn u8x8_to_f32(v: u64) -> __m256 {
     _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(v as i64)))
 }
 

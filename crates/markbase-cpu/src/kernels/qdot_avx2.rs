@@ -32,7 +32,7 @@ use std::arch::x86_64::*;
 use markbase_core::quant::{q3_k_scales, GgmlType};
 
 use super::act::ActRow;
-use super::avx2::f16_at;
+use super::avx2::{bits_to_bytes, f16_at, u8x8_to_f32};
 use super::f16_table;
 use super::vmath::avx2::hsum;
 
@@ -257,25 +257,6 @@ unsafe fn madd_pair(lo: __m256i, hi: __m256i, q: *const i16) -> __m256i {
     _mm256_add_epi32(a, b)
 }
 
-/// Byte `j` of the result is 0xFF where bit `j` of `bits` is set, else 0.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn bits_to_bytes(bits: u32) -> __m256i {
-    // byte j <- byte j / 8 of `bits`
-    let spread = _mm256_shuffle_epi8(
-        _mm256_set1_epi32(bits as i32),
-        _mm256_set_epi64x(
-            0x0303_0303_0303_0303,
-            0x0202_0202_0202_0202,
-            0x0101_0101_0101_0101,
-            0,
-        ),
-    );
-    // set every bit but bit j % 8: all ones exactly when that bit was set
-    let probe = _mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbf_dfef_f7fb_fdfe));
-    _mm256_cmpeq_epi8(probe, _mm256_set1_epi8(-1))
-}
-
 /// Lane `j` of `v` in all eight lanes.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -290,13 +271,6 @@ unsafe fn lane(v: __m256, j: usize) -> __m256 {
 unsafe fn halves(v: __m256, i: usize) -> __m256 {
     let (a, b) = (2 * i as i32, 2 * i as i32 + 1);
     _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(a, a, a, a, b, b, b, b))
-}
-
-/// The eight bytes of `v` (least significant first) as f32.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn u8x8_to_f32(v: u64) -> __m256 {
-    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(v as i64)))
 }
 
 // ---------------------------------------------------------------------------------------------
