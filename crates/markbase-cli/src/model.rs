@@ -59,25 +59,15 @@ pub fn synthetic_spec(global: &Global) -> Result<Option<SyntheticSpec>> {
 /// Loads only the weights (`--synthetic`, `-m` or the default model): for commands that need
 /// no tokenizer.
 pub fn load_weights(global: &Global) -> Result<Model> {
-    let bar = progress::bytes("loading");
-    let report = |done: u64, total: u64| {
-        bar.set_length(total);
-        bar.set_position(done);
-    };
-    let opts = LoadOptions {
-        device: global.device,
-        threads: global.threads,
-        progress: Some(&report),
-        lm_head: global.lm_head,
-    };
     let model = match synthetic_spec(global)? {
-        Some(spec) => Model::load_synthetic(&spec, &opts),
+        Some(spec) => with_load_progress(global, |opts| Model::load_synthetic(&spec, opts)),
         None => {
             let path = model_path(global)?;
-            ModelSource::open(&path).and_then(|src| Model::load(&src, &opts))
+            with_load_progress(global, |opts| {
+                ModelSource::open(&path).and_then(|src| Model::load(&src, opts))
+            })
         }
     };
-    bar.finish_and_clear();
     model.context("cannot load the model")
 }
 
@@ -87,6 +77,12 @@ pub fn load_model(global: &Global) -> Result<LoadedModel> {
         bail!("--synthetic {spec} has no tokenizer: use it with bench, inspect or perplexity --tokens-file");
     }
     let path = model_path(global)?;
+    with_load_progress(global, |opts| load(&path, opts)).context("cannot load the model")
+}
+
+/// Runs `load` with the load options of `global` and a progress bar of the bytes read, cleared
+/// when it returns.
+fn with_load_progress<T>(global: &Global, load: impl FnOnce(&LoadOptions) -> T) -> T {
     let bar = progress::bytes("loading");
     let report = |done: u64, total: u64| {
         bar.set_length(total);
@@ -98,9 +94,9 @@ pub fn load_model(global: &Global) -> Result<LoadedModel> {
         progress: Some(&report),
         lm_head: global.lm_head,
     };
-    let loaded = load(&path, &opts);
+    let out = load(&opts);
     bar.finish_and_clear();
-    loaded.context("cannot load the model")
+    out
 }
 
 /// Loads only the tokenizer and chat template.
