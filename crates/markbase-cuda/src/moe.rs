@@ -1,5 +1,6 @@
-//! Mixture-of-experts feed-forward: routing limits, and the expert products with the (token,
-//! expert) pairs grouped by expert on the device (moe.cu, moe_mma.rs).
+//! Mixture-of-experts feed-forward: routing limits and the two expert paths, the (token,
+//! expert) pairs grouped by expert on the device or taken pair by pair (moe.cu; their
+//! tensor-core products in moe_mma.rs).
 
 use markbase_core::quant::GgmlType;
 use markbase_core::{Error, Result};
