@@ -22,9 +22,10 @@ typedef unsigned long long u64;
 // RoPE frequencies), and the step's index arrays (tokens, positions, cache slots, block
 // tables), which the host copies in stream order before any kernel that reads them can start
 // (graph.rs: a copy is a full dependency, and a kernel can start early only once the kernel
-// ahead of it has passed this wait). No-op elsewhere.
+// ahead of it has passed this wait). No-op elsewhere (and in the CPU emulator, markbase-kernel-emu,
+// which runs one kernel at a time).
 __device__ __forceinline__ void wait_prior_grid() {
-#if __CUDA_ARCH__ >= 900
+#if __CUDA_ARCH__ >= 900 && !MB_EMU
     asm volatile("griddepcontrol.wait;" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
@@ -38,7 +39,7 @@ __device__ __forceinline__ void wait_prior_grid() {
 // the kernel ahead passed its own wait, which came before this kernel could start. With
 // `beside` = 0 these are wait_prior_grid and nothing.
 __device__ __forceinline__ void start_step(int beside) {
-#if __CUDA_ARCH__ >= 900
+#if __CUDA_ARCH__ >= 900 && !MB_EMU
     if (beside) {
         asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
         return;
@@ -48,7 +49,7 @@ __device__ __forceinline__ void start_step(int beside) {
 }
 
 __device__ __forceinline__ void end_step(int beside) {
-#if __CUDA_ARCH__ >= 900
+#if __CUDA_ARCH__ >= 900 && !MB_EMU
     if (beside) asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }
@@ -56,17 +57,25 @@ __device__ __forceinline__ void end_step(int beside) {
 // The shared-memory address of generic pointer p (into shared memory), for cp.async and
 // ldmatrix.
 __device__ __forceinline__ u32 shared_address(const void* p) {
+#ifdef MB_EMU
+    return mb_emu::shared_handle(p);
+#else
     u32 a;
     asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
     return a;
+#endif
 }
 
 __device__ __forceinline__ float bf16_to_f32(u16 h) { return __uint_as_float(((u32)h) << 16); }
 
 __device__ __forceinline__ float f16_to_f32(u16 h) {
+#ifdef MB_EMU
+    return emu_f16_to_f32(h);
+#else
     float f;
     asm("{ .reg .b16 t; mov.b16 t, %1; cvt.f32.f16 %0, t; }" : "=f"(f) : "h"(h));
     return f;
+#endif
 }
 
 // A 16-bit load from global or shared memory (generic address); every stored block offset
@@ -117,9 +126,13 @@ __device__ __forceinline__ float f16_range(float v) {
 // ±65504 (NaN stays NaN).
 __device__ __forceinline__ u16 to_f16(float v) {
     v = f16_range(v);
+#ifdef MB_EMU
+    return emu_f32_to_f16(v);
+#else
     u16 h;
     asm("{ cvt.rn.f16.f32 %0, %1; }" : "=h"(h) : "f"(v));
     return h;
+#endif
 }
 
 // v rounded as `kind` (1 bf16, 2 f16) says: the rounded copy of an activation that a

@@ -28,9 +28,13 @@
 
 // Two floats as packed f16 (to nearest): `lo` in the low half.
 __device__ __forceinline__ u32 pack_f16x2(float lo, float hi) {
+#ifdef MB_EMU
+    return emu_pack(lo, hi);
+#else
     u32 r;
     asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
+#endif
 }
 
 // pack_f16x2 of four floats (x, y | z, w), finite values beyond f16's range saturated to
@@ -64,28 +68,44 @@ extern "C" __global__ void kv_gather_f16(const float* k_cache, const float* v_ca
 
 // 16 bytes from global to shared memory, asynchronously; `bytes` = 0 fills zeros.
 __device__ __forceinline__ void cp_async16(u32 dst, const void* src, int bytes) {
+#ifdef MB_EMU
+    mb_emu::cp_async16(dst, src, bytes);
+#else
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes));
+#endif
 }
 
 __device__ __forceinline__ void ldsm_x4(u32 a, u32* r) {
+#ifdef MB_EMU
+    mb_emu::ldsm(a, r, false);
+#else
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(a));
+#endif
 }
 
 __device__ __forceinline__ void ldsm_x4_trans(u32 a, u32* r) {
+#ifdef MB_EMU
+    mb_emu::ldsm(a, r, true);
+#else
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(a));
+#endif
 }
 
 // c += a · b on the tensor cores: a 16 × 16 (row-major fragments), b 16 × 8 (column-major),
 // f16 inputs, f32 sums.
 __device__ __forceinline__ void mma_f16(float* c, const u32* a, u32 b0, u32 b1) {
+#ifdef MB_EMU
+    mb_emu::mma(c, a, b0, b1, false);
+#else
     asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
         "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
 }
 
 #endif
@@ -120,7 +140,9 @@ __device__ __forceinline__ void flash_load_tile(const FlashArgs& a, int g, int i
         cp_async16(shared_address(ks + kr * LD + piece * 8), a.kg + off, in ? 16 : 0);
         cp_async16(shared_address(vs + kr * LD + piece * 8), a.vg + off, in ? 16 : 0);
     }
+#ifndef MB_EMU
     asm volatile("cp.async.commit_group;");
+#endif
 #endif
 }
 
@@ -217,9 +239,13 @@ __device__ __forceinline__ void attn_flash_impl(const FlashArgs& a) {
         if (kt < kt1) {
             flash_load_tile<D, LD, THREADS, SK>(a, g, (kt + 1) * SK, ks + (stage ^ 1) * SK * LD,
                                                 vs + (stage ^ 1) * SK * LD);
+#ifndef MB_EMU
             asm volatile("cp.async.wait_group 1;" ::: "memory");
+#endif
         } else {
+#ifndef MB_EMU
             asm volatile("cp.async.wait_group 0;" ::: "memory");
+#endif
         }
         __syncthreads();
         const u32 kst = k_addr + stage * SK * LD * 2, vst = v_addr + stage * SK * LD * 2;
@@ -248,7 +274,11 @@ __device__ __forceinline__ void attn_flash_impl(const FlashArgs& a) {
             const float* other = part + (warp ^ 4) * 16 * WARP + lane;
 #pragma unroll
             for (int i = 0; i < 16; i++) mine[i * WARP] = s[i >> 2][i & 3];
+#ifdef MB_EMU
+            mb_emu::sync_named(1 + rg, 64);
+#else
             asm volatile("bar.sync %0, 64;" ::"r"(1 + rg) : "memory");
+#endif
 #pragma unroll
             for (int i = 0; i < 16; i++) s[i >> 2][i & 3] += other[i * WARP];
         }

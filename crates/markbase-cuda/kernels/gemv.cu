@@ -32,10 +32,11 @@
 #endif
 
 // Prefetches up to GEMV_PREFETCH_LINES lines of `row` into L2: the `span`-byte spans at
-// offsets (first + stride · i) · span, the lanes of a span its consecutive lines.
+// offsets (first + stride · i) · span, the lanes of a span its consecutive lines (not in the
+// CPU emulator).
 __device__ __forceinline__ void prefetch_row(const u8* row, u64 row_bytes, int first, int stride,
                                              int span) {
-#if __CUDA_ARCH__ >= 900
+#if __CUDA_ARCH__ >= 900 && !MB_EMU
     int lane = threadIdx.x & 31, per_span = span >> 7;
     if (lane < GEMV_PREFETCH_LINES) {
         u64 off = (u64)(first + stride * (lane / per_span)) * span + 128 * (lane % per_span);

@@ -8,7 +8,9 @@
 // The f16 pair (lo, hi) of two floats, saturating at ±65 504 (f16_range).
 __device__ __forceinline__ u32 f16x2_sat(float lo, float hi) {
     u32 r;
-#if __CUDA_ARCH__ >= 900
+#ifdef MB_EMU
+    r = emu_pack(emu_sat(lo), emu_sat(hi));
+#elif __CUDA_ARCH__ >= 900
     asm("cvt.rn.satfinite.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
 #else
     asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(f16_range(hi)), "f"(f16_range(lo)));
@@ -18,48 +20,72 @@ __device__ __forceinline__ u32 f16x2_sat(float lo, float hi) {
 
 // a · b + c for f16 pairs, rounded once.
 __device__ __forceinline__ u32 h2_fma(u32 a, u32 b, u32 c) {
+#ifdef MB_EMU
+    return emu_h2_fma(a, b, c);
+#else
     u32 d;
     asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
     return d;
+#endif
 }
 
 // a · b for f16 pairs.
 __device__ __forceinline__ u32 h2_mul(u32 a, u32 b) {
+#ifdef MB_EMU
+    return emu_h2_mul(a, b);
+#else
     u32 d;
     asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
     return d;
+#endif
 }
 
 // a − b for f16 pairs.
 __device__ __forceinline__ u32 h2_sub(u32 a, u32 b) {
+#ifdef MB_EMU
+    return emu_h2_sub(a, b);
+#else
     u32 d;
     asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
     return d;
+#endif
 }
 
 // (a & b) | c.
 __device__ __forceinline__ u32 and_or(u32 a, u32 b, u32 c) {
+#ifdef MB_EMU
+    return emu_lop3_ea(a, b, c);
+#else
     u32 d;
     asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
     return d;
+#endif
 }
 
 // c += a · b on the tensor cores (16 × 16 f16 A, 16 × 8 f16 B, f32 C).
 __device__ __forceinline__ void mma_f16(float* c, const u32* a, u32 b0, u32 b1) {
+#ifdef MB_EMU
+    mb_emu::mma(c, a, b0, b1, false);
+#else
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
         "{%8,%9}, {%0,%1,%2,%3};"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
 }
 
 // c += a · b on the tensor cores (16 × 16 bf16 A, 16 × 8 bf16 B, f32 C).
 __device__ __forceinline__ void mma_bf16(float* c, const u32* a, u32 b0, u32 b1) {
+#ifdef MB_EMU
+    mb_emu::mma(c, a, b0, b1, true);
+#else
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
         "{%8,%9}, {%0,%1,%2,%3};"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
 }
 
 // The nibbles of quant word q as exact f16 pairs: l0 = the low nibbles of bytes 0, 1, l1 of

@@ -61,22 +61,36 @@
 #endif
 
 __device__ __forceinline__ void mmq_cp16(u32 smem, const void* g) {
+#ifdef MB_EMU
+    mb_emu::cp_async16(smem, g, 16);
+#else
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem), "l"(g) : "memory");
+#endif
 }
 
-__device__ __forceinline__ void mmq_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void mmq_commit() {
+#ifndef MB_EMU
+    asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
 
 __device__ __forceinline__ void mmq_wait_all() {
+#ifndef MB_EMU
     asm volatile("cp.async.wait_group 0;" ::: "memory");
+#endif
 }
 
 // s += the 4 floats at p (16-byte aligned) that other warps wrote (read from L2, not from a
 // stale L1 line).
 __device__ __forceinline__ void mmq_add4(float4& s, const float* p) {
     float x, y, z, w;
+#ifdef MB_EMU
+    x = p[0], y = p[1], z = p[2], w = p[3];
+#else
     asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];"
                  : "=f"(x), "=f"(y), "=f"(z), "=f"(w)
                  : "l"(p));
+#endif
     s.x += x;
     s.y += y;
     s.z += z;

@@ -536,16 +536,24 @@ __device__ __forceinline__ uint4* block_stage() {
 // c + a.lo16 · b.byte0 + a.hi16 · b.byte1, a's halves signed, b's bytes unsigned (4-bit
 // weights, or weights times 16): `dp2a.lo`.
 __device__ __forceinline__ int dp2a_lo(u32 a, u32 b, int c) {
+#ifdef MB_EMU
+    return emu_dp2a(a, b, c, false, false);
+#else
     int d;
     asm("dp2a.lo.s32.u32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
     return d;
+#endif
 }
 
 // c + a.lo16 · b.byte2 + a.hi16 · b.byte3, a's halves signed, b's bytes unsigned: `dp2a.hi`.
 __device__ __forceinline__ int dp2a_hi(u32 a, u32 b, int c) {
+#ifdef MB_EMU
+    return emu_dp2a(a, b, c, true, false);
+#else
     int d;
     asm("dp2a.hi.s32.u32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
     return d;
+#endif
 }
 
 // Stages super-blocks s0 .. s0 + ntb of the activation rows t < nt (row t at x + t·k) as
@@ -576,16 +584,24 @@ __device__ __forceinline__ void stage_x_i16(const float* x, int k, int nt, int s
 
 // c + a.lo16 · b.byte0 + a.hi16 · b.byte1 with b's bytes signed (Q8_0 quants): `dp2a.lo`.
 __device__ __forceinline__ int dp2a_lo_s8(u32 a, u32 b, int c) {
+#ifdef MB_EMU
+    return emu_dp2a(a, b, c, false, true);
+#else
     int d;
     asm("dp2a.lo.s32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
     return d;
+#endif
 }
 
 // c + a.lo16 · b.byte2 + a.hi16 · b.byte3 with b's bytes signed: `dp2a.hi`.
 __device__ __forceinline__ int dp2a_hi_s8(u32 a, u32 b, int c) {
+#ifdef MB_EMU
+    return emu_dp2a(a, b, c, true, true);
+#else
     int d;
     asm("dp2a.hi.s32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
     return d;
+#endif
 }
 
 // Formats whose rows of a multiple of 256 values run on 16-bit activations (i16_rows): Q4_K,

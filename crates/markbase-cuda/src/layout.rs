@@ -58,8 +58,8 @@ const Q5_0_BLOCK: usize = 22;
 /// Lays one row out as on the device (the row as stored, its place).
 type LayRow = fn(&[u8], &mut [u8]);
 
-/// `bytes` (`rows` rows of `ty`) as they lie on the device.
-pub(crate) fn device_bytes(ty: GgmlType, bytes: &[u8], rows: usize) -> Cow<'_, [u8]> {
+/// `bytes` (`rows` rows of `ty`, as stored in the file) as they lie on the device.
+pub fn device_bytes(ty: GgmlType, bytes: &[u8], rows: usize) -> Cow<'_, [u8]> {
     let (out_row, lay): (usize, LayRow) = match ty {
         _ if rows == 0 => return Cow::Borrowed(bytes),
         GgmlType::Q8_0 => (bytes.len() / rows, regroup_q8_0_row),

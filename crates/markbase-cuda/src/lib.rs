@@ -42,6 +42,7 @@ mod tune;
 pub use attention_flash::ATTN_FLASH_MIN_ROWS;
 pub use backend::CudaBackend;
 pub use buffer::{CudaBuffer, CudaMatrix};
+pub use layout::device_bytes;
 pub use mmq::mma_suits;
 pub use moe::moe_groups_pairs;
 pub use moe_mma::moe_on_tensor_cores;

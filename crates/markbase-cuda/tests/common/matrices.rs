@@ -1,0 +1,214 @@
+//! Random weight matrices and activations, the weights as a kernel dequantizes them, and the
+//! comparisons of results: shared by the GPU tests (gpu_ops) and the kernel tests on the CPU
+//! emulator (emu_kernels). Each binary uses its part.
+#![allow(dead_code)]
+
+use std::sync::Arc;
+
+use half::{bf16, f16};
+use markbase_core::backend::{HostBytes, HostMatrix};
+use markbase_core::quant::GgmlType;
+use markbase_cpu::reference;
+use rand::rngs::StdRng;
+use rand::{Rng, RngCore, SeedableRng};
+
+pub fn rng(test: &str) -> StdRng {
+    let seed = std::env::var("MARKBASE_TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos() as u64
+        });
+    eprintln!("{test}: seed {seed}");
+    StdRng::seed_from_u64(seed)
+}
+
+pub fn uniform(r: &mut StdRng, n: usize, amp: f32) -> Vec<f32> {
+    (0..n).map(|_| r.random_range(-amp..amp)).collect()
+}
+
+/// `max |got − want| / max |want|`; NaN anywhere fails.
+pub fn rel_err(got: &[f32], want: &[f32]) -> f32 {
+    assert_eq!(got.len(), want.len());
+    let scale = want.iter().fold(1e-30f32, |m, v| m.max(v.abs()));
+    let mut worst = 0f32;
+    for (a, b) in got.iter().zip(want) {
+        let d = (a - b).abs();
+        if d.is_nan() {
+            return f32::INFINITY;
+        }
+        worst = worst.max(d);
+    }
+    worst / scale
+}
+
+pub fn assert_close(what: &str, got: &[f32], want: &[f32], tol: f32) {
+    let e = rel_err(got, want);
+    assert!(e <= tol, "{what}: relative error {e:e} > {tol:e}");
+}
+
+/// Offsets of the f16 scale fields inside one block of `ty` (set to sane values; every other
+/// byte of a quantized block is random).
+pub fn scale_offsets(ty: GgmlType) -> &'static [usize] {
+    match ty {
+        GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => &[0],
+        GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4_K | GgmlType::Q5_K => &[0, 2],
+        GgmlType::Q2_K => &[80, 82],
+        GgmlType::Q3_K => &[108],
+        GgmlType::Q6_K => &[208],
+        _ => &[],
+    }
+}
+
+/// A random `[rows, cols]` matrix stored as `ty`.
+pub fn random_matrix(r: &mut StdRng, ty: GgmlType, rows: usize, cols: usize) -> HostMatrix {
+    let n = rows * cols;
+    let bytes: Vec<u8> = match ty {
+        GgmlType::F32 => uniform(r, n, 1.0)
+            .into_iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect(),
+        GgmlType::F16 => uniform(r, n, 1.0)
+            .into_iter()
+            .flat_map(|v| f16::from_f32(v).to_le_bytes())
+            .collect(),
+        GgmlType::BF16 => uniform(r, n, 1.0)
+            .into_iter()
+            .flat_map(|v| bf16::from_f32(v).to_le_bytes())
+            .collect(),
+        _ => {
+            let mut b = vec![0u8; rows * ty.bytes_for(cols).unwrap()];
+            r.fill_bytes(&mut b);
+            for block in b.chunks_exact_mut(ty.type_size()) {
+                for &o in scale_offsets(ty) {
+                    let d = f16::from_f32(r.random_range(-0.05f32..0.05));
+                    block[o..o + 2].copy_from_slice(&d.to_le_bytes());
+                }
+            }
+            b
+        }
+    };
+    HostMatrix {
+        name: format!("random {ty} [{rows}, {cols}]"),
+        ty,
+        rows,
+        cols,
+        bytes: HostBytes::Owned(Arc::from(bytes)),
+    }
+}
+
+/// A Q4_K or Q5_K matrix as the tensor-core kernels (mmq.cu, moe_mma.cu) dequantize it to f16:
+/// each weight fma(q, S, −M) rounded once, S = f16(d · scale) and M = f16(dmin · min) each
+/// rounded once (saturating at ±65 504). Checked against the reference's dequantization to
+/// within those roundings.
+pub fn k_quant_as_f16_fma(m: &HostMatrix) -> HostMatrix {
+    let f16_sat = |v: f32| f16::from_f32(v.clamp(-65_504.0, 65_504.0));
+    // Q5_K: 32 bytes of fifth bits (value l of chunk j at bit j of byte l) after the header.
+    let (block, quants, top) = match m.ty {
+        GgmlType::Q4_K => (144, 16, 15.0),
+        GgmlType::Q5_K => (176, 48, 31.0),
+        ty => panic!("{ty} is not Q4_K or Q5_K"),
+    };
+    let mut w = Vec::with_capacity(m.rows * m.cols);
+    for b in m.bytes.as_slice().chunks_exact(block) {
+        let d = f16::from_le_bytes([b[0], b[1]]).to_f32();
+        let dmin = f16::from_le_bytes([b[2], b[3]]).to_f32();
+        let sc = &b[4..16];
+        for p in 0..256 {
+            let (j, l) = (p / 64, p % 64);
+            let chunk = 2 * j + l / 32;
+            let (s, mn) = if chunk < 4 {
+                (sc[chunk] & 63, sc[chunk + 4] & 63)
+            } else {
+                (
+                    (sc[chunk + 4] & 15) | ((sc[chunk - 4] >> 6) << 4),
+                    (sc[chunk + 4] >> 4) | ((sc[chunk] >> 6) << 4),
+                )
+            };
+            let byte = b[quants + 32 * j + l % 32];
+            let mut q = if l < 32 { byte & 15 } else { byte >> 4 };
+            if m.ty == GgmlType::Q5_K {
+                q |= ((b[16 + l % 32] >> chunk) & 1) << 4;
+            }
+            let s16 = f16_sat(d * f32::from(s)).to_f64();
+            let m16 = f16_sat(dmin * f32::from(mn)).to_f64();
+            w.push(f16::from_f64(f64::from(q) * s16 - m16));
+        }
+    }
+    let exact = reference::dequantize_matrix(m).unwrap();
+    for (i, (a, e)) in w.iter().zip(&exact).enumerate() {
+        let b = &m.bytes.as_slice()[block * (i / 256)..];
+        let scale = f16::from_le_bytes([b[0], b[1]]).to_f32().abs() * 63.0 * top
+            + f16::from_le_bytes([b[2], b[3]]).to_f32().abs() * 63.0;
+        let err = (a.to_f32() - e).abs();
+        assert!(
+            err <= scale / 1024.0,
+            "weight {i}: {a} as the kernel's f16, {e} dequantized"
+        );
+    }
+    f16_like(m, "the tensor cores' f16", &w)
+}
+
+/// A Q6_K matrix as the tensor-core kernel (mmq.cu, `MmqQ6k`) dequantizes it to f16: each
+/// weight (q − 32) · S rounded once, S = f16(d · scale) rounded once (saturating at ±65 504).
+/// Checked against the reference's dequantization to within those roundings.
+pub fn q6k_as_f16(m: &HostMatrix) -> HostMatrix {
+    let mut w = Vec::with_capacity(m.rows * m.cols);
+    for b in m.bytes.as_slice().chunks_exact(210) {
+        let d = f16::from_le_bytes([b[208], b[209]]).to_f32();
+        for i in 0..256 {
+            let (n, k, l) = (i / 128, (i % 128) / 32, i % 32);
+            let lo = (b[64 * n + 32 * (k % 2) + l] >> (4 * (k / 2))) & 0x0F;
+            let hi = (b[128 + 32 * n + l] >> (2 * k)) & 3;
+            let q = i32::from(lo | (hi << 4)) - 32;
+            let scale = f32::from(b[192 + i / 16] as i8);
+            let s = f16::from_f32((d * scale).clamp(-65_504.0, 65_504.0)).to_f64();
+            w.push(f16::from_f64(f64::from(q) * s));
+        }
+    }
+    let exact = reference::dequantize_matrix(m).unwrap();
+    for (i, (a, e)) in w.iter().zip(&exact).enumerate() {
+        let b = &m.bytes.as_slice()[210 * (i / 256)..];
+        let bound = f16::from_le_bytes([b[208], b[209]]).to_f32().abs() * 128.0 * 32.0;
+        assert!(
+            (a.to_f32() - e).abs() <= bound / 1024.0,
+            "weight {i}: {a} as the kernel's f16, {e} dequantized"
+        );
+    }
+    f16_like(m, "the tensor cores' f16", &w)
+}
+
+/// An f16 matrix of `m`'s shape holding `w`, named `m` "as" `what`.
+pub fn f16_like(m: &HostMatrix, what: &str, w: &[f16]) -> HostMatrix {
+    HostMatrix {
+        name: format!("{} as {what}", m.name),
+        ty: GgmlType::F16,
+        rows: m.rows,
+        cols: m.cols,
+        bytes: HostBytes::Owned(Arc::from(
+            w.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>(),
+        )),
+    }
+}
+
+/// `m` dequantized by the reference, each weight rounded once to f16.
+pub fn dequantized_as_f16(m: &HostMatrix) -> HostMatrix {
+    let w: Vec<f16> = reference::dequantize_matrix(m)
+        .unwrap()
+        .into_iter()
+        .map(f16::from_f32)
+        .collect();
+    f16_like(m, "f16", &w)
+}
+
+/// The largest error relative to the largest output a product of rows `k` wide may show: the
+/// tensor cores add f32 sums with truncation (not to nearest), so their error grows with the
+/// k16 steps, about k/16 · 2^-23 of the partial sums, which on random inputs may exceed the
+/// largest output (fresh random inputs showed Q4_K [2 560, 10 240] at 7 tokens 2.9e-5,
+/// session 32, and Q4_K [4 100, 2 560] at 2 tokens 2.6e-5, session 33).
+pub fn product_tolerance(k: usize) -> f32 {
+    4e-5 * (k as f32 / 2_560.0).max(1.0)
+}

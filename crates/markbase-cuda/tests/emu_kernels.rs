@@ -1,0 +1,309 @@
+//! CUDA kernels run on the CPU emulator (markbase-kernel-emu) against the references the GPU
+//! tests use, on fresh random inputs (seed printed, `MARKBASE_TEST_SEED` replays it): the
+//! kernels' own code, lane by lane, checked on machines without a GPU. Launch shapes are
+//! chosen here to cover the kernels' paths (every n-tile count, split and unsplit tiles, warps
+//! walking several tiles), not taken from the backend's plan. Outputs are poisoned first, so
+//! an element a kernel forgot fails.
+//!
+//! Without a C++ compiler every test prints why and passes.
+
+#[path = "common/matrices.rs"]
+mod matrices;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use half::f16;
+use markbase_core::backend::HostMatrix;
+use markbase_core::quant::GgmlType;
+use markbase_cuda::device_bytes;
+use markbase_cuda::sources::{Module, Unit};
+use markbase_kernel_emu::{compiler_available, EmuModule};
+use matrices::*;
+
+/// The `Products` argument of the GEMV module's kernels (gemv.cu), with the C layout.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct Products {
+    w: [u64; 4],
+    out: [u64; 4],
+    rows: [i32; 4],
+    count: i32,
+}
+
+/// `mmq_<format>_<NT>` (mmq.cu).
+type MmqKernel = unsafe extern "C" fn(
+    p: Products,
+    row_bytes: u64,
+    k: i32,
+    xh: *const u16,
+    n: i32,
+    gated: i32,
+    parts: *mut f32,
+    tickets: *mut u32,
+    splits: i32,
+    per_split: i32,
+);
+
+/// Threads of an mmq block (8 warps).
+const MMQ_THREADS: u32 = 256;
+/// Shared memory a token's 256-value unit of activations takes in an mmq block (MmqSlots).
+const MMQ_TOKEN_BYTES: usize = 576;
+
+/// The GEMV module's unit of `format` compiled for the emulator (once a test binary), or None
+/// with the reason printed where no C++ compiler runs.
+fn gemv_unit(format: &'static str) -> Option<Arc<EmuModule>> {
+    static UNITS: Mutex<Option<HashMap<&'static str, Arc<EmuModule>>>> = Mutex::new(None);
+    if let Err(e) = compiler_available() {
+        eprintln!("skipped: {e}");
+        return None;
+    }
+    let mut units = UNITS.lock().unwrap();
+    let units = units.get_or_insert_with(HashMap::new);
+    let unit = units.entry(format).or_insert_with(|| {
+        let unit = Unit::holding(Module::Gemv, Some(format));
+        let module =
+            EmuModule::compile(&unit.name(), &unit.source("")).unwrap_or_else(|e| panic!("{e}"));
+        Arc::new(module)
+    });
+    Some(unit.clone())
+}
+
+/// A matrix's weights as the tensor-core kernel dequantizes them to f16, as f32.
+fn mmq_weights(m: &HostMatrix) -> Vec<f32> {
+    let w = match m.ty {
+        GgmlType::Q4_K | GgmlType::Q5_K => k_quant_as_f16_fma(m),
+        GgmlType::Q6_K => q6k_as_f16(m),
+        _ => dequantized_as_f16(m),
+    };
+    w.bytes
+        .as_slice()
+        .chunks_exact(2)
+        .map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32())
+        .collect()
+}
+
+/// `Σ_k w[r, k] · x[t, k]` in f64 for every token t and row r (out[t][r]).
+fn products(w: &[f32], x: &[f32], rows: usize, k: usize, n: usize) -> Vec<f64> {
+    let mut out = vec![0f64; n * rows];
+    for t in 0..n {
+        for r in 0..rows {
+            let (wr, xt) = (&w[r * k..(r + 1) * k], &x[t * k..(t + 1) * k]);
+            out[t * rows + r] = wr.iter().zip(xt).map(|(&a, &b)| a as f64 * b as f64).sum();
+        }
+    }
+    out
+}
+
+/// One launch of an mmq kernel: its n-tiles, its blocks and its splits of each tile's units.
+struct MmqShape {
+    nt: usize,
+    blocks: u32,
+    splits: usize,
+}
+
+/// What a launch covers: `mats` matrices of `rows` rows each (a gated pair: gate, up), `k`
+/// wide, for `n` tokens.
+struct MmqCase {
+    ty: GgmlType,
+    rows: Vec<usize>,
+    k: usize,
+    n: usize,
+    gated: bool,
+}
+
+/// Runs `case` as `shape` on the emulator and checks it against the f64 products of the
+/// weights as the kernel dequantizes them and the f16 activations.
+fn check_mmq(unit: &EmuModule, format: &str, case: &MmqCase, shape: &MmqShape, seed_name: &str) {
+    let mut r = rng(seed_name);
+    let (k, n) = (case.k, case.n);
+    let host: Vec<HostMatrix> = case
+        .rows
+        .iter()
+        .map(|&rows| random_matrix(&mut r, case.ty, rows, k))
+        .collect();
+    let laid: Vec<Vec<u8>> = host
+        .iter()
+        .map(|m| device_bytes(m.ty, m.bytes.as_slice(), m.rows).into_owned())
+        .collect();
+    let row_bytes = laid[0].len() / case.rows[0];
+    let x: Vec<f32> = uniform(&mut r, n * k, 1.0)
+        .into_iter()
+        .map(|v| f16::from_f32(v).to_f32())
+        .collect();
+    let xh: Vec<u16> = x.iter().map(|&v| f16::from_f32(v).to_bits()).collect();
+
+    // Outputs poisoned: f32 NaN, or (gated: f16 values, two a word) the f16 NaN 0x7fff.
+    let mut outs: Vec<Vec<u32>> = case
+        .rows
+        .iter()
+        .map(|&rows| match case.gated {
+            true => vec![0x7fff_7fff; (n * rows).div_ceil(2)],
+            false => vec![0x7fc0_0000; n * rows],
+        })
+        .collect();
+    let tiles: usize = if case.gated {
+        case.rows[0].div_ceil(8)
+    } else {
+        case.rows.iter().map(|r| r.div_ceil(16)).sum()
+    };
+    let units = k / 256;
+    let per_split = units.div_ceil(shape.splits);
+    assert_eq!(units.div_ceil(per_split), shape.splits, "no empty split");
+    let mut parts = vec![f32::NAN; shape.splits * n * tiles * 16];
+    let mut tickets = vec![0u32; tiles];
+
+    let mut p = Products {
+        count: case.rows.len() as i32,
+        ..Products::default()
+    };
+    for (i, (w, out)) in laid.iter().zip(&mut outs).enumerate() {
+        p.w[i] = w.as_ptr() as u64;
+        p.out[i] = out.as_mut_ptr() as u64;
+        p.rows[i] = case.rows[i] as i32;
+    }
+    let name = format!("mmq_{format}_{}", shape.nt);
+    // SAFETY: MmqKernel is the signature of the mmq kernels.
+    let kernel: MmqKernel = unsafe { unit.kernel(&name) }.unwrap();
+    let (xp, pp, tp) = (
+        xh.as_ptr() as usize,
+        parts.as_mut_ptr() as usize,
+        tickets.as_mut_ptr() as usize,
+    );
+    let shared = per_split * 8 * shape.nt * MMQ_TOKEN_BYTES;
+    let (gated, splits) = (i32::from(case.gated), shape.splits as i32);
+    unit.launch(
+        [shape.blocks, shape.splits as u32, 1],
+        [MMQ_THREADS, 1, 1],
+        shared,
+        // SAFETY: every buffer outlives the launch and has the size the kernel indexes.
+        &|| unsafe {
+            kernel(
+                p,
+                row_bytes as u64,
+                k as i32,
+                xp as *const u16,
+                n as i32,
+                gated,
+                pp as *mut f32,
+                tp as *mut u32,
+                splits,
+                per_split as i32,
+            )
+        },
+    )
+    .unwrap_or_else(|e| panic!("{name}: {e}"));
+    assert!(tickets.iter().all(|&t| t == 0), "{name}: tickets left set");
+
+    let what = format!(
+        "{name} {} rows {:?} k={k} n={n} splits={}",
+        case.ty, case.rows, shape.splits
+    );
+    let weights: Vec<Vec<f32>> = host.iter().map(mmq_weights).collect();
+    if case.gated {
+        let rows = case.rows[0];
+        let g = products(&weights[0], &x, rows, k, n);
+        let u = products(&weights[1], &x, rows, k, n);
+        let want: Vec<f32> = g
+            .iter()
+            .zip(&u)
+            .map(|(&g, &u)| (gelu_tanh(g) * u).clamp(-65_504.0, 65_504.0) as f32)
+            .collect();
+        let got: Vec<f32> = outs[0]
+            .iter()
+            .flat_map(|&w| [w as u16, (w >> 16) as u16])
+            .take(n * rows)
+            .map(|b| f16::from_bits(b).to_f32())
+            .collect();
+        // f16 outputs (saturating at ±65 504, as to_f16 does).
+        assert_close(&what, &got, &want, 2e-3);
+    } else {
+        for (i, &rows) in case.rows.iter().enumerate() {
+            let want: Vec<f32> = products(&weights[i], &x, rows, k, n)
+                .into_iter()
+                .map(|v| v as f32)
+                .collect();
+            let got: Vec<f32> = outs[i].iter().map(|&b| f32::from_bits(b)).collect();
+            assert_close(
+                &format!("{what} matrix {i}"),
+                &got,
+                &want,
+                product_tolerance(k),
+            );
+        }
+    }
+}
+
+/// gelu with the tanh approximation, in f64.
+fn gelu_tanh(x: f64) -> f64 {
+    0.5 * x * (1.0 + (0.797_884_560_802_865_4 * (x + 0.044_715 * x * x * x)).tanh())
+}
+
+/// Every n-tile count of one format's mmq kernels: products of two matrices (partial row
+/// tiles), one launch unsplit and one split, and the gated pair, split.
+fn mmq_format(ty: GgmlType, format: &'static str) {
+    let Some(unit) = gemv_unit(format) else {
+        return;
+    };
+    for (n, nt, splits) in [(3, 1, 1), (13, 2, 3), (27, 4, 1), (64, 8, 2)] {
+        let case = MmqCase {
+            ty,
+            rows: vec![40, 24],
+            k: 768,
+            n,
+            gated: false,
+        };
+        let shape = MmqShape {
+            nt,
+            blocks: 1,
+            splits,
+        };
+        check_mmq(&unit, format, &case, &shape, &format!("mmq {format} n={n}"));
+    }
+    for (n, nt, splits) in [(9, 2, 3), (40, 8, 1)] {
+        let case = MmqCase {
+            ty,
+            rows: vec![20, 20],
+            k: 768,
+            n,
+            gated: true,
+        };
+        let shape = MmqShape {
+            nt,
+            blocks: 2,
+            splits,
+        };
+        let seed = format!("mmq gated {format} n={n}");
+        check_mmq(&unit, format, &case, &shape, &seed);
+    }
+}
+
+#[test]
+fn mmq_q4_k_matches_reference() {
+    mmq_format(GgmlType::Q4_K, "q4_k");
+}
+
+#[test]
+fn mmq_q5_k_matches_reference() {
+    mmq_format(GgmlType::Q5_K, "q5_k");
+}
+
+#[test]
+fn mmq_q6_k_matches_reference() {
+    mmq_format(GgmlType::Q6_K, "q6_k");
+}
+
+#[test]
+fn mmq_q8_0_matches_reference() {
+    mmq_format(GgmlType::Q8_0, "q8_0");
+}
+
+#[test]
+fn mmq_q4_0_matches_reference() {
+    mmq_format(GgmlType::Q4_0, "q4_0");
+}
+
+#[test]
+fn mmq_q5_0_matches_reference() {
+    mmq_format(GgmlType::Q5_0, "q5_0");
+}

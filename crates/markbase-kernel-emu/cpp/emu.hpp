@@ -1,0 +1,592 @@
+// The CUDA C++ our kernel units use, for a C++ compiler on the CPU: a kernel unit compiled after
+// this header runs its blocks one at a time, each thread a fiber (ucontext) on the calling
+// thread. Block barriers and warp collectives (shuffles, votes, mma.sync, ldmatrix) switch
+// fibers until every thread they wait for has arrived; the last one to arrive does the
+// collective's work for all. The inline PTX of the kernels has twins here (`emu_*`), chosen
+// with `#ifdef MB_EMU` beside each `asm`; cp.async copies at once, and griddepcontrol, fences
+// and prefetches do nothing (one kernel runs at a time). Shared memory: a `__shared__` array
+// is a static of the unit; the dynamic part is an arena of the launch. Errors (a collective
+// some lanes of its mask never reach, a barrier that never fills, a lane that left) end the
+// launch with a message instead of hanging.
+
+#pragma once
+#define MB_EMU 1
+#define __CUDA_ARCH__ 900
+
+#include <ucontext.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#define __global__ __attribute__((visibility("default")))
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __shared__ static
+#define __align__(n) __attribute__((aligned(n)))
+#define __restrict__ __restrict
+
+// Vector types with CUDA's sizes and alignments.
+struct __attribute__((aligned(16))) uint4 { unsigned x, y, z, w; };
+struct __attribute__((aligned(8))) uint2 { unsigned x, y; };
+struct __attribute__((aligned(16))) int4 { int x, y, z, w; };
+struct __attribute__((aligned(8))) int2 { int x, y; };
+struct __attribute__((aligned(16))) float4 { float x, y, z, w; };
+struct __attribute__((aligned(8))) float2 { float x, y; };
+struct uint3 { unsigned x, y, z; };
+struct dim3 { unsigned x, y, z; };
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
+inline uint2 make_uint2(unsigned x, unsigned y) { return {x, y}; }
+inline int4 make_int4(int x, int y, int z, int w) { return {x, y, z, w}; }
+inline int2 make_int2(int x, int y) { return {x, y}; }
+inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
+inline float2 make_float2(float x, float y) { return {x, y}; }
+
+namespace mb_emu {
+
+// A thread of the block.
+struct Fiber {
+    ucontext_t ctx;
+    char* stack;
+    uint3 tid;
+    int lane, warp;
+    bool done;
+    int waits;  // 0: runs; WAIT_BLOCK, WAIT_WARP, or WAIT_NAMED + id
+};
+
+enum { WAIT_BLOCK = 1, WAIT_WARP = 2, WAIT_NAMED = 3 };
+
+// A warp collective some lanes have reached: its lanes, those arrived, their records, and the
+// work the last one does for all.
+struct Pending {
+    unsigned mask, arrived;
+    void (*work)(void** records, unsigned mask);
+    void* records[32];
+};
+
+// The launch this OS thread runs.
+struct Launch {
+    dim3 grid, block;
+    uint3 block_idx;
+    void (*body)(void*);
+    void* ctx;
+    std::vector<Fiber> fibers;
+    std::vector<Pending> pending;  // per warp: up to 4 groups at once
+    ucontext_t scheduler;
+    Fiber* current;
+    int live, at_barrier;
+    int named_arrived[16];
+    char* shared;
+    bool failed;
+    char error[512];
+};
+
+inline thread_local Launch* launch = nullptr;
+constexpr size_t STACK_BYTES = 256 * 1024;
+constexpr int GROUPS = 4;
+
+// Ends the launch with a message (the fiber never resumes).
+[[noreturn]] inline void fail(const char* fmt, int a = 0, int b = 0, int c = 0) {
+    Launch* L = launch;
+    if (!L->failed) {
+        L->failed = true;
+        int n = std::snprintf(L->error, sizeof L->error, "block (%u, %u, %u), thread %u: ",
+                              L->block_idx.x, L->block_idx.y, L->block_idx.z, L->current->tid.x);
+        std::snprintf(L->error + n, sizeof L->error - n, fmt, a, b, c);
+    }
+    swapcontext(&L->current->ctx, &L->scheduler);
+    std::abort();  // a failed launch never resumes its fibers
+}
+
+// Back to the scheduler until this fiber is woken (its `waits` cleared).
+inline void wait_here(int what) {
+    Launch* L = launch;
+    L->current->waits = what;
+    swapcontext(&L->current->ctx, &L->scheduler);
+}
+
+// Wakes every fiber waiting at `what`.
+inline void wake(int what) {
+    for (Fiber& f : launch->fibers)
+        if (f.waits == what) f.waits = 0;
+}
+
+inline Fiber& self() { return *launch->current; }
+
+// Lanes of warp w that have left the kernel.
+inline unsigned done_lanes(int w) {
+    Launch* L = launch;
+    unsigned m = 0;
+    int n = (int)L->fibers.size();
+    for (int l = 0; l < 32 && 32 * w + l < n; l++)
+        if (L->fibers[32 * w + l].done) m |= 1u << l;
+    if (32 * w + 32 > n) m |= ~0u << (n - 32 * w);  // lanes past the block's threads
+    return m;
+}
+
+// Meets the lanes of `mask` (which must hold this lane) at a collective; the last to arrive
+// calls `work(records, mask)` with each lane's `record`, then all go on.
+inline void warp_meet(unsigned mask, void* record, void (*work)(void**, unsigned)) {
+    Launch* L = launch;
+    Fiber& f = self();
+    if (!(mask & (1u << f.lane))) fail("a warp collective whose mask %#x lacks lane %d", mask, f.lane);
+    if (mask & done_lanes(f.warp))
+        fail("a warp collective of mask %#x waits for lanes that left (%#x)", mask,
+             mask & done_lanes(f.warp));
+    Pending* group = nullptr;
+    for (int i = 0; i < GROUPS; i++) {
+        Pending& p = L->pending[GROUPS * f.warp + i];
+        if (p.arrived && p.mask == mask) group = &p;
+    }
+    if (!group)
+        for (int i = 0; i < GROUPS && !group; i++)
+            if (!L->pending[GROUPS * f.warp + i].arrived) group = &L->pending[GROUPS * f.warp + i];
+    if (!group) fail("more than %d warp collectives of warp %d pending at once", GROUPS, f.warp);
+    if (group->arrived && group->work != work)
+        fail("lanes of warp %d (mask %#x) meet at different collectives", f.warp, mask);
+    if (group->arrived & (1u << f.lane)) fail("lane %d arrives twice at one collective", f.lane);
+    group->mask = mask;
+    group->work = work;
+    group->records[f.lane] = record;
+    group->arrived |= 1u << f.lane;
+    if (group->arrived != mask) {
+        wait_here(WAIT_WARP);
+        return;
+    }
+    work(group->records, mask);
+    group->arrived = 0;
+    for (int l = 0; l < 32; l++)
+        if ((mask >> l & 1) && l != f.lane) L->fibers[32 * f.warp + l].waits = 0;
+}
+
+// __syncthreads: every live thread of the block.
+inline void sync_block() {
+    Launch* L = launch;
+    if (++L->at_barrier < L->live) {
+        wait_here(WAIT_BLOCK);
+        return;
+    }
+    L->at_barrier = 0;
+    wake(WAIT_BLOCK);
+}
+
+// bar.sync id, count.
+inline void sync_named(int id, int count) {
+    Launch* L = launch;
+    if (id < 0 || id >= 16) fail("named barrier %d out of range", id);
+    if (++L->named_arrived[id] < count) {
+        wait_here(WAIT_NAMED + id);
+        return;
+    }
+    L->named_arrived[id] = 0;
+    wake(WAIT_NAMED + id);
+}
+
+// Shared-memory addresses as 32 bits (cvta.to.shared): the pointer's low 28 bits, and in the
+// top 4 the slot of its 256 MB page in this table.
+inline thread_local uintptr_t shared_pages[16];
+inline thread_local int shared_page_count = 0;
+
+inline unsigned shared_handle(const void* p) {
+    uintptr_t a = (uintptr_t)p, page = a >> 28;
+    for (int i = 0; i < shared_page_count; i++)
+        if (shared_pages[i] == page) return (unsigned)(i << 28) | (unsigned)(a & 0x0fffffffu);
+    if (shared_page_count == 16) fail("more than 16 pages of shared memory");
+    shared_pages[shared_page_count] = page;
+    return (unsigned)(shared_page_count++ << 28) | (unsigned)(a & 0x0fffffffu);
+}
+
+inline void* shared_pointer(unsigned h) {
+    if ((int)(h >> 28) >= shared_page_count) fail("shared address %#x was never handed out", h);
+    return (void*)((shared_pages[h >> 28] << 28) | (h & 0x0fffffffu));
+}
+
+inline void* dynamic_shared() { return launch->shared; }
+
+}  // namespace mb_emu
+
+#define threadIdx (mb_emu::self().tid)
+#define blockIdx (mb_emu::launch->block_idx)
+#define blockDim (mb_emu::launch->block)
+#define gridDim (mb_emu::launch->grid)
+
+// ---- bits and numbers -----------------------------------------------------------------
+
+inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline float __int_as_float(int u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
+inline int __float_as_int(float f) { int u; std::memcpy(&u, &f, 4); return u; }
+inline int __popc(unsigned x) { return __builtin_popcount(x); }
+inline int __ffs(int x) { return __builtin_ffs(x); }
+inline int __clz(int x) { return x ? __builtin_clz((unsigned)x) : 32; }
+inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
+    uint64_t v = (uint64_t)y << 32 | x;
+    unsigned r = 0;
+    for (int i = 0; i < 4; i++) r |= (unsigned)(v >> (8 * ((s >> (4 * i)) & 7)) & 0xff) << (8 * i);
+    return r;
+}
+template <class T>
+inline T __ldg(const T* p) { return *p; }
+inline void __threadfence() {}
+
+inline int min(int a, int b) { return a < b ? a : b; }
+inline int max(int a, int b) { return a > b ? a : b; }
+inline unsigned min(unsigned a, unsigned b) { return a < b ? a : b; }
+inline unsigned max(unsigned a, unsigned b) { return a > b ? a : b; }
+inline long long min(long long a, long long b) { return a < b ? a : b; }
+inline long long max(long long a, long long b) { return a > b ? a : b; }
+inline unsigned long long min(unsigned long long a, unsigned long long b) { return a < b ? a : b; }
+inline unsigned long long max(unsigned long long a, unsigned long long b) { return a > b ? a : b; }
+inline float min(float a, float b) { return fminf(a, b); }
+inline float max(float a, float b) { return fmaxf(a, b); }
+inline float rsqrtf(float x) { return 1.f / sqrtf(x); }
+inline float __expf(float x) { return expf(x); }
+inline float __logf(float x) { return logf(x); }
+inline float __fdividef(float a, float b) { return a / b; }
+
+// f16 <-> f32, to nearest with ties to even (beyond f16's range: infinity).
+inline float emu_f16_to_f32(unsigned short h) {
+    unsigned s = (h >> 15) & 1, e = (h >> 10) & 31, m = h & 1023;
+    float v = e == 0 ? std::ldexp((float)m, -24)
+              : e == 31 ? (m ? NAN : INFINITY)
+                        : std::ldexp((float)(m | 1024), (int)e - 25);
+    return s ? -v : v;
+}
+
+inline unsigned short emu_f32_to_f16(double v) {
+    unsigned short sign = std::signbit(v) ? 0x8000 : 0;
+    if (std::isnan(v)) return 0x7e00;
+    double a = std::fabs(v);
+    if (a >= 65520.0) return sign | 0x7c00;  // rounds past 65504
+    if (a < std::ldexp(1.0, -14)) {          // subnormal: multiples of 2^-24
+        double q = std::nearbyint(a * 16777216.0);
+        return sign | (unsigned short)q;
+    }
+    int e;
+    double fr = std::frexp(a, &e);          // a = fr · 2^e, fr in [0.5, 1)
+    double q = std::nearbyint(fr * 2048.0);  // 11 significant bits
+    if (q == 2048.0) { q = 1024.0; e++; }
+    if (e + 14 > 30) return sign | 0x7c00;
+    return sign | (unsigned short)((e + 14) << 10 | ((unsigned)q - 1024));
+}
+
+inline float emu_lo(unsigned x) { return emu_f16_to_f32((unsigned short)(x & 0xffff)); }
+inline float emu_hi(unsigned x) { return emu_f16_to_f32((unsigned short)(x >> 16)); }
+inline unsigned emu_pack(double lo, double hi) {
+    return (unsigned)emu_f32_to_f16(lo) | (unsigned)emu_f32_to_f16(hi) << 16;
+}
+inline double emu_sat(double v) { return v != v ? v : v < -65504.0 ? -65504.0 : v > 65504.0 ? 65504.0 : v; }
+
+inline unsigned emu_h2_fma(unsigned a, unsigned b, unsigned c) {
+    return emu_pack((double)emu_lo(a) * emu_lo(b) + emu_lo(c), (double)emu_hi(a) * emu_hi(b) + emu_hi(c));
+}
+inline unsigned emu_h2_mul(unsigned a, unsigned b) {
+    return emu_pack((double)emu_lo(a) * emu_lo(b), (double)emu_hi(a) * emu_hi(b));
+}
+inline unsigned emu_h2_sub(unsigned a, unsigned b) {
+    return emu_pack((double)emu_lo(a) - emu_lo(b), (double)emu_hi(a) - emu_hi(b));
+}
+inline unsigned emu_lop3_ea(unsigned a, unsigned b, unsigned c) { return (a & b) | c; }
+
+// dp2a: c + a's 16-bit halves (signed) times b's bytes 0, 1 (lo) or 2, 3 (hi), signed or not.
+inline int emu_dp2a(unsigned a, unsigned b, int c, bool hi, bool b_signed) {
+    int r = c;
+    for (int i = 0; i < 2; i++) {
+        int ah = (short)(a >> (16 * i));
+        unsigned byte = (b >> (8 * (i + (hi ? 2 : 0)))) & 0xff;
+        int bb = b_signed ? (int)(signed char)byte : (int)byte;
+        r += ah * bb;
+    }
+    return r;
+}
+
+// ---- warp collectives ------------------------------------------------------------------
+
+namespace mb_emu {
+
+template <class T>
+struct Shuffle {
+    T value, out;
+    int source;  // the lane to read (out of [0, 32) or outside the mask: keep one's own)
+};
+
+template <class T>
+inline void shuffle_work(void** r, unsigned mask) {
+    for (int l = 0; l < 32; l++) {
+        if (!(mask >> l & 1)) continue;
+        auto* me = (Shuffle<T>*)r[l];
+        int s = me->source;
+        me->out = s >= 0 && s < 32 && (mask >> s & 1) ? ((Shuffle<T>*)r[s])->value : me->value;
+    }
+}
+
+template <class T>
+inline T shuffle(unsigned mask, T v, int source) {
+    Shuffle<T> rec{v, v, source};
+    warp_meet(mask, &rec, shuffle_work<T>);
+    return rec.out;
+}
+
+struct Match {
+    unsigned long long value;
+    unsigned out;
+};
+
+inline void match_work(void** r, unsigned mask) {
+    for (int l = 0; l < 32; l++) {
+        if (!(mask >> l & 1)) continue;
+        auto* me = (Match*)r[l];
+        me->out = 0;
+        for (int o = 0; o < 32; o++)
+            if ((mask >> o & 1) && ((Match*)r[o])->value == me->value) me->out |= 1u << o;
+    }
+}
+
+inline void nothing_work(void**, unsigned) {}
+
+}  // namespace mb_emu
+
+// Width-32 shuffles (every kernel here shuffles whole warps).
+template <class T>
+inline T __shfl_sync(unsigned mask, T v, int src, int width = 32) {
+    int lane = mb_emu::self().lane, base = lane & ~(width - 1);
+    return mb_emu::shuffle(mask, v, base + (src & (width - 1)));
+}
+template <class T>
+inline T __shfl_xor_sync(unsigned mask, T v, int x, int width = 32) {
+    int lane = mb_emu::self().lane;
+    return mb_emu::shuffle(mask, v, (lane ^ x) < ((lane & ~(width - 1)) + width) ? lane ^ x : lane);
+}
+template <class T>
+inline T __shfl_up_sync(unsigned mask, T v, unsigned d, int width = 32) {
+    int lane = mb_emu::self().lane;
+    return mb_emu::shuffle(mask, v, (lane & (width - 1)) >= (int)d ? lane - (int)d : lane);
+}
+template <class T>
+inline T __shfl_down_sync(unsigned mask, T v, unsigned d, int width = 32) {
+    int lane = mb_emu::self().lane;
+    return mb_emu::shuffle(mask, v, (lane & (width - 1)) + (int)d < width ? lane + (int)d : lane);
+}
+template <class T>
+inline unsigned __match_any_sync(unsigned mask, T v) {
+    mb_emu::Match rec{(unsigned long long)v, 0};
+    mb_emu::warp_meet(mask, &rec, mb_emu::match_work);
+    return rec.out;
+}
+inline void __syncwarp(unsigned mask = 0xffffffffu) {
+    mb_emu::warp_meet(mask, nullptr, mb_emu::nothing_work);
+}
+inline void __syncthreads() { mb_emu::sync_block(); }
+
+// Atomics (one fiber runs at a time: plain read-modify-writes).
+inline unsigned atomicAdd(unsigned* p, unsigned v) { unsigned o = *p; *p = o + v; return o; }
+inline int atomicAdd(int* p, int v) { int o = *p; *p = o + v; return o; }
+inline float atomicAdd(float* p, float v) { float o = *p; *p = o + v; return o; }
+inline unsigned atomicOr(unsigned* p, unsigned v) { unsigned o = *p; *p = o | v; return o; }
+inline unsigned atomicMax(unsigned* p, unsigned v) { unsigned o = *p; *p = o > v ? o : v; return o; }
+inline int atomicMax(int* p, int v) { int o = *p; *p = o > v ? o : v; return o; }
+
+// ---- tensor cores ----------------------------------------------------------------------
+
+namespace mb_emu {
+
+// One lane's part of mma.sync m16n8k16 (row-major A, column-major B, f32 C): lane (g, c) =
+// (lane / 4, lane % 4) holds A rows g, g + 8 at k 2c, 2c + 1 (a[0], a[1]) and 2c + 8, 2c + 9
+// (a[2], a[3]); B k 2c, 2c + 1 (b[0]) and 2c + 8, 2c + 9 (b[1]) of column g; C rows g, g + 8
+// at columns 2c, 2c + 1.
+struct Mma {
+    float* c;
+    unsigned a[4], b[2];
+    bool bf16;
+};
+
+inline float emu_bf16(unsigned short h) { return __uint_as_float((unsigned)h << 16); }
+
+inline void mma_work(void** r, unsigned) {
+    float A[16][16], B[16][8], C[16][8];
+    for (int l = 0; l < 32; l++) {
+        auto* m = (Mma*)r[l];
+        int g = l >> 2, c = l & 3;
+        auto val = [&](unsigned w, int half) {
+            unsigned short h = (unsigned short)(w >> (16 * half));
+            return m->bf16 ? emu_bf16(h) : emu_f16_to_f32(h);
+        };
+        for (int h = 0; h < 2; h++) {
+            A[g][2 * c + h] = val(m->a[0], h);
+            A[g + 8][2 * c + h] = val(m->a[1], h);
+            A[g][2 * c + 8 + h] = val(m->a[2], h);
+            A[g + 8][2 * c + 8 + h] = val(m->a[3], h);
+            B[2 * c + h][g] = val(m->b[0], h);
+            B[2 * c + 8 + h][g] = val(m->b[1], h);
+            C[g][2 * c + h] = m->c[h];
+            C[g + 8][2 * c + h] = m->c[2 + h];
+        }
+    }
+    for (int l = 0; l < 32; l++) {
+        auto* m = (Mma*)r[l];
+        int g = l >> 2, c = l & 3;
+        for (int i = 0; i < 4; i++) {
+            int row = g + 8 * (i >> 1), col = 2 * c + (i & 1);
+            double s = C[row][col];
+            for (int k = 0; k < 16; k++) s += (double)A[row][k] * B[k][col];
+            m->c[i] = (float)s;
+        }
+    }
+}
+
+inline void mma(float* c, const unsigned* a, unsigned b0, unsigned b1, bool bf16) {
+    Mma rec{c, {a[0], a[1], a[2], a[3]}, {b0, b1}, bf16};
+    warp_meet(0xffffffffu, &rec, mma_work);
+}
+
+// ldmatrix m8n8.x4 (b16): lanes 8i .. 8i + 7 give the row addresses of matrix i; lane l gets
+// in r[i] matrix i's row l / 4, columns 2(l % 4), +1 (trans: column l / 4, rows 2(l % 4), +1).
+struct Ldsm {
+    unsigned address;
+    unsigned* r;
+    bool trans;
+};
+
+inline void ldsm_work(void** rec, unsigned) {
+    for (int l = 0; l < 32; l++) {
+        auto* me = (Ldsm*)rec[l];
+        for (int i = 0; i < 4; i++) {
+            unsigned short e[2];
+            for (int h = 0; h < 2; h++) {
+                int row = me->trans ? 2 * (l & 3) + h : l >> 2;
+                int col = me->trans ? l >> 2 : 2 * (l & 3) + h;
+                const auto* p = (const unsigned short*)shared_pointer(((Ldsm*)rec[8 * i + row])->address);
+                e[h] = p[col];
+            }
+            me->r[i] = (unsigned)e[0] | (unsigned)e[1] << 16;
+        }
+    }
+}
+
+inline void ldsm(unsigned address, unsigned* r, bool trans) {
+    Ldsm rec{address, r, trans};
+    warp_meet(0xffffffffu, &rec, ldsm_work);
+}
+
+// cp.async of 16 bytes: `bytes` of them from `src`, the rest zeros; done at once.
+inline void cp_async16(unsigned dst, const void* src, int bytes) {
+    char* d = (char*)shared_pointer(dst);
+    std::memcpy(d, src, bytes);
+    std::memset(d + bytes, 0, 16 - bytes);
+}
+
+// ---- the launch ------------------------------------------------------------------------
+
+inline void fiber_entry(unsigned hi, unsigned lo) {
+    (void)hi;
+    (void)lo;
+    Launch* L = launch;
+    L->body(L->ctx);
+    Fiber& f = self();
+    f.done = true;
+    L->live--;
+    for (int i = 0; i < GROUPS; i++) {
+        Pending& p = L->pending[GROUPS * f.warp + i];
+        if (p.arrived && (p.mask >> f.lane & 1))
+            fail("lane %d left while lanes %#x of its warp wait for it at a collective", f.lane,
+                 p.arrived);
+    }
+    if (L->at_barrier > 0 && L->at_barrier == L->live) {
+        L->at_barrier = 0;
+        wake(WAIT_BLOCK);
+    }
+    swapcontext(&f.ctx, &L->scheduler);
+}
+
+// Runs the block blockIdx of the launch: 0, or -1 with L->error set.
+inline int run_block(Launch* L) {
+    int n = (int)L->fibers.size();
+    for (int t = 0; t < n; t++) {
+        Fiber& f = L->fibers[t];
+        f.tid = {(unsigned)t % L->block.x, (unsigned)t / L->block.x % L->block.y,
+                 (unsigned)t / (L->block.x * L->block.y)};
+        f.lane = t & 31;
+        f.warp = t >> 5;
+        f.done = false;
+        f.waits = 0;
+        getcontext(&f.ctx);
+        f.ctx.uc_stack.ss_sp = f.stack;
+        f.ctx.uc_stack.ss_size = STACK_BYTES;
+        f.ctx.uc_link = nullptr;
+        makecontext(&f.ctx, (void (*)())fiber_entry, 2, 0u, 0u);
+    }
+    for (Pending& p : L->pending) p.arrived = 0;
+    L->live = n;
+    L->at_barrier = 0;
+    for (int& a : L->named_arrived) a = 0;
+    int next = 0;
+    while (L->live > 0) {
+        int pick = -1;
+        for (int i = 0; i < n; i++) {
+            int t = (next + i) % n;
+            if (!L->fibers[t].done && !L->fibers[t].waits) {
+                pick = t;
+                break;
+            }
+        }
+        if (pick < 0) {
+            std::snprintf(L->error, sizeof L->error,
+                          "block (%u, %u, %u): %d threads wait at barriers or collectives that "
+                          "never fill",
+                          L->block_idx.x, L->block_idx.y, L->block_idx.z, L->live);
+            return -1;
+        }
+        L->current = &L->fibers[pick];
+        swapcontext(&L->scheduler, &L->fibers[pick].ctx);
+        if (L->failed) return -1;
+        next = pick + 1;
+    }
+    return 0;
+}
+
+}  // namespace mb_emu
+
+// Runs the launch grid × block with `shared_bytes` of dynamic shared memory, every thread
+// calling body(ctx) (which calls the kernel): 0, or -1 with a message in `error`.
+extern "C" __attribute__((visibility("default"))) int mb_emu_launch(
+    const unsigned* grid, const unsigned* block, size_t shared_bytes, void (*body)(void*),
+    void* ctx, char* error, size_t error_len) {
+    using namespace mb_emu;
+    Launch L{};
+    L.grid = {grid[0], grid[1], grid[2]};
+    L.block = {block[0], block[1], block[2]};
+    L.body = body;
+    L.ctx = ctx;
+    size_t threads = (size_t)block[0] * block[1] * block[2];
+    if (threads == 0 || threads > 1024 || shared_bytes > 232448) {
+        std::snprintf(error, error_len, "a block of %zu threads with %zu bytes of shared memory",
+                      threads, shared_bytes);
+        return -1;
+    }
+    L.fibers.resize(threads);
+    L.pending.resize((threads + 31) / 32 * GROUPS);
+    for (Fiber& f : L.fibers) f.stack = (char*)std::malloc(STACK_BYTES);
+    // One megabyte-aligned arena: its 32-bit shared addresses never cross a 256 MB page.
+    L.shared = (char*)std::aligned_alloc(1 << 20, 1 << 20);
+    Launch* outer = launch;
+    launch = &L;
+    shared_page_count = 0;
+    int rc = 0;
+    for (unsigned z = 0; z < grid[2] && rc == 0; z++)
+        for (unsigned y = 0; y < grid[1] && rc == 0; y++)
+            for (unsigned x = 0; x < grid[0] && rc == 0; x++) {
+                L.block_idx = {x, y, z};
+                std::memset(L.shared, 0xcd, shared_bytes);  // not zeros: stale reads show
+                rc = run_block(&L);
+            }
+    launch = outer;
+    if (rc != 0) std::snprintf(error, error_len, "%s", L.error);
+    for (Fiber& f : L.fibers) std::free(f.stack);
+    std::free(L.shared);
+    return rc;
+}

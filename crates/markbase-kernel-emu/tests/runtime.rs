@@ -1,0 +1,152 @@
+//! The emulator's own pieces on small kernels written here: block barriers and shared memory,
+//! shuffles, `mma.sync`'s fragment layout against a plain matrix product, and the errors of a
+//! barrier that never fills and of a collective a lane has left.
+
+use markbase_kernel_emu::{compiler_available, EmuError, EmuModule};
+use rand::{Rng, SeedableRng};
+
+const SOURCE: &str = r#"
+typedef unsigned int u32;
+
+// out[b] = the sum of in over block b's threads (blockDim.x of them), by shared memory.
+extern "C" __global__ void block_sums(const float* in, float* out) {
+    __shared__ float part[32];
+    float v = in[blockIdx.x * blockDim.x + threadIdx.x];
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = v;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float s = 0.f;
+        for (int w = 0; w < (int)(blockDim.x >> 5); w++) s += part[w];
+        out[blockIdx.x] = s;
+    }
+}
+
+// One warp: d = a (16 x 16, f16, row-major) times b (16 x 8, f16, k-major) as mma.sync m16n8k16
+// fragments, built here from the matrices by the PTX layout.
+extern "C" __global__ void mma_tile(const unsigned short* a, const unsigned short* b, float* d) {
+    int lane = threadIdx.x, g = lane >> 2, c = lane & 3;
+    auto pair = [](unsigned short lo, unsigned short hi) { return (u32)lo | (u32)hi << 16; };
+    u32 fa[4] = {pair(a[g * 16 + 2 * c], a[g * 16 + 2 * c + 1]),
+                 pair(a[(g + 8) * 16 + 2 * c], a[(g + 8) * 16 + 2 * c + 1]),
+                 pair(a[g * 16 + 2 * c + 8], a[g * 16 + 2 * c + 9]),
+                 pair(a[(g + 8) * 16 + 2 * c + 8], a[(g + 8) * 16 + 2 * c + 9])};
+    u32 b0 = pair(b[(2 * c) * 8 + g], b[(2 * c + 1) * 8 + g]);
+    u32 b1 = pair(b[(2 * c + 8) * 8 + g], b[(2 * c + 9) * 8 + g]);
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    mb_emu::mma(acc, fa, b0, b1, false);
+    d[g * 8 + 2 * c] = acc[0];
+    d[g * 8 + 2 * c + 1] = acc[1];
+    d[(g + 8) * 8 + 2 * c] = acc[2];
+    d[(g + 8) * 8 + 2 * c + 1] = acc[3];
+}
+
+// Half the warp waits at a shuffle of the whole warp, the other half at a block barrier.
+extern "C" __global__ void half_barrier(float* out) {
+    if (threadIdx.x < 16)
+        out[threadIdx.x] = __shfl_sync(0xffffffffu, 1.f, 0);
+    else
+        __syncthreads();
+}
+
+// Lane 5 leaves before the shuffle its warp needs it for.
+extern "C" __global__ void early_exit(float* out) {
+    if (threadIdx.x == 5) return;
+    out[threadIdx.x] = __shfl_sync(0xffffffffu, 1.f, 0);
+}
+"#;
+
+fn module() -> Option<EmuModule> {
+    if let Err(e) = compiler_available() {
+        eprintln!("skipped: {e}");
+        return None;
+    }
+    Some(EmuModule::compile("emu-runtime-test", SOURCE).expect("the test unit compiles"))
+}
+
+#[test]
+fn block_sums_see_every_thread_through_shuffles_and_a_barrier() {
+    let Some(m) = module() else { return };
+    type Kernel = unsafe extern "C" fn(*const f32, *mut f32);
+    // SAFETY: the signature of block_sums.
+    let k: Kernel = unsafe { m.kernel("block_sums") }.unwrap();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(1);
+    let (blocks, threads) = (3usize, 96usize);
+    let input: Vec<f32> = (0..blocks * threads)
+        .map(|_| rng.random_range(-1.0..1.0))
+        .collect();
+    let mut out = vec![0f32; blocks];
+    let (ip, op) = (input.as_ptr() as usize, out.as_mut_ptr() as usize);
+    // SAFETY: the buffers outlive the launch and hold what the kernel reads and writes.
+    m.launch(
+        [blocks as u32, 1, 1],
+        [threads as u32, 1, 1],
+        0,
+        &|| unsafe { k(ip as *const f32, op as *mut f32) },
+    )
+    .unwrap();
+    for b in 0..blocks {
+        let want: f32 = input[b * threads..(b + 1) * threads].iter().sum();
+        assert!(
+            (out[b] - want).abs() < 1e-4,
+            "block {b}: {} vs {want}",
+            out[b]
+        );
+    }
+}
+
+#[test]
+fn mma_fragments_multiply_as_the_ptx_layout_says() {
+    let Some(m) = module() else { return };
+    type Kernel = unsafe extern "C" fn(*const u16, *const u16, *mut f32);
+    // SAFETY: the signature of mma_tile.
+    let k: Kernel = unsafe { m.kernel("mma_tile") }.unwrap();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(2);
+    let mut value = || half::f16::from_f32(rng.random_range(-2.0..2.0));
+    let a: Vec<half::f16> = (0..256).map(|_| value()).collect();
+    let b: Vec<half::f16> = (0..128).map(|_| value()).collect();
+    let mut d = vec![0f32; 128];
+    let (ap, bp, dp) = (
+        a.as_ptr() as usize,
+        b.as_ptr() as usize,
+        d.as_mut_ptr() as usize,
+    );
+    // SAFETY: the buffers outlive the launch.
+    m.launch([1, 1, 1], [32, 1, 1], 0, &|| unsafe {
+        k(ap as *const u16, bp as *const u16, dp as *mut f32)
+    })
+    .unwrap();
+    for i in 0..16 {
+        for j in 0..8 {
+            let want: f64 = (0..16)
+                .map(|k| a[i * 16 + k].to_f64() * b[k * 8 + j].to_f64())
+                .sum();
+            assert!((d[i * 8 + j] as f64 - want).abs() < 1e-5, "d[{i}][{j}]");
+        }
+    }
+}
+
+#[test]
+fn a_barrier_that_never_fills_and_a_lane_that_left_are_errors() {
+    let Some(m) = module() else { return };
+    let mut out = vec![0f32; 32];
+    let op = out.as_mut_ptr() as usize;
+    type Kernel = unsafe extern "C" fn(*mut f32);
+    // SAFETY: the signature of half_barrier.
+    let k: Kernel = unsafe { m.kernel("half_barrier") }.unwrap();
+    // SAFETY: `out` outlives the launch.
+    let e = m.launch([1, 1, 1], [32, 1, 1], 0, &|| unsafe { k(op as *mut f32) });
+    let Err(EmuError::Launch { message, .. }) = e else {
+        panic!("expected a hang reported, got {e:?}")
+    };
+    assert!(message.contains("never fill"), "{message}");
+
+    // SAFETY: the signature of early_exit.
+    let k: Kernel = unsafe { m.kernel("early_exit") }.unwrap();
+    // SAFETY: `out` outlives the launch.
+    let e = m.launch([1, 1, 1], [32, 1, 1], 0, &|| unsafe { k(op as *mut f32) });
+    let Err(EmuError::Launch { message, .. }) = e else {
+        panic!("expected a broken collective reported, got {e:?}")
+    };
+    assert!(message.contains("left"), "{message}");
+}
