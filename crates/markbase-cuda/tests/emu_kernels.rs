@@ -307,3 +307,113 @@ fn mmq_q4_0_matches_reference() {
 fn mmq_q5_0_matches_reference() {
     mmq_format(GgmlType::Q5_0, "q5_0");
 }
+
+/// `gemv_gelu_walk_<format>_<P>` and `gemv_halves_walk_<format>_<P>` (gemv_walk.cu).
+type WalkGated = unsafe extern "C" fn(
+    gate: *const u8,
+    up: *const u8,
+    row_bytes: u64,
+    rows: i32,
+    k: i32,
+    x: *const f32,
+    out: *mut f32,
+    xt: *const u8,
+);
+type WalkHalves = unsafe extern "C" fn(
+    w: *const u8,
+    row_bytes: u64,
+    rows: i32,
+    k: i32,
+    x: *const f32,
+    out: *mut f32,
+    xt: *const u8,
+);
+
+/// Shared memory a 256-value unit of a walk's row of activations takes (its Q4_K tiles).
+const WALK_UNIT_SHARED: usize = 640;
+
+/// The one-token walks of one format, P = 1 and 2 row pairs a warp: the gated pair
+/// (gelu_tanh(gate · x) · (up · x)) and one matrix's two halves, against f64 products of the
+/// reference's weights and the activations as the walks quantize them (16-bit integers a
+/// 32-value chunk), with fewer blocks than groups so warps walk several.
+fn walk_format(ty: GgmlType, format: &'static str) {
+    let Some(unit) = gemv_unit(format) else {
+        return;
+    };
+    let (rows, k) = (37, 1024);
+    for p in [1, 2] {
+        let mut r = rng(&format!("walk {format} P={p}"));
+        let mats: Vec<HostMatrix> = (0..2).map(|_| random_matrix(&mut r, ty, rows, k)).collect();
+        let laid: Vec<Vec<u8>> = mats
+            .iter()
+            .map(|m| device_bytes(m.ty, m.bytes.as_slice(), m.rows).into_owned())
+            .collect();
+        let row_bytes = laid[0].len() / rows;
+        let x = uniform(&mut r, k, 1.0);
+        let xs = as_16_bit(&x);
+        let weights: Vec<Vec<f32>> = mats
+            .iter()
+            .map(|m| markbase_cpu::reference::dequantize_matrix(m).unwrap())
+            .collect();
+        let g = products(&weights[0], &xs, rows, k, 1);
+        let u = products(&weights[1], &xs, rows, k, 1);
+        let shared = WALK_UNIT_SHARED * k / 256;
+        let (xp, wg, wu) = (
+            x.as_ptr() as usize,
+            laid[0].as_ptr() as usize,
+            laid[1].as_ptr() as usize,
+        );
+
+        let mut out = vec![f32::NAN; rows];
+        let op = out.as_mut_ptr() as usize;
+        let name = format!("gemv_gelu_walk_{format}_{p}");
+        // SAFETY: WalkGated is the signature of the gated walks.
+        let kernel: WalkGated = unsafe { unit.kernel(&name) }.unwrap();
+        // SAFETY: every buffer outlives the launch and has the size the kernel indexes.
+        let body = || unsafe {
+            let (rb, (n, kk)) = (row_bytes as u64, (rows as i32, k as i32));
+            let xt = std::ptr::null();
+            kernel(wg as _, wu as _, rb, n, kk, xp as _, op as _, xt)
+        };
+        unit.launch([2, 1, 1], [256, 1, 1], shared, &body)
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        let want: Vec<f32> = g
+            .iter()
+            .zip(&u)
+            .map(|(&g, &u)| (gelu_tanh(g) * u) as f32)
+            .collect();
+        assert_close(&format!("{name} {ty} [{rows}, {k}]"), &out, &want, 1e-4);
+
+        // One matrix of 2·rows rows: the gate's rows, then the up's.
+        let both: Vec<u8> = laid.concat();
+        let bp = both.as_ptr() as usize;
+        let mut out = vec![f32::NAN; 2 * rows];
+        let op = out.as_mut_ptr() as usize;
+        let name = format!("gemv_halves_walk_{format}_{p}");
+        // SAFETY: WalkHalves is the signature of the halves walks.
+        let kernel: WalkHalves = unsafe { unit.kernel(&name) }.unwrap();
+        // SAFETY: as above.
+        let body = || unsafe {
+            let (rb, (n, kk)) = (row_bytes as u64, (rows as i32, k as i32));
+            kernel(bp as _, rb, n, kk, xp as _, op as _, std::ptr::null())
+        };
+        unit.launch([2, 1, 1], [256, 1, 1], shared, &body)
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        let want: Vec<f32> = g.iter().chain(&u).map(|&v| v as f32).collect();
+        assert_close(&format!("{name} {ty} [{rows}, {k}]"), &out, &want, 1e-4);
+    }
+}
+
+#[test]
+fn one_token_walks_match_reference_for_every_format() {
+    for (ty, format) in [
+        (GgmlType::Q4_K, "q4_k"),
+        (GgmlType::Q5_K, "q5_k"),
+        (GgmlType::Q6_K, "q6_k"),
+        (GgmlType::Q8_0, "q8_0"),
+        (GgmlType::Q4_0, "q4_0"),
+        (GgmlType::Q5_0, "q5_0"),
+    ] {
+        walk_format(ty, format);
+    }
+}

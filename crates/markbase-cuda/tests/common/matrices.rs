@@ -212,3 +212,19 @@ pub fn dequantized_as_f16(m: &HostMatrix) -> HostMatrix {
 pub fn product_tolerance(k: usize) -> f32 {
     4e-5 * (k as f32 / 2_560.0).max(1.0)
 }
+
+/// `x` as 16-bit activations: each 32 values integers times max|x| / 32767, to nearest.
+pub fn as_16_bit(x: &[f32]) -> Vec<f32> {
+    x.chunks(32)
+        .flat_map(|c| {
+            let m = c.iter().fold(0f32, |m, v| m.max(v.abs()));
+            c.iter().map(move |&v| {
+                if m > 0.0 {
+                    (v * (32767.0 / m)).round_ties_even() * (m / 32767.0)
+                } else {
+                    0.0
+                }
+            })
+        })
+        .collect()
+}

@@ -137,22 +137,6 @@ fn as_seen_in(
     }
 }
 
-/// `x` as 16-bit activations: each 32 values integers times max|x| / 32767, to nearest.
-fn as_16_bit(x: &[f32]) -> Vec<f32> {
-    x.chunks(32)
-        .flat_map(|c| {
-            let m = c.iter().fold(0f32, |m, v| m.max(v.abs()));
-            c.iter().map(move |&v| {
-                if m > 0.0 {
-                    (v * (32767.0 / m)).round_ties_even() * (m / 32767.0)
-                } else {
-                    0.0
-                }
-            })
-        })
-        .collect()
-}
-
 /// `x` rounded to the 16-bit type the tensor-core products of weights stored as `ty` read:
 /// bf16 for bf16 weights, else f16 saturating at ±65 504.
 fn round_16(ty: GgmlType, x: &[f32]) -> Vec<f32> {
