@@ -20,6 +20,7 @@ use markbase_cuda::device_bytes;
 use markbase_cuda::sources::{Module, Unit};
 use markbase_kernel_emu::{compiler_available, EmuModule};
 use matrices::*;
+use rand::Rng;
 
 /// The `Products` argument of the GEMV module's kernels (gemv.cu), with the C layout.
 #[repr(C)]
@@ -50,23 +51,30 @@ const MMQ_THREADS: u32 = 256;
 /// Shared memory a token's 256-value unit of activations takes in an mmq block (MmqSlots).
 const MMQ_TOKEN_BYTES: usize = 576;
 
-/// The GEMV module's unit of `format` compiled for the emulator (once a test binary), or None
-/// with the reason printed where no C++ compiler runs.
-fn gemv_unit(format: &'static str) -> Option<Arc<EmuModule>> {
-    static UNITS: Mutex<Option<HashMap<&'static str, Arc<EmuModule>>>> = Mutex::new(None);
+/// The unit of `module` holding `format`'s kernels (None: its format-independent ones, or the
+/// whole module) compiled for the emulator, once a test binary; None with the reason printed
+/// where no C++ compiler runs.
+fn emu_unit(module: Module, format: Option<&'static str>) -> Option<Arc<EmuModule>> {
+    type Units = HashMap<String, Arc<EmuModule>>;
+    static UNITS: Mutex<Option<Units>> = Mutex::new(None);
     if let Err(e) = compiler_available() {
         eprintln!("skipped: {e}");
         return None;
     }
+    let unit = Unit::holding(module, format);
     let mut units = UNITS.lock().unwrap();
     let units = units.get_or_insert_with(HashMap::new);
-    let unit = units.entry(format).or_insert_with(|| {
-        let unit = Unit::holding(Module::Gemv, Some(format));
+    let module = units.entry(unit.name()).or_insert_with(|| {
         let module =
             EmuModule::compile(&unit.name(), &unit.source("")).unwrap_or_else(|e| panic!("{e}"));
         Arc::new(module)
     });
-    Some(unit.clone())
+    Some(module.clone())
+}
+
+/// The GEMV module's unit of `format` on the emulator (`emu_unit`).
+fn gemv_unit(format: &'static str) -> Option<Arc<EmuModule>> {
+    emu_unit(Module::Gemv, Some(format))
 }
 
 /// A matrix's weights as the tensor-core kernel dequantizes them to f16, as f32.
@@ -415,5 +423,218 @@ fn one_token_walks_match_reference_for_every_format() {
         (GgmlType::Q5_0, "q5_0"),
     ] {
         walk_format(ty, format);
+    }
+}
+
+/// The `AttnArgs` argument of the attention kernels (attention.cu), with the C layout.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct AttnArgs {
+    q: u64,
+    k_cache: u64,
+    v_cache: u64,
+    positions: u64,
+    seq_start: u64,
+    block_tables: u64,
+    out: u64,
+    part: u64,
+    n_tokens: i32,
+    n_heads: i32,
+    n_kv_heads: i32,
+    head_dim: i32,
+    scale: f32,
+    window: i32,
+    softcap: f32,
+    n_seqs: i32,
+    table_width: i32,
+    block_size: i32,
+    chunk: i32,
+    splits: i32,
+    rounded: u64,
+    round_kind: i32,
+}
+
+/// `attn_partial_<V>` (attention.cu).
+type AttnPartial = unsafe extern "C" fn(a: AttnArgs);
+/// `attn_combine` (attention.cu).
+type AttnCombine = unsafe extern "C" fn(
+    part: *const f32,
+    rows: i32,
+    splits: i32,
+    head_dim: i32,
+    out: *mut f32,
+    rounded: *mut u16,
+    round_kind: i32,
+);
+
+/// Warps of an attn_partial block (ATTN_ROW_WARPS).
+const ATTN_ROW_WARPS: u32 = 8;
+
+/// Softmax attention in f64 over a paged cache: query row t (sequence `seq[t]`, position
+/// `pos[t]`) and head h see keys max(0, p − window + 1) ..= p of their sequence through its
+/// block table; scores scaled, then soft-capped.
+struct AttnReference<'a> {
+    q: &'a [f32],
+    k: &'a [f32],
+    v: &'a [f32],
+    pos: &'a [u32],
+    seq: &'a [usize],
+    tables: &'a [u32],
+    table_width: usize,
+    block_size: usize,
+    heads: (usize, usize),
+    head_dim: usize,
+    scale: f32,
+    window: Option<usize>,
+    softcap: Option<f32>,
+}
+
+impl AttnReference<'_> {
+    fn out(&self) -> Vec<f32> {
+        let (nh, nkv, hd) = (self.heads.0, self.heads.1, self.head_dim);
+        let mut out = vec![0f32; self.pos.len() * nh * hd];
+        for (t, &p) in self.pos.iter().enumerate() {
+            let p = p as usize;
+            let lo = self.window.map_or(0, |w| (p + 1).saturating_sub(w));
+            let table = &self.tables[self.seq[t] * self.table_width..];
+            for h in 0..nh {
+                let kvh = h / (nh / nkv);
+                let q = &self.q[(t * nh + h) * hd..][..hd];
+                let rows: Vec<usize> = (lo..=p)
+                    .map(|j| {
+                        let slot = table[j / self.block_size] as usize * self.block_size
+                            + j % self.block_size;
+                        (slot * nkv + kvh) * hd
+                    })
+                    .collect();
+                let scores: Vec<f64> = rows
+                    .iter()
+                    .map(|&at| {
+                        let d: f64 = (0..hd)
+                            .map(|i| q[i] as f64 * self.k[at + i] as f64)
+                            .sum::<f64>()
+                            * self.scale as f64;
+                        self.softcap.map_or(d, |c| c as f64 * (d / c as f64).tanh())
+                    })
+                    .collect();
+                let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let e: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
+                let total: f64 = e.iter().sum();
+                for i in 0..hd {
+                    let v: f64 = rows
+                        .iter()
+                        .zip(&e)
+                        .map(|(&at, &w)| w * self.v[at + i] as f64)
+                        .sum();
+                    out[(t * nh + h) * hd + i] = (v / total) as f32;
+                }
+            }
+        }
+        out
+    }
+}
+
+/// Split-K decode attention (`attn_partial_<V>`, then `attn_combine` where a row's keys take
+/// several splits) over a paged cache with blocks in random order: two sequences (three rows
+/// of one, one of the other), GQA, head dims 128, 256 and 512, with and without a window and a
+/// soft-cap, one split and several.
+#[test]
+fn split_attention_matches_reference() {
+    let Some(unit) = emu_unit(Module::Attention, None) else {
+        return;
+    };
+    let mut r = rng("split attention");
+    let (nh, nkv, bs) = (4usize, 2usize, 16usize);
+    let pos: Vec<u32> = vec![37, 38, 39, 100];
+    let seq = [0usize, 0, 0, 1];
+    let seq_start: Vec<u32> = vec![0, 3, 4];
+    let table_width = 7; // up to position 111
+    let n_blocks = 2 * table_width;
+    let mut blocks: Vec<u32> = (0..n_blocks as u32).collect();
+    for i in (1..blocks.len()).rev() {
+        blocks.swap(i, r.random_range(0..=i));
+    }
+    for (hd, window, softcap, chunk) in [
+        (256, None, None, 200),
+        (256, Some(24), Some(30.0), 40),
+        (512, None, Some(50.0), 33),
+        (128, Some(70), None, 1000),
+    ] {
+        let what = format!("attention hd={hd} window={window:?} softcap={softcap:?} chunk={chunk}");
+        let kv_w = nkv * hd;
+        let q = uniform(&mut r, pos.len() * nh * hd, 1.0);
+        let k = uniform(&mut r, n_blocks * bs * kv_w, 1.0);
+        let v = uniform(&mut r, n_blocks * bs * kv_w, 1.0);
+        let scale = 1.0 / (hd as f32).sqrt();
+        let max_vis = pos
+            .iter()
+            .map(|&p| window.map_or(p as usize + 1, |w: usize| w.min(p as usize + 1)))
+            .max()
+            .unwrap();
+        let splits = max_vis.div_ceil(chunk);
+        let rows = pos.len() * nh;
+        let mut out = vec![f32::NAN; rows * hd];
+        let mut part = vec![f32::NAN; rows * splits * (hd + 2)];
+        let args = AttnArgs {
+            q: q.as_ptr() as u64,
+            k_cache: k.as_ptr() as u64,
+            v_cache: v.as_ptr() as u64,
+            positions: pos.as_ptr() as u64,
+            seq_start: seq_start.as_ptr() as u64,
+            block_tables: blocks.as_ptr() as u64,
+            out: out.as_mut_ptr() as u64,
+            part: part.as_mut_ptr() as u64,
+            n_tokens: pos.len() as i32,
+            n_heads: nh as i32,
+            n_kv_heads: nkv as i32,
+            head_dim: hd as i32,
+            scale,
+            window: window.unwrap_or(0) as i32,
+            softcap: softcap.unwrap_or(0.0),
+            n_seqs: 2,
+            table_width: table_width as i32,
+            block_size: bs as i32,
+            chunk: chunk as i32,
+            splits: splits as i32,
+            rounded: 0,
+            round_kind: 0,
+        };
+        let name = format!("attn_partial_{}", hd / 32);
+        // SAFETY: AttnPartial is the signature of the attn_partial kernels.
+        let partial: AttnPartial = unsafe { unit.kernel(&name) }.unwrap();
+        let grid = [rows as u32, splits as u32, 1];
+        // SAFETY: every buffer `args` points to outlives the launch and has the size the
+        // kernel indexes.
+        unit.launch(grid, [32 * ATTN_ROW_WARPS, 1, 1], 0, &|| unsafe {
+            partial(args)
+        })
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+        if splits > 1 {
+            // SAFETY: AttnCombine is attn_combine's signature.
+            let combine: AttnCombine = unsafe { unit.kernel("attn_combine") }.unwrap();
+            let (pp, op) = (part.as_ptr() as usize, out.as_mut_ptr() as usize);
+            let (n, s, d) = (rows as i32, splits as i32, hd as i32);
+            // SAFETY: as above.
+            let body = || unsafe { combine(pp as _, n, s, d, op as _, std::ptr::null_mut(), 0) };
+            unit.launch([rows.div_ceil(4) as u32, 1, 1], [128, 1, 1], 0, &body)
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+        }
+        let want = AttnReference {
+            q: &q,
+            k: &k,
+            v: &v,
+            pos: &pos,
+            seq: &seq,
+            tables: &blocks,
+            table_width,
+            block_size: bs,
+            heads: (nh, nkv),
+            head_dim: hd,
+            scale,
+            window,
+            softcap,
+        }
+        .out();
+        assert_close(&what, &out, &want, 1e-5);
     }
 }
