@@ -638,3 +638,146 @@ fn split_attention_matches_reference() {
         assert_close(&what, &out, &want, 1e-5);
     }
 }
+
+/// `kv_gather_f16` (flash_attention.cu).
+type KvGather = unsafe extern "C" fn(
+    k_cache: *const f32,
+    v_cache: *const f32,
+    table: *const u32,
+    block_size: i32,
+    row: i32,
+    k_lo: i32,
+    kg: *mut u16,
+    vg: *mut u16,
+);
+/// `attn_flash_<D>` (flash_attention.cu).
+type AttnFlash = unsafe extern "C" fn(
+    q: *const f32,
+    kg: *const u16,
+    vg: *const u16,
+    out: *mut f32,
+    rounded: *mut u16,
+    positions: *const u32,
+    n_rows: i32,
+    n_heads: i32,
+    n_kv_heads: i32,
+    k_lo: i32,
+    n_keys: i32,
+    window: i32,
+    round_kind: i32,
+    scale: f32,
+    softcap: f32,
+);
+
+/// Prefill attention, flash style (`kv_gather_f16`, then `attn_flash_<D>` over tiles of 64
+/// query rows and stages of 32 or 64 keys through ldmatrix and mma.sync), for one sequence of
+/// 70 rows continuing a cached prefix, against the f64 reference on the f16 queries, keys and
+/// values the kernel reads: head dims 128, 256 and 512, GQA, window and soft-cap.
+#[test]
+fn flash_attention_matches_reference() {
+    let Some(unit) = emu_unit(Module::FlashAttention, None) else {
+        return;
+    };
+    let mut r = rng("flash attention");
+    let (nh, nkv, bs) = (4usize, 2usize, 16usize);
+    let pos: Vec<u32> = (30..100).collect();
+    let seq = vec![0usize; pos.len()];
+    let table_width = 7;
+    let mut blocks: Vec<u32> = (0..table_width as u32).collect();
+    for i in (1..blocks.len()).rev() {
+        blocks.swap(i, r.random_range(0..=i));
+    }
+    // SAFETY: the signatures of the two kernels.
+    let gather: KvGather = unsafe { unit.kernel("kv_gather_f16") }.unwrap();
+    for (hd, window, softcap) in [
+        (128, None, None),
+        (256, Some(48), Some(30.0)),
+        (512, None, Some(50.0)),
+    ] {
+        let what = format!("flash attention hd={hd} window={window:?} softcap={softcap:?}");
+        let row = nkv * hd;
+        let to_f16 = |v: Vec<f32>| -> Vec<f32> {
+            v.into_iter().map(|x| f16::from_f32(x).to_f32()).collect()
+        };
+        let q = to_f16(uniform(&mut r, pos.len() * nh * hd, 1.0));
+        let k = to_f16(uniform(&mut r, table_width * bs * row, 1.0));
+        let v = to_f16(uniform(&mut r, table_width * bs * row, 1.0));
+        let scale = 1.0 / (hd as f32).sqrt();
+        let (lo, hi) = (pos[0] as usize, *pos.last().unwrap() as usize);
+        let k_lo = window.map_or(0, |w: usize| (lo + 1).saturating_sub(w));
+        let n_keys = hi + 1 - k_lo;
+        let halves = (n_keys * row).div_ceil(128) * 128;
+        let mut gathered = vec![0x7fffu16; 2 * halves];
+        let (kp, vp, tp) = (
+            k.as_ptr() as usize,
+            v.as_ptr() as usize,
+            blocks.as_ptr() as usize,
+        );
+        let gp = gathered.as_mut_ptr() as usize;
+        let (b, rw, kl) = (bs as i32, row as i32, k_lo as i32);
+        // SAFETY: every buffer outlives the launch and has the size the kernel indexes.
+        let body = || unsafe {
+            let g = gp as *mut u16;
+            gather(kp as _, vp as _, tp as _, b, rw, kl, g, g.add(halves))
+        };
+        unit.launch([n_keys as u32, 1, 1], [128, 1, 1], 0, &body)
+            .unwrap_or_else(|e| panic!("{what}: kv_gather_f16: {e}"));
+
+        let (stage_keys, swap) = if hd == 512 { (32, 8 * 2048) } else { (64, 0) };
+        let shared = (64 + 4 * stage_keys) * (hd + 8) * 2 + swap;
+        let tiles = (pos.len() * (nh / nkv)).div_ceil(64);
+        let mut out = vec![f32::NAN; pos.len() * nh * hd];
+        let name = format!("attn_flash_{hd}");
+        // SAFETY: AttnFlash is the signature of the flash kernels.
+        let flash: AttnFlash = unsafe { unit.kernel(&name) }.unwrap();
+        let (qp, op, pp) = (
+            q.as_ptr() as usize,
+            out.as_mut_ptr() as usize,
+            pos.as_ptr() as usize,
+        );
+        let ints = [pos.len(), nh, nkv, k_lo, n_keys, window.unwrap_or(0)].map(|v| v as i32);
+        let cap = softcap.unwrap_or(0.0);
+        // SAFETY: as above.
+        let body = || unsafe {
+            let g = gp as *const u16;
+            let [n, h, kv, kl, nk, w] = ints;
+            let rounded = std::ptr::null_mut();
+            flash(
+                qp as _,
+                g,
+                g.add(halves),
+                op as _,
+                rounded,
+                pp as _,
+                n,
+                h,
+                kv,
+                kl,
+                nk,
+                w,
+                0,
+                scale,
+                cap,
+            )
+        };
+        unit.launch([tiles as u32, nkv as u32, 1], [256, 1, 1], shared, &body)
+            .unwrap_or_else(|e| panic!("{what}: {name}: {e}"));
+        let want = AttnReference {
+            q: &q,
+            k: &k,
+            v: &v,
+            pos: &pos,
+            seq: &seq,
+            tables: &blocks,
+            table_width,
+            block_size: bs,
+            heads: (nh, nkv),
+            head_dim: hd,
+            scale,
+            window,
+            softcap,
+        }
+        .out();
+        assert_close(&what, &out, &want, 2e-3);
+    }
+}
