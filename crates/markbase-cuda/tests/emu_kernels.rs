@@ -16,8 +16,8 @@ use std::sync::{Arc, Mutex};
 use half::f16;
 use markbase_core::backend::HostMatrix;
 use markbase_core::quant::GgmlType;
-use markbase_cuda::device_bytes;
-use markbase_cuda::sources::{Module, Unit};
+use markbase_cuda::sources::{Module, Unit, FORMATS};
+use markbase_cuda::{device_bytes, gemv_takes_16_bit_activations};
 use markbase_kernel_emu::{compiler_available, EmuModule};
 use matrices::*;
 use rand::Rng;
@@ -779,5 +779,89 @@ fn flash_attention_matches_reference() {
         }
         .out();
         assert_close(&what, &out, &want, 2e-3);
+    }
+}
+
+/// `gemv_many_<format>_<NT>` (gemv.cu).
+type GemvMany = unsafe extern "C" fn(
+    p: Products,
+    row_bytes: u64,
+    k: i32,
+    x: *const f32,
+    nt: i32,
+    xt: *const u8,
+);
+
+/// One-token GEMVs of up to 8 token rows (`gemv_many_<format>_<NT>`, a warp a row, up to four
+/// matrices a launch) for every format the kernels instantiate, rows of whole 256-value units
+/// and (where the format's blocks allow) of other widths, against f64 products of the
+/// reference's weights and the activations as the GEMVs take them (16-bit integers a 32-value
+/// chunk where `gemv_takes_16_bit_activations`).
+#[test]
+fn gemv_many_matches_reference_for_every_format() {
+    for (ty, format) in FORMATS {
+        let Some(unit) = gemv_unit(format) else {
+            return;
+        };
+        let mut r = rng(&format!("gemv_many {format}"));
+        let block = ty.block_size();
+        let widths = match block {
+            1 => vec![40, 512],
+            32 => vec![288, 512],
+            _ => vec![512],
+        };
+        for k in widths {
+            let rows = [5usize, 17, 9];
+            let mats: Vec<HostMatrix> = rows
+                .iter()
+                .map(|&n| random_matrix(&mut r, ty, n, k))
+                .collect();
+            let laid: Vec<Vec<u8>> = mats
+                .iter()
+                .map(|m| device_bytes(m.ty, m.bytes.as_slice(), m.rows).into_owned())
+                .collect();
+            let row_bytes = laid[0].len() / rows[0];
+            let weights: Vec<Vec<f32>> = mats
+                .iter()
+                .map(|m| markbase_cpu::reference::dequantize_matrix(m).unwrap())
+                .collect();
+            for (nt_kernel, nt) in [(1, 1), (2, 2), (4, 3), (8, 8)] {
+                let x = uniform(&mut r, nt * k, 1.0);
+                let xs: Vec<f32> = if gemv_takes_16_bit_activations(ty, k) {
+                    x.chunks(k).flat_map(as_16_bit).collect()
+                } else {
+                    x.clone()
+                };
+                let mut outs: Vec<Vec<f32>> =
+                    rows.iter().map(|&n| vec![f32::NAN; nt * n]).collect();
+                let mut p = Products {
+                    count: 3,
+                    ..Products::default()
+                };
+                for (i, (w, out)) in laid.iter().zip(&mut outs).enumerate() {
+                    p.w[i] = w.as_ptr() as u64;
+                    p.out[i] = out.as_mut_ptr() as u64;
+                    p.rows[i] = rows[i] as i32;
+                }
+                let name = format!("gemv_many_{format}_{nt_kernel}");
+                // SAFETY: GemvMany is the signature of the gemv_many kernels.
+                let kernel: GemvMany = unsafe { unit.kernel(&name) }.unwrap();
+                let xp = x.as_ptr() as usize;
+                let (rb, kk, n) = (row_bytes as u64, k as i32, nt as i32);
+                let warps: usize = rows.iter().sum();
+                // SAFETY: every buffer outlives the launch and has the size the kernel indexes.
+                let body = || unsafe { kernel(p, rb, kk, xp as _, n, std::ptr::null()) };
+                unit.launch([warps.div_ceil(8) as u32, 1, 1], [256, 1, 1], 0, &body)
+                    .unwrap_or_else(|e| panic!("{name}: {e}"));
+                for (i, &n_rows) in rows.iter().enumerate() {
+                    let want: Vec<f32> = products(&weights[i], &xs, n_rows, k, nt)
+                        .into_iter()
+                        .map(|v| v as f32)
+                        .collect();
+                    let what = format!("{name} {ty} k={k} nt={nt} matrix {i}");
+                    assert_close(&what, &outs[i], &want, 1e-4);
+                }
+            }
+        }
     }
 }
