@@ -865,3 +865,233 @@ fn gemv_many_matches_reference_for_every_format() {
         }
     }
 }
+
+/// `moe_group` (moe.cu).
+type MoeGroup = unsafe extern "C" fn(
+    ids: *const f32,
+    pairs: i32,
+    n_experts: i32,
+    most_tiles: i32,
+    order: *mut i32,
+    slot_of: *mut i32,
+    tiles: *mut i32,
+    err: *mut u32,
+);
+/// `moe_gather_16` (moe_mma.cu).
+type MoeGather16 = unsafe extern "C" fn(
+    x: *const f32,
+    d: i32,
+    top_k: i32,
+    order: *const i32,
+    kind: i32,
+    xh: *mut u16,
+);
+/// `moe_mma_<format>` (moe_mma.cu).
+type MoeMma = unsafe extern "C" fn(
+    w: *const u8,
+    row_bytes: u64,
+    k: i32,
+    rows: i32,
+    x: *const u16,
+    tiles: *const i32,
+    ids: *const f32,
+    n_experts: i32,
+    err: *mut u32,
+    gated: i32,
+    out_kind: i32,
+    out: *mut u8,
+);
+
+/// Pairs an expert tile of the grouped MoE path holds (MOE_TILE).
+const MOE_TILE: usize = 8;
+
+/// 16-bit values as f32: bf16 (`bf16`) or f16.
+fn from_16(v: &[u16], bf16: bool) -> Vec<f32> {
+    v.iter()
+        .map(|&b| match bf16 {
+            true => half::bf16::from_bits(b).to_f32(),
+            false => f16::from_bits(b).to_f32(),
+        })
+        .collect()
+}
+
+/// A 26B-A4B-like MoE layer's grouped path on the emulator, for every format of the
+/// tensor-core expert products: `moe_group` (checked against its definition: each expert's
+/// pairs in pair order, experts in order, tiles of up to 8 pairs, unused tiles and slots
+/// marked), `moe_gather_16`, then `moe_mma_<format>` gated (gelu_tanh(gate) · up, rounded to
+/// 16 bits) and down, against f64 products of the weights as the kernel dequantizes them.
+#[test]
+fn grouped_moe_on_tensor_cores_matches_reference() {
+    let Some(shared) = emu_unit(Module::Moe, None) else {
+        return;
+    };
+    let (n, top_k, n_experts, d, ff) = (5usize, 2usize, 8usize, 256usize, 256usize);
+    let pairs = n * top_k;
+    let most_tiles = (pairs + (MOE_TILE - 1) * n_experts.min(pairs)) / MOE_TILE;
+    for (ty, format) in [
+        (GgmlType::BF16, "bf16"),
+        (GgmlType::F16, "f16"),
+        (GgmlType::Q4_0, "q4_0"),
+        (GgmlType::Q5_0, "q5_0"),
+        (GgmlType::Q5_1, "q5_1"),
+        (GgmlType::Q8_0, "q8_0"),
+        (GgmlType::Q4_K, "q4_k"),
+        (GgmlType::Q5_K, "q5_k"),
+    ] {
+        let Some(unit) = emu_unit(Module::Moe, Some(format)) else {
+            return;
+        };
+        let mut r = rng(&format!("moe {format}"));
+        // Each token's top_k distinct experts.
+        let ids: Vec<f32> = (0..n)
+            .flat_map(|_| {
+                let first = r.random_range(0..n_experts);
+                let second = (first + r.random_range(1..n_experts)) % n_experts;
+                [first as f32, second as f32]
+            })
+            .collect();
+        let mut order = vec![i32::MIN; pairs];
+        let mut slot_of = vec![i32::MIN; pairs];
+        let mut tiles = vec![i32::MIN; 3 * most_tiles];
+        let mut err = 0u32;
+        let ptrs = [
+            ids.as_ptr() as usize,
+            order.as_mut_ptr() as usize,
+            slot_of.as_mut_ptr() as usize,
+            tiles.as_mut_ptr() as usize,
+            &mut err as *mut u32 as usize,
+        ];
+        // SAFETY: MoeGroup is moe_group's signature.
+        let group: MoeGroup = unsafe { shared.kernel("moe_group") }.unwrap();
+        let (p, e, m) = (pairs as i32, n_experts as i32, most_tiles as i32);
+        // SAFETY: every buffer outlives the launch and has the size the kernel indexes.
+        let body = || unsafe {
+            let [ip, op, sp, tp, ep] = ptrs;
+            group(ip as _, p, e, m, op as _, sp as _, tp as _, ep as _)
+        };
+        shared
+            .launch([1, 1, 1], [256, 1, 1], 0, &body)
+            .unwrap_or_else(|e| panic!("moe_group: {e}"));
+        assert_eq!(err, 0, "moe_group flagged valid ids");
+        // The grouping by its definition.
+        let mut want_order = Vec::new();
+        let mut want_tiles = Vec::new();
+        for e in 0..n_experts {
+            let mine: Vec<usize> = (0..pairs).filter(|&p| ids[p] as usize == e).collect();
+            for (i, chunk) in mine.chunks(MOE_TILE).enumerate() {
+                let first = want_order.len() + MOE_TILE * i;
+                want_tiles.push([e as i32, first as i32, chunk.len() as i32]);
+            }
+            want_order.extend(mine.iter().map(|&p| p as i32));
+        }
+        assert_eq!(order, want_order, "moe_group order");
+        for (s, &p) in order.iter().enumerate() {
+            assert_eq!(slot_of[p as usize], s as i32, "slot_of[{p}]");
+        }
+        for (i, t) in tiles.chunks(3).enumerate() {
+            match want_tiles.get(i) {
+                Some(w) => assert_eq!(t, w, "tile {i}"),
+                None => assert_eq!(t[2], 0, "unused tile {i} has pairs"),
+            }
+        }
+
+        // The slots' token rows as 16-bit activations.
+        let bf16 = ty == GgmlType::BF16;
+        let kind = if bf16 { 1 } else { 2 };
+        let x = uniform(&mut r, n * d, 1.0);
+        let mut xh = vec![0xffffu16; pairs * d];
+        // SAFETY: MoeGather16 is moe_gather_16's signature.
+        let gather: MoeGather16 = unsafe { shared.kernel("moe_gather_16") }.unwrap();
+        let (xp, op, hp) = (
+            x.as_ptr() as usize,
+            order.as_ptr() as usize,
+            xh.as_mut_ptr() as usize,
+        );
+        // SAFETY: as above.
+        let body = || unsafe { gather(xp as _, d as i32, top_k as i32, op as _, kind, hp as _) };
+        shared
+            .launch([pairs as u32, 1, 1], [256, 1, 1], 0, &body)
+            .unwrap_or_else(|e| panic!("moe_gather_16: {e}"));
+        let xs = from_16(&xh, bf16);
+        for (s, &p) in order.iter().enumerate() {
+            let row = &x[p as usize / top_k * d..][..d];
+            let want = round_16(ty, row);
+            assert_eq!(&xs[s * d..][..d], &want[..], "moe_gather_16 slot {s}");
+        }
+
+        // Gate and up ([expert][gate rows, then up rows][d]), then down ([expert][d][ff]).
+        let gate_up = random_matrix(&mut r, ty, n_experts * 2 * ff, d);
+        let down = random_matrix(&mut r, ty, n_experts * d, ff);
+        let mma: MoeMma = unsafe { unit.kernel(&format!("moe_mma_{format}")) }.unwrap();
+        let launch = |m: &HostMatrix, rows: usize, x: &[u16], gated: bool, out: usize| {
+            let laid = device_bytes(m.ty, m.bytes.as_slice(), m.rows).into_owned();
+            let row_bytes = laid.len() / m.rows;
+            let (wp, xp, tp) = (
+                laid.as_ptr() as usize,
+                x.as_ptr() as usize,
+                tiles.as_ptr() as usize,
+            );
+            let (mut err, per) = (0u32, if gated { 8 } else { 16 });
+            let ep = &mut err as *mut u32 as usize;
+            let (k, n_rows, g) = (m.cols as i32, rows as i32, i32::from(gated));
+            // SAFETY: MoeMma is the signature of moe_mma_<format>; every buffer outlives the
+            // launch and has the size the kernel indexes.
+            let body = || unsafe {
+                let ids = std::ptr::null();
+                mma(
+                    wp as _,
+                    row_bytes as u64,
+                    k,
+                    n_rows,
+                    xp as _,
+                    tp as _,
+                    ids,
+                    8,
+                    ep as _,
+                    g,
+                    kind,
+                    out as _,
+                )
+            };
+            let blocks = rows.div_ceil(per).div_ceil(8) as u32;
+            unit.launch([blocks, most_tiles as u32, 1], [256, 1, 1], 0, &body)
+                .unwrap_or_else(|e| panic!("moe_mma_{format}: {e}"));
+            assert_eq!(err, 0, "moe_mma_{format} flagged an error");
+        };
+        let mut h = vec![0xffffu16; pairs * ff];
+        launch(&gate_up, ff, &xh, true, h.as_mut_ptr() as usize);
+        let mut y = vec![f32::NAN; pairs * d];
+        launch(&down, d, &h, false, y.as_mut_ptr() as usize);
+
+        let seen = |m: &HostMatrix| -> Vec<f32> {
+            let w = match m.ty {
+                GgmlType::BF16 | GgmlType::F16 => m.clone(),
+                GgmlType::Q4_K | GgmlType::Q5_K => k_quant_as_f16_fma(m),
+                _ => dequantized_as_f16(m),
+            };
+            markbase_cpu::reference::dequantize_matrix(&w).unwrap()
+        };
+        let (wgu, wd) = (seen(&gate_up), seen(&down));
+        let (mut want_h, mut want_y) = (Vec::new(), Vec::new());
+        for (s, &p) in order.iter().enumerate() {
+            let e = ids[p as usize] as usize;
+            let xrow = &xs[s * d..][..d];
+            let g = products(&wgu[e * 2 * ff * d..][..ff * d], xrow, ff, d, 1);
+            let u = products(&wgu[(e * 2 + 1) * ff * d..][..ff * d], xrow, ff, d, 1);
+            // Rounded to f16 (saturating, as to_f16) or bf16.
+            let gated = g.iter().zip(&u).map(|(&g, &u)| (gelu_tanh(g) * u) as f32);
+            want_h.extend(round_16(ty, &gated.collect::<Vec<_>>()));
+            let hrow = from_16(&h[s * ff..][..ff], bf16);
+            let yr = products(&wd[e * d * ff..][..d * ff], &hrow, d, ff, 1);
+            want_y.extend(yr.into_iter().map(|v| v as f32));
+        }
+        let tol = if bf16 { 1e-2 } else { 2e-3 };
+        assert_close(
+            &format!("moe_mma_{format} gated"),
+            &from_16(&h, bf16),
+            &want_h,
+            tol,
+        );
+        assert_close(&format!("moe_mma_{format} down"), &y, &want_y, 1e-4);
+    }
+}

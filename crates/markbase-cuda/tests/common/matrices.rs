@@ -228,3 +228,17 @@ pub fn as_16_bit(x: &[f32]) -> Vec<f32> {
         })
         .collect()
 }
+
+/// `x` rounded to the 16-bit type the tensor-core products of weights stored as `ty` read:
+/// bf16 for bf16 weights, else f16 saturating at ±65 504.
+pub fn round_16(ty: GgmlType, x: &[f32]) -> Vec<f32> {
+    x.iter()
+        .map(|&v| {
+            if ty == GgmlType::BF16 {
+                bf16::from_f32(v).to_f32()
+            } else {
+                f16::from_f32(v.clamp(-65_504.0, 65_504.0)).to_f32()
+            }
+        })
+        .collect()
+}

@@ -137,20 +137,6 @@ fn as_seen_in(
     }
 }
 
-/// `x` rounded to the 16-bit type the tensor-core products of weights stored as `ty` read:
-/// bf16 for bf16 weights, else f16 saturating at ±65 504.
-fn round_16(ty: GgmlType, x: &[f32]) -> Vec<f32> {
-    x.iter()
-        .map(|&v| {
-            if ty == GgmlType::BF16 {
-                bf16::from_f32(v).to_f32()
-            } else {
-                f16::from_f32(v.clamp(-65_504.0, 65_504.0)).to_f32()
-            }
-        })
-        .collect()
-}
-
 /// Expert weights as the MoE tensor-core products (moe_mma.cu) see them: bf16 and f16 as
 /// stored, Q4_K as `k_quant_as_f16_fma`, other formats as `dequantized_as_f16`.
 fn moe_weights_as_seen(m: &HostMatrix) -> HostMatrix {
