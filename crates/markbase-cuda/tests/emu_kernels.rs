@@ -1095,3 +1095,171 @@ fn grouped_moe_on_tensor_cores_matches_reference() {
         assert_close(&format!("moe_mma_{format} down"), &y, &want_y, 1e-4);
     }
 }
+
+/// `residual_norm` (ops.cu).
+type ResidualNorm = unsafe extern "C" fn(
+    y: *const f32,
+    w: *const f32,
+    eps: f32,
+    dim: i32,
+    h: *mut f32,
+    scale: f32,
+    w2: *const f32,
+    x: *mut f32,
+    rounded: *mut u8,
+    round_kind: i32,
+);
+
+/// `rounded.rs`'s kind of a producer's copy as Q4_K tiles (ROUND_Q4K_TILES).
+const ROUND_Q4K_TILES: i32 = 3;
+/// Bytes of a 256-value super-block of a row as Q4_K tiles (q4k_tiles_row_bytes).
+const Q4K_TILE_BYTES: usize = 640;
+
+/// RMS-normalized `v` (f64) times `w`.
+fn rms_normed(v: &[f64], w: &[f32], eps: f32) -> Vec<f64> {
+    let inv = 1.0 / (v.iter().map(|a| a * a).sum::<f64>() / v.len() as f64 + eps as f64).sqrt();
+    v.iter().zip(w).map(|(a, &w)| a * inv * w as f64).collect()
+}
+
+/// A batch-1 decode link: `residual_norm` (the post-norm, the residual add with the layer
+/// scalar, and the next pre-norm) against f64 arithmetic, writing the normed rows also as Q4_K
+/// tiles; then the Q4_K GEMV reading those tiles gives the same bits as the GEMV quantizing the
+/// rows itself, and matches the reference product.
+#[test]
+fn residual_norm_tiles_feed_the_q4_k_gemv() {
+    let (Some(ops), Some(gemv)) = (emu_unit(Module::Ops, None), gemv_unit("q4_k")) else {
+        return;
+    };
+    let mut r = rng("residual norm tiles");
+    let (rows, dim, eps, scale) = (2usize, 512usize, 1e-6f32, 0.7f32);
+    let y = uniform(&mut r, rows * dim, 2.0);
+    let h0 = uniform(&mut r, rows * dim, 2.0);
+    let w = uniform(&mut r, dim, 1.0);
+    let w2 = uniform(&mut r, dim, 1.0);
+    let mut h = h0.clone();
+    let mut x = vec![f32::NAN; rows * dim];
+    let tile_row = Q4K_TILE_BYTES * dim / 256;
+    let mut tiles = vec![0xcdu8; rows * tile_row];
+    // SAFETY: ResidualNorm is residual_norm's signature.
+    let norm: ResidualNorm = unsafe { ops.kernel("residual_norm") }.unwrap();
+    let ptrs = [
+        y.as_ptr() as usize,
+        w.as_ptr() as usize,
+        h.as_mut_ptr() as usize,
+        w2.as_ptr() as usize,
+        x.as_mut_ptr() as usize,
+        tiles.as_mut_ptr() as usize,
+    ];
+    // SAFETY: every buffer outlives the launch and has the size the kernel indexes.
+    let body = || unsafe {
+        let [yp, wp, hp, w2p, xp, tp] = ptrs;
+        let k = ROUND_Q4K_TILES;
+        norm(
+            yp as _, wp as _, eps, dim as i32, hp as _, scale, w2p as _, xp as _, tp as _, k,
+        )
+    };
+    ops.launch([rows as u32, 1, 1], [64, 1, 1], 4 * dim, &body)
+        .unwrap_or_else(|e| panic!("residual_norm: {e}"));
+    let (mut want_h, mut want_x) = (Vec::new(), Vec::new());
+    for t in 0..rows {
+        let yr: Vec<f64> = y[t * dim..][..dim].iter().map(|&v| v as f64).collect();
+        let added: Vec<f64> = rms_normed(&yr, &w, eps)
+            .iter()
+            .zip(&h0[t * dim..][..dim])
+            .map(|(n, &h)| (h as f64 + n) * scale as f64)
+            .collect();
+        want_x.extend(rms_normed(&added, &w2, eps).into_iter().map(|v| v as f32));
+        want_h.extend(added.into_iter().map(|v| v as f32));
+    }
+    assert_close("residual_norm h", &h, &want_h, 1e-6);
+    assert_close("residual_norm x", &x, &want_x, 1e-6);
+
+    // One token row at a time: the GEMV on the norm's tiles, and on the row itself.
+    let m = random_matrix(&mut r, GgmlType::Q4_K, 24, dim);
+    let row_bytes = m.bytes.as_slice().len() / m.rows;
+    let weights = markbase_cpu::reference::dequantize_matrix(&m).unwrap();
+    // SAFETY: GemvMany is the signature of the gemv_many kernels.
+    let kernel: GemvMany = unsafe { gemv.kernel("gemv_many_q4_k_1") }.unwrap();
+    for t in 0..rows {
+        let run = |xt: *const u8| {
+            let mut out = vec![f32::NAN; m.rows];
+            let mut p = Products {
+                count: 1,
+                ..Products::default()
+            };
+            p.w[0] = m.bytes.as_slice().as_ptr() as u64;
+            p.out[0] = out.as_mut_ptr() as u64;
+            p.rows[0] = m.rows as i32;
+            let (xp, tp) = (x[t * dim..].as_ptr() as usize, xt as usize);
+            // SAFETY: as above.
+            let body = || unsafe { kernel(p, row_bytes as u64, dim as i32, xp as _, 1, tp as _) };
+            gemv.launch([3, 1, 1], [256, 1, 1], 0, &body)
+                .unwrap_or_else(|e| panic!("gemv_many_q4_k_1: {e}"));
+            out
+        };
+        let from_tiles = run(tiles[t * tile_row..].as_ptr());
+        let from_row = run(std::ptr::null());
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        assert_eq!(
+            bits(&from_tiles),
+            bits(&from_row),
+            "row {t}: tiles and row differ"
+        );
+        let xs = as_16_bit(&x[t * dim..][..dim]);
+        let want: Vec<f32> = products(&weights, &xs, m.rows, dim, 1)
+            .into_iter()
+            .map(|v| v as f32)
+            .collect();
+        assert_close(&format!("gemv on tiles, row {t}"), &from_tiles, &want, 1e-4);
+    }
+}
+
+/// `argmax_part` / `argmax_join` (sample.cu).
+type ArgmaxPart = unsafe extern "C" fn(x: *const f32, n: i32, parts: i32, part: *mut f32);
+type ArgmaxJoin = unsafe extern "C" fn(part: *const f32, parts: i32, n: i32, out: *mut u32);
+
+/// Greedy picks in two passes (slices of a row, then the best slice) against the first index
+/// of the largest value, NaN counting as −inf: ties across slices, a NaN row entry.
+#[test]
+fn argmax_picks_the_first_largest_logit() {
+    let Some(unit) = emu_unit(Module::Sample, None) else {
+        return;
+    };
+    let mut r = rng("argmax");
+    let (rows, n, parts) = (3usize, 5000usize, 7usize);
+    let mut x = uniform(&mut r, rows * n, 10.0);
+    x[n + 17] = 50.0; // row 1: a tie across slices, the first wins
+    x[n + 4321] = 50.0;
+    x[2 * n + 9] = f32::NAN; // row 2: NaN is −inf
+    let mut part = vec![f32::NAN; 2 * rows * parts];
+    let mut picks = vec![u32::MAX; rows];
+    // SAFETY: the signatures of the two kernels.
+    let (pk, jk): (ArgmaxPart, ArgmaxJoin) = unsafe {
+        (
+            unit.kernel("argmax_part").unwrap(),
+            unit.kernel("argmax_join").unwrap(),
+        )
+    };
+    let (xp, pp, op) = (
+        x.as_ptr() as usize,
+        part.as_mut_ptr() as usize,
+        picks.as_mut_ptr() as usize,
+    );
+    let (ni, pi) = (n as i32, parts as i32);
+    // SAFETY: every buffer outlives the launches and has the size the kernels index.
+    unit.launch([rows as u32, parts as u32, 1], [256, 1, 1], 0, &|| unsafe {
+        pk(xp as _, ni, pi, pp as _)
+    })
+    .unwrap();
+    // SAFETY: as above.
+    unit.launch([rows as u32, 1, 1], [32, 1, 1], 0, &|| unsafe {
+        jk(pp as _, pi, ni, op as _)
+    })
+    .unwrap();
+    for t in 0..rows {
+        let row = &x[t * n..][..n];
+        let clean = |v: f32| if v.is_nan() { f32::NEG_INFINITY } else { v };
+        let best = (0..n).fold(0, |b, j| if clean(row[j]) > clean(row[b]) { j } else { b });
+        assert_eq!(picks[t] as usize, best, "row {t}");
+    }
+}
