@@ -140,7 +140,9 @@ __device__ __forceinline__ void flash_load_tile(const FlashArgs& a, int g, int i
         cp_async16(shared_address(ks + kr * LD + piece * 8), a.kg + off, in ? 16 : 0);
         cp_async16(shared_address(vs + kr * LD + piece * 8), a.vg + off, in ? 16 : 0);
     }
-#ifndef MB_EMU
+#ifdef MB_EMU
+    mb_emu::cp_async_commit();
+#else
     asm volatile("cp.async.commit_group;");
 #endif
 #endif
@@ -239,11 +241,15 @@ __device__ __forceinline__ void attn_flash_impl(const FlashArgs& a) {
         if (kt < kt1) {
             flash_load_tile<D, LD, THREADS, SK>(a, g, (kt + 1) * SK, ks + (stage ^ 1) * SK * LD,
                                                 vs + (stage ^ 1) * SK * LD);
-#ifndef MB_EMU
+#ifdef MB_EMU
+            mb_emu::cp_async_wait(1);
+#else
             asm volatile("cp.async.wait_group 1;" ::: "memory");
 #endif
         } else {
-#ifndef MB_EMU
+#ifdef MB_EMU
+            mb_emu::cp_async_wait(0);
+#else
             asm volatile("cp.async.wait_group 0;" ::: "memory");
 #endif
         }

@@ -69,13 +69,17 @@ __device__ __forceinline__ void mmq_cp16(u32 smem, const void* g) {
 }
 
 __device__ __forceinline__ void mmq_commit() {
-#ifndef MB_EMU
+#ifdef MB_EMU
+    mb_emu::cp_async_commit();
+#else
     asm volatile("cp.async.commit_group;" ::: "memory");
 #endif
 }
 
 __device__ __forceinline__ void mmq_wait_all() {
-#ifndef MB_EMU
+#ifdef MB_EMU
+    mb_emu::cp_async_wait(0);
+#else
     asm volatile("cp.async.wait_group 0;" ::: "memory");
 #endif
 }

@@ -49,6 +49,15 @@ inline float2 make_float2(float x, float y) { return {x, y}; }
 
 namespace mb_emu {
 
+// A cp.async a thread has issued and not yet waited for: its destination, the 16 bytes it
+// copies (read at issue: no kernel writes what it copies while the copy is in flight), and its
+// group (the thread's count of commits when it was issued).
+struct Copy {
+    char* dst;
+    unsigned char bytes[16];
+    int group;
+};
+
 // A thread of the block.
 struct Fiber {
     ucontext_t ctx;
@@ -57,6 +66,8 @@ struct Fiber {
     int lane, warp;
     bool done;
     int waits;  // 0: runs; WAIT_BLOCK, WAIT_WARP, or WAIT_NAMED + id
+    std::vector<Copy> copies;
+    int commits;
 };
 
 enum { WAIT_BLOCK = 1, WAIT_WARP = 2, WAIT_NAMED = 3 };
@@ -473,11 +484,33 @@ inline void ldsm(unsigned address, unsigned* r, bool trans) {
     warp_meet(0xffffffffu, &rec, ldsm_work);
 }
 
-// cp.async of 16 bytes: `bytes` of them from `src`, the rest zeros; done at once.
+// cp.async of 16 bytes: `bytes` of them from `src`, the rest zeros. The shared memory is
+// written only when a cp.async.wait_group covers the copy (as late as the PTX allows), so a
+// read before its wait sees the old bytes.
 inline void cp_async16(unsigned dst, const void* src, int bytes) {
-    char* d = (char*)shared_pointer(dst);
-    std::memcpy(d, src, bytes);
-    std::memset(d + bytes, 0, 16 - bytes);
+    Fiber& f = self();
+    Copy c;
+    c.dst = (char*)shared_pointer(dst);
+    std::memcpy(c.bytes, src, bytes);
+    std::memset(c.bytes + bytes, 0, 16 - bytes);
+    c.group = f.commits;
+    f.copies.push_back(c);
+}
+
+// cp.async.commit_group: the copies issued since the last commit form a group.
+inline void cp_async_commit() { self().commits++; }
+
+// cp.async.wait_group n: every committed group but the newest n has landed.
+inline void cp_async_wait(int n) {
+    Fiber& f = self();
+    std::vector<Copy> left;
+    for (const Copy& c : f.copies) {
+        if (c.group < f.commits - n)
+            std::memcpy(c.dst, c.bytes, 16);
+        else
+            left.push_back(c);
+    }
+    f.copies.swap(left);
 }
 
 // ---- the launch ------------------------------------------------------------------------
@@ -514,6 +547,8 @@ inline int run_block(Launch* L) {
         f.warp = t >> 5;
         f.done = false;
         f.waits = 0;
+        f.copies.clear();
+        f.commits = 0;
         getcontext(&f.ctx);
         f.ctx.uc_stack.ss_sp = f.stack;
         f.ctx.uc_stack.ss_size = STACK_BYTES;

@@ -49,6 +49,25 @@ extern "C" __global__ void half_barrier(float* out) {
         __syncthreads();
 }
 
+// A cp.async's bytes: out[0] read before the wait of its group, out[1] after a wait that
+// leaves the newest group pending, out[2] after the wait for all.
+extern "C" __global__ void async_copy(const unsigned* src, unsigned* out) {
+    __shared__ __attribute__((aligned(16))) unsigned s[8];
+    s[0] = 7u;
+    s[4] = 7u;
+    unsigned a = mb_emu::shared_handle(s);
+    mb_emu::cp_async16(a, src, 16);
+    mb_emu::cp_async_commit();
+    out[0] = s[0];
+    mb_emu::cp_async16(a + 16, src + 4, 16);
+    mb_emu::cp_async_commit();
+    mb_emu::cp_async_wait(1);
+    out[1] = s[0];
+    out[2] = s[4];
+    mb_emu::cp_async_wait(0);
+    out[3] = s[4];
+}
+
 // Lane 5 leaves before the shuffle its warp needs it for.
 extern "C" __global__ void early_exit(float* out) {
     if (threadIdx.x == 5) return;
@@ -149,4 +168,21 @@ fn a_barrier_that_never_fills_and_a_lane_that_left_are_errors() {
         panic!("expected a broken collective reported, got {e:?}")
     };
     assert!(message.contains("left"), "{message}");
+}
+
+#[test]
+fn async_copies_land_at_the_wait_for_their_group() {
+    let Some(m) = module() else { return };
+    type Kernel = unsafe extern "C" fn(*const u32, *mut u32);
+    // SAFETY: the signature of async_copy.
+    let k: Kernel = unsafe { m.kernel("async_copy") }.unwrap();
+    let src: Vec<u32> = (100..108).collect();
+    let mut out = vec![0u32; 4];
+    let (sp, op) = (src.as_ptr() as usize, out.as_mut_ptr() as usize);
+    // SAFETY: the buffers outlive the launch.
+    m.launch([1, 1, 1], [1, 1, 1], 0, &|| unsafe {
+        k(sp as *const u32, op as *mut u32)
+    })
+    .unwrap();
+    assert_eq!(out, [7, 100, 7, 104]);
 }
