@@ -63,12 +63,21 @@ const ITEMS_PER_SM: usize = 8;
 /// Blocks resident on a multiprocessor of launches of 4 n-tiles or fewer
 /// (`__launch_bounds__(256, 2)`; 8 n-tiles: one).
 const BLOCKS_PER_SM: usize = 2;
+/// The environment variable that (set to 1) runs launches of 8 n-tiles as `mmq_ring_<format>_8`:
+/// the weights through a ring of `RING_SLOTS` units a warp in shared memory instead of
+/// registers. Under evaluation (docs/perf.md, session 41): checked on the CPU emulator, not
+/// yet timed on a GPU.
+pub const RING_VAR: &str = "MARKBASE_MMQ_RING";
+/// Slots of an mmq_ring warp's weight ring (mmq.cu, `MMQ_RING_SLOTS`).
+const RING_SLOTS: usize = 3;
 
 /// How the kernels of a weight format cut a row (mmq.cu's `MmqK`, `MmqQ6k`, `MmqQ8_0`,
 /// `MmqLegacy`).
 struct Format {
     /// Values a unit covers (`F::K`).
     unit: usize,
+    /// Bytes of a unit of one row as the kernels read it (`F::UNIT_BYTES`).
+    unit_bytes: usize,
     /// Shared memory a token's unit of activations takes (`F::TOKEN_BYTES`).
     token_bytes: usize,
     /// The most n-tiles of 8 tokens a kernel takes.
@@ -77,21 +86,21 @@ struct Format {
 
 /// The kernels' cut of rows stored as `ty`, for the formats they take.
 fn format(ty: GgmlType) -> Option<Format> {
-    match ty {
-        // A super-block (Q6_K's as laid out on the device), a regrouped group of 8 blocks
-        // (Q8_0; Q4_0 and Q5_0 laid out: layout.rs): the same activation slots.
-        GgmlType::Q4_K
-        | GgmlType::Q5_K
-        | GgmlType::Q6_K
-        | GgmlType::Q8_0
-        | GgmlType::Q4_0
-        | GgmlType::Q5_0 => Some(Format {
-            unit: 256,
-            token_bytes: 576,
-            most_nt: 8,
-        }),
-        _ => None,
-    }
+    // A super-block (Q6_K's as laid out on the device), a regrouped group of 8 blocks (Q8_0;
+    // Q4_0 and Q5_0 laid out: layout.rs): the same activation slots.
+    let unit_bytes = match ty {
+        GgmlType::Q4_K | GgmlType::Q4_0 => 144,
+        GgmlType::Q5_K | GgmlType::Q5_0 => 176,
+        GgmlType::Q6_K => 224,
+        GgmlType::Q8_0 => 272,
+        _ => return None,
+    };
+    Some(Format {
+        unit: 256,
+        unit_bytes,
+        token_bytes: 576,
+        most_nt: 8,
+    })
 }
 
 /// Whether a product of `n` token rows with weights stored as `ty`, rows `cols` wide, may run
@@ -126,29 +135,45 @@ fn max_shared(nt: usize) -> usize {
 }
 
 /// How a launch covers its matrices' `tiles` row tiles: `nt` n-tiles of 8 tokens, each tile's
-/// units in `splits` runs of `per_split`, `blocks` blocks a split.
+/// units in `splits` runs of `per_split`, `blocks` blocks a split; `ring`: the bytes of the
+/// warps' weight rings (`mmq_ring`, 8 n-tiles), 0 for the kernels holding weights in registers.
 #[derive(Debug, PartialEq, Eq)]
 struct Shape {
     nt: usize,
     splits: usize,
     per_split: usize,
     blocks: usize,
+    ring: usize,
 }
 
 impl Shape {
-    /// Dynamic shared memory of a block: its split's activations.
+    /// Dynamic shared memory of a block: its split's activations, and its warps' rings.
     fn shared(&self, f: &Format) -> usize {
-        8 * self.nt * self.per_split * f.token_bytes
+        8 * self.nt * self.per_split * f.token_bytes + self.ring
+    }
+
+    /// The kernel's name prefix.
+    fn kernel(&self) -> &'static str {
+        if self.ring > 0 {
+            "mmq_ring"
+        } else {
+            "mmq"
+        }
     }
 }
 
 /// The launch shape for `n` tokens (at most 8 · `f.most_nt`) and `tiles` row tiles of `k`
-/// values (a multiple of `f.unit`) on `sms` multiprocessors; None where the tiles are too many
-/// to split.
-fn shape(f: &Format, tiles: usize, k: usize, n: usize, sms: usize) -> Option<Shape> {
+/// values (a multiple of `f.unit`) on `sms` multiprocessors, with the weights of 8 n-tiles
+/// through the warps' rings where `ring`; None where the tiles are too many to split.
+fn shape(f: &Format, tiles: usize, k: usize, n: usize, sms: usize, ring: bool) -> Option<Shape> {
     let nt = n.div_ceil(8).next_power_of_two().min(f.most_nt);
     let units = k / f.unit;
-    let most_per_split = (max_shared(nt) / (8 * nt * f.token_bytes)).min(units);
+    let ring = if ring && nt == 8 {
+        BLOCK_WARPS * RING_SLOTS * 16 * f.unit_bytes
+    } else {
+        0
+    };
+    let most_per_split = ((max_shared(nt) - ring) / (8 * nt * f.token_bytes)).min(units);
     let want = (ITEMS_PER_SM * sms)
         .div_ceil(tiles)
         .clamp(units.div_ceil(most_per_split), units);
@@ -163,6 +188,7 @@ fn shape(f: &Format, tiles: usize, k: usize, n: usize, sms: usize) -> Option<Sha
         splits,
         per_split,
         blocks: tiles.div_ceil(BLOCK_WARPS).min(resident),
+        ring,
     })
 }
 
@@ -234,8 +260,9 @@ type Launch = (usize, usize, Shape, usize);
 /// width, tiles few enough to split, and shared memory enough (GPUs of compute capability 8.6
 /// and 8.9 give 99 KB). Up to `LAUNCH_TOKENS` rows take one launch; 33–64 one launch of 8
 /// n-tiles where it splits its tiles fewer than `WIDE_SPLITS` ways, else launches of
-/// `LAUNCH_TOKENS` rows, which one matrix alone takes up to `ALONE_TOKENS`.
-fn plan(e: &Extent, n: usize, sms: usize, most_shared: usize) -> Option<Vec<Launch>> {
+/// `LAUNCH_TOKENS` rows, which one matrix alone takes up to `ALONE_TOKENS`. `ring`: launches of
+/// 8 n-tiles stage their weights through the warps' rings (`RING_VAR`).
+fn plan(e: &Extent, n: usize, sms: usize, most_shared: usize, ring: bool) -> Option<Vec<Launch>> {
     let f = format(e.ty)?;
     if !mma_suits(e.ty, e.cols, n) {
         return None;
@@ -245,7 +272,7 @@ fn plan(e: &Extent, n: usize, sms: usize, most_shared: usize) -> Option<Vec<Laun
             .step_by(chunk)
             .map(|t0| {
                 let len = (n - t0).min(chunk);
-                let sh = shape(&f, e.tiles, e.cols, len, sms)?;
+                let sh = shape(&f, e.tiles, e.cols, len, sms, ring)?;
                 let shared = sh.shared(&f);
                 (shared <= most_shared).then_some((t0, len, sh, shared))
             })
@@ -270,7 +297,13 @@ impl CudaBackend {
             return None;
         }
         let sms = self.dev.multiprocessors() as usize;
-        plan(e, n, sms, self.dev.max_block_shared() as usize)
+        plan(
+            e,
+            n,
+            sms,
+            self.dev.max_block_shared() as usize,
+            self.mmq_ring,
+        )
     }
 
     /// Whether `mmq` takes `job` for `n` token rows.
@@ -327,7 +360,7 @@ impl CudaBackend {
             };
             let kernel = self.kernels.func_for_with_shared(
                 Module::Gemv,
-                "mmq",
+                sh.kernel(),
                 w0.ty,
                 sh.nt as u32,
                 shared as u32,
@@ -378,9 +411,13 @@ mod tests {
             (16_384, 2560),
             (5, 12_800),
         ] {
-            // One launch's token rows.
-            for n in [2, 8, 9, 16, 17, 25, 32, 33, 48, 64] {
-                let sh = shape(&q4k, tiles, k, n, 132).unwrap();
+            // One launch's token rows, with and without the weight rings.
+            for (n, ring) in [2, 8, 9, 16, 17, 25, 32, 33, 48, 64]
+                .into_iter()
+                .flat_map(|n| [(n, false), (n, true)])
+            {
+                let sh = shape(&q4k, tiles, k, n, 132, ring).unwrap();
+                assert_eq!(sh.ring > 0, ring && sh.nt == 8, "{n}");
                 let units = k / q4k.unit;
                 assert!(sh.nt * 8 >= n && (sh.nt == 1 || sh.nt * 4 < n), "{n}");
                 assert!(sh.nt <= q4k.most_nt && sh.nt.is_power_of_two());
@@ -394,31 +431,46 @@ mod tests {
                 assert!(sh.blocks * sh.splits <= resident || sh.blocks == 1);
                 assert!(sh.blocks >= 1 && sh.blocks <= tiles.div_ceil(8));
                 // Enough items, or one super-block a split, or shared memory full.
+                let room = max_shared(sh.nt) - sh.ring;
                 assert!(
                     2 * tiles * sh.splits >= 8 * 132
                         || sh.per_split == 1
-                        || sh.per_split * 2 > max_shared(sh.nt) / (64 * sh.nt * q4k.token_bytes),
+                        || sh.per_split * 2 > room / (64 * sh.nt * q4k.token_bytes),
                     "{tiles}x{k} n={n}: {sh:?}"
                 );
             }
         }
         assert_eq!(
-            shape(&q4k, 160, 10_240, 8, 132),
+            shape(&q4k, 160, 10_240, 8, 132, true),
             Some(Shape {
                 nt: 1,
                 splits: 7,
                 per_split: 6,
-                blocks: 20
+                blocks: 20,
+                ring: 0
             })
         );
-        assert_eq!(shape(&q4k, TICKETS + 1, 12_800, 32, 132), None);
+        // E4B's gated pair at 64 rows: the rings (3 slots of 16 rows of 144 bytes a warp)
+        // leave room for 4 units of activations a split, not 5.
+        assert_eq!(
+            shape(&q4k, 1280, 2560, 64, 132, true),
+            Some(Shape {
+                nt: 8,
+                splits: 3,
+                per_split: 4,
+                blocks: 44,
+                ring: 8 * 3 * 16 * 144
+            })
+        );
+        assert_eq!(shape(&q4k, 1280, 2560, 64, 132, false).unwrap().splits, 2);
+        assert_eq!(shape(&q4k, TICKETS + 1, 12_800, 32, 132, false), None);
     }
 
     #[test]
     fn launches_of_33_to_64_rows_take_8_n_tiles_unless_they_split_8_ways() {
         let h200 = |ty, cols, rows: &[usize], n| {
             let e = Extent::products(ty, cols, rows.iter().copied());
-            plan(&e, n, 132, 227 << 10).map(|p| {
+            plan(&e, n, 132, 227 << 10, false).map(|p| {
                 p.iter()
                     .map(|(t0, len, sh, _)| (*t0, *len, sh.nt, sh.splits))
                     .collect::<Vec<_>>()

@@ -103,11 +103,27 @@ fn products(w: &[f32], x: &[f32], rows: usize, k: usize, n: usize) -> Vec<f64> {
     out
 }
 
-/// One launch of an mmq kernel: its n-tiles, its blocks and its splits of each tile's units.
+/// One launch of an mmq kernel: its n-tiles, its blocks and its splits of each tile's units,
+/// and whether it is the ring variant (`mmq_ring_<format>_8`, weights through shared memory).
 struct MmqShape {
     nt: usize,
     blocks: u32,
     splits: usize,
+    ring: bool,
+}
+
+/// Slots of an mmq_ring warp's weight ring (MMQ_RING_SLOTS).
+const MMQ_RING_SLOTS: usize = 3;
+
+/// Bytes of a format's 256-value unit of one row as the mmq kernels read it (F::UNIT_BYTES).
+fn mmq_unit_bytes(ty: GgmlType) -> usize {
+    match ty {
+        GgmlType::Q4_K | GgmlType::Q4_0 => 144,
+        GgmlType::Q5_K | GgmlType::Q5_0 => 176,
+        GgmlType::Q6_K => 224,
+        GgmlType::Q8_0 => 272,
+        ty => panic!("no mmq kernels for {ty}"),
+    }
 }
 
 /// What a launch covers: `mats` matrices of `rows` rows each (a gated pair: gate, up), `k`
@@ -170,7 +186,10 @@ fn check_mmq(unit: &EmuModule, format: &str, case: &MmqCase, shape: &MmqShape, s
         p.out[i] = out.as_mut_ptr() as u64;
         p.rows[i] = case.rows[i] as i32;
     }
-    let name = format!("mmq_{format}_{}", shape.nt);
+    let name = match shape.ring {
+        true => format!("mmq_ring_{format}_{}", shape.nt),
+        false => format!("mmq_{format}_{}", shape.nt),
+    };
     // SAFETY: MmqKernel is the signature of the mmq kernels.
     let kernel: MmqKernel = unsafe { unit.kernel(&name) }.unwrap();
     let (xp, pp, tp) = (
@@ -178,7 +197,11 @@ fn check_mmq(unit: &EmuModule, format: &str, case: &MmqCase, shape: &MmqShape, s
         parts.as_mut_ptr() as usize,
         tickets.as_mut_ptr() as usize,
     );
-    let shared = per_split * 8 * shape.nt * MMQ_TOKEN_BYTES;
+    let ring = match shape.ring {
+        true => 8 * MMQ_RING_SLOTS * 16 * mmq_unit_bytes(case.ty),
+        false => 0,
+    };
+    let shared = per_split * 8 * shape.nt * MMQ_TOKEN_BYTES + ring;
     let (gated, splits) = (i32::from(case.gated), shape.splits as i32);
     unit.launch(
         [shape.blocks, shape.splits as u32, 1],
@@ -247,13 +270,21 @@ fn gelu_tanh(x: f64) -> f64 {
     0.5 * x * (1.0 + (0.797_884_560_802_865_4 * (x + 0.044_715 * x * x * x)).tanh())
 }
 
-/// Every n-tile count of one format's mmq kernels: products of two matrices (partial row
-/// tiles), one launch unsplit and one split, and the gated pair, split.
+/// Every n-tile count of one format's mmq kernels, and the ring variant of 8: products of two
+/// matrices (partial row tiles), one launch unsplit and one split, and the gated pair, split.
 fn mmq_format(ty: GgmlType, format: &'static str) {
     let Some(unit) = gemv_unit(format) else {
         return;
     };
-    for (n, nt, splits) in [(3, 1, 1), (13, 2, 3), (27, 4, 1), (64, 8, 2)] {
+    let cases = [
+        (3, 1, 1),
+        (13, 2, 3),
+        (27, 4, 1),
+        (64, 8, 2),
+        (50, 8, 3),
+        (64, 8, 1),
+    ];
+    for (i, (n, nt, splits)) in cases.into_iter().enumerate() {
         let case = MmqCase {
             ty,
             rows: vec![40, 24],
@@ -265,10 +296,11 @@ fn mmq_format(ty: GgmlType, format: &'static str) {
             nt,
             blocks: 1,
             splits,
+            ring: i >= 4,
         };
         check_mmq(&unit, format, &case, &shape, &format!("mmq {format} n={n}"));
     }
-    for (n, nt, splits) in [(9, 2, 3), (40, 8, 1)] {
+    for (n, nt, splits, ring) in [(9, 2, 3, false), (40, 8, 1, false), (40, 8, 3, true)] {
         let case = MmqCase {
             ty,
             rows: vec![20, 20],
@@ -280,6 +312,7 @@ fn mmq_format(ty: GgmlType, format: &'static str) {
             nt,
             blocks: 2,
             splits,
+            ring,
         };
         let seed = format!("mmq gated {format} n={n}");
         check_mmq(&unit, format, &case, &shape, &seed);
