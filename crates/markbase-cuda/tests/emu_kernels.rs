@@ -1296,3 +1296,204 @@ fn argmax_picks_the_first_largest_logit() {
         assert_eq!(picks[t] as usize, best, "row {t}");
     }
 }
+
+/// `attn_rope_partial_<V>` (attention.cu).
+type AttnRopePartial = unsafe extern "C" fn(
+    a: AttnArgs,
+    k: *const f32,
+    v: *const f32,
+    q_norm: *const f32,
+    k_norm: *const f32,
+    eps: f32,
+    freqs: *const f32,
+    pairs: i32,
+    v_norm: i32,
+    slots: *const u32,
+);
+
+/// A head of `hd` values through RMSNorm (gains `w`; None: weightless), then half-split RoPE
+/// at position `pos`: pair i (< `freqs.len()`) of dims i and i + hd/2 turned by pos · freqs[i]
+/// (the angle a float product, as the kernel forms it), f64 otherwise.
+fn norm_rope(x: &[f32], w: Option<&[f32]>, eps: f32, pos: u32, freqs: &[f32]) -> Vec<f64> {
+    let hd = x.len();
+    let ms = x.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / hd as f64;
+    let inv = 1.0 / (ms + eps as f64).sqrt();
+    let n: Vec<f64> = (0..hd)
+        .map(|i| x[i] as f64 * inv * w.map_or(1.0, |w| w[i] as f64))
+        .collect();
+    let mut out = n.clone();
+    for (i, &f) in freqs.iter().enumerate() {
+        let (s, c) = ((pos as f32 * f) as f64).sin_cos();
+        out[i] = n[i] * c - n[i + hd / 2] * s;
+        out[i + hd / 2] = n[i + hd / 2] * c + n[i] * s;
+    }
+    out
+}
+
+/// The fused decode attention (`attn_rope_partial_<V>`): each sequence's one query row normed
+/// and turned in the kernel, its new key normed and turned and its value (v_norm: normed
+/// without gains) stored in the cache row of its position and folded in from registers, the
+/// older keys read from the paged cache; against the f64 reference on the turned queries and the
+/// cache with the new rows in place. Head dims 256 (some pairs not turning) and 512, with and
+/// without v_norm, window and soft-cap, one split and several.
+#[test]
+fn fused_rope_attention_matches_reference() {
+    let Some(unit) = emu_unit(Module::Attention, None) else {
+        return;
+    };
+    let mut r = rng("fused rope attention");
+    let (nh, nkv, bs, eps) = (4usize, 2usize, 16usize, 1e-6f32);
+    let pos: Vec<u32> = vec![45, 100];
+    let seq = [0usize, 1];
+    let seq_start: Vec<u32> = vec![0, 1, 2];
+    let table_width = 7;
+    let n_blocks = 2 * table_width;
+    let mut blocks: Vec<u32> = (0..n_blocks as u32).collect();
+    for i in (1..blocks.len()).rev() {
+        blocks.swap(i, r.random_range(0..=i));
+    }
+    for (hd, pairs, v_norm, window, softcap, chunk) in [
+        (256, 96, true, None, None, 400),
+        (256, 128, false, Some(24), Some(30.0), 40),
+        (512, 256, true, None, Some(50.0), 37),
+    ] {
+        let what = format!("fused attention hd={hd} v_norm={v_norm} window={window:?}");
+        let kv_w = nkv * hd;
+        let q = uniform(&mut r, pos.len() * nh * hd, 1.0);
+        let k_new = uniform(&mut r, pos.len() * kv_w, 1.0);
+        let v_new = uniform(&mut r, pos.len() * kv_w, 1.0);
+        let mut k_cache = uniform(&mut r, n_blocks * bs * kv_w, 1.0);
+        let mut v_cache = uniform(&mut r, n_blocks * bs * kv_w, 1.0);
+        let q_norm = uniform(&mut r, hd, 1.0);
+        let k_norm = uniform(&mut r, hd, 1.0);
+        let freqs: Vec<f32> = (0..pairs)
+            .map(|i| 10_000f32.powf(-2.0 * i as f32 / hd as f32))
+            .collect();
+        let slots: Vec<u32> = pos
+            .iter()
+            .zip(&seq)
+            .map(|(&p, &s)| {
+                let p = p as usize;
+                blocks[s * table_width + p / bs] * bs as u32 + (p % bs) as u32
+            })
+            .collect();
+
+        // The reference: turned queries, the cache with each sequence's new row in its slot.
+        let mut want_k = k_cache.clone();
+        let mut want_v = v_cache.clone();
+        let mut q_turned = vec![0f32; q.len()];
+        for (t, &p) in pos.iter().enumerate() {
+            for h in 0..nh {
+                let at = (t * nh + h) * hd;
+                let turned = norm_rope(&q[at..][..hd], Some(&q_norm), eps, p, &freqs);
+                for (d, v) in turned.into_iter().enumerate() {
+                    q_turned[at + d] = v as f32;
+                }
+            }
+            for kvh in 0..nkv {
+                let src = (t * nkv + kvh) * hd;
+                let dst = (slots[t] as usize * nkv + kvh) * hd;
+                let k = norm_rope(&k_new[src..][..hd], Some(&k_norm), eps, p, &freqs);
+                let v = match v_norm {
+                    true => norm_rope(&v_new[src..][..hd], None, eps, p, &[]),
+                    false => v_new[src..][..hd].iter().map(|&v| v as f64).collect(),
+                };
+                for d in 0..hd {
+                    want_k[dst + d] = k[d] as f32;
+                    want_v[dst + d] = v[d] as f32;
+                }
+            }
+        }
+        let scale = 1.0 / (hd as f32).sqrt();
+        let want = AttnReference {
+            q: &q_turned,
+            k: &want_k,
+            v: &want_v,
+            pos: &pos,
+            seq: &seq,
+            tables: &blocks,
+            table_width,
+            block_size: bs,
+            heads: (nh, nkv),
+            head_dim: hd,
+            scale,
+            window,
+            softcap,
+        }
+        .out();
+
+        let max_vis = pos
+            .iter()
+            .map(|&p| window.map_or(p as usize + 1, |w: usize| w.min(p as usize + 1)))
+            .max()
+            .unwrap();
+        let splits = max_vis.div_ceil(chunk);
+        let rows = pos.len() * nh;
+        let mut out = vec![f32::NAN; rows * hd];
+        let mut part = vec![f32::NAN; rows * splits * (hd + 2)];
+        let args = AttnArgs {
+            q: q.as_ptr() as u64,
+            k_cache: k_cache.as_mut_ptr() as u64,
+            v_cache: v_cache.as_mut_ptr() as u64,
+            positions: pos.as_ptr() as u64,
+            seq_start: seq_start.as_ptr() as u64,
+            block_tables: blocks.as_ptr() as u64,
+            out: out.as_mut_ptr() as u64,
+            part: part.as_mut_ptr() as u64,
+            n_tokens: pos.len() as i32,
+            n_heads: nh as i32,
+            n_kv_heads: nkv as i32,
+            head_dim: hd as i32,
+            scale,
+            window: window.unwrap_or(0) as i32,
+            softcap: softcap.unwrap_or(0.0),
+            n_seqs: 2,
+            table_width: table_width as i32,
+            block_size: bs as i32,
+            chunk: chunk as i32,
+            splits: splits as i32,
+            rounded: 0,
+            round_kind: 0,
+        };
+        let name = format!("attn_rope_partial_{}", hd / 32);
+        // SAFETY: AttnRopePartial is the signature of the attn_rope_partial kernels.
+        let kernel: AttnRopePartial = unsafe { unit.kernel(&name) }.unwrap();
+        let ptrs = [
+            k_new.as_ptr() as usize,
+            v_new.as_ptr() as usize,
+            q_norm.as_ptr() as usize,
+            k_norm.as_ptr() as usize,
+            freqs.as_ptr() as usize,
+            slots.as_ptr() as usize,
+        ];
+        let (np, vn) = (pairs as i32, i32::from(v_norm));
+        // SAFETY: every buffer `args` and `ptrs` point to outlives the launch and has the size
+        // the kernel indexes.
+        let body = || unsafe {
+            let [kp, vp, qn, kn, fp, sp] = ptrs;
+            kernel(
+                args, kp as _, vp as _, qn as _, kn as _, eps, fp as _, np, vn, sp as _,
+            )
+        };
+        unit.launch(
+            [rows as u32, splits as u32, 1],
+            [32 * ATTN_ROW_WARPS, 1, 1],
+            0,
+            &body,
+        )
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+        if splits > 1 {
+            // SAFETY: AttnCombine is attn_combine's signature.
+            let combine: AttnCombine = unsafe { unit.kernel("attn_combine") }.unwrap();
+            let (pp, op) = (part.as_ptr() as usize, out.as_mut_ptr() as usize);
+            let (n, s, d) = (rows as i32, splits as i32, hd as i32);
+            // SAFETY: as above.
+            let body = || unsafe { combine(pp as _, n, s, d, op as _, std::ptr::null_mut(), 0) };
+            unit.launch([rows.div_ceil(4) as u32, 1, 1], [128, 1, 1], 0, &body)
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+        }
+        assert_close(&format!("{what} keys"), &k_cache, &want_k, 1e-5);
+        assert_close(&format!("{what} values"), &v_cache, &want_v, 1e-5);
+        assert_close(&what, &out, &want, 1e-5);
+    }
+}
