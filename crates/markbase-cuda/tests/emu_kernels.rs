@@ -1466,7 +1466,7 @@ fn fused_rope_attention_matches_reference() {
             freqs.as_ptr() as usize,
             slots.as_ptr() as usize,
         ];
-        let (np, vn) = (pairs as i32, i32::from(v_norm));
+        let (np, vn) = (pairs, i32::from(v_norm));
         // SAFETY: every buffer `args` and `ptrs` point to outlives the launch and has the size
         // the kernel indexes.
         let body = || unsafe {
