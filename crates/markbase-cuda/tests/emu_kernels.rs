@@ -1497,3 +1497,143 @@ fn fused_rope_attention_matches_reference() {
         assert_close(&what, &out, &want, 1e-5);
     }
 }
+
+/// `gemv_<format>_<NT>` (gemv.cu).
+type Gemv = unsafe extern "C" fn(
+    w: *const u8,
+    row_bytes: u64,
+    rows: i32,
+    k: i32,
+    x: *const f32,
+    nt: i32,
+    out: *mut f32,
+    split: i32,
+    mul: *const f32,
+    mul_stride: u64,
+    xt: *const u8,
+);
+/// `gemv_gelu_<format>_<NT>` (gemv.cu).
+type GemvGelu = unsafe extern "C" fn(
+    wg: *const u8,
+    wu: *const u8,
+    row_bytes: u64,
+    rows: i32,
+    k: i32,
+    x: *const f32,
+    nt: i32,
+    out: *mut f32,
+);
+
+/// The single-matrix GEMV (`gemv_<format>_<NT>`: rows shared by `split` warps where the format
+/// allows, and the gated form gelu_tanh(x · w) · mul) and the fused gate/up GEMV
+/// (`gemv_gelu_<format>_<NT>`) of every format, 1–8 token rows, against f64 products on the
+/// activations as the GEMVs take them.
+#[test]
+fn gemv_and_gated_gemv_match_reference_for_every_format() {
+    for (ty, format) in FORMATS {
+        let Some(unit) = gemv_unit(format) else {
+            return;
+        };
+        let mut r = rng(&format!("gemv {format}"));
+        let (rows, k) = (13usize, 512usize);
+        let i16 = gemv_takes_16_bit_activations(ty, k);
+        let plain = matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16);
+        let mats: Vec<HostMatrix> = (0..2).map(|_| random_matrix(&mut r, ty, rows, k)).collect();
+        let laid: Vec<Vec<u8>> = mats
+            .iter()
+            .map(|m| device_bytes(m.ty, m.bytes.as_slice(), m.rows).into_owned())
+            .collect();
+        let row_bytes = laid[0].len() / rows;
+        let weights: Vec<Vec<f32>> = mats
+            .iter()
+            .map(|m| markbase_cpu::reference::dequantize_matrix(m).unwrap())
+            .collect();
+        let (wg, wu) = (laid[0].as_ptr() as usize, laid[1].as_ptr() as usize);
+        for (nt_kernel, nt, split) in [(1, 1, 4), (2, 2, 1), (4, 3, 2), (8, 8, 1)] {
+            let split = if i16 || plain { split } else { 1 };
+            let x = uniform(&mut r, nt * k, 1.0);
+            let xs: Vec<f32> = match i16 {
+                true => x.chunks(k).flat_map(as_16_bit).collect(),
+                false => x.clone(),
+            };
+            let g = products(&weights[0], &xs, rows, k, nt);
+            let u = products(&weights[1], &xs, rows, k, nt);
+            let mul = uniform(&mut r, nt * rows, 1.0);
+            let xp = x.as_ptr() as usize;
+            let (n, kk, rr) = (nt as i32, k as i32, rows as i32);
+
+            // Plain, then gated by `mul`.
+            let name = format!("gemv_{format}_{nt_kernel}");
+            // SAFETY: Gemv is the signature of the gemv kernels.
+            let kernel: Gemv = unsafe { unit.kernel(&name) }.unwrap();
+            for gated in [false, true] {
+                let mut out = vec![f32::NAN; nt * rows];
+                let op = out.as_mut_ptr() as usize;
+                let mp = if gated { mul.as_ptr() as usize } else { 0 };
+                let sp = split as i32;
+                // SAFETY: every buffer outlives the launch and has the size the kernel indexes.
+                let body = || unsafe {
+                    let rb = row_bytes as u64;
+                    let xt = std::ptr::null();
+                    kernel(
+                        wg as _,
+                        rb,
+                        rr,
+                        kk,
+                        xp as _,
+                        n,
+                        op as _,
+                        sp,
+                        mp as _,
+                        rows as u64,
+                        xt,
+                    )
+                };
+                let blocks = (rows * split).div_ceil(8) as u32;
+                unit.launch([blocks, 1, 1], [256, 1, 1], 0, &body)
+                    .unwrap_or_else(|e| panic!("{name}: {e}"));
+                let want: Vec<f32> = g
+                    .iter()
+                    .zip(&mul)
+                    .map(|(&v, &m)| match gated {
+                        true => (gelu_tanh(v) * m as f64) as f32,
+                        false => v as f32,
+                    })
+                    .collect();
+                let what = format!("{name} {ty} nt={nt} split={split} gated={gated}");
+                assert_close(&what, &out, &want, 1e-4);
+            }
+
+            // The fused gate and up (one token: the walks take Q4_K).
+            if nt_kernel == 1 && ty == GgmlType::Q4_K {
+                continue;
+            }
+            let name = format!("gemv_gelu_{format}_{nt_kernel}");
+            // SAFETY: GemvGelu is the signature of the gemv_gelu kernels.
+            let kernel: GemvGelu = unsafe { unit.kernel(&name) }.unwrap();
+            let mut out = vec![f32::NAN; nt * rows];
+            let op = out.as_mut_ptr() as usize;
+            // SAFETY: as above.
+            let body = || unsafe {
+                kernel(
+                    wg as _,
+                    wu as _,
+                    row_bytes as u64,
+                    rr,
+                    kk,
+                    xp as _,
+                    n,
+                    op as _,
+                )
+            };
+            unit.launch([rows.div_ceil(8) as u32, 1, 1], [256, 1, 1], 0, &body)
+                .unwrap_or_else(|e| panic!("{name}: {e}"));
+            let want: Vec<f32> = g
+                .iter()
+                .zip(&u)
+                .map(|(&g, &u)| (gelu_tanh(g) * u) as f32)
+                .collect();
+            assert_close(&format!("{name} {ty} nt={nt}"), &out, &want, 1e-4);
+        }
+    }
+}
