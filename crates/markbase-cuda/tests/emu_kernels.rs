@@ -1637,3 +1637,214 @@ fn gemv_and_gated_gemv_match_reference_for_every_format() {
         }
     }
 }
+
+/// `embed_<format>` (ops.cu).
+type Embed = unsafe extern "C" fn(
+    table: *const u8,
+    row_bytes: u64,
+    tokens: *const u32,
+    k: i32,
+    scale: f32,
+    out: *mut f32,
+);
+/// `dequant_<format>` and `dequant_f16_<format>` (ops.cu; `dst` f32 or f16).
+type Dequant = unsafe extern "C" fn(w: *const u8, row_bytes: u64, r0: i32, k: i32, dst: *mut u8);
+
+/// Values a block of the dequantizing kernels covers (32 · DEQUANT_THREADS).
+const DEQUANT_SPAN: usize = 32 * 128;
+
+/// Embedding rows (`embed_<format>`: gathered by token, scaled) and dequantization to f32 and
+/// f16 (`dequant_<format>`, `dequant_f16_<format>`, from row r0 on) of every format, rows of
+/// two block spans, against the reference's dequantization (f16: rounded once, saturating).
+#[test]
+fn embedding_and_dequantization_match_reference_for_every_format() {
+    for (ty, format) in FORMATS {
+        let Some(unit) = emu_unit(Module::Ops, Some(format)) else {
+            return;
+        };
+        let mut r = rng(&format!("embed {format}"));
+        let (rows, k, scale) = (6usize, 4352usize, 0.75f32);
+        let m = random_matrix(&mut r, ty, rows, k);
+        let laid = device_bytes(m.ty, m.bytes.as_slice(), m.rows).into_owned();
+        let row_bytes = laid.len() / rows;
+        let exact = markbase_cpu::reference::dequantize_matrix(&m).unwrap();
+        let wp = laid.as_ptr() as usize;
+        let spans = k.div_ceil(DEQUANT_SPAN) as u32;
+
+        let tokens: Vec<u32> = vec![4, 0, 4, 5];
+        let mut out = vec![f32::NAN; tokens.len() * k];
+        let (tp, op) = (tokens.as_ptr() as usize, out.as_mut_ptr() as usize);
+        let name = format!("embed_{format}");
+        // SAFETY: Embed is the signature of the embed kernels.
+        let embed: Embed = unsafe { unit.kernel(&name) }.unwrap();
+        // SAFETY: every buffer outlives the launch and has the size the kernel indexes.
+        let body =
+            || unsafe { embed(wp as _, row_bytes as u64, tp as _, k as i32, scale, op as _) };
+        unit.launch([tokens.len() as u32, spans, 1], [128, 1, 1], 0, &body)
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        let want: Vec<f32> = tokens
+            .iter()
+            .flat_map(|&t| exact[t as usize * k..][..k].iter().map(|v| v * scale))
+            .collect();
+        assert_close(&format!("{name} {ty}"), &out, &want, 1e-6);
+
+        let r0 = 2usize;
+        let n = rows - r0;
+        for f16_out in [false, true] {
+            let name = match f16_out {
+                true => format!("dequant_f16_{format}"),
+                false => format!("dequant_{format}"),
+            };
+            let mut dst = vec![0xffu8; n * k * if f16_out { 2 } else { 4 }];
+            let dp = dst.as_mut_ptr() as usize;
+            // SAFETY: Dequant is the signature of the dequant kernels.
+            let kernel: Dequant = unsafe { unit.kernel(&name) }.unwrap();
+            // SAFETY: as above.
+            let body =
+                || unsafe { kernel(wp as _, row_bytes as u64, r0 as i32, k as i32, dp as _) };
+            unit.launch([spans, n as u32, 1], [128, 1, 1], 0, &body)
+                .unwrap_or_else(|e| panic!("{name}: {e}"));
+            let rows_exact = &exact[r0 * k..];
+            let (got, want): (Vec<f32>, Vec<f32>) = match f16_out {
+                true => (
+                    dst.chunks_exact(2)
+                        .map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32())
+                        .collect(),
+                    round_16(GgmlType::F16, rows_exact),
+                ),
+                false => (
+                    dst.chunks_exact(4)
+                        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                        .collect(),
+                    rows_exact.to_vec(),
+                ),
+            };
+            assert_close(&format!("{name} {ty}"), &got, &want, 1e-6);
+        }
+    }
+}
+
+/// `rope_write_kv` (ops.cu).
+type RopeWriteKv = unsafe extern "C" fn(
+    q: *mut f32,
+    k: *mut f32,
+    v: *const f32,
+    n_heads: i32,
+    n_kv_heads: i32,
+    head_dim: i32,
+    q_norm: *const f32,
+    k_norm: *const f32,
+    eps: f32,
+    freqs: *const f32,
+    pairs: i32,
+    positions: *const u32,
+    slots: *const u32,
+    k_cache: *mut f32,
+    v_cache: *mut f32,
+    v_norm: i32,
+);
+
+/// A layer's queries and new keys and values in one launch (`rope_write_kv`): queries normed
+/// and turned in place, keys likewise and into their cache rows, values (through a weightless
+/// norm with v_norm) into theirs; head dims 256 (pairs not turning) and 512, against f64.
+#[test]
+fn rope_write_kv_matches_reference() {
+    let Some(unit) = emu_unit(Module::Ops, None) else {
+        return;
+    };
+    let mut r = rng("rope_write_kv");
+    let (nh, nkv, eps) = (4usize, 2usize, 1e-6f32);
+    let pos: Vec<u32> = vec![7, 300, 12];
+    let slots: Vec<u32> = vec![5, 0, 9];
+    for (hd, pairs, v_norm) in [(256, 64, true), (512, 256, false)] {
+        let q0 = uniform(&mut r, pos.len() * nh * hd, 1.0);
+        let k0 = uniform(&mut r, pos.len() * nkv * hd, 1.0);
+        let v = uniform(&mut r, pos.len() * nkv * hd, 1.0);
+        let q_norm = uniform(&mut r, hd, 1.0);
+        let k_norm = uniform(&mut r, hd, 1.0);
+        let freqs: Vec<f32> = (0..hd / 2)
+            .map(|i| 10_000f32.powf(-2.0 * i as f32 / hd as f32))
+            .collect();
+        let cache_rows = 10;
+        let mut k_cache = vec![f32::NAN; cache_rows * nkv * hd];
+        let mut v_cache = vec![f32::NAN; cache_rows * nkv * hd];
+        let (mut q, mut k) = (q0.clone(), k0.clone());
+        let ptrs = [
+            q.as_mut_ptr() as usize,
+            k.as_mut_ptr() as usize,
+            v.as_ptr() as usize,
+            q_norm.as_ptr() as usize,
+            k_norm.as_ptr() as usize,
+            freqs.as_ptr() as usize,
+            pos.as_ptr() as usize,
+            slots.as_ptr() as usize,
+            k_cache.as_mut_ptr() as usize,
+            v_cache.as_mut_ptr() as usize,
+        ];
+        // SAFETY: RopeWriteKv is rope_write_kv's signature.
+        let kernel: RopeWriteKv = unsafe { unit.kernel("rope_write_kv") }.unwrap();
+        let ints = [nh, nkv, hd, pairs].map(|v| v as i32);
+        // SAFETY: every buffer outlives the launch and has the size the kernel indexes.
+        let body = || unsafe {
+            let [qp, kp, vp, qn, kn, fp, pp, sp, kc, vc] = ptrs;
+            let [h, kv, d, np] = ints;
+            kernel(
+                qp as _,
+                kp as _,
+                vp as _,
+                h,
+                kv,
+                d,
+                qn as _,
+                kn as _,
+                eps,
+                fp as _,
+                np,
+                pp as _,
+                sp as _,
+                kc as _,
+                vc as _,
+                i32::from(v_norm),
+            )
+        };
+        let blocks = (pos.len() * (nh + nkv)) as u32;
+        unit.launch([blocks, 1, 1], [32, 1, 1], 4 * hd, &body)
+            .unwrap_or_else(|e| panic!("rope_write_kv: {e}"));
+        let turns = &freqs[..pairs];
+        let (mut want_q, mut want_k) = (vec![0f32; q.len()], vec![0f32; k.len()]);
+        let mut want_kc = vec![f32::NAN; k_cache.len()];
+        let mut want_vc = vec![f32::NAN; v_cache.len()];
+        for (t, &p) in pos.iter().enumerate() {
+            for h in 0..nh {
+                let at = (t * nh + h) * hd;
+                let turned = norm_rope(&q0[at..][..hd], Some(&q_norm), eps, p, turns);
+                for (d, x) in turned.into_iter().enumerate() {
+                    want_q[at + d] = x as f32;
+                }
+            }
+            for h in 0..nkv {
+                let (at, dst) = ((t * nkv + h) * hd, (slots[t] as usize * nkv + h) * hd);
+                let turned = norm_rope(&k0[at..][..hd], Some(&k_norm), eps, p, turns);
+                let vs: Vec<f64> = match v_norm {
+                    true => norm_rope(&v[at..][..hd], None, eps, p, &[]),
+                    false => v[at..][..hd].iter().map(|&x| x as f64).collect(),
+                };
+                for d in 0..hd {
+                    want_k[at + d] = turned[d] as f32;
+                    want_kc[dst + d] = turned[d] as f32;
+                    want_vc[dst + d] = vs[d] as f32;
+                }
+            }
+        }
+        let what = format!("rope_write_kv hd={hd} pairs={pairs} v_norm={v_norm}");
+        assert_close(&format!("{what} q"), &q, &want_q, 1e-5);
+        assert_close(&format!("{what} k"), &k, &want_k, 1e-5);
+        // Rows no token writes stay NaN in both: compare the written ones.
+        for (t, &s) in slots.iter().enumerate() {
+            let row = s as usize * nkv * hd..(s as usize + 1) * nkv * hd;
+            let w = format!("{what} cache row of token {t}");
+            assert_close(&w, &k_cache[row.clone()], &want_kc[row.clone()], 1e-5);
+            assert_close(&w, &v_cache[row.clone()], &want_vc[row], 1e-5);
+        }
+    }
+}
