@@ -1848,3 +1848,252 @@ fn rope_write_kv_matches_reference() {
         }
     }
 }
+
+/// `moe_route` (moe.cu).
+type MoeRoute = unsafe extern "C" fn(
+    logits: *const f32,
+    n: i32,
+    n_experts: i32,
+    top_k: i32,
+    expert_scale: *const f32,
+    weights: *mut f32,
+    ids: *mut f32,
+);
+/// `moe_gate_up_<format>` (moe.cu, the per-pair path).
+type MoeGateUp = unsafe extern "C" fn(
+    w: *const u8,
+    row_bytes: u64,
+    d: i32,
+    f: i32,
+    x: *const f32,
+    top_k: i32,
+    n_experts: i32,
+    ids: *const f32,
+    h_kind: i32,
+    h: *mut f32,
+    err: *mut u32,
+    beside: i32,
+);
+/// `moe_down_<format>` (moe.cu, the per-pair path).
+type MoeDown = unsafe extern "C" fn(
+    w: *const u8,
+    row_bytes: u64,
+    d: i32,
+    f: i32,
+    h: *const f32,
+    n_experts: i32,
+    ids: *const f32,
+    y: *mut f32,
+    err: *mut u32,
+);
+/// `moe_combine` (moe.cu).
+type MoeCombine = unsafe extern "C" fn(
+    y: *const f32,
+    d: i32,
+    top_k: i32,
+    weights: *const f32,
+    slot_of: *const i32,
+    out: *mut f32,
+);
+
+/// Routing (`moe_route`: softmax, the top k with ties to the lower id, renormalized, times the
+/// expert's scale) against its definition; then the per-pair expert path of every format
+/// (`moe_gate_up_<format>`, `moe_down_<format>`, `moe_combine`) against f64 products on the
+/// activations as its GEMVs take them, one pair given a bad expert id: flagged, and adding
+/// nothing.
+#[test]
+fn moe_routing_and_per_pair_experts_match_reference() {
+    let Some(shared) = emu_unit(Module::Moe, None) else {
+        return;
+    };
+    let mut r = rng("moe per pair");
+    let (n, top_k, n_experts, d, f) = (3usize, 2usize, 16usize, 512usize, 256usize);
+    let pairs = n * top_k;
+    let mut logits = uniform(&mut r, n * n_experts, 3.0);
+    logits[n_experts + 4] = logits[n_experts + 9]; // a possible tie: the lower id first
+    let scales = uniform(&mut r, n_experts, 2.0);
+    let mut weights = vec![f32::NAN; pairs];
+    let mut ids = vec![f32::NAN; pairs];
+    // SAFETY: MoeRoute is moe_route's signature.
+    let route: MoeRoute = unsafe { shared.kernel("moe_route") }.unwrap();
+    let ptrs = [
+        logits.as_ptr() as usize,
+        scales.as_ptr() as usize,
+        weights.as_mut_ptr() as usize,
+        ids.as_mut_ptr() as usize,
+    ];
+    // SAFETY: every buffer outlives the launch and has the size the kernel indexes.
+    let body = || unsafe {
+        let [lp, sp, wp, ip] = ptrs;
+        route(
+            lp as _,
+            n as i32,
+            n_experts as i32,
+            top_k as i32,
+            sp as _,
+            wp as _,
+            ip as _,
+        )
+    };
+    shared
+        .launch([1, 1, 1], [32 * n as u32, 1, 1], 0, &body)
+        .unwrap_or_else(|e| panic!("moe_route: {e}"));
+    for t in 0..n {
+        let row = &logits[t * n_experts..][..n_experts];
+        let m = row
+            .iter()
+            .cloned()
+            .fold(f64::NEG_INFINITY, |a, b| a.max(b as f64));
+        let e: Vec<f64> = row.iter().map(|&v| (v as f64 - m).exp()).collect();
+        let sum: f64 = e.iter().sum();
+        let mut order: Vec<usize> = (0..n_experts).collect();
+        order.sort_by(|&a, &b| e[b].partial_cmp(&e[a]).unwrap().then(a.cmp(&b)));
+        let kept: f64 = order[..top_k].iter().map(|&i| e[i] / sum).sum();
+        for j in 0..top_k {
+            let x = order[j];
+            assert_eq!(ids[t * top_k + j], x as f32, "token {t} choice {j}");
+            let want = (e[x] / sum / kept * scales[x] as f64) as f32;
+            assert!((weights[t * top_k + j] - want).abs() <= 1e-5 * want.abs().max(1.0));
+        }
+    }
+    ids[3] = 99.0; // a bad id
+                   // SAFETY: MoeCombine is moe_combine's signature.
+    let combine: MoeCombine = unsafe { shared.kernel("moe_combine") }.unwrap();
+
+    for (ty, format) in FORMATS {
+        let Some(unit) = emu_unit(Module::Moe, Some(format)) else {
+            return;
+        };
+        let gate_up = random_matrix(&mut r, ty, n_experts * 2 * f, d);
+        let down = random_matrix(&mut r, ty, n_experts * d, f);
+        let lay = |m: &HostMatrix| device_bytes(m.ty, m.bytes.as_slice(), m.rows).into_owned();
+        let (gu, dn) = (lay(&gate_up), lay(&down));
+        let (gu_rb, dn_rb) = (gu.len() / gate_up.rows, dn.len() / down.rows);
+        let x = uniform(&mut r, n * d, 1.0);
+        let mut h = vec![f32::NAN; pairs * f];
+        let mut y = vec![f32::NAN; pairs * d];
+        let mut out = vec![f32::NAN; n * d];
+        let mut err = 0u32;
+        let p = [
+            gu.as_ptr() as usize,
+            dn.as_ptr() as usize,
+            x.as_ptr() as usize,
+            ids.as_ptr() as usize,
+            h.as_mut_ptr() as usize,
+            y.as_mut_ptr() as usize,
+            &mut err as *mut u32 as usize,
+            weights.as_ptr() as usize,
+            out.as_mut_ptr() as usize,
+        ];
+        let (di, fi, ki, ei) = (d as i32, f as i32, top_k as i32, n_experts as i32);
+        // SAFETY: the signatures of the per-pair kernels.
+        let (gate_k, down_k): (MoeGateUp, MoeDown) = unsafe {
+            (
+                unit.kernel(&format!("moe_gate_up_{format}")).unwrap(),
+                unit.kernel(&format!("moe_down_{format}")).unwrap(),
+            )
+        };
+        // SAFETY: every buffer outlives the launches and has the size the kernels index.
+        let body = || unsafe {
+            let [gp, _, xp, ip, hp, _, ep, _, _] = p;
+            gate_k(
+                gp as _,
+                gu_rb as u64,
+                di,
+                fi,
+                xp as _,
+                ki,
+                ei,
+                ip as _,
+                0,
+                hp as _,
+                ep as _,
+                0,
+            )
+        };
+        unit.launch(
+            [f.div_ceil(8) as u32, pairs as u32, 1],
+            [256, 1, 1],
+            0,
+            &body,
+        )
+        .unwrap_or_else(|e| panic!("moe_gate_up_{format}: {e}"));
+        // SAFETY: as above.
+        let body = || unsafe {
+            let [_, dp, _, ip, hp, yp, ep, _, _] = p;
+            down_k(
+                dp as _,
+                dn_rb as u64,
+                di,
+                fi,
+                hp as _,
+                ei,
+                ip as _,
+                yp as _,
+                ep as _,
+            )
+        };
+        unit.launch(
+            [d.div_ceil(8) as u32, pairs as u32, 1],
+            [256, 1, 1],
+            0,
+            &body,
+        )
+        .unwrap_or_else(|e| panic!("moe_down_{format}: {e}"));
+        // SAFETY: as above.
+        let body = || unsafe {
+            let [_, _, _, _, _, yp, _, wp, op] = p;
+            combine(yp as _, di, ki, wp as _, std::ptr::null(), op as _)
+        };
+        shared
+            .launch([d.div_ceil(128) as u32, n as u32, 1], [128, 1, 1], 0, &body)
+            .unwrap_or_else(|e| panic!("moe_combine: {e}"));
+        assert_eq!(
+            err, 1,
+            "moe {format}: the bad id is flagged (MB_ERR_EXPERT_ID)"
+        );
+
+        let seen = |v: &[f32], k: usize| -> Vec<f32> {
+            match gemv_takes_16_bit_activations(ty, k) {
+                true => v.chunks(k).flat_map(as_16_bit).collect(),
+                false => v.to_vec(),
+            }
+        };
+        let (wgu, wd) = (
+            markbase_cpu::reference::dequantize_matrix(&gate_up).unwrap(),
+            markbase_cpu::reference::dequantize_matrix(&down).unwrap(),
+        );
+        let xs = seen(&x, d);
+        let mut want_h = vec![0f32; pairs * f];
+        let mut want_y = vec![0f32; pairs * d];
+        for pair in 0..pairs {
+            if ids[pair] as usize >= n_experts {
+                continue; // a bad id: zeros
+            }
+            let e = ids[pair] as usize;
+            let xr = &xs[pair / top_k * d..][..d];
+            let g = products(&wgu[e * 2 * f * d..][..f * d], xr, f, d, 1);
+            let u = products(&wgu[(e * 2 + 1) * f * d..][..f * d], xr, f, d, 1);
+            for i in 0..f {
+                want_h[pair * f + i] = (gelu_tanh(g[i]) * u[i]) as f32;
+            }
+            let hs = seen(&h[pair * f..][..f], f);
+            let yr = products(&wd[e * d * f..][..d * f], &hs, d, f, 1);
+            for (i, v) in yr.into_iter().enumerate() {
+                want_y[pair * d + i] = v as f32;
+            }
+        }
+        let want_out: Vec<f32> = (0..n * d)
+            .map(|i| {
+                let (t, r) = (i / d, i % d);
+                (0..top_k)
+                    .filter(|&j| (ids[t * top_k + j] as usize) < n_experts)
+                    .map(|j| weights[t * top_k + j] * y[(t * top_k + j) * d + r])
+                    .sum()
+            })
+            .collect();
+        assert_close(&format!("moe_gate_up_{format}"), &h, &want_h, 1e-4);
+        assert_close(&format!("moe_down_{format}"), &y, &want_y, 1e-4);
+        assert_close(&format!("moe_combine ({format})"), &out, &want_out, 1e-6);
+    }
+}
