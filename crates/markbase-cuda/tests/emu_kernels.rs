@@ -14,8 +14,9 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use half::f16;
-use markbase_core::backend::HostMatrix;
+use markbase_core::backend::{AttnSpec, HostMatrix, KvLayout, Rope};
 use markbase_core::quant::GgmlType;
+use markbase_cpu::reference;
 use markbase_cuda::sources::{Module, Unit, FORMATS};
 use markbase_cuda::{device_bytes, gemv_takes_16_bit_activations};
 use markbase_kernel_emu::{compiler_available, EmuModule};
@@ -394,7 +395,7 @@ fn walk_format(ty: GgmlType, format: &'static str) {
         let xs = as_16_bit(&x);
         let weights: Vec<Vec<f32>> = mats
             .iter()
-            .map(|m| markbase_cpu::reference::dequantize_matrix(m).unwrap())
+            .map(|m| reference::dequantize_matrix(m).unwrap())
             .collect();
         let g = products(&weights[0], &xs, rows, k, 1);
         let u = products(&weights[1], &xs, rows, k, 1);
@@ -503,70 +504,6 @@ type AttnCombine = unsafe extern "C" fn(
 /// Warps of an attn_partial block (ATTN_ROW_WARPS).
 const ATTN_ROW_WARPS: u32 = 8;
 
-/// Softmax attention in f64 over a paged cache: query row t (sequence `seq[t]`, position
-/// `pos[t]`) and head h see keys max(0, p − window + 1) ..= p of their sequence through its
-/// block table; scores scaled, then soft-capped.
-struct AttnReference<'a> {
-    q: &'a [f32],
-    k: &'a [f32],
-    v: &'a [f32],
-    pos: &'a [u32],
-    seq: &'a [usize],
-    tables: &'a [u32],
-    table_width: usize,
-    block_size: usize,
-    heads: (usize, usize),
-    head_dim: usize,
-    scale: f32,
-    window: Option<usize>,
-    softcap: Option<f32>,
-}
-
-impl AttnReference<'_> {
-    fn out(&self) -> Vec<f32> {
-        let (nh, nkv, hd) = (self.heads.0, self.heads.1, self.head_dim);
-        let mut out = vec![0f32; self.pos.len() * nh * hd];
-        for (t, &p) in self.pos.iter().enumerate() {
-            let p = p as usize;
-            let lo = self.window.map_or(0, |w| (p + 1).saturating_sub(w));
-            let table = &self.tables[self.seq[t] * self.table_width..];
-            for h in 0..nh {
-                let kvh = h / (nh / nkv);
-                let q = &self.q[(t * nh + h) * hd..][..hd];
-                let rows: Vec<usize> = (lo..=p)
-                    .map(|j| {
-                        let slot = table[j / self.block_size] as usize * self.block_size
-                            + j % self.block_size;
-                        (slot * nkv + kvh) * hd
-                    })
-                    .collect();
-                let scores: Vec<f64> = rows
-                    .iter()
-                    .map(|&at| {
-                        let d: f64 = (0..hd)
-                            .map(|i| q[i] as f64 * self.k[at + i] as f64)
-                            .sum::<f64>()
-                            * self.scale as f64;
-                        self.softcap.map_or(d, |c| c as f64 * (d / c as f64).tanh())
-                    })
-                    .collect();
-                let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-                let e: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
-                let total: f64 = e.iter().sum();
-                for i in 0..hd {
-                    let v: f64 = rows
-                        .iter()
-                        .zip(&e)
-                        .map(|(&at, &w)| w * self.v[at + i] as f64)
-                        .sum();
-                    out[(t * nh + h) * hd + i] = (v / total) as f32;
-                }
-            }
-        }
-        out
-    }
-}
-
 /// Split-K decode attention (`attn_partial_<V>`, then `attn_combine` where a row's keys take
 /// several splits) over a paged cache with blocks in random order: two sequences (three rows
 /// of one, one of the other), GQA, head dims 128, 256 and 512, with and without a window and a
@@ -579,7 +516,6 @@ fn split_attention_matches_reference() {
     let mut r = rng("split attention");
     let (nh, nkv, bs) = (4usize, 2usize, 16usize);
     let pos: Vec<u32> = vec![37, 38, 39, 100];
-    let seq = [0usize, 0, 0, 1];
     let seq_start: Vec<u32> = vec![0, 3, 4];
     let table_width = 7; // up to position 111
     let n_blocks = 2 * table_width;
@@ -652,22 +588,26 @@ fn split_attention_matches_reference() {
             unit.launch([rows.div_ceil(4) as u32, 1, 1], [128, 1, 1], 0, &body)
                 .unwrap_or_else(|e| panic!("{what}: {e}"));
         }
-        let want = AttnReference {
-            q: &q,
-            k: &k,
-            v: &v,
-            pos: &pos,
-            seq: &seq,
-            tables: &blocks,
-            table_width,
-            block_size: bs,
-            heads: (nh, nkv),
-            head_dim: hd,
-            scale,
-            window,
-            softcap,
-        }
-        .out();
+        let want = reference::attention(
+            &q,
+            &k,
+            &v,
+            &AttnSpec {
+                n_heads: nh,
+                n_kv_heads: nkv,
+                head_dim: hd,
+                scale,
+                window,
+                softcap,
+            },
+            &KvLayout {
+                block_size: bs,
+                positions: &pos,
+                seq_start: &seq_start,
+                block_tables: &blocks,
+                table_width,
+            },
+        );
         assert_close(&what, &out, &want, 1e-5);
     }
 }
@@ -714,7 +654,7 @@ fn flash_attention_matches_reference() {
     let mut r = rng("flash attention");
     let (nh, nkv, bs) = (4usize, 2usize, 16usize);
     let pos: Vec<u32> = (30..100).collect();
-    let seq = vec![0usize; pos.len()];
+    let seq_start: Vec<u32> = vec![0, pos.len() as u32];
     let table_width = 7;
     let mut blocks: Vec<u32> = (0..table_width as u32).collect();
     for i in (1..blocks.len()).rev() {
@@ -795,22 +735,26 @@ fn flash_attention_matches_reference() {
         };
         unit.launch([tiles as u32, nkv as u32, 1], [256, 1, 1], shared, &body)
             .unwrap_or_else(|e| panic!("{what}: {name}: {e}"));
-        let want = AttnReference {
-            q: &q,
-            k: &k,
-            v: &v,
-            pos: &pos,
-            seq: &seq,
-            tables: &blocks,
-            table_width,
-            block_size: bs,
-            heads: (nh, nkv),
-            head_dim: hd,
-            scale,
-            window,
-            softcap,
-        }
-        .out();
+        let want = reference::attention(
+            &q,
+            &k,
+            &v,
+            &AttnSpec {
+                n_heads: nh,
+                n_kv_heads: nkv,
+                head_dim: hd,
+                scale,
+                window,
+                softcap,
+            },
+            &KvLayout {
+                block_size: bs,
+                positions: &pos,
+                seq_start: &seq_start,
+                block_tables: &blocks,
+                table_width,
+            },
+        );
         assert_close(&what, &out, &want, 2e-3);
     }
 }
@@ -856,7 +800,7 @@ fn gemv_many_matches_reference_for_every_format() {
             let row_bytes = laid[0].len() / rows[0];
             let weights: Vec<Vec<f32>> = mats
                 .iter()
-                .map(|m| markbase_cpu::reference::dequantize_matrix(m).unwrap())
+                .map(|m| reference::dequantize_matrix(m).unwrap())
                 .collect();
             for (nt_kernel, nt) in [(1, 1), (2, 2), (4, 3), (8, 8)] {
                 let x = uniform(&mut r, nt * k, 1.0);
@@ -1102,7 +1046,7 @@ fn grouped_moe_on_tensor_cores_matches_reference() {
                 GgmlType::Q4_K | GgmlType::Q5_K => k_quant_as_f16_fma(m),
                 _ => dequantized_as_f16(m),
             };
-            markbase_cpu::reference::dequantize_matrix(&w).unwrap()
+            reference::dequantize_matrix(&w).unwrap()
         };
         let (wgu, wd) = (seen(&gate_up), seen(&down));
         let (mut want_h, mut want_y) = (Vec::new(), Vec::new());
@@ -1148,12 +1092,6 @@ const ROUND_Q4K_TILES: i32 = 3;
 /// Bytes of a 256-value super-block of a row as Q4_K tiles (q4k_tiles_row_bytes).
 const Q4K_TILE_BYTES: usize = 640;
 
-/// RMS-normalized `v` (f64) times `w`.
-fn rms_normed(v: &[f64], w: &[f32], eps: f32) -> Vec<f64> {
-    let inv = 1.0 / (v.iter().map(|a| a * a).sum::<f64>() / v.len() as f64 + eps as f64).sqrt();
-    v.iter().zip(w).map(|(a, &w)| a * inv * w as f64).collect()
-}
-
 /// A batch-1 decode link: `residual_norm` (the post-norm, the residual add with the layer
 /// scalar, and the next pre-norm) against f64 arithmetic, writing the normed rows also as Q4_K
 /// tiles; then the Q4_K GEMV reading those tiles gives the same bits as the GEMV quantizing the
@@ -1193,24 +1131,19 @@ fn residual_norm_tiles_feed_the_q4_k_gemv() {
     };
     ops.launch([rows as u32, 1, 1], [64, 1, 1], 4 * dim, &body)
         .unwrap_or_else(|e| panic!("residual_norm: {e}"));
-    let (mut want_h, mut want_x) = (Vec::new(), Vec::new());
-    for t in 0..rows {
-        let yr: Vec<f64> = y[t * dim..][..dim].iter().map(|&v| v as f64).collect();
-        let added: Vec<f64> = rms_normed(&yr, &w, eps)
-            .iter()
-            .zip(&h0[t * dim..][..dim])
-            .map(|(n, &h)| (h as f64 + n) * scale as f64)
-            .collect();
-        want_x.extend(rms_normed(&added, &w2, eps).into_iter().map(|v| v as f32));
-        want_h.extend(added.into_iter().map(|v| v as f32));
-    }
+    let want_h: Vec<f32> = reference::rms_norm(&y, Some(&w), eps, dim)
+        .iter()
+        .zip(&h0)
+        .map(|(n, h)| (h + n) * scale)
+        .collect();
+    let want_x = reference::rms_norm(&want_h, Some(&w2), eps, dim);
     assert_close("residual_norm h", &h, &want_h, 1e-6);
     assert_close("residual_norm x", &x, &want_x, 1e-6);
 
     // One token row at a time: the GEMV on the norm's tiles, and on the row itself.
     let m = random_matrix(&mut r, GgmlType::Q4_K, 24, dim);
     let row_bytes = m.bytes.as_slice().len() / m.rows;
-    let weights = markbase_cpu::reference::dequantize_matrix(&m).unwrap();
+    let weights = reference::dequantize_matrix(&m).unwrap();
     // SAFETY: GemvMany is the signature of the gemv_many kernels.
     let kernel: GemvMany = unsafe { gemv.kernel("gemv_many_q4_k_1") }.unwrap();
     for t in 0..rows {
@@ -1311,23 +1244,18 @@ type AttnRopePartial = unsafe extern "C" fn(
     slots: *const u32,
 );
 
-/// A head of `hd` values through RMSNorm (gains `w`; None: weightless), then half-split RoPE
-/// at position `pos`: pair i (< `freqs.len()`) of dims i and i + hd/2 turned by pos · freqs[i]
-/// (the angle a float product, as the kernel forms it), f64 otherwise.
-fn norm_rope(x: &[f32], w: Option<&[f32]>, eps: f32, pos: u32, freqs: &[f32]) -> Vec<f64> {
-    let hd = x.len();
-    let ms = x.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / hd as f64;
-    let inv = 1.0 / (ms + eps as f64).sqrt();
-    let n: Vec<f64> = (0..hd)
-        .map(|i| x[i] as f64 * inv * w.map_or(1.0, |w| w[i] as f64))
+/// RoPE frequencies of `pairs` turning pairs of a head of `hd` values (θ 10 000), as
+/// `reference::head_norm_rope` forms them, and the reference's `Rope` for them.
+fn rope_freqs(hd: usize, pairs: usize) -> (Vec<f32>, Rope) {
+    let rope = Rope {
+        theta: 10_000.0,
+        linear_factor: 1.0,
+        rotated_pairs: pairs,
+    };
+    let freqs = (0..pairs)
+        .map(|i| 1.0 / rope.theta.powf((2 * i) as f32 / hd as f32))
         .collect();
-    let mut out = n.clone();
-    for (i, &f) in freqs.iter().enumerate() {
-        let (s, c) = ((pos as f32 * f) as f64).sin_cos();
-        out[i] = n[i] * c - n[i + hd / 2] * s;
-        out[i + hd / 2] = n[i + hd / 2] * c + n[i] * s;
-    }
-    out
+    (freqs, rope)
 }
 
 /// The fused decode attention (`attn_rope_partial_<V>`): each sequence's one query row normed
@@ -1366,9 +1294,7 @@ fn fused_rope_attention_matches_reference() {
         let mut v_cache = uniform(&mut r, n_blocks * bs * kv_w, 1.0);
         let q_norm = uniform(&mut r, hd, 1.0);
         let k_norm = uniform(&mut r, hd, 1.0);
-        let freqs: Vec<f32> = (0..pairs)
-            .map(|i| 10_000f32.powf(-2.0 * i as f32 / hd as f32))
-            .collect();
+        let (freqs, rope) = rope_freqs(hd, pairs);
         let slots: Vec<u32> = pos
             .iter()
             .zip(&seq)
@@ -1379,48 +1305,41 @@ fn fused_rope_attention_matches_reference() {
             .collect();
 
         // The reference: turned queries, the cache with each sequence's new row in its slot.
+        let q_turned = reference::head_norm_rope(&q, nh, hd, Some((&q_norm, eps)), &rope, &pos);
+        let k_turned =
+            reference::head_norm_rope(&k_new, nkv, hd, Some((&k_norm, eps)), &rope, &pos);
+        let v_put = match v_norm {
+            true => reference::rms_norm(&v_new, None, eps, hd),
+            false => v_new.clone(),
+        };
         let mut want_k = k_cache.clone();
         let mut want_v = v_cache.clone();
-        let mut q_turned = vec![0f32; q.len()];
-        for (t, &p) in pos.iter().enumerate() {
-            for h in 0..nh {
-                let at = (t * nh + h) * hd;
-                let turned = norm_rope(&q[at..][..hd], Some(&q_norm), eps, p, &freqs);
-                for (d, v) in turned.into_iter().enumerate() {
-                    q_turned[at + d] = v as f32;
-                }
-            }
-            for kvh in 0..nkv {
-                let src = (t * nkv + kvh) * hd;
-                let dst = (slots[t] as usize * nkv + kvh) * hd;
-                let k = norm_rope(&k_new[src..][..hd], Some(&k_norm), eps, p, &freqs);
-                let v = match v_norm {
-                    true => norm_rope(&v_new[src..][..hd], None, eps, p, &[]),
-                    false => v_new[src..][..hd].iter().map(|&v| v as f64).collect(),
-                };
-                for d in 0..hd {
-                    want_k[dst + d] = k[d] as f32;
-                    want_v[dst + d] = v[d] as f32;
-                }
-            }
+        for (t, &slot) in slots.iter().enumerate() {
+            let (src, dst) = (t * kv_w, slot as usize * kv_w);
+            want_k[dst..dst + kv_w].copy_from_slice(&k_turned[src..src + kv_w]);
+            want_v[dst..dst + kv_w].copy_from_slice(&v_put[src..src + kv_w]);
         }
         let scale = 1.0 / (hd as f32).sqrt();
-        let want = AttnReference {
-            q: &q_turned,
-            k: &want_k,
-            v: &want_v,
-            pos: &pos,
-            seq: &seq,
-            tables: &blocks,
-            table_width,
-            block_size: bs,
-            heads: (nh, nkv),
-            head_dim: hd,
-            scale,
-            window,
-            softcap,
-        }
-        .out();
+        let want = reference::attention(
+            &q_turned,
+            &want_k,
+            &want_v,
+            &AttnSpec {
+                n_heads: nh,
+                n_kv_heads: nkv,
+                head_dim: hd,
+                scale,
+                window,
+                softcap,
+            },
+            &KvLayout {
+                block_size: bs,
+                positions: &pos,
+                seq_start: &seq_start,
+                block_tables: &blocks,
+                table_width,
+            },
+        );
 
         let max_vis = pos
             .iter()
@@ -1466,7 +1385,7 @@ fn fused_rope_attention_matches_reference() {
             freqs.as_ptr() as usize,
             slots.as_ptr() as usize,
         ];
-        let (np, vn) = (pairs, i32::from(v_norm));
+        let (np, vn) = (pairs as i32, i32::from(v_norm));
         // SAFETY: every buffer `args` and `ptrs` point to outlives the launch and has the size
         // the kernel indexes.
         let body = || unsafe {
@@ -1546,7 +1465,7 @@ fn gemv_and_gated_gemv_match_reference_for_every_format() {
         let row_bytes = laid[0].len() / rows;
         let weights: Vec<Vec<f32>> = mats
             .iter()
-            .map(|m| markbase_cpu::reference::dequantize_matrix(m).unwrap())
+            .map(|m| reference::dequantize_matrix(m).unwrap())
             .collect();
         let (wg, wu) = (laid[0].as_ptr() as usize, laid[1].as_ptr() as usize);
         for (nt_kernel, nt, split) in [(1, 1, 4), (2, 2, 1), (4, 3, 2), (8, 8, 1)] {
@@ -1667,7 +1586,7 @@ fn embedding_and_dequantization_match_reference_for_every_format() {
         let m = random_matrix(&mut r, ty, rows, k);
         let laid = device_bytes(m.ty, m.bytes.as_slice(), m.rows).into_owned();
         let row_bytes = laid.len() / rows;
-        let exact = markbase_cpu::reference::dequantize_matrix(&m).unwrap();
+        let exact = reference::dequantize_matrix(&m).unwrap();
         let wp = laid.as_ptr() as usize;
         let spans = k.div_ceil(DEQUANT_SPAN) as u32;
 
@@ -1762,9 +1681,7 @@ fn rope_write_kv_matches_reference() {
         let v = uniform(&mut r, pos.len() * nkv * hd, 1.0);
         let q_norm = uniform(&mut r, hd, 1.0);
         let k_norm = uniform(&mut r, hd, 1.0);
-        let freqs: Vec<f32> = (0..hd / 2)
-            .map(|i| 10_000f32.powf(-2.0 * i as f32 / hd as f32))
-            .collect();
+        let (freqs, rope) = rope_freqs(hd, pairs);
         let cache_rows = 10;
         let mut k_cache = vec![f32::NAN; cache_rows * nkv * hd];
         let mut v_cache = vec![f32::NAN; cache_rows * nkv * hd];
@@ -1810,31 +1727,19 @@ fn rope_write_kv_matches_reference() {
         let blocks = (pos.len() * (nh + nkv)) as u32;
         unit.launch([blocks, 1, 1], [32, 1, 1], 4 * hd, &body)
             .unwrap_or_else(|e| panic!("rope_write_kv: {e}"));
-        let turns = &freqs[..pairs];
-        let (mut want_q, mut want_k) = (vec![0f32; q.len()], vec![0f32; k.len()]);
+        let want_q = reference::head_norm_rope(&q0, nh, hd, Some((&q_norm, eps)), &rope, &pos);
+        let want_k = reference::head_norm_rope(&k0, nkv, hd, Some((&k_norm, eps)), &rope, &pos);
+        let v_put = match v_norm {
+            true => reference::rms_norm(&v, None, eps, hd),
+            false => v.clone(),
+        };
+        let kv_w = nkv * hd;
         let mut want_kc = vec![f32::NAN; k_cache.len()];
         let mut want_vc = vec![f32::NAN; v_cache.len()];
-        for (t, &p) in pos.iter().enumerate() {
-            for h in 0..nh {
-                let at = (t * nh + h) * hd;
-                let turned = norm_rope(&q0[at..][..hd], Some(&q_norm), eps, p, turns);
-                for (d, x) in turned.into_iter().enumerate() {
-                    want_q[at + d] = x as f32;
-                }
-            }
-            for h in 0..nkv {
-                let (at, dst) = ((t * nkv + h) * hd, (slots[t] as usize * nkv + h) * hd);
-                let turned = norm_rope(&k0[at..][..hd], Some(&k_norm), eps, p, turns);
-                let vs: Vec<f64> = match v_norm {
-                    true => norm_rope(&v[at..][..hd], None, eps, p, &[]),
-                    false => v[at..][..hd].iter().map(|&x| x as f64).collect(),
-                };
-                for d in 0..hd {
-                    want_k[at + d] = turned[d] as f32;
-                    want_kc[dst + d] = turned[d] as f32;
-                    want_vc[dst + d] = vs[d] as f32;
-                }
-            }
+        for (t, &slot) in slots.iter().enumerate() {
+            let (src, dst) = (t * kv_w, slot as usize * kv_w);
+            want_kc[dst..dst + kv_w].copy_from_slice(&want_k[src..src + kv_w]);
+            want_vc[dst..dst + kv_w].copy_from_slice(&v_put[src..src + kv_w]);
         }
         let what = format!("rope_write_kv hd={hd} pairs={pairs} v_norm={v_norm}");
         assert_close(&format!("{what} q"), &q, &want_q, 1e-5);
@@ -2060,8 +1965,8 @@ fn moe_routing_and_per_pair_experts_match_reference() {
             }
         };
         let (wgu, wd) = (
-            markbase_cpu::reference::dequantize_matrix(&gate_up).unwrap(),
-            markbase_cpu::reference::dequantize_matrix(&down).unwrap(),
+            reference::dequantize_matrix(&gate_up).unwrap(),
+            reference::dequantize_matrix(&down).unwrap(),
         );
         let xs = seen(&x, d);
         let mut want_h = vec![0f32; pairs * f];
