@@ -654,6 +654,15 @@ __device__ __forceinline__ int mmq_tiles(const Products& p, int gated) {
     return tiles;
 }
 
+// Clears a warp's CH accumulator sets of NT n-tiles.
+template <int NT, int CH>
+__device__ __forceinline__ void mmq_zero(float (*acc)[NT][4]) {
+#pragma unroll
+    for (int h = 0; h < CH; h++)
+#pragma unroll
+        for (int t = 0; t < NT; t++) acc[h][t][0] = acc[h][t][1] = acc[h][t][2] = acc[h][t][3] = 0.f;
+}
+
 // Ends the warp's item u: adds its CH accumulator sets, stores them (mmq_store) and clears
 // them for the next item.
 template <class F, int NT, int CH>
@@ -667,10 +676,7 @@ __device__ __forceinline__ void mmq_end_item(const MmqCursor& u, int gated, floa
 #pragma unroll
             for (int v = 0; v < 4; v++) acc[0][t][v] += acc[h][t][v];
     mmq_store<F, NT>(u, gated, acc[0], n, tiles, parts, tickets, splits, g, c);
-#pragma unroll
-    for (int h = 0; h < CH; h++)
-#pragma unroll
-        for (int t = 0; t < NT; t++) acc[h][t][0] = acc[h][t][1] = acc[h][t][2] = acc[h][t][3] = 0.f;
+    mmq_zero<NT, CH>(acc);
 }
 
 // Stages the activations of the block's split (units sb0 .. sb0 + count of the n token rows
@@ -724,10 +730,7 @@ __device__ void mmq_impl(const Products& p, u64 row_bytes, int k, const u16* xh,
 
     constexpr int CH = NT <= 2 ? MMQ_CHAINS : 1;
     float acc[CH][NT][4];
-#pragma unroll
-    for (int h = 0; h < CH; h++)
-#pragma unroll
-        for (int j = 0; j < NT; j++) acc[h][j][0] = acc[h][j][1] = acc[h][j][2] = acc[h][j][3] = 0.f;
+    mmq_zero<NT, CH>(acc);
     for (int q = 0; q < mine; q += D) {
 #pragma unroll
         for (int j = 0; j < D; j++) {
@@ -815,10 +818,7 @@ __device__ void mmq_ring_impl(const Products& p, u64 row_bytes, int k, const u16
 
     constexpr int CH = NT <= 2 ? MMQ_CHAINS : 1;
     float acc[CH][NT][4];
-#pragma unroll
-    for (int h = 0; h < CH; h++)
-#pragma unroll
-        for (int j = 0; j < NT; j++) acc[h][j][0] = acc[h][j][1] = acc[h][j][2] = acc[h][j][3] = 0.f;
+    mmq_zero<NT, CH>(acc);
     for (int q = 0; q < mine; q++) {
         __syncwarp();  // no lane still reads the slot refilled here
         if (q + R - 1 < mine) {

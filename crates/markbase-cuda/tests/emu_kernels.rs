@@ -14,7 +14,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use half::f16;
-use markbase_core::backend::{AttnSpec, HostMatrix, KvLayout, Rope};
+use markbase_core::backend::{first_visible_key, AttnSpec, HostMatrix, KvLayout, Rope};
 use markbase_core::quant::GgmlType;
 use markbase_cpu::reference;
 use markbase_cuda::sources::{Module, Unit, FORMATS};
@@ -504,6 +504,80 @@ type AttnCombine = unsafe extern "C" fn(
 /// Warps of an attn_partial block (ATTN_ROW_WARPS).
 const ATTN_ROW_WARPS: u32 = 8;
 
+/// A split-K attention launch (`attn_partial_<V>` or `attn_rope_partial_<V>`, then
+/// `attn_combine`): its spec, its step's layout and its chunk of keys a split.
+struct SplitAttn<'a> {
+    spec: AttnSpec,
+    layout: KvLayout<'a>,
+    chunk: usize,
+}
+
+impl SplitAttn<'_> {
+    /// Splits of the longest row's keys.
+    fn splits(&self) -> usize {
+        let w = self.spec.window;
+        let vis = |p: u32| p as usize + 1 - first_visible_key(p as usize, w);
+        let most = self.layout.positions.iter().map(|&p| vis(p)).max().unwrap();
+        most.div_ceil(self.chunk)
+    }
+
+    /// Attention rows: query rows × heads.
+    fn rows(&self) -> usize {
+        self.layout.positions.len() * self.spec.n_heads
+    }
+
+    /// The kernels' argument block over the queries, caches (addresses: the fused kernel
+    /// writes them), output and split parts.
+    fn args(&self, q: &[f32], k: u64, v: u64, out: &mut [f32], part: &mut [f32]) -> AttnArgs {
+        let (s, l) = (&self.spec, &self.layout);
+        AttnArgs {
+            q: q.as_ptr() as u64,
+            k_cache: k,
+            v_cache: v,
+            positions: l.positions.as_ptr() as u64,
+            seq_start: l.seq_start.as_ptr() as u64,
+            block_tables: l.block_tables.as_ptr() as u64,
+            out: out.as_mut_ptr() as u64,
+            part: part.as_mut_ptr() as u64,
+            n_tokens: l.positions.len() as i32,
+            n_heads: s.n_heads as i32,
+            n_kv_heads: s.n_kv_heads as i32,
+            head_dim: s.head_dim as i32,
+            scale: s.scale,
+            window: s.window.unwrap_or(0) as i32,
+            softcap: s.softcap.unwrap_or(0.0),
+            n_seqs: l.n_seqs() as i32,
+            table_width: l.table_width as i32,
+            block_size: l.block_size as i32,
+            chunk: self.chunk as i32,
+            splits: self.splits() as i32,
+            rounded: 0,
+            round_kind: 0,
+        }
+    }
+
+    /// Runs `attn_combine` over the parts into `out` where the rows took several splits.
+    fn combine(&self, unit: &EmuModule, part: &[f32], out: &mut [f32], what: &str) {
+        let (rows, splits, hd) = (self.rows(), self.splits(), self.spec.head_dim);
+        if splits == 1 {
+            return;
+        }
+        // SAFETY: AttnCombine is attn_combine's signature.
+        let combine: AttnCombine = unsafe { unit.kernel("attn_combine") }.unwrap();
+        let (pp, op) = (part.as_ptr() as usize, out.as_mut_ptr() as usize);
+        let (n, s, d) = (rows as i32, splits as i32, hd as i32);
+        // SAFETY: the buffers outlive the launch and have the sizes the kernel indexes.
+        let body = || unsafe { combine(pp as _, n, s, d, op as _, std::ptr::null_mut(), 0) };
+        unit.launch([rows.div_ceil(4) as u32, 1, 1], [128, 1, 1], 0, &body)
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
+    }
+
+    /// The reference's attention over these queries and caches.
+    fn want(&self, q: &[f32], k: &[f32], v: &[f32]) -> Vec<f32> {
+        reference::attention(q, k, v, &self.spec, &self.layout)
+    }
+}
+
 /// Split-K decode attention (`attn_partial_<V>`, then `attn_combine` where a row's keys take
 /// several splits) over a paged cache with blocks in random order: two sequences (three rows
 /// of one, one of the other), GQA, head dims 128, 256 and 512, with and without a window and a
@@ -534,40 +608,34 @@ fn split_attention_matches_reference() {
         let q = uniform(&mut r, pos.len() * nh * hd, 1.0);
         let k = uniform(&mut r, n_blocks * bs * kv_w, 1.0);
         let v = uniform(&mut r, n_blocks * bs * kv_w, 1.0);
-        let scale = 1.0 / (hd as f32).sqrt();
-        let max_vis = pos
-            .iter()
-            .map(|&p| window.map_or(p as usize + 1, |w: usize| w.min(p as usize + 1)))
-            .max()
-            .unwrap();
-        let splits = max_vis.div_ceil(chunk);
-        let rows = pos.len() * nh;
+        let case = SplitAttn {
+            spec: AttnSpec {
+                n_heads: nh,
+                n_kv_heads: nkv,
+                head_dim: hd,
+                scale: 1.0 / (hd as f32).sqrt(),
+                window,
+                softcap,
+            },
+            layout: KvLayout {
+                block_size: bs,
+                positions: &pos,
+                seq_start: &seq_start,
+                block_tables: &blocks,
+                table_width,
+            },
+            chunk,
+        };
+        let (rows, splits) = (case.rows(), case.splits());
         let mut out = vec![f32::NAN; rows * hd];
         let mut part = vec![f32::NAN; rows * splits * (hd + 2)];
-        let args = AttnArgs {
-            q: q.as_ptr() as u64,
-            k_cache: k.as_ptr() as u64,
-            v_cache: v.as_ptr() as u64,
-            positions: pos.as_ptr() as u64,
-            seq_start: seq_start.as_ptr() as u64,
-            block_tables: blocks.as_ptr() as u64,
-            out: out.as_mut_ptr() as u64,
-            part: part.as_mut_ptr() as u64,
-            n_tokens: pos.len() as i32,
-            n_heads: nh as i32,
-            n_kv_heads: nkv as i32,
-            head_dim: hd as i32,
-            scale,
-            window: window.unwrap_or(0) as i32,
-            softcap: softcap.unwrap_or(0.0),
-            n_seqs: 2,
-            table_width: table_width as i32,
-            block_size: bs as i32,
-            chunk: chunk as i32,
-            splits: splits as i32,
-            rounded: 0,
-            round_kind: 0,
-        };
+        let args = case.args(
+            &q,
+            k.as_ptr() as u64,
+            v.as_ptr() as u64,
+            &mut out,
+            &mut part,
+        );
         let name = format!("attn_partial_{}", hd / 32);
         // SAFETY: AttnPartial is the signature of the attn_partial kernels.
         let partial: AttnPartial = unsafe { unit.kernel(&name) }.unwrap();
@@ -578,37 +646,8 @@ fn split_attention_matches_reference() {
             partial(args)
         })
         .unwrap_or_else(|e| panic!("{what}: {e}"));
-        if splits > 1 {
-            // SAFETY: AttnCombine is attn_combine's signature.
-            let combine: AttnCombine = unsafe { unit.kernel("attn_combine") }.unwrap();
-            let (pp, op) = (part.as_ptr() as usize, out.as_mut_ptr() as usize);
-            let (n, s, d) = (rows as i32, splits as i32, hd as i32);
-            // SAFETY: as above.
-            let body = || unsafe { combine(pp as _, n, s, d, op as _, std::ptr::null_mut(), 0) };
-            unit.launch([rows.div_ceil(4) as u32, 1, 1], [128, 1, 1], 0, &body)
-                .unwrap_or_else(|e| panic!("{what}: {e}"));
-        }
-        let want = reference::attention(
-            &q,
-            &k,
-            &v,
-            &AttnSpec {
-                n_heads: nh,
-                n_kv_heads: nkv,
-                head_dim: hd,
-                scale,
-                window,
-                softcap,
-            },
-            &KvLayout {
-                block_size: bs,
-                positions: &pos,
-                seq_start: &seq_start,
-                block_tables: &blocks,
-                table_width,
-            },
-        );
-        assert_close(&what, &out, &want, 1e-5);
+        case.combine(&unit, &part, &mut out, &what);
+        assert_close(&what, &out, &case.want(&q, &k, &v), 1e-5);
     }
 }
 
@@ -1319,61 +1358,30 @@ fn fused_rope_attention_matches_reference() {
             want_k[dst..dst + kv_w].copy_from_slice(&k_turned[src..src + kv_w]);
             want_v[dst..dst + kv_w].copy_from_slice(&v_put[src..src + kv_w]);
         }
-        let scale = 1.0 / (hd as f32).sqrt();
-        let want = reference::attention(
-            &q_turned,
-            &want_k,
-            &want_v,
-            &AttnSpec {
+        let case = SplitAttn {
+            spec: AttnSpec {
                 n_heads: nh,
                 n_kv_heads: nkv,
                 head_dim: hd,
-                scale,
+                scale: 1.0 / (hd as f32).sqrt(),
                 window,
                 softcap,
             },
-            &KvLayout {
+            layout: KvLayout {
                 block_size: bs,
                 positions: &pos,
                 seq_start: &seq_start,
                 block_tables: &blocks,
                 table_width,
             },
-        );
-
-        let max_vis = pos
-            .iter()
-            .map(|&p| window.map_or(p as usize + 1, |w: usize| w.min(p as usize + 1)))
-            .max()
-            .unwrap();
-        let splits = max_vis.div_ceil(chunk);
-        let rows = pos.len() * nh;
+            chunk,
+        };
+        let want = case.want(&q_turned, &want_k, &want_v);
+        let (rows, splits) = (case.rows(), case.splits());
         let mut out = vec![f32::NAN; rows * hd];
         let mut part = vec![f32::NAN; rows * splits * (hd + 2)];
-        let args = AttnArgs {
-            q: q.as_ptr() as u64,
-            k_cache: k_cache.as_mut_ptr() as u64,
-            v_cache: v_cache.as_mut_ptr() as u64,
-            positions: pos.as_ptr() as u64,
-            seq_start: seq_start.as_ptr() as u64,
-            block_tables: blocks.as_ptr() as u64,
-            out: out.as_mut_ptr() as u64,
-            part: part.as_mut_ptr() as u64,
-            n_tokens: pos.len() as i32,
-            n_heads: nh as i32,
-            n_kv_heads: nkv as i32,
-            head_dim: hd as i32,
-            scale,
-            window: window.unwrap_or(0) as i32,
-            softcap: softcap.unwrap_or(0.0),
-            n_seqs: 2,
-            table_width: table_width as i32,
-            block_size: bs as i32,
-            chunk: chunk as i32,
-            splits: splits as i32,
-            rounded: 0,
-            round_kind: 0,
-        };
+        let (kc, vc) = (k_cache.as_mut_ptr() as u64, v_cache.as_mut_ptr() as u64);
+        let args = case.args(&q, kc, vc, &mut out, &mut part);
         let name = format!("attn_rope_partial_{}", hd / 32);
         // SAFETY: AttnRopePartial is the signature of the attn_rope_partial kernels.
         let kernel: AttnRopePartial = unsafe { unit.kernel(&name) }.unwrap();
@@ -1401,16 +1409,7 @@ fn fused_rope_attention_matches_reference() {
             &body,
         )
         .unwrap_or_else(|e| panic!("{what}: {e}"));
-        if splits > 1 {
-            // SAFETY: AttnCombine is attn_combine's signature.
-            let combine: AttnCombine = unsafe { unit.kernel("attn_combine") }.unwrap();
-            let (pp, op) = (part.as_ptr() as usize, out.as_mut_ptr() as usize);
-            let (n, s, d) = (rows as i32, splits as i32, hd as i32);
-            // SAFETY: as above.
-            let body = || unsafe { combine(pp as _, n, s, d, op as _, std::ptr::null_mut(), 0) };
-            unit.launch([rows.div_ceil(4) as u32, 1, 1], [128, 1, 1], 0, &body)
-                .unwrap_or_else(|e| panic!("{what}: {e}"));
-        }
+        case.combine(&unit, &part, &mut out, &what);
         assert_close(&format!("{what} keys"), &k_cache, &want_k, 1e-5);
         assert_close(&format!("{what} values"), &v_cache, &want_v, 1e-5);
         assert_close(&what, &out, &want, 1e-5);
