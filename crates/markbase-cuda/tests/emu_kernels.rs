@@ -2001,3 +2001,384 @@ fn moe_routing_and_per_pair_experts_match_reference() {
         assert_close(&format!("moe_combine ({format})"), &out, &want_out, 1e-6);
     }
 }
+
+/// `sample_top_k_p` (sample.cu).
+type SampleTopKP = unsafe extern "C" fn(
+    x: *const f32,
+    n: i32,
+    top_k: i32,
+    top_p: f32,
+    temperature: f32,
+    u: *const f32,
+    out: *mut u32,
+);
+
+/// Top-k then top-p sampling on the device against its definition on the CPU (the k best
+/// logits by value then index, softmax at the temperature over them, the shortest prefix
+/// reaching top_p, the token where u · its mass falls), in the kernel's f32 order, for draws
+/// across the range and a row where top_p keeps one token.
+#[test]
+fn top_k_top_p_sampling_matches_its_definition() {
+    let Some(unit) = emu_unit(Module::Sample, None) else {
+        return;
+    };
+    let mut r = rng("sampling");
+    let (rows, n) = (4usize, 3000usize);
+    let x = uniform(&mut r, rows * n, 4.0);
+    let u: Vec<f32> = vec![0.0, 0.37, 0.81, 0.9999];
+    // SAFETY: SampleTopKP is sample_top_k_p's signature.
+    let kernel: SampleTopKP = unsafe { unit.kernel("sample_top_k_p") }.unwrap();
+    for (top_k, top_p, temperature) in [(40, 0.9f32, 0.8f32), (5, 1.0, 1.5), (20, 1e-6, 1.0)] {
+        let mut picks = vec![u32::MAX; rows];
+        let (xp, up, pp) = (
+            x.as_ptr() as usize,
+            u.as_ptr() as usize,
+            picks.as_mut_ptr() as usize,
+        );
+        // SAFETY: every buffer outlives the launch and has the size the kernel indexes.
+        let body = || unsafe {
+            kernel(
+                xp as _,
+                n as i32,
+                top_k,
+                top_p,
+                temperature,
+                up as _,
+                pp as _,
+            )
+        };
+        unit.launch([rows as u32, 1, 1], [1024, 1, 1], 0, &body)
+            .unwrap_or_else(|e| panic!("sample_top_k_p: {e}"));
+        for t in 0..rows {
+            let row = &x[t * n..][..n];
+            let mut order: Vec<usize> = (0..n).collect();
+            order.sort_by(|&a, &b| row[b].partial_cmp(&row[a]).unwrap().then(a.cmp(&b)));
+            let cand = &order[..top_k as usize];
+            let e: Vec<f32> = cand
+                .iter()
+                .map(|&i| ((row[i] - row[cand[0]]) / temperature).exp())
+                .collect();
+            let total: f32 = e.iter().sum();
+            let (mut mass, mut keep) = (0f32, cand.len());
+            for (c, &v) in e.iter().enumerate() {
+                mass += v / total;
+                if mass >= top_p {
+                    keep = c + 1;
+                    break;
+                }
+            }
+            let kept: f32 = e[..keep].iter().sum();
+            let (target, mut run) = (u[t] * kept, 0f32);
+            let mut pick = cand[keep - 1];
+            for c in 0..keep {
+                run += e[c];
+                if target < run {
+                    pick = cand[c];
+                    break;
+                }
+            }
+            let what = format!("row {t} top_k={top_k} top_p={top_p}");
+            assert_eq!(picks[t] as usize, pick, "{what}");
+        }
+    }
+}
+
+/// `rms_norm` (ops.cu).
+type RmsNorm = unsafe extern "C" fn(
+    x: *const f32,
+    weight: *const f32,
+    eps: f32,
+    dim: i32,
+    out: *mut f32,
+    add: i32,
+    rounded: *mut u16,
+    round_kind: i32,
+    beside: i32,
+);
+/// `residual_norm_extra` (ops.cu).
+type ResidualNormExtra = unsafe extern "C" fn(
+    y: *const f32,
+    w: *const f32,
+    eps: f32,
+    dim: i32,
+    h: *mut f32,
+    scale: f32,
+    w2: *const f32,
+    x: *mut f32,
+    w3: *const f32,
+    x3: *mut f32,
+    w4: *const f32,
+    x4: *mut f32,
+    rounded: *mut u16,
+    round_kind: i32,
+);
+/// `moe_residual_norm` (ops.cu).
+type MoeResidualNorm = unsafe extern "C" fn(
+    dense: *const f32,
+    w_dense: *const f32,
+    experts: *const f32,
+    w_experts: *const f32,
+    w: *const f32,
+    eps: f32,
+    dim: i32,
+    h: *mut f32,
+    scale: f32,
+    w2: *const f32,
+    x: *mut f32,
+    rounded: *mut u16,
+    round_kind: i32,
+);
+
+/// The norms besides `residual_norm`: `rms_norm` (written, or added into its output; rows of a
+/// multiple of 4 values and not; with its bf16 and f16 rounded copies), `residual_norm_extra`
+/// (two more norms of the same row) and `moe_residual_norm` (the dense and expert branches
+/// normed and summed first), against markbase-cpu's rms_norm.
+#[test]
+fn norms_match_reference() {
+    let Some(ops) = emu_unit(Module::Ops, None) else {
+        return;
+    };
+    let mut r = rng("norms");
+    let (rows, eps, scale) = (3usize, 1e-6f32, 0.5f32);
+    // SAFETY: RmsNorm is rms_norm's signature.
+    let norm: RmsNorm = unsafe { ops.kernel("rms_norm") }.unwrap();
+    for (dim, add, kind) in [(640, 0, 1), (640, 1, 2), (250, 0, 0)] {
+        let x = uniform(&mut r, rows * dim, 2.0);
+        let w = uniform(&mut r, dim, 1.0);
+        let before = uniform(&mut r, rows * dim, 1.0);
+        let mut out = before.clone();
+        let mut rounded = vec![0xffffu16; rows * dim];
+        let p = [
+            x.as_ptr() as usize,
+            w.as_ptr() as usize,
+            out.as_mut_ptr() as usize,
+            rounded.as_mut_ptr() as usize,
+        ];
+        // SAFETY: every buffer outlives the launch and has the size the kernel indexes.
+        let body = || unsafe {
+            let [xp, wp, op, rp] = p;
+            norm(
+                xp as _, wp as _, eps, dim as i32, op as _, add, rp as _, kind, 0,
+            )
+        };
+        ops.launch([rows as u32, 1, 1], [128, 1, 1], 0, &body)
+            .unwrap_or_else(|e| panic!("rms_norm: {e}"));
+        let normed = reference::rms_norm(&x, Some(&w), eps, dim);
+        let want: Vec<f32> = match add {
+            1 => normed.iter().zip(&before).map(|(n, b)| n + b).collect(),
+            _ => normed,
+        };
+        let what = format!("rms_norm dim={dim} add={add}");
+        assert_close(&what, &out, &want, 1e-6);
+        if kind != 0 {
+            let ty = if kind == 1 {
+                GgmlType::BF16
+            } else {
+                GgmlType::F16
+            };
+            let got = from_16(&rounded, kind == 1);
+            assert_eq!(got, round_16(ty, &out), "{what}: its rounded copy");
+        }
+    }
+
+    let dim = 512;
+    let v = |r: &mut rand::rngs::StdRng, n: usize| uniform(r, n, 2.0);
+    let (y, h0, experts) = (
+        v(&mut r, rows * dim),
+        v(&mut r, rows * dim),
+        v(&mut r, rows * dim),
+    );
+    let [w, w2, w3, w4, wd, we] = [0; 6].map(|_| uniform(&mut r, dim, 1.0));
+    let outputs = |h: &[f32]| {
+        let nx = |g: &[f32]| reference::rms_norm(h, Some(g), eps, dim);
+        (nx(&w2), nx(&w3), nx(&w4))
+    };
+    let residual = |branch: &[f32]| -> Vec<f32> {
+        let n = reference::rms_norm(branch, Some(&w), eps, dim);
+        n.iter().zip(&h0).map(|(n, h)| (h + n) * scale).collect()
+    };
+
+    // Two extra norms beside the next one.
+    let (mut h, mut x, mut x3, mut x4) = (
+        h0.clone(),
+        vec![f32::NAN; rows * dim],
+        vec![f32::NAN; rows * dim],
+        vec![f32::NAN; rows * dim],
+    );
+    // SAFETY: ResidualNormExtra is residual_norm_extra's signature.
+    let extra: ResidualNormExtra = unsafe { ops.kernel("residual_norm_extra") }.unwrap();
+    let p = [
+        y.as_ptr() as usize,
+        w.as_ptr() as usize,
+        h.as_mut_ptr() as usize,
+        w2.as_ptr() as usize,
+        x.as_mut_ptr() as usize,
+        w3.as_ptr() as usize,
+        x3.as_mut_ptr() as usize,
+        w4.as_ptr() as usize,
+        x4.as_mut_ptr() as usize,
+    ];
+    // SAFETY: as above.
+    let body = || unsafe {
+        let [yp, wp, hp, w2p, xp, w3p, x3p, w4p, x4p] = p;
+        let none = std::ptr::null_mut();
+        extra(
+            yp as _, wp as _, eps, dim as i32, hp as _, scale, w2p as _, xp as _, w3p as _,
+            x3p as _, w4p as _, x4p as _, none, 0,
+        )
+    };
+    ops.launch([rows as u32, 1, 1], [64, 1, 1], 0, &body)
+        .unwrap_or_else(|e| panic!("residual_norm_extra: {e}"));
+    let want_h = residual(&y);
+    let (wx, wx3, wx4) = outputs(&want_h);
+    assert_close("residual_norm_extra h", &h, &want_h, 1e-6);
+    assert_close("residual_norm_extra x", &x, &wx, 1e-6);
+    assert_close("residual_norm_extra x3", &x3, &wx3, 1e-6);
+    assert_close("residual_norm_extra x4", &x4, &wx4, 1e-6);
+
+    // The MoE layer's two branches, normed and summed, then as residual_norm.
+    let (mut h, mut x) = (h0.clone(), vec![f32::NAN; rows * dim]);
+    // SAFETY: MoeResidualNorm is moe_residual_norm's signature.
+    let moe: MoeResidualNorm = unsafe { ops.kernel("moe_residual_norm") }.unwrap();
+    let p = [
+        y.as_ptr() as usize,
+        wd.as_ptr() as usize,
+        experts.as_ptr() as usize,
+        we.as_ptr() as usize,
+        w.as_ptr() as usize,
+        h.as_mut_ptr() as usize,
+        w2.as_ptr() as usize,
+        x.as_mut_ptr() as usize,
+    ];
+    // SAFETY: as above.
+    let body = || unsafe {
+        let [dp, wdp, ep, wep, wp, hp, w2p, xp] = p;
+        let none = std::ptr::null_mut();
+        moe(
+            dp as _, wdp as _, ep as _, wep as _, wp as _, eps, dim as i32, hp as _, scale,
+            w2p as _, xp as _, none, 0,
+        )
+    };
+    ops.launch([rows as u32, 1, 1], [64, 1, 1], 0, &body)
+        .unwrap_or_else(|e| panic!("moe_residual_norm: {e}"));
+    let summed: Vec<f32> = reference::rms_norm(&y, Some(&wd), eps, dim)
+        .iter()
+        .zip(reference::rms_norm(&experts, Some(&we), eps, dim))
+        .map(|(a, b)| a + b)
+        .collect();
+    let want_h = residual(&summed);
+    assert_close("moe_residual_norm h", &h, &want_h, 1e-6);
+    assert_close("moe_residual_norm x", &x, &outputs(&want_h).0, 1e-6);
+}
+
+/// `gelu_tanh_mul` (ops.cu).
+type GeluTanhMul = unsafe extern "C" fn(
+    gate: *mut f32,
+    up: *const f32,
+    n: u64,
+    rows: u64,
+    stride: u64,
+    rounded: *mut u16,
+    round_kind: i32,
+);
+/// `gelu_tanh_mul4` (ops.cu).
+type GeluTanhMul4 =
+    unsafe extern "C" fn(gate: *mut f32, up: *const f32, n4: u64, rounded: *mut u16, kind: i32);
+/// `gelu_tanh_mul_bf16` (ops.cu).
+type GeluTanhMulBf16 = unsafe extern "C" fn(g: *const u16, u: *const u16, out: *mut u16, n8: u64);
+
+/// The gated feed-forward's elementwise passes: `gelu_tanh_mul` (up's rows `stride` apart, an
+/// f16 rounded copy), `gelu_tanh_mul4` (a bf16 copy) and `gelu_tanh_mul_bf16` (bf16 in and
+/// out), against markbase-cpu's gelu_tanh_mul.
+#[test]
+fn gelu_gated_elementwise_passes_match_reference() {
+    let Some(ops) = emu_unit(Module::Ops, None) else {
+        return;
+    };
+    let mut r = rng("gelu elementwise");
+    let (rows, width, stride) = (3usize, 96usize, 100usize);
+    let gate = uniform(&mut r, rows * width, 3.0);
+    let up_strided = uniform(&mut r, rows * stride, 1.0);
+    let up: Vec<f32> = up_strided
+        .chunks(stride)
+        .flat_map(|row| row[..width].to_vec())
+        .collect();
+    let want = reference::gelu_tanh_mul(&gate, &up);
+    let n = rows * width;
+
+    let (mut g, mut rounded) = (gate.clone(), vec![0xffffu16; n]);
+    // SAFETY: the signatures of the three kernels.
+    let (k1, k4, kb): (GeluTanhMul, GeluTanhMul4, GeluTanhMulBf16) = unsafe {
+        (
+            ops.kernel("gelu_tanh_mul").unwrap(),
+            ops.kernel("gelu_tanh_mul4").unwrap(),
+            ops.kernel("gelu_tanh_mul_bf16").unwrap(),
+        )
+    };
+    let (gp, upp, rp) = (
+        g.as_mut_ptr() as usize,
+        up_strided.as_ptr() as usize,
+        rounded.as_mut_ptr() as usize,
+    );
+    // SAFETY: every buffer outlives the launch and has the size the kernel indexes.
+    let body = || unsafe {
+        k1(
+            gp as _,
+            upp as _,
+            n as u64,
+            width as u64,
+            stride as u64,
+            rp as _,
+            2,
+        )
+    };
+    ops.launch([n.div_ceil(128) as u32, 1, 1], [128, 1, 1], 0, &body)
+        .unwrap();
+    assert_close("gelu_tanh_mul", &g, &want, 1e-6);
+    assert_eq!(
+        from_16(&rounded, false),
+        round_16(GgmlType::F16, &g),
+        "its f16 copy"
+    );
+
+    let mut g = gate.clone();
+    let (gp, upp, rp) = (
+        g.as_mut_ptr() as usize,
+        up.as_ptr() as usize,
+        rounded.as_mut_ptr() as usize,
+    );
+    // SAFETY: as above.
+    let body = || unsafe { k4(gp as _, upp as _, (n / 4) as u64, rp as _, 1) };
+    ops.launch([(n / 4).div_ceil(128) as u32, 1, 1], [128, 1, 1], 0, &body)
+        .unwrap();
+    assert_close("gelu_tanh_mul4", &g, &want, 1e-6);
+    assert_eq!(
+        from_16(&rounded, true),
+        round_16(GgmlType::BF16, &g),
+        "its bf16 copy"
+    );
+
+    let bits = |v: &[f32]| -> Vec<u16> {
+        v.iter()
+            .map(|&x| half::bf16::from_f32(x).to_bits())
+            .collect()
+    };
+    let (gb, ub) = (bits(&gate), bits(&up));
+    let mut out = vec![0xffffu16; n];
+    let (gp, upp, op) = (
+        gb.as_ptr() as usize,
+        ub.as_ptr() as usize,
+        out.as_mut_ptr() as usize,
+    );
+    // SAFETY: as above.
+    let body = || unsafe { kb(gp as _, upp as _, op as _, (n / 8) as u64) };
+    ops.launch([(n / 8).div_ceil(128) as u32, 1, 1], [128, 1, 1], 0, &body)
+        .unwrap();
+    let want_bf16 = reference::gelu_tanh_mul(&from_16(&gb, true), &from_16(&ub, true));
+    assert_close(
+        "gelu_tanh_mul_bf16",
+        &from_16(&out, true),
+        &round_16(GgmlType::BF16, &want_bf16),
+        1e-2,
+    );
+}
