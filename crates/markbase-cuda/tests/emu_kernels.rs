@@ -2382,3 +2382,343 @@ fn gelu_gated_elementwise_passes_match_reference() {
         1e-2,
     );
 }
+
+/// `moe_gather` (moe.cu).
+type MoeGather =
+    unsafe extern "C" fn(x: *const f32, d: i32, top_k: i32, order: *const i32, xg: *mut f32);
+/// `moe_gate_up_grouped_<format>` (moe.cu).
+type MoeGateUpGrouped = unsafe extern "C" fn(
+    w: *const u8,
+    row_bytes: u64,
+    d: i32,
+    f: i32,
+    xg: *const f32,
+    tiles: *const i32,
+    h: *mut f32,
+);
+/// `moe_down_grouped_<format>` (moe.cu).
+type MoeDownGrouped = unsafe extern "C" fn(
+    w: *const u8,
+    row_bytes: u64,
+    d: i32,
+    f: i32,
+    h: *const f32,
+    tiles: *const i32,
+    y: *mut f32,
+);
+
+/// The grouped MoE path on GEMVs (formats the tensor-core expert products do not take, and
+/// every other): `moe_group`, `moe_gather`, `moe_gate_up_grouped_<format>`,
+/// `moe_down_grouped_<format>` and `moe_combine` through `slot_of`, for all 13 formats, against
+/// f64 products on the activations as the GEMVs take them.
+#[test]
+fn grouped_moe_on_gemvs_matches_reference() {
+    let Some(shared) = emu_unit(Module::Moe, None) else {
+        return;
+    };
+    let mut r = rng("moe grouped gemv");
+    let (n, top_k, n_experts, d, f) = (9usize, 2usize, 4usize, 512usize, 256usize);
+    let pairs = n * top_k;
+    let most_tiles = (pairs + (MOE_TILE - 1) * n_experts.min(pairs)) / MOE_TILE;
+    let ids: Vec<f32> = (0..n)
+        .flat_map(|_| {
+            let first = r.random_range(0..n_experts);
+            [first as f32, ((first + 1) % n_experts) as f32]
+        })
+        .collect();
+    let weights = uniform(&mut r, pairs, 1.0);
+    let (mut order, mut slot_of) = (vec![0i32; pairs], vec![0i32; pairs]);
+    let mut tiles = vec![0i32; 3 * most_tiles];
+    let mut err = 0u32;
+    // SAFETY: the signatures of the shared kernels.
+    let (group, gather, combine): (MoeGroup, MoeGather, MoeCombine) = unsafe {
+        (
+            shared.kernel("moe_group").unwrap(),
+            shared.kernel("moe_gather").unwrap(),
+            shared.kernel("moe_combine").unwrap(),
+        )
+    };
+    let p = [
+        ids.as_ptr() as usize,
+        order.as_mut_ptr() as usize,
+        slot_of.as_mut_ptr() as usize,
+        tiles.as_mut_ptr() as usize,
+        &mut err as *mut u32 as usize,
+    ];
+    let (pi, ei, mi) = (pairs as i32, n_experts as i32, most_tiles as i32);
+    // SAFETY: every buffer outlives the launch and has the size the kernel indexes.
+    let body = || unsafe {
+        let [ip, op, sp, tp, ep] = p;
+        group(ip as _, pi, ei, mi, op as _, sp as _, tp as _, ep as _)
+    };
+    shared.launch([1, 1, 1], [256, 1, 1], 0, &body).unwrap();
+    assert_eq!(err, 0);
+
+    for (ty, format) in FORMATS {
+        let Some(unit) = emu_unit(Module::Moe, Some(format)) else {
+            return;
+        };
+        let gate_up = random_matrix(&mut r, ty, n_experts * 2 * f, d);
+        let down = random_matrix(&mut r, ty, n_experts * d, f);
+        let lay = |m: &HostMatrix| device_bytes(m.ty, m.bytes.as_slice(), m.rows).into_owned();
+        let (gu, dn) = (lay(&gate_up), lay(&down));
+        let (gu_rb, dn_rb) = (gu.len() / gate_up.rows, dn.len() / down.rows);
+        let x = uniform(&mut r, n * d, 1.0);
+        let mut xg = vec![f32::NAN; pairs * d];
+        let mut h = vec![f32::NAN; pairs * f];
+        let mut y = vec![f32::NAN; pairs * d];
+        let mut out = vec![f32::NAN; n * d];
+        let b = [
+            x.as_ptr() as usize,
+            order.as_ptr() as usize,
+            xg.as_mut_ptr() as usize,
+            gu.as_ptr() as usize,
+            tiles.as_ptr() as usize,
+            h.as_mut_ptr() as usize,
+            dn.as_ptr() as usize,
+            y.as_mut_ptr() as usize,
+            weights.as_ptr() as usize,
+            slot_of.as_ptr() as usize,
+            out.as_mut_ptr() as usize,
+        ];
+        let (di, fi, ki) = (d as i32, f as i32, top_k as i32);
+        // SAFETY: the signatures of the grouped kernels of this format.
+        let (gate_k, down_k): (MoeGateUpGrouped, MoeDownGrouped) = unsafe {
+            (
+                unit.kernel(&format!("moe_gate_up_grouped_{format}"))
+                    .unwrap(),
+                unit.kernel(&format!("moe_down_grouped_{format}")).unwrap(),
+            )
+        };
+        let [xp, op, xgp, gup, tp, hp, dnp, yp, wp, sp, outp] = b;
+        // SAFETY: every buffer outlives the launches and has the size the kernels index.
+        unsafe {
+            let run = |m: &EmuModule, grid: [u32; 3], threads: u32, body: &dyn Fn()| {
+                m.launch(grid, [threads, 1, 1], 0, body)
+                    .unwrap_or_else(|e| panic!("moe grouped {format}: {e}"))
+            };
+            run(&shared, [pairs as u32, 1, 1], 128, &|| {
+                gather(xp as _, di, ki, op as _, xgp as _)
+            });
+            let tiles_y = most_tiles as u32;
+            run(&unit, [f.div_ceil(8) as u32, tiles_y, 1], 256, &|| {
+                gate_k(gup as _, gu_rb as u64, di, fi, xgp as _, tp as _, hp as _)
+            });
+            run(&unit, [d.div_ceil(8) as u32, tiles_y, 1], 256, &|| {
+                down_k(dnp as _, dn_rb as u64, di, fi, hp as _, tp as _, yp as _)
+            });
+            run(&shared, [d.div_ceil(128) as u32, n as u32, 1], 128, &|| {
+                combine(yp as _, di, ki, wp as _, sp as _, outp as _)
+            });
+        }
+
+        let seen = |v: &[f32], k: usize| -> Vec<f32> {
+            match gemv_takes_16_bit_activations(ty, k) {
+                true => v.chunks(k).flat_map(as_16_bit).collect(),
+                false => v.to_vec(),
+            }
+        };
+        let wgu = reference::dequantize_matrix(&gate_up).unwrap();
+        let wd = reference::dequantize_matrix(&down).unwrap();
+        let (mut want_h, mut want_y) = (vec![0f32; pairs * f], vec![0f32; pairs * d]);
+        for (s, &pair) in order.iter().enumerate() {
+            let e = ids[pair as usize] as usize;
+            let xs = seen(&x[pair as usize / top_k * d..][..d], d);
+            let g = products(&wgu[e * 2 * f * d..][..f * d], &xs, f, d, 1);
+            let u = products(&wgu[(e * 2 + 1) * f * d..][..f * d], &xs, f, d, 1);
+            for i in 0..f {
+                want_h[s * f + i] = (gelu_tanh(g[i]) * u[i]) as f32;
+            }
+            let hs = seen(&h[s * f..][..f], f);
+            let yr = products(&wd[e * d * f..][..d * f], &hs, d, f, 1);
+            for (i, v) in yr.into_iter().enumerate() {
+                want_y[s * d + i] = v as f32;
+            }
+        }
+        let want_out: Vec<f32> = (0..n * d)
+            .map(|i| {
+                let (t, col) = (i / d, i % d);
+                (0..top_k)
+                    .map(|j| {
+                        let pair = t * top_k + j;
+                        weights[pair] * y[slot_of[pair] as usize * d + col]
+                    })
+                    .sum()
+            })
+            .collect();
+        assert_close(&format!("moe_gate_up_grouped_{format}"), &h, &want_h, 1e-4);
+        assert_close(&format!("moe_down_grouped_{format}"), &y, &want_y, 1e-4);
+        assert_close(
+            &format!("moe_combine grouped ({format})"),
+            &out,
+            &want_out,
+            1e-6,
+        );
+    }
+}
+
+/// `head_norm_rope` (ops.cu).
+type HeadNormRope = unsafe extern "C" fn(
+    x: *mut f32,
+    n_heads: i32,
+    head_dim: i32,
+    norm_w: *const f32,
+    eps: f32,
+    freqs: *const f32,
+    pairs: i32,
+    positions: *const u32,
+);
+/// `write_kv` (ops.cu).
+type WriteKv = unsafe extern "C" fn(
+    k: *const f32,
+    v: *const f32,
+    row: i32,
+    slots: *const u32,
+    k_cache: *mut f32,
+    v_cache: *mut f32,
+);
+/// `add`, `scale` and `softcap` (ops.cu): x and a float or a second array, n values.
+type Add = unsafe extern "C" fn(x: *mut f32, y: *const f32, n: u64);
+type Scale = unsafe extern "C" fn(x: *mut f32, s: f32, n: u64);
+/// `f32_to_bf16` and `f32_to_f16` (ops.cu).
+type ToHalf = unsafe extern "C" fn(x: *const f32, y: *mut u16, n: u64);
+
+/// The small kernels: `head_norm_rope` (with and without norm weights) against markbase-cpu's,
+/// `write_kv` into scattered cache rows, `add`, `scale`, `softcap`, and the conversions to bf16
+/// and f16 (to nearest, f16 saturating), on lengths that are not a multiple of the block.
+#[test]
+fn small_kernels_match_reference() {
+    let Some(ops) = emu_unit(Module::Ops, None) else {
+        return;
+    };
+    let mut r = rng("small kernels");
+    let (nh, hd, eps) = (3usize, 256usize, 1e-6f32);
+    let pos: Vec<u32> = vec![3, 1000];
+    let (freqs, rope) = rope_freqs(hd, 100);
+    let norm_w = uniform(&mut r, hd, 1.0);
+    // SAFETY: HeadNormRope is head_norm_rope's signature.
+    let kernel: HeadNormRope = unsafe { ops.kernel("head_norm_rope") }.unwrap();
+    for weighted in [true, false] {
+        let x0 = uniform(&mut r, pos.len() * nh * hd, 2.0);
+        let mut x = x0.clone();
+        let (xp, wp, fp, pp) = (
+            x.as_mut_ptr() as usize,
+            if weighted {
+                norm_w.as_ptr() as usize
+            } else {
+                0
+            },
+            freqs.as_ptr() as usize,
+            pos.as_ptr() as usize,
+        );
+        // SAFETY: every buffer outlives the launch and has the size the kernel indexes.
+        let body = || unsafe {
+            kernel(
+                xp as _, nh as i32, hd as i32, wp as _, eps, fp as _, 100, pp as _,
+            )
+        };
+        ops.launch([(pos.len() * nh) as u32, 1, 1], [32, 1, 1], 4 * hd, &body)
+            .unwrap_or_else(|e| panic!("head_norm_rope: {e}"));
+        let norm = match weighted {
+            true => Some((&norm_w[..], eps)),
+            // Without weights the kernel still norms nothing: turn only.
+            false => None,
+        };
+        let want = reference::head_norm_rope(&x0, nh, hd, norm, &rope, &pos);
+        assert_close(
+            &format!("head_norm_rope weighted={weighted}"),
+            &x,
+            &want,
+            1e-5,
+        );
+    }
+
+    let (row, slots) = (300usize, vec![4u32, 0, 2]);
+    let k = uniform(&mut r, slots.len() * row, 1.0);
+    let v = uniform(&mut r, slots.len() * row, 1.0);
+    let (mut kc, mut vc) = (vec![f32::NAN; 5 * row], vec![f32::NAN; 5 * row]);
+    // SAFETY: WriteKv is write_kv's signature.
+    let write: WriteKv = unsafe { ops.kernel("write_kv") }.unwrap();
+    let p = [
+        k.as_ptr() as usize,
+        v.as_ptr() as usize,
+        slots.as_ptr() as usize,
+        kc.as_mut_ptr() as usize,
+        vc.as_mut_ptr() as usize,
+    ];
+    // SAFETY: as above.
+    let body = || unsafe {
+        let [kp, vp, sp, kcp, vcp] = p;
+        write(kp as _, vp as _, row as i32, sp as _, kcp as _, vcp as _)
+    };
+    ops.launch(
+        [row.div_ceil(128) as u32, slots.len() as u32, 1],
+        [128, 1, 1],
+        0,
+        &body,
+    )
+    .unwrap();
+    for (t, &s) in slots.iter().enumerate() {
+        let (src, dst) = (t * row, s as usize * row);
+        assert_eq!(kc[dst..dst + row], k[src..src + row], "k of token {t}");
+        assert_eq!(vc[dst..dst + row], v[src..src + row], "v of token {t}");
+    }
+    assert!(
+        kc[row..2 * row].iter().all(|v| v.is_nan()),
+        "row 1 untouched"
+    );
+
+    let n = 1000usize;
+    let grid = [n.div_ceil(128) as u32, 1, 1];
+    let a = uniform(&mut r, n, 40.0);
+    let b = uniform(&mut r, n, 1.0);
+    // SAFETY: the signatures of the elementwise kernels.
+    let (add, scale, softcap): (Add, Scale, Scale) = unsafe {
+        (
+            ops.kernel("add").unwrap(),
+            ops.kernel("scale").unwrap(),
+            ops.kernel("softcap").unwrap(),
+        )
+    };
+    let mut x = a.clone();
+    let (xp, bp) = (x.as_mut_ptr() as usize, b.as_ptr() as usize);
+    // SAFETY: as above.
+    ops.launch(grid, [128, 1, 1], 0, &|| unsafe {
+        add(xp as _, bp as _, n as u64)
+    })
+    .unwrap();
+    ops.launch(grid, [128, 1, 1], 0, &|| unsafe {
+        scale(xp as _, 0.5, n as u64)
+    })
+    .unwrap();
+    ops.launch(grid, [128, 1, 1], 0, &|| unsafe {
+        softcap(xp as _, 15.0, n as u64)
+    })
+    .unwrap();
+    let want: Vec<f32> = a
+        .iter()
+        .zip(&b)
+        .map(|(a, b)| 15.0 * (((a + b) * 0.5) / 15.0).tanh())
+        .collect();
+    assert_close("add, scale, softcap", &x, &want, 1e-6);
+
+    let mut wide = uniform(&mut r, n, 3.0);
+    wide[7] = 1e6; // past f16's range: saturates
+    wide[8] = -1e6;
+    for (name, ty) in [
+        ("f32_to_bf16", GgmlType::BF16),
+        ("f32_to_f16", GgmlType::F16),
+    ] {
+        let mut y = vec![0u16; n];
+        // SAFETY: ToHalf is the conversions' signature.
+        let kernel: ToHalf = unsafe { ops.kernel(name) }.unwrap();
+        let (wp, yp) = (wide.as_ptr() as usize, y.as_mut_ptr() as usize);
+        // SAFETY: as above.
+        ops.launch(grid, [128, 1, 1], 0, &|| unsafe {
+            kernel(wp as _, yp as _, n as u64)
+        })
+        .unwrap();
+        let bf16 = ty == GgmlType::BF16;
+        assert_eq!(from_16(&y, bf16), round_16(ty, &wide), "{name}");
+    }
+}
