@@ -1,5 +1,5 @@
 // The CUDA C++ our kernel units use, for a C++ compiler on the CPU: a kernel unit compiled after
-// this header runs its blocks one at a time, each thread a fiber (ucontext) on the calling
+// this header runs its blocks one at a time, each thread a fiber on the calling
 // thread. Block barriers and warp collectives (shuffles, votes, mma.sync, ldmatrix) switch
 // fibers until every thread they wait for has arrived; the last one to arrive does the
 // collective's work for all. The inline PTX of the kernels has twins here (`emu_*`), chosen
@@ -49,6 +49,69 @@ inline float2 make_float2(float x, float y) { return {x, y}; }
 
 namespace mb_emu {
 
+// A fiber's saved execution context. On x86-64 a switch saves the callee-saved registers on
+// the fiber's own stack and swaps stack pointers (no system call: ucontext's swapcontext saves
+// the signal mask with one, a microsecond a switch, and a kernel's warp collectives switch
+// thousands of times a unit); elsewhere ucontext.
+#if defined(__x86_64__)
+struct Context {
+    void* sp;
+};
+
+extern "C" void mb_emu_switch(void** save_sp, void* sp);
+asm(R"(
+    .text
+    .globl mb_emu_switch
+    .hidden mb_emu_switch
+    .type mb_emu_switch, @function
+mb_emu_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size mb_emu_switch, .-mb_emu_switch
+)");
+
+// A context that, switched to, enters entry() on the stack [stack, stack + bytes): the six
+// saved registers (zeros), then entry as the return address, then a null one above it, so
+// entry starts as if called (the stack pointer 8 past a 16-byte boundary).
+inline void context_start(Context& c, char* stack, size_t bytes, void (*entry)()) {
+    uintptr_t top = ((uintptr_t)stack + bytes) & ~(uintptr_t)15;
+    void** sp = (void**)top;
+    *--sp = nullptr;
+    *--sp = (void*)entry;
+    for (int i = 0; i < 6; i++) *--sp = nullptr;
+    c.sp = sp;
+}
+
+inline void context_switch(Context& from, Context& to) { mb_emu_switch(&from.sp, to.sp); }
+#else
+struct Context {
+    ucontext_t uc;
+};
+
+inline void context_start(Context& c, char* stack, size_t bytes, void (*entry)()) {
+    getcontext(&c.uc);
+    c.uc.uc_stack.ss_sp = stack;
+    c.uc.uc_stack.ss_size = bytes;
+    c.uc.uc_link = nullptr;
+    makecontext(&c.uc, entry, 0);
+}
+
+inline void context_switch(Context& from, Context& to) { swapcontext(&from.uc, &to.uc); }
+#endif
+
 // A cp.async a thread has issued and not yet waited for: its destination, the 16 bytes it
 // copies (read at issue: no kernel writes what it copies while the copy is in flight), and its
 // group (the thread's count of commits when it was issued).
@@ -60,7 +123,7 @@ struct Copy {
 
 // A thread of the block.
 struct Fiber {
-    ucontext_t ctx;
+    Context ctx;
     char* stack;
     uint3 tid;
     int lane, warp;
@@ -88,7 +151,7 @@ struct Launch {
     void* ctx;
     std::vector<Fiber> fibers;
     std::vector<Pending> pending;  // per warp: up to 4 groups at once
-    ucontext_t scheduler;
+    Context scheduler;
     Fiber* current;
     int live, at_barrier;
     int named_arrived[16];
@@ -110,7 +173,7 @@ constexpr int GROUPS = 4;
                               L->block_idx.x, L->block_idx.y, L->block_idx.z, L->current->tid.x);
         std::snprintf(L->error + n, sizeof L->error - n, fmt, a, b, c);
     }
-    swapcontext(&L->current->ctx, &L->scheduler);
+    context_switch(L->current->ctx, L->scheduler);
     std::abort();  // a failed launch never resumes its fibers
 }
 
@@ -118,7 +181,7 @@ constexpr int GROUPS = 4;
 inline void wait_here(int what) {
     Launch* L = launch;
     L->current->waits = what;
-    swapcontext(&L->current->ctx, &L->scheduler);
+    context_switch(L->current->ctx, L->scheduler);
 }
 
 // Wakes every fiber waiting at `what`.
@@ -515,9 +578,7 @@ inline void cp_async_wait(int n) {
 
 // ---- the launch ------------------------------------------------------------------------
 
-inline void fiber_entry(unsigned hi, unsigned lo) {
-    (void)hi;
-    (void)lo;
+inline void fiber_entry() {
     Launch* L = launch;
     L->body(L->ctx);
     Fiber& f = self();
@@ -533,7 +594,7 @@ inline void fiber_entry(unsigned hi, unsigned lo) {
         L->at_barrier = 0;
         wake(WAIT_BLOCK);
     }
-    swapcontext(&f.ctx, &L->scheduler);
+    context_switch(f.ctx, L->scheduler);
 }
 
 // Runs the block blockIdx of the launch: 0, or -1 with L->error set.
@@ -549,11 +610,7 @@ inline int run_block(Launch* L) {
         f.waits = 0;
         f.copies.clear();
         f.commits = 0;
-        getcontext(&f.ctx);
-        f.ctx.uc_stack.ss_sp = f.stack;
-        f.ctx.uc_stack.ss_size = STACK_BYTES;
-        f.ctx.uc_link = nullptr;
-        makecontext(&f.ctx, (void (*)())fiber_entry, 2, 0u, 0u);
+        context_start(f.ctx, f.stack, STACK_BYTES, fiber_entry);
     }
     for (Pending& p : L->pending) p.arrived = 0;
     L->live = n;
@@ -577,7 +634,7 @@ inline int run_block(Launch* L) {
             return -1;
         }
         L->current = &L->fibers[pick];
-        swapcontext(&L->scheduler, &L->fibers[pick].ctx);
+        context_switch(L->scheduler, L->fibers[pick].ctx);
         if (L->failed) return -1;
         next = pick + 1;
     }
