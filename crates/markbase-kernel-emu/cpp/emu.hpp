@@ -1,13 +1,16 @@
 // The CUDA C++ our kernel units use, for a C++ compiler on the CPU: a kernel unit compiled after
-// this header runs its blocks one at a time, each thread a fiber on the calling
-// thread. Block barriers and warp collectives (shuffles, votes, mma.sync, ldmatrix) switch
-// fibers until every thread they wait for has arrived; the last one to arrive does the
-// collective's work for all. The inline PTX of the kernels has twins here (`emu_*`), chosen
-// with `#ifdef MB_EMU` beside each `asm`; cp.async copies at once, and griddepcontrol, fences
-// and prefetches do nothing (one kernel runs at a time). Shared memory: a `__shared__` array
-// is a static of the unit; the dynamic part is an arena of the launch. Errors (a collective
-// some lanes of its mask never reach, a barrier that never fills, a lane that left) end the
-// launch with a message instead of hanging.
+// this header runs its blocks one at a time, each thread a fiber on the calling thread, the
+// ready ones in turn (from the first, or descending from the last thread of the last block: a
+// kernel that leans on one order fails in the other). Block
+// barriers and warp collectives (shuffles, votes, mma.sync, ldmatrix) switch fibers until every
+// thread they wait for has arrived; the last one to arrive does the collective's work for all.
+// The inline PTX of the kernels has twins here (`emu_*`), chosen with `#ifdef MB_EMU` beside
+// each `asm`; cp.async lands at the wait that covers it, and griddepcontrol, fences and
+// prefetches do nothing (one kernel runs at a time). Shared memory: a `__shared__` array is a
+// static of the unit (in section mb_shared), the dynamic part an arena of the launch; both are
+// poisoned (0xcd bytes) as each block starts. Errors (a collective some
+// lanes of its mask never reach, a barrier that never fills, a lane that left) end the launch
+// with a message instead of hanging.
 
 #pragma once
 #define MB_EMU 1
@@ -27,7 +30,8 @@
 #define __host__
 #define __forceinline__ inline
 #define __launch_bounds__(...)
-#define __shared__ static
+// Static shared arrays live in a section of their own, which every block starts poisoned.
+#define __shared__ static __attribute__((section("mb_shared")))
 #define __align__(n) __attribute__((aligned(n)))
 #define __restrict__ __restrict
 
@@ -46,6 +50,11 @@ inline int4 make_int4(int x, int y, int z, int w) { return {x, y, z, w}; }
 inline int2 make_int2(int x, int y) { return {x, y}; }
 inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
 inline float2 make_float2(float x, float y) { return {x, y}; }
+
+// The bounds of the unit's static shared arrays (the linker's, for a section named as an
+// identifier; null where the unit has none).
+extern "C" char __start_mb_shared[] __attribute__((weak, visibility("hidden")));
+extern "C" char __stop_mb_shared[] __attribute__((weak, visibility("hidden")));
 
 namespace mb_emu {
 
@@ -156,6 +165,7 @@ struct Launch {
     int live, at_barrier;
     int named_arrived[16];
     char* shared;
+    bool descending;  // threads and blocks from the last
     bool failed;
     char error[512];
 };
@@ -616,11 +626,13 @@ inline int run_block(Launch* L) {
     L->live = n;
     L->at_barrier = 0;
     for (int& a : L->named_arrived) a = 0;
-    int next = 0;
+    // Round robin over the ready threads, from the first (or the last) on.
+    const int step = L->descending ? n - 1 : 1;
+    int next = L->descending ? n - 1 : 0;
     while (L->live > 0) {
         int pick = -1;
         for (int i = 0; i < n; i++) {
-            int t = (next + i) % n;
+            int t = (next + i * step) % n;
             if (!L->fibers[t].done && !L->fibers[t].waits) {
                 pick = t;
                 break;
@@ -636,7 +648,7 @@ inline int run_block(Launch* L) {
         L->current = &L->fibers[pick];
         context_switch(L->scheduler, L->fibers[pick].ctx);
         if (L->failed) return -1;
-        next = pick + 1;
+        next = (pick + step) % n;
     }
     return 0;
 }
@@ -644,10 +656,11 @@ inline int run_block(Launch* L) {
 }  // namespace mb_emu
 
 // Runs the launch grid × block with `shared_bytes` of dynamic shared memory, every thread
-// calling body(ctx) (which calls the kernel): 0, or -1 with a message in `error`.
+// calling body(ctx) (which calls the kernel), blocks and threads from the last when
+// `descending`: 0, or -1 with a message in `error`.
 extern "C" __attribute__((visibility("default"))) int mb_emu_launch(
-    const unsigned* grid, const unsigned* block, size_t shared_bytes, void (*body)(void*),
-    void* ctx, char* error, size_t error_len) {
+    const unsigned* grid, const unsigned* block, size_t shared_bytes, int descending,
+    void (*body)(void*), void* ctx, char* error, size_t error_len) {
     using namespace mb_emu;
     Launch L{};
     L.grid = {grid[0], grid[1], grid[2]};
@@ -665,17 +678,20 @@ extern "C" __attribute__((visibility("default"))) int mb_emu_launch(
     for (Fiber& f : L.fibers) f.stack = (char*)std::malloc(STACK_BYTES);
     // One megabyte-aligned arena: its 32-bit shared addresses never cross a 256 MB page.
     L.shared = (char*)std::aligned_alloc(1 << 20, 1 << 20);
+    L.descending = descending != 0;
     Launch* outer = launch;
     launch = &L;
     shared_page_count = 0;
     int rc = 0;
-    for (unsigned z = 0; z < grid[2] && rc == 0; z++)
-        for (unsigned y = 0; y < grid[1] && rc == 0; y++)
-            for (unsigned x = 0; x < grid[0] && rc == 0; x++) {
-                L.block_idx = {x, y, z};
-                std::memset(L.shared, 0xcd, shared_bytes);  // not zeros: stale reads show
-                rc = run_block(&L);
-            }
+    const unsigned blocks = grid[0] * grid[1] * grid[2];
+    for (unsigned b = 0; b < blocks && rc == 0; b++) {
+        const unsigned i = L.descending ? blocks - 1 - b : b;
+        L.block_idx = {i % grid[0], i / grid[0] % grid[1], i / (grid[0] * grid[1])};
+        // Not zeros, and not the last block's bytes: stale reads show.
+        std::memset(L.shared, 0xcd, shared_bytes);
+        if (__start_mb_shared) std::memset(__start_mb_shared, 0xcd, __stop_mb_shared - __start_mb_shared);
+        rc = run_block(&L);
+    }
     launch = outer;
     if (rc != 0) std::snprintf(error, error_len, "%s", L.error);
     for (Fiber& f : L.fibers) std::free(f.stack);

@@ -25,6 +25,9 @@ const EMU_HPP: &str = include_str!("../cpp/emu.hpp");
 
 /// The environment variable naming the C++ compiler (default `c++`).
 pub const COMPILER_VAR: &str = "CXX";
+/// The environment variable that (set to `descending`) runs every launch's blocks and threads
+/// from the last instead of the first ([`Order`]).
+pub const ORDER_VAR: &str = "MARKBASE_EMU_ORDER";
 /// The environment variable naming the cache directory of compiled units (default: the
 /// system's temporary directory, `markbase-emu`).
 pub const CACHE_VAR: &str = "MARKBASE_EMU_CACHE";
@@ -160,11 +163,33 @@ type LaunchFn = unsafe extern "C" fn(
     grid: *const u32,
     block: *const u32,
     shared_bytes: usize,
+    descending: i32,
     body: extern "C" fn(*mut c_void),
     ctx: *mut c_void,
     error: *mut c_char,
     error_len: usize,
 ) -> i32;
+
+/// The order in which a launch runs its blocks, and a block its ready threads in turn: a kernel
+/// that is right only in one order (a missing barrier, a fix-up that assumes which block ends
+/// last) fails in the other.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Order {
+    /// From the first block and thread.
+    Ascending,
+    /// From the last block and thread.
+    Descending,
+}
+
+impl Order {
+    /// `ORDER_VAR`'s order: descending when it says so, else ascending.
+    pub fn from_env() -> Order {
+        match std::env::var(ORDER_VAR).as_deref() {
+            Ok("descending") => Order::Descending,
+            _ => Order::Ascending,
+        }
+    }
+}
 
 /// A kernel unit compiled for the CPU and loaded.
 pub struct EmuModule {
@@ -264,9 +289,21 @@ impl EmuModule {
 
     /// Runs a launch of `grid` blocks of `block` threads with `shared_bytes` of dynamic shared
     /// memory, each thread calling `body` (which calls one kernel of this unit with the
-    /// launch's arguments).
+    /// launch's arguments), in `ORDER_VAR`'s order.
     pub fn launch(
         &self,
+        grid: [u32; 3],
+        block: [u32; 3],
+        shared_bytes: usize,
+        body: &dyn Fn(),
+    ) -> Result<(), EmuError> {
+        self.launch_in(Order::from_env(), grid, block, shared_bytes, body)
+    }
+
+    /// [`EmuModule::launch`] in the given order.
+    pub fn launch_in(
+        &self,
+        order: Order,
         grid: [u32; 3],
         block: [u32; 3],
         shared_bytes: usize,
@@ -281,6 +318,7 @@ impl EmuModule {
                 grid.as_ptr(),
                 block.as_ptr(),
                 shared_bytes,
+                i32::from(order == Order::Descending),
                 run_body,
                 &mut ctx as *mut &dyn Fn() as *mut c_void,
                 message.as_mut_ptr(),

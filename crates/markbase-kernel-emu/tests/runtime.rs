@@ -2,7 +2,7 @@
 //! shuffles, `mma.sync`'s fragment layout against a plain matrix product, and the errors of a
 //! barrier that never fills and of a collective a lane has left.
 
-use markbase_kernel_emu::{compiler_available, EmuError, EmuModule};
+use markbase_kernel_emu::{compiler_available, EmuError, EmuModule, Order};
 use rand::{Rng, SeedableRng};
 
 const SOURCE: &str = r#"
@@ -66,6 +66,15 @@ extern "C" __global__ void async_copy(const unsigned* src, unsigned* out) {
     out[2] = s[4];
     mb_emu::cp_async_wait(0);
     out[3] = s[4];
+}
+
+// Warp 1 reads what warp 0 wrote to shared memory, with no barrier between: right only when
+// warp 0 runs first.
+extern "C" __global__ void missing_barrier(float* out) {
+    __shared__ float s[32];
+    if (threadIdx.x < 32) s[threadIdx.x] = 1.f;
+    __syncwarp();
+    if (threadIdx.x >= 32) out[threadIdx.x - 32] = s[threadIdx.x - 32];
 }
 
 // Lane 5 leaves before the shuffle its warp needs it for.
@@ -185,4 +194,26 @@ fn async_copies_land_at_the_wait_for_their_group() {
     })
     .unwrap();
     assert_eq!(out, [7, 100, 7, 104]);
+}
+
+#[test]
+fn the_descending_order_exposes_a_missing_barrier() {
+    let Some(m) = module() else { return };
+    type Kernel = unsafe extern "C" fn(*mut f32);
+    // SAFETY: the signature of missing_barrier.
+    let k: Kernel = unsafe { m.kernel("missing_barrier") }.unwrap();
+    let mut got = Vec::new();
+    for order in [Order::Ascending, Order::Descending] {
+        let mut out = vec![0f32; 32];
+        let op = out.as_mut_ptr() as usize;
+        // SAFETY: `out` outlives the launch.
+        m.launch_in(order, [1, 1, 1], [64, 1, 1], 0, &|| unsafe {
+            k(op as *mut f32)
+        })
+        .unwrap();
+        got.push(out[0]);
+    }
+    // Ascending, warp 0 wrote first; descending, warp 1 read the launch's stale bytes.
+    assert_eq!(got[0], 1.0);
+    assert_ne!(got[1], 1.0);
 }
