@@ -580,8 +580,8 @@ impl SplitAttn<'_> {
 
 /// Split-K decode attention (`attn_partial_<V>`, then `attn_combine` where a row's keys take
 /// several splits) over a paged cache with blocks in random order: two sequences (three rows
-/// of one, one of the other), GQA, head dims 128, 256 and 512, with and without a window and a
-/// soft-cap, one split and several.
+/// of one, one of the other), GQA, every head dim the kernels take (32 to 512), with and
+/// without a window and a soft-cap, one split and several.
 #[test]
 fn split_attention_matches_reference() {
     let Some(unit) = emu_unit(Module::Attention, None) else {
@@ -602,6 +602,8 @@ fn split_attention_matches_reference() {
         (256, Some(24), Some(30.0), 40),
         (512, None, Some(50.0), 33),
         (128, Some(70), None, 1000),
+        (64, Some(10), None, 50),
+        (32, None, Some(20.0), 1000),
     ] {
         let what = format!("attention hd={hd} window={window:?} softcap={softcap:?} chunk={chunk}");
         let kv_w = nkv * hd;

@@ -17,6 +17,7 @@ use std::ffi::{c_char, c_void, CStr};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
 
 use sha2::{Digest, Sha256};
 
@@ -311,6 +312,11 @@ impl EmuModule {
     ) -> Result<(), EmuError> {
         let mut message = vec![0 as c_char; 1024];
         let mut ctx: &dyn Fn() = body;
+        // One launch at a time in the process: a unit's static shared arrays are statics of
+        // its library, which every EmuModule of the same unit shares (dlopen hands out one
+        // copy), and each block poisons them as it starts.
+        static LAUNCHES: Mutex<()> = Mutex::new(());
+        let _one = LAUNCHES.lock().unwrap_or_else(|e| e.into_inner());
         // SAFETY: `mb_emu_launch` runs `run_body(ctx)` in every fiber and returns before `ctx`
         // and `message` go out of scope.
         let rc = unsafe {

@@ -100,6 +100,29 @@ pub fn random_matrix(r: &mut StdRng, ty: GgmlType, rows: usize, cols: usize) -> 
     }
 }
 
+/// `v` rounded once to the nearest f16, ties to even, as an f16 `fma` rounds: `f16::from_f64`
+/// may round through f32 first, and a value a hair above a tie between two f16s then lands on
+/// the tie and goes to the even one (Q4_K's 13 · 2.4726563 − 0.0039043427 = 32.1406269… gave
+/// 32.125, the kernel's fma 32.15625, found by the CPU emulator).
+pub fn f16_nearest(v: f64) -> f16 {
+    let c = f16::from_f64(v);
+    if !c.is_finite() || v.is_nan() {
+        return c;
+    }
+    let mut best = c;
+    for bits in [c.to_bits().wrapping_sub(1), c.to_bits().wrapping_add(1)] {
+        let n = f16::from_bits(bits);
+        if !n.is_finite() {
+            continue;
+        }
+        let (dn, db) = ((n.to_f64() - v).abs(), (best.to_f64() - v).abs());
+        if dn < db || (dn == db && bits & 1 == 0) {
+            best = n;
+        }
+    }
+    best
+}
+
 /// A Q4_K or Q5_K matrix as the tensor-core kernels (mmq.cu, moe_mma.cu) dequantize it to f16:
 /// each weight fma(q, S, −M) rounded once, S = f16(d · scale) and M = f16(dmin · min) each
 /// rounded once (saturating at ±65 504). Checked against the reference's dequantization to
@@ -135,7 +158,7 @@ pub fn k_quant_as_f16_fma(m: &HostMatrix) -> HostMatrix {
             }
             let s16 = f16_sat(d * f32::from(s)).to_f64();
             let m16 = f16_sat(dmin * f32::from(mn)).to_f64();
-            w.push(f16::from_f64(f64::from(q) * s16 - m16));
+            w.push(f16_nearest(f64::from(q) * s16 - m16));
         }
     }
     let exact = reference::dequantize_matrix(m).unwrap();
