@@ -78,6 +78,20 @@ fn gemv_unit(format: &'static str) -> Option<Arc<EmuModule>> {
     emu_unit(Module::Gemv, Some(format))
 }
 
+/// `m`'s bytes as they lie on the device (`device_bytes`).
+fn laid_out(m: &HostMatrix) -> Vec<u8> {
+    device_bytes(m.ty, m.bytes.as_slice(), m.rows).into_owned()
+}
+
+/// Rows of `k` activations `v` as the GEMVs of weights stored as `ty` take them: 16-bit
+/// integers a 32-value chunk where `gemv_takes_16_bit_activations`, else as they are.
+fn as_gemvs_take(ty: GgmlType, v: &[f32], k: usize) -> Vec<f32> {
+    match gemv_takes_16_bit_activations(ty, k) {
+        true => v.chunks(k).flat_map(as_16_bit).collect(),
+        false => v.to_vec(),
+    }
+}
+
 /// A matrix's weights as the tensor-core kernel dequantizes them to f16, as f32.
 fn mmq_weights(m: &HostMatrix) -> Vec<f32> {
     let w = match m.ty {
@@ -147,10 +161,7 @@ fn check_mmq(unit: &EmuModule, format: &str, case: &MmqCase, shape: &MmqShape, s
         .iter()
         .map(|&rows| random_matrix(&mut r, case.ty, rows, k))
         .collect();
-    let laid: Vec<Vec<u8>> = host
-        .iter()
-        .map(|m| device_bytes(m.ty, m.bytes.as_slice(), m.rows).into_owned())
-        .collect();
+    let laid: Vec<Vec<u8>> = host.iter().map(laid_out).collect();
     let row_bytes = laid[0].len() / case.rows[0];
     let x: Vec<f32> = uniform(&mut r, n * k, 1.0)
         .into_iter()
@@ -386,10 +397,7 @@ fn walk_format(ty: GgmlType, format: &'static str) {
     for p in [1, 2] {
         let mut r = rng(&format!("walk {format} P={p}"));
         let mats: Vec<HostMatrix> = (0..2).map(|_| random_matrix(&mut r, ty, rows, k)).collect();
-        let laid: Vec<Vec<u8>> = mats
-            .iter()
-            .map(|m| device_bytes(m.ty, m.bytes.as_slice(), m.rows).into_owned())
-            .collect();
+        let laid: Vec<Vec<u8>> = mats.iter().map(laid_out).collect();
         let row_bytes = laid[0].len() / rows;
         let x = uniform(&mut r, k, 1.0);
         let xs = as_16_bit(&x);
@@ -834,10 +842,7 @@ fn gemv_many_matches_reference_for_every_format() {
                 .iter()
                 .map(|&n| random_matrix(&mut r, ty, n, k))
                 .collect();
-            let laid: Vec<Vec<u8>> = mats
-                .iter()
-                .map(|m| device_bytes(m.ty, m.bytes.as_slice(), m.rows).into_owned())
-                .collect();
+            let laid: Vec<Vec<u8>> = mats.iter().map(laid_out).collect();
             let row_bytes = laid[0].len() / rows[0];
             let weights: Vec<Vec<f32>> = mats
                 .iter()
@@ -845,11 +850,7 @@ fn gemv_many_matches_reference_for_every_format() {
                 .collect();
             for (nt_kernel, nt) in [(1, 1), (2, 2), (4, 3), (8, 8)] {
                 let x = uniform(&mut r, nt * k, 1.0);
-                let xs: Vec<f32> = if gemv_takes_16_bit_activations(ty, k) {
-                    x.chunks(k).flat_map(as_16_bit).collect()
-                } else {
-                    x.clone()
-                };
+                let xs = as_gemvs_take(ty, &x, k);
                 let mut outs: Vec<Vec<f32>> =
                     rows.iter().map(|&n| vec![f32::NAN; nt * n]).collect();
                 let mut p = Products {
@@ -1042,7 +1043,7 @@ fn grouped_moe_on_tensor_cores_matches_reference() {
         let down = random_matrix(&mut r, ty, n_experts * d, ff);
         let mma: MoeMma = unsafe { unit.kernel(&format!("moe_mma_{format}")) }.unwrap();
         let launch = |m: &HostMatrix, rows: usize, x: &[u16], gated: bool, out: usize| {
-            let laid = device_bytes(m.ty, m.bytes.as_slice(), m.rows).into_owned();
+            let laid = laid_out(m);
             let row_bytes = laid.len() / m.rows;
             let (wp, xp, tp) = (
                 laid.as_ptr() as usize,
@@ -1459,10 +1460,7 @@ fn gemv_and_gated_gemv_match_reference_for_every_format() {
         let i16 = gemv_takes_16_bit_activations(ty, k);
         let plain = matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16);
         let mats: Vec<HostMatrix> = (0..2).map(|_| random_matrix(&mut r, ty, rows, k)).collect();
-        let laid: Vec<Vec<u8>> = mats
-            .iter()
-            .map(|m| device_bytes(m.ty, m.bytes.as_slice(), m.rows).into_owned())
-            .collect();
+        let laid: Vec<Vec<u8>> = mats.iter().map(laid_out).collect();
         let row_bytes = laid[0].len() / rows;
         let weights: Vec<Vec<f32>> = mats
             .iter()
@@ -1472,10 +1470,7 @@ fn gemv_and_gated_gemv_match_reference_for_every_format() {
         for (nt_kernel, nt, split) in [(1, 1, 4), (2, 2, 1), (4, 3, 2), (8, 8, 1)] {
             let split = if i16 || plain { split } else { 1 };
             let x = uniform(&mut r, nt * k, 1.0);
-            let xs: Vec<f32> = match i16 {
-                true => x.chunks(k).flat_map(as_16_bit).collect(),
-                false => x.clone(),
-            };
+            let xs = as_gemvs_take(ty, &x, k);
             let g = products(&weights[0], &xs, rows, k, nt);
             let u = products(&weights[1], &xs, rows, k, nt);
             let mul = uniform(&mut r, nt * rows, 1.0);
@@ -1585,7 +1580,7 @@ fn embedding_and_dequantization_match_reference_for_every_format() {
         let mut r = rng(&format!("embed {format}"));
         let (rows, k, scale) = (6usize, 4352usize, 0.75f32);
         let m = random_matrix(&mut r, ty, rows, k);
-        let laid = device_bytes(m.ty, m.bytes.as_slice(), m.rows).into_owned();
+        let laid = laid_out(&m);
         let row_bytes = laid.len() / rows;
         let exact = reference::dequantize_matrix(&m).unwrap();
         let wp = laid.as_ptr() as usize;
@@ -1872,8 +1867,7 @@ fn moe_routing_and_per_pair_experts_match_reference() {
         };
         let gate_up = random_matrix(&mut r, ty, n_experts * 2 * f, d);
         let down = random_matrix(&mut r, ty, n_experts * d, f);
-        let lay = |m: &HostMatrix| device_bytes(m.ty, m.bytes.as_slice(), m.rows).into_owned();
-        let (gu, dn) = (lay(&gate_up), lay(&down));
+        let (gu, dn) = (laid_out(&gate_up), laid_out(&down));
         let (gu_rb, dn_rb) = (gu.len() / gate_up.rows, dn.len() / down.rows);
         let x = uniform(&mut r, n * d, 1.0);
         let mut h = vec![f32::NAN; pairs * f];
@@ -1959,12 +1953,7 @@ fn moe_routing_and_per_pair_experts_match_reference() {
             "moe {format}: the bad id is flagged (MB_ERR_EXPERT_ID)"
         );
 
-        let seen = |v: &[f32], k: usize| -> Vec<f32> {
-            match gemv_takes_16_bit_activations(ty, k) {
-                true => v.chunks(k).flat_map(as_16_bit).collect(),
-                false => v.to_vec(),
-            }
-        };
+        let seen = |v: &[f32], k: usize| as_gemvs_take(ty, v, k);
         let (wgu, wd) = (
             reference::dequantize_matrix(&gate_up).unwrap(),
             reference::dequantize_matrix(&down).unwrap(),
@@ -2462,8 +2451,7 @@ fn grouped_moe_on_gemvs_matches_reference() {
         };
         let gate_up = random_matrix(&mut r, ty, n_experts * 2 * f, d);
         let down = random_matrix(&mut r, ty, n_experts * d, f);
-        let lay = |m: &HostMatrix| device_bytes(m.ty, m.bytes.as_slice(), m.rows).into_owned();
-        let (gu, dn) = (lay(&gate_up), lay(&down));
+        let (gu, dn) = (laid_out(&gate_up), laid_out(&down));
         let (gu_rb, dn_rb) = (gu.len() / gate_up.rows, dn.len() / down.rows);
         let x = uniform(&mut r, n * d, 1.0);
         let mut xg = vec![f32::NAN; pairs * d];
@@ -2514,12 +2502,7 @@ fn grouped_moe_on_gemvs_matches_reference() {
             });
         }
 
-        let seen = |v: &[f32], k: usize| -> Vec<f32> {
-            match gemv_takes_16_bit_activations(ty, k) {
-                true => v.chunks(k).flat_map(as_16_bit).collect(),
-                false => v.to_vec(),
-            }
-        };
+        let seen = |v: &[f32], k: usize| as_gemvs_take(ty, v, k);
         let wgu = reference::dequantize_matrix(&gate_up).unwrap();
         let wd = reference::dequantize_matrix(&down).unwrap();
         let (mut want_h, mut want_y) = (vec![0f32; pairs * f], vec![0f32; pairs * d]);
