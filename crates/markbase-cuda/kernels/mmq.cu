@@ -754,6 +754,11 @@ __device__ void mmq_impl(const Products& p, u64 row_bytes, int k, const u16* xh,
 // Slots of a warp's weight ring (mmq_ring_impl; mmq.rs, RING_SLOTS): units in flight R − 1
 // ahead of the one it multiplies.
 #define MMQ_RING_SLOTS 3
+// 1: a warp reads its next unit from the ring into registers while it multiplies the current
+// one (mmq_ring_impl); under evaluation.
+#ifndef MMQ_RING_LOOKAHEAD
+#define MMQ_RING_LOOKAHEAD 0
+#endif
 
 // Copies the unit of item u at unit index `sb` (of the row) of the warp's 16 rows into ring
 // slot `slot` (16 rows of F::UNIT_BYTES: the tile's rows g at g · UNIT_BYTES, the rows 8 on
@@ -805,8 +810,11 @@ __device__ void mmq_ring_impl(const Products& p, u64 row_bytes, int k, const u16
     MmqCursor load, use;
     mmq_seek(p, gated, row_bytes, g, first, load);
     use = load;
+    // Units issued ahead of the one multiplied: R − 1, or R where the next unit is read into
+    // registers ahead (MMQ_RING_LOOKAHEAD), freeing its slot a step sooner.
+    constexpr int AHEAD = MMQ_RING_LOOKAHEAD ? R : R - 1;
 #pragma unroll
-    for (int j = 0; j < R - 1; j++) {
+    for (int j = 0; j < AHEAD; j++) {
         if (j < mine) {
             mmq_ring_issue<F>(load, sb0 + load.i, ring + j * SLOT, g, c);
             mmq_next(p, gated, row_bytes, g, count, stride, load);
@@ -819,6 +827,37 @@ __device__ void mmq_ring_impl(const Products& p, u64 row_bytes, int k, const u16
     constexpr int CH = NT <= 2 ? MMQ_CHAINS : 1;
     float acc[CH][NT][4];
     mmq_zero<NT, CH>(acc);
+    const u8* slots = (const u8*)mmq_smem + (ring - shared_address(mmq_smem));
+#if MMQ_RING_LOOKAHEAD
+    // Unit q + 1 is read from its slot into registers while unit q is multiplied, so its
+    // shared-memory loads overlap the mma's; a unit's slot is free once it is in registers,
+    // so R units are in flight.
+    typename F::Unit next;
+    mmq_wait_ring<R>();
+    __syncwarp();
+    if (mine > 0) F::template load<true>(slots + g * F::UNIT_BYTES,
+                                         slots + (g + 8) * F::UNIT_BYTES, c, next);
+    for (int q = 0; q < mine; q++) {
+        const typename F::Unit a = next;
+        __syncwarp();  // no lane still reads slot q % R, refilled here
+        if (q + R < mine) {
+            mmq_ring_issue<F>(load, sb0 + load.i, ring + (q % R) * SLOT, g, c);
+            mmq_next(p, gated, row_bytes, g, count, stride, load);
+        }
+        mmq_commit();
+        if (q + 1 < mine) {
+            mmq_wait_ring<R>();
+            __syncwarp();  // every lane's copies of unit q + 1 landed
+            const u8* slot = slots + ((q + 1) % R) * SLOT;
+            F::template load<true>(slot + g * F::UNIT_BYTES, slot + (g + 8) * F::UNIT_BYTES, c,
+                                   next);
+        }
+        mmq_mul<F, NT, CH>(a, (const u8*)mmq_smem + use.i * 8 * NT * F::TOKEN_BYTES, g, c, acc);
+        if (use.i == count - 1)
+            mmq_end_item<F, NT, CH>(use, gated, acc, n, tiles, parts, tickets, splits, g, c);
+        mmq_next(p, gated, row_bytes, g, count, stride, use);
+    }
+#else
     for (int q = 0; q < mine; q++) {
         __syncwarp();  // no lane still reads the slot refilled here
         if (q + R - 1 < mine) {
@@ -828,7 +867,7 @@ __device__ void mmq_ring_impl(const Products& p, u64 row_bytes, int k, const u16
         mmq_commit();
         mmq_wait_ring<R>();
         __syncwarp();  // every lane's copies of unit q landed
-        const u8* slot = (const u8*)mmq_smem + (ring - shared_address(mmq_smem)) + (q % R) * SLOT;
+        const u8* slot = slots + (q % R) * SLOT;
         typename F::Unit a;
         F::template load<true>(slot + g * F::UNIT_BYTES, slot + (g + 8) * F::UNIT_BYTES, c, a);
         mmq_mul<F, NT, CH>(a, (const u8*)mmq_smem + use.i * 8 * NT * F::TOKEN_BYTES, g, c, acc);
@@ -836,6 +875,7 @@ __device__ void mmq_ring_impl(const Products& p, u64 row_bytes, int k, const u16
             mmq_end_item<F, NT, CH>(use, gated, acc, n, tiles, parts, tickets, splits, g, c);
         mmq_next(p, gated, row_bytes, g, count, stride, use);
     }
+#endif
 }
 
 // The kernels mmq_<format>_<NT> for NT n-tiles (up to 8 · NT token rows); blocks of 256

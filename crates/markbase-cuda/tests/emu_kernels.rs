@@ -17,7 +17,7 @@ use half::f16;
 use markbase_core::backend::{first_visible_key, AttnSpec, HostMatrix, KvLayout, Rope};
 use markbase_core::quant::GgmlType;
 use markbase_cpu::reference;
-use markbase_cuda::sources::{Module, Unit, FORMATS};
+use markbase_cuda::sources::{defines_from_env, Module, Unit, FORMATS};
 use markbase_cuda::{device_bytes, gemv_takes_16_bit_activations};
 use markbase_kernel_emu::{compiler_available, EmuModule};
 use matrices::*;
@@ -66,8 +66,9 @@ fn emu_unit(module: Module, format: Option<&'static str>) -> Option<Arc<EmuModul
     let mut units = UNITS.lock().unwrap();
     let units = units.get_or_insert_with(HashMap::new);
     let module = units.entry(unit.name()).or_insert_with(|| {
-        let module =
-            EmuModule::compile(&unit.name(), &unit.source("")).unwrap_or_else(|e| panic!("{e}"));
+        let defines = defines_from_env().unwrap_or_else(|e| panic!("{e}"));
+        let module = EmuModule::compile(&unit.name(), &unit.source(&defines))
+            .unwrap_or_else(|e| panic!("{e}"));
         Arc::new(module)
     });
     Some(module.clone())
