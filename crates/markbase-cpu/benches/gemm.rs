@@ -10,11 +10,9 @@ use markbase_core::backend::Backend;
 use markbase_core::quant::GgmlType;
 use markbase_cpu::kernels::gemm::{pack_tokens, packed_len, rows_matmul, unpack_rows};
 use markbase_cpu::CpuBackend;
+use markbase_test_support::random_matrix;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-
-mod common;
-use common::random_matrix;
 
 const TOKENS: usize = 128;
 const ROWS: usize = 24;
@@ -74,7 +72,7 @@ fn layer_x512(bencher: Bencher, threads: usize) {
     let mut mats = Vec::new();
     for (ty, rows, cols) in LAYER {
         let w = be
-            .load_matrix(&random_matrix(ty, rows, cols, &mut rng))
+            .load_matrix(&random_matrix(&mut rng, ty, rows, cols))
             .unwrap();
         let x: Vec<f32> = (0..PREFILL * cols)
             .map(|_| rng.random_range(-1.0..1.0))

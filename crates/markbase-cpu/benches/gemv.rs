@@ -8,11 +8,9 @@ use divan::Bencher;
 use markbase_core::backend::{Backend, HostMatrix};
 use markbase_core::quant::GgmlType;
 use markbase_cpu::CpuBackend;
+use markbase_test_support::random_matrix;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-
-mod common;
-use common::random_matrix;
 
 fn main() {
     divan::main();
@@ -28,12 +26,12 @@ const SHAPES: [(&str, GgmlType, usize, usize); 6] = [
     ("attn_q_q5_0", GgmlType::Q5_0, 1024, 640),
 ];
 
-/// A random matrix of `SHAPES[shape]` whose block scales are all 2^-4.
+/// A random matrix of `SHAPES[shape]` (block scales uniform in ±0.05).
 fn matrix(shape: usize, rng: &mut StdRng) -> HostMatrix {
     let (name, ty, rows, cols) = SHAPES[shape];
     HostMatrix {
         name: name.into(),
-        ..random_matrix(ty, rows, cols, rng)
+        ..random_matrix(rng, ty, rows, cols)
     }
 }
 

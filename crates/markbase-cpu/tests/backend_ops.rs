@@ -8,23 +8,9 @@ use markbase_core::quant::GgmlType;
 use markbase_cpu::{reference, uses_quantized_activations, CpuBackend, CpuBuffer, F32_FROM_TOKENS};
 
 mod common;
+use markbase_test_support::{assert_close, rng, uniform};
 use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
-
-fn rng() -> StdRng {
-    let seed = match std::env::var("MARKBASE_TEST_SEED") {
-        Ok(s) => s.parse().expect("MARKBASE_TEST_SEED must be an integer"),
-        Err(_) => rand::rng().random(),
-    };
-    eprintln!("MARKBASE_TEST_SEED={seed}");
-    StdRng::seed_from_u64(seed)
-}
-
-fn randn(rng: &mut StdRng, n: usize, scale: f32) -> Vec<f32> {
-    (0..n)
-        .map(|_| rng.random_range(-1.0..1.0f32) * scale)
-        .collect()
-}
+use rand::Rng;
 
 fn buf(be: &CpuBackend, v: &[f32], extra: usize) -> CpuBuffer {
     let mut b = be.alloc(v.len() + extra).unwrap();
@@ -32,19 +18,10 @@ fn buf(be: &CpuBackend, v: &[f32], extra: usize) -> CpuBuffer {
     b
 }
 
-fn assert_close(what: &str, got: &[f32], want: &[f32], tol: f32) {
-    assert_eq!(got.len(), want.len(), "{what}: length");
-    let scale = want.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
-    for (i, (a, b)) in got.iter().zip(want).enumerate() {
-        assert!(
-            (a - b).abs() <= tol * scale,
-            "{what}[{i}]: {a} vs {b} (tolerance {tol} x {scale})"
-        );
-    }
-}
-
-/// A random stored matrix of any format: random bytes with moderate f16 scales.
-fn random_matrix(rng: &mut StdRng, ty: GgmlType, rows: usize, cols: usize) -> HostMatrix {
+/// A random stored matrix of any format built from `common::random_row`: f16 scales (and F16
+/// values) of random sign and magnitude 2^-14 … 2^3, F32 values in ±4, a wider spread than
+/// `markbase_test_support::random_matrix` draws, which these tests have always checked.
+fn wide_random_matrix(rng: &mut StdRng, ty: GgmlType, rows: usize, cols: usize) -> HostMatrix {
     let bytes: Vec<u8> = (0..rows)
         .flat_map(|_| common::random_row(ty, cols, rng))
         .collect();
@@ -59,7 +36,7 @@ fn random_matrix(rng: &mut StdRng, ty: GgmlType, rows: usize, cols: usize) -> Ho
 
 #[test]
 fn matmul_and_embed_match_reference_for_every_format() {
-    let mut rng = rng();
+    let mut rng = rng("matmul_and_embed_match_reference_for_every_format");
     let be = CpuBackend::new(2).unwrap();
     for ty in GgmlType::SUPPORTED {
         let rows = rng.random_range(1..80);
@@ -68,10 +45,10 @@ fn matmul_and_embed_match_reference_for_every_format() {
             32 => 32 * rng.random_range(1..40),
             _ => 256 * rng.random_range(1..4),
         };
-        let m = random_matrix(&mut rng, ty, rows, cols);
+        let m = wide_random_matrix(&mut rng, ty, rows, cols);
         let w = be.load_matrix(&m).unwrap();
         for n in [1, 3, F32_FROM_TOKENS - 1, F32_FROM_TOKENS, 70] {
-            let x = randn(&mut rng, n * cols, 1.0);
+            let x = uniform(&mut rng, n * cols, 1.0);
             let mut out = be.alloc(n * rows + 5).unwrap();
             be.matmul(&buf(&be, &x, 0), n, &w, &mut out).unwrap();
             let want = if uses_quantized_activations(ty, n) {
@@ -98,12 +75,12 @@ fn matmul_and_embed_match_reference_for_every_format() {
 /// The integer path's results do not depend on the number of threads.
 #[test]
 fn matmul_is_identical_on_any_thread_count() {
-    let mut rng = rng();
+    let mut rng = rng("matmul_is_identical_on_any_thread_count");
     let (rows, cols) = (300, 512);
     for ty in [GgmlType::Q5_0, GgmlType::Q4_K, GgmlType::F16] {
-        let m = random_matrix(&mut rng, ty, rows, cols);
+        let m = wide_random_matrix(&mut rng, ty, rows, cols);
         for n in [1, 4, 40] {
-            let x = randn(&mut rng, n * cols, 1.0);
+            let x = uniform(&mut rng, n * cols, 1.0);
             let results: Vec<Vec<f32>> = [1, 2, 3]
                 .iter()
                 .map(|&threads| {
@@ -124,7 +101,7 @@ fn matmul_is_identical_on_any_thread_count() {
 /// decode batch gives each sequence the logits it would get alone, bit for bit.
 #[test]
 fn batched_matmul_equals_one_token_at_a_time() {
-    let mut rng = rng();
+    let mut rng = rng("batched_matmul_equals_one_token_at_a_time");
     let be = CpuBackend::new(2).unwrap();
     for ty in [
         GgmlType::Q4_0,
@@ -133,11 +110,11 @@ fn batched_matmul_equals_one_token_at_a_time() {
         GgmlType::Q4_K,
     ] {
         let (rows, cols) = (rng.random_range(1..200), 512);
-        let m = random_matrix(&mut rng, ty, rows, cols);
+        let m = wide_random_matrix(&mut rng, ty, rows, cols);
         let w = be.load_matrix(&m).unwrap();
         let n = rng.random_range(2..F32_FROM_TOKENS);
         assert!(uses_quantized_activations(ty, n));
-        let x = randn(&mut rng, n * cols, 1.0);
+        let x = uniform(&mut rng, n * cols, 1.0);
         let mut all = be.alloc(n * rows).unwrap();
         be.matmul(&buf(&be, &x, 0), n, &w, &mut all).unwrap();
         for t in 0..n {
@@ -155,12 +132,12 @@ fn batched_matmul_equals_one_token_at_a_time() {
 
 #[test]
 fn rms_norm_matches_reference_both_modes() {
-    let mut rng = rng();
+    let mut rng = rng("rms_norm_matches_reference_both_modes");
     let be = CpuBackend::new(2).unwrap();
     let (n, dim) = (rng.random_range(1..40), 64 * rng.random_range(1..5));
-    let x = randn(&mut rng, n * dim, 3.0);
-    let w = randn(&mut rng, dim, 2.0);
-    let base = randn(&mut rng, n * dim, 1.0);
+    let x = uniform(&mut rng, n * dim, 3.0);
+    let w = uniform(&mut rng, dim, 2.0);
+    let base = uniform(&mut rng, n * dim, 1.0);
     let wv = be.load_vector(&w).unwrap();
     let mut out = buf(&be, &base, 0);
     be.rms_norm(
@@ -197,12 +174,12 @@ fn rms_norm_matches_reference_both_modes() {
 
 #[test]
 fn head_norm_rope_matches_reference() {
-    let mut rng = rng();
+    let mut rng = rng("head_norm_rope_matches_reference");
     let be = CpuBackend::new(2).unwrap();
     for (hd, pairs) in [(32, 16), (256, 128), (512, 64)] {
         let (n, heads) = (rng.random_range(1..20), rng.random_range(1..5));
-        let x = randn(&mut rng, n * heads * hd, 2.0);
-        let w = randn(&mut rng, hd, 1.5);
+        let x = uniform(&mut rng, n * heads * hd, 2.0);
+        let w = uniform(&mut rng, hd, 1.5);
         let positions: Vec<u32> = (0..n).map(|_| rng.random_range(0..40_000)).collect();
         let rope = Rope {
             theta: [1e4, 1e6][rng.random_range(0..2)],
@@ -222,7 +199,7 @@ fn head_norm_rope_matches_reference() {
 /// position lists, then change one position must each match the reference.
 #[test]
 fn head_norm_rope_tables_follow_configs_and_positions() {
-    let mut rng = rng();
+    let mut rng = rng("head_norm_rope_tables_follow_configs_and_positions");
     let be = CpuBackend::new(2).unwrap();
     let (hd, heads, n) = (64, 2, 9);
     let ropes = [(1e4, 1.0, 32), (1e6, 1.0, 32), (1e4, 8.0, 16)].map(|(t, f, p)| Rope {
@@ -236,7 +213,7 @@ fn head_norm_rope_tables_follow_configs_and_positions() {
             positions[3] += 1000;
         }
         let rope = &ropes[[0, 0, 1, 0, 2, 1, 1, 0][step % 8]];
-        let x = randn(&mut rng, n * heads * hd, 2.0);
+        let x = uniform(&mut rng, n * heads * hd, 2.0);
         let mut b = buf(&be, &x, 0);
         be.head_norm_rope(&mut b, heads, hd, None, rope, &positions)
             .unwrap();
@@ -247,7 +224,7 @@ fn head_norm_rope_tables_follow_configs_and_positions() {
 
 #[test]
 fn attention_matches_reference() {
-    let mut rng = rng();
+    let mut rng = rng("attention_matches_reference");
     let be = CpuBackend::new(2).unwrap();
     for case in 0..6 {
         let hd = [32, 64, 256, 512][rng.random_range(0..4)];
@@ -292,9 +269,9 @@ fn attention_matches_reference() {
             table_width: width,
         };
         let n = positions.len();
-        let q = randn(&mut rng, n * heads * hd, 1.0);
-        let kc = randn(&mut rng, n_blocks * bs * kv * hd, 1.0);
-        let vc = randn(&mut rng, n_blocks * bs * kv * hd, 1.0);
+        let q = uniform(&mut rng, n * heads * hd, 1.0);
+        let kc = uniform(&mut rng, n_blocks * bs * kv * hd, 1.0);
+        let vc = uniform(&mut rng, n_blocks * bs * kv * hd, 1.0);
         let mut out = be.alloc(n * heads * hd).unwrap();
         let (kb, vb) = (buf(&be, &kc, 0), buf(&be, &vc, 0));
         be.attention(&buf(&be, &q, 0), &kb, &vb, &spec, &layout, &mut out)
@@ -317,11 +294,11 @@ fn attention_matches_reference() {
 
 #[test]
 fn elementwise_ops_match_reference() {
-    let mut rng = rng();
+    let mut rng = rng("elementwise_ops_match_reference");
     let be = CpuBackend::new(2).unwrap();
     let len = rng.random_range(1..10_000);
-    let g = randn(&mut rng, len, 5.0);
-    let u = randn(&mut rng, len, 2.0);
+    let g = uniform(&mut rng, len, 5.0);
+    let u = uniform(&mut rng, len, 2.0);
     let mut gb = buf(&be, &g, 0);
     be.gelu_tanh_mul(&mut gb, &buf(&be, &u, 0), len).unwrap();
     assert_close(
@@ -339,8 +316,8 @@ fn elementwise_ops_match_reference() {
     assert_close("scale", sb.as_slice(), &want, 0.0);
     let mut kc = be.alloc(10 * 4).unwrap();
     let mut vc = be.alloc(10 * 4).unwrap();
-    let k = randn(&mut rng, 8, 1.0);
-    let v = randn(&mut rng, 8, 1.0);
+    let k = uniform(&mut rng, 8, 1.0);
+    let v = uniform(&mut rng, 8, 1.0);
     be.write_kv(
         &buf(&be, &k, 0),
         &buf(&be, &v, 0),
@@ -369,11 +346,11 @@ fn elementwise_ops_match_reference() {
 /// vocabulary size and `top_k` 0.
 #[test]
 fn argmax_screened_picks_and_rejects_bad_input() {
-    let mut rng = rng();
+    let mut rng = rng("argmax_screened_picks_and_rejects_bad_input");
     let be = CpuBackend::new(2).unwrap();
     let (rows, cols, n) = (3000, 64, 3);
-    let x = randn(&mut rng, n * cols, 1.0);
-    let mut w = randn(&mut rng, rows * cols, 1.0);
+    let x = uniform(&mut rng, n * cols, 1.0);
+    let mut w = uniform(&mut rng, rows * cols, 1.0);
     let want: Vec<u32> = (0..n).map(|_| rng.random_range(0..rows as u32)).collect();
     for (t, &r) in want.iter().enumerate() {
         for c in 0..cols {

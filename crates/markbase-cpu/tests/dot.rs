@@ -7,7 +7,8 @@ use markbase_cpu::kernels::dot::{dot_row, dot_row_with, dot_rows, dot_rows_with}
 use markbase_cpu::kernels::Isa;
 
 mod common;
-use common::{kernel_sets, random_row, random_x, seeded};
+use common::{kernel_sets, random_row};
+use markbase_test_support::{seeded, uniform};
 
 /// Relative tolerance against the sum of |w·x| terms: far above f32 summation error over a
 /// few thousand terms (≈1e-6 worst case here), far below the effect of one wrong weight.
@@ -44,12 +45,12 @@ fn check(what: &str, seed: u64, got: f32, (want, mag): (f64, f64)) {
 
 #[test]
 fn dot_row_matches_reference_for_every_format() {
-    let (seed, mut rng) = seeded();
+    let (seed, mut rng) = seeded("dot_row_matches_reference_for_every_format");
     for isa in kernel_sets() {
         for ty in GgmlType::ALL {
             for k in lengths(ty) {
                 let row = random_row(ty, k, &mut rng);
-                let x = random_x(k, &mut rng);
+                let x = uniform(&mut rng, k, 1.0);
                 let got = dot_row_with(isa, ty, &row, &x);
                 check(
                     &format!("{isa:?} {ty} k={k}"),
@@ -64,13 +65,13 @@ fn dot_row_matches_reference_for_every_format() {
 
 #[test]
 fn dot_rows_matches_reference_for_every_format() {
-    let (seed, mut rng) = seeded();
+    let (seed, mut rng) = seeded("dot_rows_matches_reference_for_every_format");
     for isa in kernel_sets() {
         for ty in GgmlType::ALL {
             for k in lengths(ty) {
                 for n in [1, 3, 8] {
                     let row = random_row(ty, k, &mut rng);
-                    let xs = random_x(n * k, &mut rng);
+                    let xs = uniform(&mut rng, n * k, 1.0);
                     let mut out = vec![f32::NAN; n];
                     dot_rows_with(isa, ty, &row, &xs, k, &mut out);
                     for (i, (o, x)) in out.iter().zip(xs.chunks_exact(k)).enumerate() {
@@ -87,7 +88,7 @@ fn dot_rows_matches_reference_for_every_format() {
 /// bit: this checks the unpacking of every weight, exactly.
 #[test]
 fn one_hot_activations_recover_every_weight_exactly() {
-    let (seed, mut rng) = seeded();
+    let (seed, mut rng) = seeded("one_hot_activations_recover_every_weight_exactly");
     for isa in kernel_sets() {
         for ty in GgmlType::ALL {
             let k = 256;
@@ -115,10 +116,10 @@ fn one_hot_activations_recover_every_weight_exactly() {
 
 #[test]
 fn default_entry_points_use_a_tested_kernel_set() {
-    let (seed, mut rng) = seeded();
+    let (seed, mut rng) = seeded("default_entry_points_use_a_tested_kernel_set");
     let ty = GgmlType::Q4_K;
     let row = random_row(ty, 512, &mut rng);
-    let xs = random_x(1024, &mut rng);
+    let xs = uniform(&mut rng, 1024, 1.0);
     let mut out = [0f32; 2];
     dot_rows(ty, &row, &xs, 512, &mut out);
     let best = Isa::detect();

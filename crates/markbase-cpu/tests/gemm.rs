@@ -10,14 +10,15 @@ use markbase_cpu::kernels::Isa;
 use rand::Rng;
 
 mod common;
-use common::{kernel_sets, random_row, random_x, seeded};
+use common::{kernel_sets, random_row};
+use markbase_test_support::{seeded, uniform};
 
 /// Relative tolerance against Σ|w·x| of each output: f32 sums of at most 2048 terms.
 const REL_TOL: f64 = 1e-5;
 
 #[test]
 fn rows_matmul_matches_reference_for_every_format() {
-    let (seed, mut rng) = seeded();
+    let (seed, mut rng) = seeded("rows_matmul_matches_reference_for_every_format");
     for isa in kernel_sets() {
         for (i, ty) in GgmlType::SUPPORTED.into_iter().enumerate() {
             let k = match ty.block_size() {
@@ -32,7 +33,7 @@ fn rows_matmul_matches_reference_for_every_format() {
             };
             let rows: Vec<Vec<u8>> = (0..nr).map(|_| random_row(ty, k, &mut rng)).collect();
             let bytes: Vec<u8> = rows.concat();
-            let x = random_x(n * k, &mut rng);
+            let x = uniform(&mut rng, n * k, 1.0);
             let mut xt = vec![f32::NAN; packed_len(n, k) + 3];
             pack_tokens(&x, n, k, &mut xt);
             let mut w = vec![f32::NAN; nr * k];
@@ -74,9 +75,9 @@ fn rows_matmul_matches_reference_for_every_format() {
 /// Packing is a pure copy: every kernel set lays out exactly the same tiles.
 #[test]
 fn packed_tiles_hold_each_activation_once() {
-    let (seed, mut rng) = seeded();
+    let (seed, mut rng) = seeded("packed_tiles_hold_each_activation_once");
     for (n, k) in [(1, 8), (16, 640), (37, 35), (48, 2048)] {
-        let x = random_x(n * k, &mut rng);
+        let x = uniform(&mut rng, n * k, 1.0);
         for isa in kernel_sets() {
             let mut xt = vec![f32::NAN; packed_len(n, k)];
             pack_tokens_with(isa, &x, n, k, &mut xt);
@@ -92,7 +93,7 @@ fn packed_tiles_hold_each_activation_once() {
         }
     }
     let mut a = vec![0f32; packed_len(5, 64)];
-    let x = random_x(5 * 64, &mut rng);
+    let x = uniform(&mut rng, 5 * 64, 1.0);
     pack_tokens(&x, 5, 64, &mut a);
     let mut b = vec![0f32; a.len()];
     pack_tokens_with(Isa::Portable, &x, 5, 64, &mut b);

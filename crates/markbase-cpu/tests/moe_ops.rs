@@ -6,23 +6,9 @@ use std::sync::Arc;
 use markbase_core::backend::{Backend, HostBytes, HostMatrix};
 use markbase_core::quant::GgmlType;
 use markbase_cpu::{reference, CpuBackend};
+use markbase_test_support::{rng, uniform};
 use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
-
-fn rng() -> StdRng {
-    let seed = match std::env::var("MARKBASE_TEST_SEED") {
-        Ok(s) => s.parse().expect("MARKBASE_TEST_SEED must be an integer"),
-        Err(_) => rand::rng().random(),
-    };
-    eprintln!("MARKBASE_TEST_SEED={seed}");
-    StdRng::seed_from_u64(seed)
-}
-
-fn randn(rng: &mut StdRng, n: usize, scale: f32) -> Vec<f32> {
-    (0..n)
-        .map(|_| rng.random_range(-1.0..1.0f32) * scale)
-        .collect()
-}
+use rand::Rng;
 
 /// A random matrix in `ty`: f32 values, or random blocks with moderate f16 scales.
 fn matrix(rng: &mut StdRng, ty: GgmlType, rows: usize, cols: usize) -> HostMatrix {
@@ -30,7 +16,7 @@ fn matrix(rng: &mut StdRng, ty: GgmlType, rows: usize, cols: usize) -> HostMatri
     let mut bytes = vec![0u8; rows * row_bytes];
     match ty {
         GgmlType::F32 => {
-            for (c, v) in bytes.chunks_mut(4).zip(randn(rng, rows * cols, 0.5)) {
+            for (c, v) in bytes.chunks_mut(4).zip(uniform(rng, rows * cols, 0.5)) {
                 c.copy_from_slice(&v.to_le_bytes());
             }
         }
@@ -54,10 +40,10 @@ fn matrix(rng: &mut StdRng, ty: GgmlType, rows: usize, cols: usize) -> HostMatri
 
 #[test]
 fn moe_route_matches_reference() {
-    let mut rng = rng();
+    let mut rng = rng("moe_route_matches_reference");
     let be = CpuBackend::new(2).unwrap();
     for (n, e, k) in [(1, 8, 2), (5, 128, 8), (3, 4, 4)] {
-        let logits = randn(&mut rng, n * e, 4.0);
+        let logits = uniform(&mut rng, n * e, 4.0);
         let scale: Vec<f32> = (0..e).map(|_| rng.random_range(0.5..1.5)).collect();
         let mut lb = be.alloc(n * e).unwrap();
         be.write(&logits, &mut lb).unwrap();
@@ -97,13 +83,13 @@ fn moe_route_matches_reference() {
 
 #[test]
 fn moe_ffn_matches_reference() {
-    let mut rng = rng();
+    let mut rng = rng("moe_ffn_matches_reference");
     let be = CpuBackend::new(2).unwrap();
     for ty in [GgmlType::F32, GgmlType::Q8_0] {
         let (n, e, k, d, f) = (6, 8, 3, 64, 96);
         let gate_up = matrix(&mut rng, ty, e * 2 * f, d);
         let down = matrix(&mut rng, ty, e * d, f);
-        let x = randn(&mut rng, n * d, 1.0);
+        let x = uniform(&mut rng, n * d, 1.0);
         let mut route = Vec::new();
         for _ in 0..n {
             let mut chosen: Vec<usize> = (0..e).collect();

@@ -13,7 +13,8 @@ use rand::rngs::StdRng;
 use rand::Rng;
 
 mod common;
-use common::{kernel_sets, random_row, seeded};
+use common::{kernel_sets, random_row};
+use markbase_test_support::seeded;
 
 /// Relative tolerance against Σ_i M_i·|x_i|, M_i the largest |weight| of weight i's 32-block.
 /// The kernels round only when scaling a block's exact integer sum (and its minimum term) to
@@ -69,7 +70,7 @@ fn lengths(ty: GgmlType) -> Vec<usize> {
 
 #[test]
 fn qdot_matches_reference_for_every_format() {
-    let (seed, mut rng) = seeded();
+    let (seed, mut rng) = seeded("qdot_matches_reference_for_every_format");
     for isa in kernel_sets() {
         for ty in quantized_formats() {
             for k in lengths(ty) {
@@ -102,7 +103,7 @@ fn qdot_matches_reference_for_every_format() {
 /// matches the reference and equals, bit for bit, what the single-token call gives it.
 #[test]
 fn multi_token_matches_reference_and_single_token() {
-    let (seed, mut rng) = seeded();
+    let (seed, mut rng) = seeded("multi_token_matches_reference_and_single_token");
     for isa in kernel_sets() {
         for ty in quantized_formats() {
             let k = lengths(ty)[rng.random_range(0..2)];
@@ -147,7 +148,7 @@ fn multi_token_matches_reference_and_single_token() {
 /// the unpacking of every weight position of a super-block.
 #[test]
 fn one_hot_activations_recover_every_weight() {
-    let (seed, mut rng) = seeded();
+    let (seed, mut rng) = seeded("one_hot_activations_recover_every_weight");
     for isa in kernel_sets() {
         for ty in quantized_formats() {
             let k = 256;
@@ -175,7 +176,7 @@ fn one_hot_activations_recover_every_weight() {
 
 #[test]
 fn quantized_activations_are_within_half_a_step() {
-    let (seed, mut rng) = seeded();
+    let (seed, mut rng) = seeded("quantized_activations_are_within_half_a_step");
     let (n, k) = (3, 96);
     let x = random_acts(n * k, &mut rng);
     let mut act = QuantAct::new();
@@ -212,7 +213,7 @@ fn quantized_activations_are_within_half_a_step() {
 
 #[test]
 fn default_entry_point_uses_a_tested_kernel_set() {
-    let (seed, mut rng) = seeded();
+    let (seed, mut rng) = seeded("default_entry_point_uses_a_tested_kernel_set");
     let ty = GgmlType::Q4_K;
     let row = random_row(ty, 512, &mut rng);
     let mut act = QuantAct::new();
@@ -243,7 +244,7 @@ fn qdot_rejects_float_formats() {
 /// contiguous kernel gives it, for every format and both kernel sets.
 #[test]
 fn gathered_rows_equal_contiguous_rows() {
-    let (seed, mut rng) = seeded();
+    let (seed, mut rng) = seeded("gathered_rows_equal_contiguous_rows");
     for isa in kernel_sets() {
         for ty in quantized_formats() {
             let k = lengths(ty)[1];

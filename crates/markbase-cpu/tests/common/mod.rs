@@ -1,38 +1,19 @@
-//! Helpers shared by the kernel tests: seeded random generators, random weight rows of every
-//! format, and the kernel sets this CPU can run.
+//! Helpers shared by the kernel tests: random weight rows of every format with widely spread
+//! scales, and the kernel sets this CPU can run (seeds, uniform activations and the scale
+//! fields' offsets come from markbase-test-support).
 #![allow(dead_code)]
 
 use markbase_core::quant::GgmlType;
 use markbase_cpu::kernels::Isa;
+use markbase_test_support::scale_offsets;
 use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
-
-/// A fresh seed (or MARKBASE_TEST_SEED to replay a failure) and its generator.
-pub fn seeded() -> (u64, StdRng) {
-    let seed = match std::env::var("MARKBASE_TEST_SEED") {
-        Ok(s) => s.parse().expect("MARKBASE_TEST_SEED must be an integer"),
-        Err(_) => rand::rng().random(),
-    };
-    (seed, StdRng::seed_from_u64(seed))
-}
+use rand::Rng;
 
 /// A finite f16 of random sign and magnitude 2^-14 … 2^3, as bits.
 pub fn moderate_f16(rng: &mut StdRng) -> [u8; 2] {
     let sign = rng.random_range(0..2u16) << 15;
     let exp = rng.random_range(1..=18u16) << 10;
     (sign | exp | rng.random_range(0..1024u16)).to_le_bytes()
-}
-
-/// Byte offsets of the f16 scale fields in a block of `ty`.
-pub fn f16_fields(ty: GgmlType) -> &'static [usize] {
-    match ty {
-        GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => &[0],
-        GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4_K | GgmlType::Q5_K => &[0, 2],
-        GgmlType::Q2_K => &[80, 82],
-        GgmlType::Q3_K => &[108],
-        GgmlType::Q6_K => &[208],
-        _ => &[],
-    }
 }
 
 /// A random row of `k` weights: random bytes with finite, moderate scales.
@@ -59,7 +40,7 @@ pub fn random_row(ty: GgmlType, k: usize, rng: &mut StdRng) -> Vec<u8> {
         _ => {
             rng.fill(&mut row[..]);
             for block in row.chunks_exact_mut(ty.type_size()) {
-                for &off in f16_fields(ty) {
+                for &off in scale_offsets(ty) {
                     block[off..off + 2].copy_from_slice(&moderate_f16(rng));
                 }
                 if ty == GgmlType::Q8_K {
@@ -69,10 +50,6 @@ pub fn random_row(ty: GgmlType, k: usize, rng: &mut StdRng) -> Vec<u8> {
         }
     }
     row
-}
-
-pub fn random_x(n: usize, rng: &mut StdRng) -> Vec<f32> {
-    (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
 }
 
 /// The kernel sets to test: portable always, AVX2 and AVX-512 where this CPU has them.

@@ -1,6 +1,8 @@
 //! Random weight matrices and activations, the weights as a kernel dequantizes them, and the
 //! comparisons of results: shared by the GPU tests (gpu_ops) and the kernel tests on the CPU
-//! emulator (emu_kernels). Each binary uses its part.
+//! emulator (emu_kernels). Each binary uses its part. The random inputs and the comparisons
+//! come from markbase-test-support (re-exported here); the models of the kernels' roundings
+//! are this crate's own.
 #![allow(dead_code)]
 
 use std::sync::Arc;
@@ -9,96 +11,11 @@ use half::{bf16, f16};
 use markbase_core::backend::{HostBytes, HostMatrix};
 use markbase_core::quant::GgmlType;
 use markbase_cpu::reference;
-use rand::rngs::StdRng;
-use rand::{Rng, RngCore, SeedableRng};
-
-pub fn rng(test: &str) -> StdRng {
-    let seed = std::env::var("MARKBASE_TEST_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap()
-                .as_nanos() as u64
-        });
-    eprintln!("{test}: seed {seed}");
-    StdRng::seed_from_u64(seed)
-}
-
-pub fn uniform(r: &mut StdRng, n: usize, amp: f32) -> Vec<f32> {
-    (0..n).map(|_| r.random_range(-amp..amp)).collect()
-}
-
-/// `max |got − want| / max |want|`; NaN anywhere fails.
-pub fn rel_err(got: &[f32], want: &[f32]) -> f32 {
-    assert_eq!(got.len(), want.len());
-    let scale = want.iter().fold(1e-30f32, |m, v| m.max(v.abs()));
-    let mut worst = 0f32;
-    for (a, b) in got.iter().zip(want) {
-        let d = (a - b).abs();
-        if d.is_nan() {
-            return f32::INFINITY;
-        }
-        worst = worst.max(d);
-    }
-    worst / scale
-}
-
-pub fn assert_close(what: &str, got: &[f32], want: &[f32], tol: f32) {
-    let e = rel_err(got, want);
-    assert!(e <= tol, "{what}: relative error {e:e} > {tol:e}");
-}
-
-/// Offsets of the f16 scale fields inside one block of `ty` (set to sane values; every other
-/// byte of a quantized block is random).
-pub fn scale_offsets(ty: GgmlType) -> &'static [usize] {
-    match ty {
-        GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => &[0],
-        GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4_K | GgmlType::Q5_K => &[0, 2],
-        GgmlType::Q2_K => &[80, 82],
-        GgmlType::Q3_K => &[108],
-        GgmlType::Q6_K => &[208],
-        _ => &[],
-    }
-}
-
-/// A random `[rows, cols]` matrix stored as `ty`.
-pub fn random_matrix(r: &mut StdRng, ty: GgmlType, rows: usize, cols: usize) -> HostMatrix {
-    let n = rows * cols;
-    let bytes: Vec<u8> = match ty {
-        GgmlType::F32 => uniform(r, n, 1.0)
-            .into_iter()
-            .flat_map(|v| v.to_le_bytes())
-            .collect(),
-        GgmlType::F16 => uniform(r, n, 1.0)
-            .into_iter()
-            .flat_map(|v| f16::from_f32(v).to_le_bytes())
-            .collect(),
-        GgmlType::BF16 => uniform(r, n, 1.0)
-            .into_iter()
-            .flat_map(|v| bf16::from_f32(v).to_le_bytes())
-            .collect(),
-        _ => {
-            let mut b = vec![0u8; rows * ty.bytes_for(cols).unwrap()];
-            r.fill_bytes(&mut b);
-            for block in b.chunks_exact_mut(ty.type_size()) {
-                for &o in scale_offsets(ty) {
-                    let d = f16::from_f32(r.random_range(-0.05f32..0.05));
-                    block[o..o + 2].copy_from_slice(&d.to_le_bytes());
-                }
-            }
-            b
-        }
-    };
-    HostMatrix {
-        name: format!("random {ty} [{rows}, {cols}]"),
-        ty,
-        rows,
-        cols,
-        bytes: HostBytes::Owned(Arc::from(bytes)),
-    }
-}
+// Each binary uses only some of these, as with the functions below (`dead_code` above).
+#[allow(unused_imports)]
+pub use markbase_test_support::{
+    assert_close, random_matrix, rel_err, rng, scale_offsets, uniform,
+};
 
 /// `v` rounded once to the nearest f16, ties to even, as an f16 `fma` rounds: `f16::from_f64`
 /// may round through f32 first, and a value a hair above a tie between two f16s then lands on
