@@ -751,9 +751,11 @@ __device__ void mmq_impl(const Products& p, u64 row_bytes, int k, const u16* xh,
     }
 }
 
-// Slots of a warp's weight ring (mmq_ring_impl; mmq.rs, RING_SLOTS): units in flight R − 1
-// ahead of the one it multiplies.
+// Slots of a warp's weight ring (mmq_ring_impl; mmq.rs, ring_slots, reads the same define):
+// units in flight R − 1 ahead of the one it multiplies (R with MMQ_RING_LOOKAHEAD).
+#ifndef MMQ_RING_SLOTS
 #define MMQ_RING_SLOTS 3
+#endif
 // 1: a warp reads its next unit from the ring into registers while it multiplies the current
 // one (mmq_ring_impl); under evaluation.
 #ifndef MMQ_RING_LOOKAHEAD

@@ -11,7 +11,7 @@
 //! order (a ticket a tile in `tickets`).
 
 use markbase_core::quant::GgmlType;
-use markbase_core::Result;
+use markbase_core::{Error, Result};
 
 use crate::backend::{int, CudaBackend, Scratch};
 use crate::buffer::CudaMatrix;
@@ -64,12 +64,27 @@ const ITEMS_PER_SM: usize = 8;
 /// (`__launch_bounds__(256, 2)`; 8 n-tiles: one).
 const BLOCKS_PER_SM: usize = 2;
 /// The environment variable that (set to 1) runs launches of 8 n-tiles as `mmq_ring_<format>_8`:
-/// the weights through a ring of `RING_SLOTS` units a warp in shared memory instead of
-/// registers. Under evaluation (docs/perf.md, session 41): checked on the CPU emulator, not
-/// yet timed on a GPU.
+/// the weights through a ring of `ring_slots()` units a warp in shared memory instead of
+/// registers. Under evaluation (docs/perf.md, sessions 41–42).
 pub const RING_VAR: &str = "MARKBASE_MMQ_RING";
-/// Slots of an mmq_ring warp's weight ring (mmq.cu, `MMQ_RING_SLOTS`).
-const RING_SLOTS: usize = 3;
+/// The kernel define giving the slots of an mmq_ring warp's weight ring (mmq.cu), 3 unless
+/// `MARKBASE_CUDA_DEFINES` sets it.
+const RING_SLOTS_DEFINE: &str = "MMQ_RING_SLOTS";
+
+/// The slots of an mmq_ring warp's weight ring the kernels are compiled with: `MMQ_RING_SLOTS`
+/// from `MARKBASE_CUDA_DEFINES` (2–6), else 3; an error naming a value out of range.
+pub(crate) fn ring_slots() -> Result<usize> {
+    let Some(v) = crate::sources::define_from_env(RING_SLOTS_DEFINE)? else {
+        return Ok(3);
+    };
+    match v.parse::<usize>() {
+        Ok(slots @ 2..=6) => Ok(slots),
+        _ => Err(Error::Invalid(format!(
+            "{}: {RING_SLOTS_DEFINE}={v} is not a slot count from 2 to 6",
+            crate::sources::DEFINES_VAR
+        ))),
+    }
+}
 
 /// How the kernels of a weight format cut a row (mmq.cu's `MmqK`, `MmqQ6k`, `MmqQ8_0`,
 /// `MmqLegacy`).
@@ -164,14 +179,21 @@ impl Shape {
 
 /// The launch shape for `n` tokens (at most 8 · `f.most_nt`) and `tiles` row tiles of `k`
 /// values (a multiple of `f.unit`) on `sms` multiprocessors, with the weights of 8 n-tiles
-/// through the warps' rings where `ring`; None where the tiles are too many to split.
-fn shape(f: &Format, tiles: usize, k: usize, n: usize, sms: usize, ring: bool) -> Option<Shape> {
+/// through rings of `ring_slots` units a warp (0: none); None where the tiles are too many to
+/// split.
+fn shape(
+    f: &Format,
+    tiles: usize,
+    k: usize,
+    n: usize,
+    sms: usize,
+    ring_slots: usize,
+) -> Option<Shape> {
     let nt = n.div_ceil(8).next_power_of_two().min(f.most_nt);
     let units = k / f.unit;
-    let ring = if ring && nt == 8 {
-        BLOCK_WARPS * RING_SLOTS * 16 * f.unit_bytes
-    } else {
-        0
+    let ring = match nt {
+        8 => BLOCK_WARPS * ring_slots * 16 * f.unit_bytes,
+        _ => 0,
     };
     let most_per_split = ((max_shared(nt) - ring) / (8 * nt * f.token_bytes)).min(units);
     let want = (ITEMS_PER_SM * sms)
@@ -260,9 +282,16 @@ type Launch = (usize, usize, Shape, usize);
 /// width, tiles few enough to split, and shared memory enough (GPUs of compute capability 8.6
 /// and 8.9 give 99 KB). Up to `LAUNCH_TOKENS` rows take one launch; 33–64 one launch of 8
 /// n-tiles where it splits its tiles fewer than `WIDE_SPLITS` ways, else launches of
-/// `LAUNCH_TOKENS` rows, which one matrix alone takes up to `ALONE_TOKENS`. `ring`: launches of
-/// 8 n-tiles stage their weights through the warps' rings (`RING_VAR`).
-fn plan(e: &Extent, n: usize, sms: usize, most_shared: usize, ring: bool) -> Option<Vec<Launch>> {
+/// `LAUNCH_TOKENS` rows, which one matrix alone takes up to `ALONE_TOKENS`. `ring_slots`:
+/// launches of 8 n-tiles stage their weights through rings of that many units a warp
+/// (`RING_VAR`; 0: none).
+fn plan(
+    e: &Extent,
+    n: usize,
+    sms: usize,
+    most_shared: usize,
+    ring_slots: usize,
+) -> Option<Vec<Launch>> {
     let f = format(e.ty)?;
     if !mma_suits(e.ty, e.cols, n) {
         return None;
@@ -272,7 +301,7 @@ fn plan(e: &Extent, n: usize, sms: usize, most_shared: usize, ring: bool) -> Opt
             .step_by(chunk)
             .map(|t0| {
                 let len = (n - t0).min(chunk);
-                let sh = shape(&f, e.tiles, e.cols, len, sms, ring)?;
+                let sh = shape(&f, e.tiles, e.cols, len, sms, ring_slots)?;
                 let shared = sh.shared(&f);
                 (shared <= most_shared).then_some((t0, len, sh, shared))
             })
@@ -412,12 +441,12 @@ mod tests {
             (5, 12_800),
         ] {
             // One launch's token rows, with and without the weight rings.
-            for (n, ring) in [2, 8, 9, 16, 17, 25, 32, 33, 48, 64]
+            for (n, slots) in [2, 8, 9, 16, 17, 25, 32, 33, 48, 64]
                 .into_iter()
-                .flat_map(|n| [(n, false), (n, true)])
+                .flat_map(|n| [(n, 0), (n, 3), (n, 4)])
             {
-                let sh = shape(&q4k, tiles, k, n, 132, ring).unwrap();
-                assert_eq!(sh.ring > 0, ring && sh.nt == 8, "{n}");
+                let sh = shape(&q4k, tiles, k, n, 132, slots).unwrap();
+                assert_eq!(sh.ring > 0, slots > 0 && sh.nt == 8, "{n}");
                 let units = k / q4k.unit;
                 assert!(sh.nt * 8 >= n && (sh.nt == 1 || sh.nt * 4 < n), "{n}");
                 assert!(sh.nt <= q4k.most_nt && sh.nt.is_power_of_two());
@@ -441,7 +470,7 @@ mod tests {
             }
         }
         assert_eq!(
-            shape(&q4k, 160, 10_240, 8, 132, true),
+            shape(&q4k, 160, 10_240, 8, 132, 3),
             Some(Shape {
                 nt: 1,
                 splits: 7,
@@ -453,7 +482,7 @@ mod tests {
         // E4B's gated pair at 64 rows: the rings (3 slots of 16 rows of 144 bytes a warp)
         // leave room for 4 units of activations a split, not 5.
         assert_eq!(
-            shape(&q4k, 1280, 2560, 64, 132, true),
+            shape(&q4k, 1280, 2560, 64, 132, 3),
             Some(Shape {
                 nt: 8,
                 splits: 3,
@@ -462,15 +491,15 @@ mod tests {
                 ring: 8 * 3 * 16 * 144
             })
         );
-        assert_eq!(shape(&q4k, 1280, 2560, 64, 132, false).unwrap().splits, 2);
-        assert_eq!(shape(&q4k, TICKETS + 1, 12_800, 32, 132, false), None);
+        assert_eq!(shape(&q4k, 1280, 2560, 64, 132, 0).unwrap().splits, 2);
+        assert_eq!(shape(&q4k, TICKETS + 1, 12_800, 32, 132, 0), None);
     }
 
     #[test]
     fn launches_of_33_to_64_rows_take_8_n_tiles_unless_they_split_8_ways() {
         let h200 = |ty, cols, rows: &[usize], n| {
             let e = Extent::products(ty, cols, rows.iter().copied());
-            plan(&e, n, 132, 227 << 10, false).map(|p| {
+            plan(&e, n, 132, 227 << 10, 0).map(|p| {
                 p.iter()
                     .map(|(t0, len, sh, _)| (*t0, *len, sh.nt, sh.splits))
                     .collect::<Vec<_>>()

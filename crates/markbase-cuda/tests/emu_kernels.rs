@@ -17,7 +17,7 @@ use half::f16;
 use markbase_core::backend::{first_visible_key, AttnSpec, HostMatrix, KvLayout, Rope};
 use markbase_core::quant::GgmlType;
 use markbase_cpu::reference;
-use markbase_cuda::sources::{defines_from_env, Module, Unit, FORMATS};
+use markbase_cuda::sources::{define_from_env, defines_from_env, Module, Unit, FORMATS};
 use markbase_cuda::{device_bytes, gemv_takes_16_bit_activations};
 use markbase_kernel_emu::{compiler_available, EmuModule};
 use matrices::*;
@@ -128,8 +128,13 @@ struct MmqShape {
     ring: bool,
 }
 
-/// Slots of an mmq_ring warp's weight ring (MMQ_RING_SLOTS).
-const MMQ_RING_SLOTS: usize = 3;
+/// Slots of an mmq_ring warp's weight ring: MMQ_RING_SLOTS, 3 unless MARKBASE_CUDA_DEFINES
+/// sets it (as the units compile).
+fn mmq_ring_slots() -> usize {
+    define_from_env("MMQ_RING_SLOTS")
+        .unwrap_or_else(|e| panic!("{e}"))
+        .map_or(3, |v| v.parse().expect("MMQ_RING_SLOTS: a number"))
+}
 
 /// Bytes of a format's 256-value unit of one row as the mmq kernels read it (F::UNIT_BYTES).
 fn mmq_unit_bytes(ty: GgmlType) -> usize {
@@ -211,7 +216,7 @@ fn check_mmq(unit: &EmuModule, format: &str, case: &MmqCase, shape: &MmqShape, s
         tickets.as_mut_ptr() as usize,
     );
     let ring = match shape.ring {
-        true => 8 * MMQ_RING_SLOTS * 16 * mmq_unit_bytes(case.ty),
+        true => 8 * mmq_ring_slots() * 16 * mmq_unit_bytes(case.ty),
         false => 0,
     };
     let shared = per_split * 8 * shape.nt * MMQ_TOKEN_BYTES + ring;
@@ -301,7 +306,9 @@ fn mmq_format(ty: GgmlType, format: &'static str) {
         let case = MmqCase {
             ty,
             rows: vec![40, 24],
-            k: 768,
+            // The ring's unsplit launch over 2 units: 3 units of 64 tokens beside a Q8_0 ring
+            // of 4 slots (MARKBASE_CUDA_DEFINES) exceed a block's shared memory.
+            k: if i == 5 { 512 } else { 768 },
             n,
             gated: false,
         };
