@@ -108,16 +108,6 @@ __device__ __forceinline__ u32 mmq_word(const uint4* q, int i) {
     return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w;
 }
 
-// A load of weights: from global memory through the read-only path, or (SMEM) from the copy
-// of them a warp's ring holds in shared memory (mmq_ring_impl).
-template <bool SMEM, class T>
-__device__ __forceinline__ T mmq_ld(const T* p) {
-    if constexpr (SMEM)
-        return *p;
-    else
-        return __ldg(p);
-}
-
 // The activations every format's unit reads (256 values a unit): token t's unit in shared
 // memory as the 4 lanes' groups of 64 values (lane c: the unit's chunks 2c and 2c + 1), 128
 // bytes each padded to 144, so a quarter warp's 16-byte loads (2 tokens, 4 groups) hit 32
@@ -222,18 +212,17 @@ struct MmqK : MmqSlots {
         uint2 f[2];
     };
 
-    // The unit of rows `lo` and `hi` (each at the unit's first byte; SMEM: in shared memory).
-    template <bool SMEM = false>
+    // The unit of rows `lo` and `hi` (each at the unit's first byte).
     static __device__ __forceinline__ void load(const u8* lo, const u8* hi, int c, Unit& a) {
-        a.h[0] = mmq_ld<SMEM>((const uint4*)lo);
-        a.h[1] = mmq_ld<SMEM>((const uint4*)hi);
-        a.q[0][0] = mmq_ld<SMEM>((const uint4*)(lo + 16 + 32 * c));
-        a.q[0][1] = mmq_ld<SMEM>((const uint4*)(lo + 32 + 32 * c));
-        a.q[1][0] = mmq_ld<SMEM>((const uint4*)(hi + 16 + 32 * c));
-        a.q[1][1] = mmq_ld<SMEM>((const uint4*)(hi + 32 + 32 * c));
+        a.h[0] = __ldg((const uint4*)lo);
+        a.h[1] = __ldg((const uint4*)hi);
+        a.q[0][0] = __ldg((const uint4*)(lo + 16 + 32 * c));
+        a.q[0][1] = __ldg((const uint4*)(lo + 32 + 32 * c));
+        a.q[1][0] = __ldg((const uint4*)(hi + 16 + 32 * c));
+        a.q[1][1] = __ldg((const uint4*)(hi + 32 + 32 * c));
         if (FIFTH) {
-            a.f[0] = mmq_ld<SMEM>((const uint2*)(lo + 144 + 8 * c));
-            a.f[1] = mmq_ld<SMEM>((const uint2*)(hi + 144 + 8 * c));
+            a.f[0] = __ldg((const uint2*)(lo + 144 + 8 * c));
+            a.f[1] = __ldg((const uint2*)(hi + 144 + 8 * c));
         }
     }
 
@@ -290,15 +279,14 @@ struct MmqQ8_0 : MmqSlots {
         u32 d[2];
     };
 
-    // The unit of rows `lo` and `hi` (each at the unit's first byte; SMEM: in shared memory).
-    template <bool SMEM = false>
+    // The unit of rows `lo` and `hi` (each at the unit's first byte).
     static __device__ __forceinline__ void load(const u8* lo, const u8* hi, int c, Unit& a) {
         const u8* r[2] = {lo, hi};
 #pragma unroll
         for (int e = 0; e < 2; e++) {
-            a.d[e] = mmq_ld<SMEM>((const u32*)r[e] + c);
+            a.d[e] = __ldg((const u32*)r[e] + c);
 #pragma unroll
-            for (int i = 0; i < 4; i++) a.q[e][i] = mmq_ld<SMEM>((const uint4*)(r[e] + 16 + 64 * c) + i);
+            for (int i = 0; i < 4; i++) a.q[e][i] = __ldg((const uint4*)(r[e] + 16 + 64 * c) + i);
         }
     }
 
@@ -345,16 +333,15 @@ struct MmqQ6k : MmqSlots {
         uint2 hd[2];
     };
 
-    // The unit of rows `lo` and `hi` (each at the unit's first byte; SMEM: in shared memory).
-    template <bool SMEM = false>
+    // The unit of rows `lo` and `hi` (each at the unit's first byte).
     static __device__ __forceinline__ void load(const u8* lo, const u8* hi, int c, Unit& a) {
         const u8* r[2] = {lo, hi};
 #pragma unroll
         for (int e = 0; e < 2; e++) {
-            a.q[e][0] = mmq_ld<SMEM>((const uint4*)(r[e] + 32 * c));
-            a.q[e][1] = mmq_ld<SMEM>((const uint4*)(r[e] + 32 * c + 16));
-            a.hb[e] = mmq_ld<SMEM>((const uint4*)(r[e] + 128 + 16 * c));
-            a.hd[e] = mmq_ld<SMEM>((const uint2*)(r[e] + 192 + 8 * c));
+            a.q[e][0] = __ldg((const uint4*)(r[e] + 32 * c));
+            a.q[e][1] = __ldg((const uint4*)(r[e] + 32 * c + 16));
+            a.hb[e] = __ldg((const uint4*)(r[e] + 128 + 16 * c));
+            a.hd[e] = __ldg((const uint2*)(r[e] + 192 + 8 * c));
         }
     }
 
@@ -421,16 +408,15 @@ struct MmqLegacy : MmqSlots {
         u32 d[2];
     };
 
-    // The unit of rows `lo` and `hi` (each at the unit's first byte; SMEM: in shared memory).
-    template <bool SMEM = false>
+    // The unit of rows `lo` and `hi` (each at the unit's first byte).
     static __device__ __forceinline__ void load(const u8* lo, const u8* hi, int c, Unit& a) {
         const u8* r[2] = {lo, hi};
 #pragma unroll
         for (int e = 0; e < 2; e++) {
-            a.q[e][0] = mmq_ld<SMEM>((const uint4*)(r[e] + 16 + 32 * c));
-            a.q[e][1] = mmq_ld<SMEM>((const uint4*)(r[e] + 32 + 32 * c));
-            a.d[e] = mmq_ld<SMEM>((const u32*)r[e] + c);
-            if (FMT == F_Q5_0) a.fw[e] = mmq_ld<SMEM>((const uint2*)(r[e] + 144 + 8 * c));
+            a.q[e][0] = __ldg((const uint4*)(r[e] + 16 + 32 * c));
+            a.q[e][1] = __ldg((const uint4*)(r[e] + 32 + 32 * c));
+            a.d[e] = __ldg((const u32*)r[e] + c);
+            if (FMT == F_Q5_0) a.fw[e] = __ldg((const uint2*)(r[e] + 144 + 8 * c));
         }
     }
 
@@ -640,64 +626,6 @@ __device__ __forceinline__ void mmq_store(const MmqCursor& u, int gated, float (
     }
 }
 
-// Row tiles of a launch: of 8 gate rows (and the 8 up rows beside them) for a gated pair, else
-// of 16 rows of each of its matrices.
-__device__ __forceinline__ int mmq_tiles(const Products& p, int gated) {
-    int tiles = 0;
-    if (gated) {
-        tiles = (p.rows[0] + 7) >> 3;
-    } else {
-#pragma unroll
-        for (int i = 0; i < 4; i++)
-            if (i < p.count) tiles += (p.rows[i] + 15) >> 4;
-    }
-    return tiles;
-}
-
-// Clears a warp's CH accumulator sets of NT n-tiles.
-template <int NT, int CH>
-__device__ __forceinline__ void mmq_zero(float (*acc)[NT][4]) {
-#pragma unroll
-    for (int h = 0; h < CH; h++)
-#pragma unroll
-        for (int t = 0; t < NT; t++) acc[h][t][0] = acc[h][t][1] = acc[h][t][2] = acc[h][t][3] = 0.f;
-}
-
-// Ends the warp's item u: adds its CH accumulator sets, stores them (mmq_store) and clears
-// them for the next item.
-template <class F, int NT, int CH>
-__device__ __forceinline__ void mmq_end_item(const MmqCursor& u, int gated, float (*acc)[NT][4],
-                                             int n, int tiles, float* parts, u32* tickets,
-                                             int splits, int g, int c) {
-#pragma unroll
-    for (int h = 1; h < CH; h++)
-#pragma unroll
-        for (int t = 0; t < NT; t++)
-#pragma unroll
-            for (int v = 0; v < 4; v++) acc[0][t][v] += acc[h][t][v];
-    mmq_store<F, NT>(u, gated, acc[0], n, tiles, parts, tickets, splits, g, c);
-    mmq_zero<NT, CH>(acc);
-}
-
-// Stages the activations of the block's split (units sb0 .. sb0 + count of the n token rows
-// at xh, k values each) into shared memory, token t's unit i at (i · 8NT + t) · F::TOKEN_BYTES,
-// and waits for them (and for every cp.async the block issued before) with the block.
-template <class F, int NT>
-__device__ __forceinline__ void mmq_stage(uint4* smem_base, const u16* xh, int k, int n,
-                                          int sb0, int count) {
-    const u32 smem = shared_address(smem_base);
-    for (int q = threadIdx.x; q < count * 8 * NT * F::PIECES; q += blockDim.x) {
-        int piece = q % F::PIECES, slice = q / F::PIECES, t = slice % (8 * NT),
-            i = slice / (8 * NT);
-        if (t < n)
-            mmq_cp16(smem + slice * F::TOKEN_BYTES + F::piece_at(piece),
-                     xh + (u64)t * k + (sb0 + i) * F::K + 8 * piece);
-    }
-    mmq_commit();
-    mmq_wait_all();
-    __syncthreads();
-}
-
 // The warps of the launch walk the row tiles of `p`'s matrices grid-stride over the blocks of
 // their split (blockIdx.y: units blockIdx.y · per_split ..), each through its units with
 // F::AHEAD of them loaded ahead. The block stages its split's activations once: token t's
@@ -711,7 +639,14 @@ __device__ void mmq_impl(const Products& p, u64 row_bytes, int k, const u16* xh,
     const int sb0 = blockIdx.y * per_split, count = min(k / F::K, sb0 + per_split) - sb0;
     const int stride = gridDim.x * (blockDim.x >> 5);
     const int first = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    const int tiles = mmq_tiles(p, gated);
+    int tiles = 0;
+    if (gated) {
+        tiles = (p.rows[0] + 7) >> 3;
+    } else {
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+            if (i < p.count) tiles += (p.rows[i] + 15) >> 4;
+    }
     const int mine = first < tiles ? (tiles - first + stride - 1) / stride * count : 0;
 
     MmqCursor load, use;
@@ -726,20 +661,44 @@ __device__ void mmq_impl(const Products& p, u64 row_bytes, int k, const u16* xh,
             mmq_next(p, gated, row_bytes, g, count, stride, load);
         }
     wait_prior_grid();
-    mmq_stage<F, NT>(mmq_smem, xh, k, n, sb0, count);
+    const u32 smem = shared_address(mmq_smem);
+    for (int q = threadIdx.x; q < count * 8 * NT * F::PIECES; q += blockDim.x) {
+        int piece = q % F::PIECES, slice = q / F::PIECES, t = slice % (8 * NT),
+            i = slice / (8 * NT);
+        if (t < n)
+            mmq_cp16(smem + slice * F::TOKEN_BYTES + F::piece_at(piece),
+                     xh + (u64)t * k + (sb0 + i) * F::K + 8 * piece);
+    }
+    mmq_commit();
+    mmq_wait_all();
+    __syncthreads();
 
     constexpr int CH = NT <= 2 ? MMQ_CHAINS : 1;
     float acc[CH][NT][4];
-    mmq_zero<NT, CH>(acc);
+#pragma unroll
+    for (int h = 0; h < CH; h++)
+#pragma unroll
+        for (int j = 0; j < NT; j++) acc[h][j][0] = acc[h][j][1] = acc[h][j][2] = acc[h][j][3] = 0.f;
     for (int q = 0; q < mine; q += D) {
 #pragma unroll
         for (int j = 0; j < D; j++) {
             if (q + j < mine) {
                 mmq_mul<F, NT, CH>(a[j], (const u8*)mmq_smem + use.i * 8 * NT * F::TOKEN_BYTES,
                                    g, c, acc);
-                if (use.i == count - 1)
-                    mmq_end_item<F, NT, CH>(use, gated, acc, n, tiles, parts, tickets, splits, g,
-                                            c);
+                if (use.i == count - 1) {
+#pragma unroll
+                    for (int h = 1; h < CH; h++)
+#pragma unroll
+                        for (int t = 0; t < NT; t++)
+#pragma unroll
+                            for (int v = 0; v < 4; v++) acc[0][t][v] += acc[h][t][v];
+                    mmq_store<F, NT>(use, gated, acc[0], n, tiles, parts, tickets, splits, g, c);
+#pragma unroll
+                    for (int h = 0; h < CH; h++)
+#pragma unroll
+                        for (int t = 0; t < NT; t++)
+                            acc[h][t][0] = acc[h][t][1] = acc[h][t][2] = acc[h][t][3] = 0.f;
+                }
                 mmq_next(p, gated, row_bytes, g, count, stride, use);
                 if (q + j + D < mine) {
                     const u64 at = (u64)(sb0 + load.i) * F::UNIT_BYTES;
@@ -751,135 +710,6 @@ __device__ void mmq_impl(const Products& p, u64 row_bytes, int k, const u16* xh,
     }
 }
 
-// Slots of a warp's weight ring (mmq_ring_impl; mmq.rs, ring_slots, reads the same define):
-// units in flight R − 1 ahead of the one it multiplies (R with MMQ_RING_LOOKAHEAD).
-#ifndef MMQ_RING_SLOTS
-#define MMQ_RING_SLOTS 3
-#endif
-// 1: a warp reads its next unit from the ring into registers while it multiplies the current
-// one (mmq_ring_impl); under evaluation.
-#ifndef MMQ_RING_LOOKAHEAD
-#define MMQ_RING_LOOKAHEAD 0
-#endif
-
-// Copies the unit of item u at unit index `sb` (of the row) of the warp's 16 rows into ring
-// slot `slot` (16 rows of F::UNIT_BYTES: the tile's rows g at g · UNIT_BYTES, the rows 8 on
-// at (g + 8) · UNIT_BYTES — gated: gate rows, then up rows): lane (g, c) copies row g (c < 2)
-// or row g + 8 (c ≥ 2), its 16-byte chunks c % 2, c % 2 + 2, ….
-template <class F>
-__device__ __forceinline__ void mmq_ring_issue(const MmqCursor& u, int sb, u32 slot, int g,
-                                               int c) {
-    constexpr int CHUNKS = F::UNIT_BYTES / 16;
-    const u8* row = (c < 2 ? u.lo : u.hi) + (u64)sb * F::UNIT_BYTES;
-    const u32 dst = slot + (u32)((c < 2 ? g : g + 8) * F::UNIT_BYTES);
-#pragma unroll
-    for (int j = c & 1; j < CHUNKS; j += 2) mmq_cp16(dst + 16 * j, row + 16 * j);
-}
-
-// cp.async.wait_group R − 1: every group of this thread's copies but the newest R − 1 landed.
-template <int R>
-__device__ __forceinline__ void mmq_wait_ring() {
-#ifdef MB_EMU
-    mb_emu::cp_async_wait(R - 1);
-#else
-    asm volatile("cp.async.wait_group %0;" ::"n"(R - 1) : "memory");
-#endif
-}
-
-// mmq_impl with the weights staged through a ring of R slots a warp in shared memory (after
-// the split's activations: 8 · R · 16 · F::UNIT_BYTES bytes more), filled by cp.async R − 1
-// units ahead of the one the warp multiplies, so no register holds a unit in flight: a unit
-// is read from its slot into registers (F::load<true>) right before it is multiplied. Every
-// slot's copies are a commit group of each lane (empty groups past the warp's last unit keep
-// the count), and the warp meets (__syncwarp) after each wait, so all lanes' copies of the
-// unit are visible, and before a slot is refilled, so no lane still reads it. Under
-// evaluation against mmq_impl's registers (MARKBASE_MMQ_RING; docs/perf.md session 41).
-template <class F, int NT, int R>
-__device__ void mmq_ring_impl(const Products& p, u64 row_bytes, int k, const u16* xh, int n,
-                              int gated, float* parts, u32* tickets, int splits,
-                              int per_split) {
-    extern __shared__ uint4 mmq_smem[];
-    const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3, warp = threadIdx.x >> 5;
-    const int sb0 = blockIdx.y * per_split, count = min(k / F::K, sb0 + per_split) - sb0;
-    const int stride = gridDim.x * (blockDim.x >> 5);
-    const int first = blockIdx.x * (blockDim.x >> 5) + warp;
-    const int tiles = mmq_tiles(p, gated);
-    const int mine = first < tiles ? (tiles - first + stride - 1) / stride * count : 0;
-    constexpr u32 SLOT = 16 * F::UNIT_BYTES;
-    const u32 ring = shared_address(mmq_smem) + (u32)(per_split * 8 * NT * F::TOKEN_BYTES) +
-                     (u32)(warp * R) * SLOT;
-
-    MmqCursor load, use;
-    mmq_seek(p, gated, row_bytes, g, first, load);
-    use = load;
-    // Units issued ahead of the one multiplied: R − 1, or R where the next unit is read into
-    // registers ahead (MMQ_RING_LOOKAHEAD), freeing its slot a step sooner.
-    constexpr int AHEAD = MMQ_RING_LOOKAHEAD ? R : R - 1;
-#pragma unroll
-    for (int j = 0; j < AHEAD; j++) {
-        if (j < mine) {
-            mmq_ring_issue<F>(load, sb0 + load.i, ring + j * SLOT, g, c);
-            mmq_next(p, gated, row_bytes, g, count, stride, load);
-        }
-        mmq_commit();
-    }
-    wait_prior_grid();
-    mmq_stage<F, NT>(mmq_smem, xh, k, n, sb0, count);
-
-    constexpr int CH = NT <= 2 ? MMQ_CHAINS : 1;
-    float acc[CH][NT][4];
-    mmq_zero<NT, CH>(acc);
-    const u8* slots = (const u8*)mmq_smem + (ring - shared_address(mmq_smem));
-#if MMQ_RING_LOOKAHEAD
-    // Unit q + 1 is read from its slot into registers while unit q is multiplied, so its
-    // shared-memory loads overlap the mma's; a unit's slot is free once it is in registers,
-    // so R units are in flight.
-    typename F::Unit next;
-    mmq_wait_ring<R>();
-    __syncwarp();
-    if (mine > 0) F::template load<true>(slots + g * F::UNIT_BYTES,
-                                         slots + (g + 8) * F::UNIT_BYTES, c, next);
-    for (int q = 0; q < mine; q++) {
-        const typename F::Unit a = next;
-        __syncwarp();  // no lane still reads slot q % R, refilled here
-        if (q + R < mine) {
-            mmq_ring_issue<F>(load, sb0 + load.i, ring + (q % R) * SLOT, g, c);
-            mmq_next(p, gated, row_bytes, g, count, stride, load);
-        }
-        mmq_commit();
-        if (q + 1 < mine) {
-            mmq_wait_ring<R>();
-            __syncwarp();  // every lane's copies of unit q + 1 landed
-            const u8* slot = slots + ((q + 1) % R) * SLOT;
-            F::template load<true>(slot + g * F::UNIT_BYTES, slot + (g + 8) * F::UNIT_BYTES, c,
-                                   next);
-        }
-        mmq_mul<F, NT, CH>(a, (const u8*)mmq_smem + use.i * 8 * NT * F::TOKEN_BYTES, g, c, acc);
-        if (use.i == count - 1)
-            mmq_end_item<F, NT, CH>(use, gated, acc, n, tiles, parts, tickets, splits, g, c);
-        mmq_next(p, gated, row_bytes, g, count, stride, use);
-    }
-#else
-    for (int q = 0; q < mine; q++) {
-        __syncwarp();  // no lane still reads the slot refilled here
-        if (q + R - 1 < mine) {
-            mmq_ring_issue<F>(load, sb0 + load.i, ring + ((q + R - 1) % R) * SLOT, g, c);
-            mmq_next(p, gated, row_bytes, g, count, stride, load);
-        }
-        mmq_commit();
-        mmq_wait_ring<R>();
-        __syncwarp();  // every lane's copies of unit q landed
-        const u8* slot = slots + (q % R) * SLOT;
-        typename F::Unit a;
-        F::template load<true>(slot + g * F::UNIT_BYTES, slot + (g + 8) * F::UNIT_BYTES, c, a);
-        mmq_mul<F, NT, CH>(a, (const u8*)mmq_smem + use.i * 8 * NT * F::TOKEN_BYTES, g, c, acc);
-        if (use.i == count - 1)
-            mmq_end_item<F, NT, CH>(use, gated, acc, n, tiles, parts, tickets, splits, g, c);
-        mmq_next(p, gated, row_bytes, g, count, stride, use);
-    }
-#endif
-}
-
 // The kernels mmq_<format>_<NT> for NT n-tiles (up to 8 · NT token rows); blocks of 256
 // threads with 8·NT · per_split · F::TOKEN_BYTES of dynamic shared memory, two a
 // multiprocessor (8 n-tiles: one, whose 64 tokens' sums take up to 255 registers a thread).
@@ -889,24 +719,12 @@ __device__ void mmq_ring_impl(const Products& p, u64 row_bytes, int k, const u16
                             float* parts, u32* tickets, int splits, int per_split) {           \
         mmq_impl<F, NT>(p, row_bytes, k, xh, n, gated, parts, tickets, splits, per_split);     \
     }
-// mmq_ring_<format>_8: 8 n-tiles with the weights through the warps' rings (mmq_ring_impl);
-// dynamic shared memory 8 · per_split · F::TOKEN_BYTES · 8 + 8 · MMQ_RING_SLOTS · 16 ·
-// F::UNIT_BYTES.
-#define MMQ_RING_KERNEL(SUFFIX, F)                                                             \
-    extern "C" __global__ void __launch_bounds__(256, 1)                                       \
-        mmq_ring_##SUFFIX##_8(Products p, u64 row_bytes, int k, const u16* xh, int n,          \
-                              int gated, float* parts, u32* tickets, int splits,               \
-                              int per_split) {                                                 \
-        mmq_ring_impl<F, 8, MMQ_RING_SLOTS>(p, row_bytes, k, xh, n, gated, parts, tickets,     \
-                                            splits, per_split);                                \
-    }
-// All four n-tile counts of a format, and the ring variant of 8.
+// All four n-tile counts of a format.
 #define MMQ_KERNELS(SUFFIX, F) \
     MMQ_KERNEL(SUFFIX, F, 1)   \
     MMQ_KERNEL(SUFFIX, F, 2)   \
     MMQ_KERNEL(SUFFIX, F, 4)   \
-    MMQ_KERNEL(SUFFIX, F, 8)   \
-    MMQ_RING_KERNEL(SUFFIX, F)
+    MMQ_KERNEL(SUFFIX, F, 8)
 #if FORMAT_q4_k
 MMQ_KERNELS(q4_k, MmqK<false>)
 #endif

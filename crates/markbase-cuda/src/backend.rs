@@ -74,9 +74,6 @@ pub struct CudaBackend {
     /// The tensor-core Q4_K / Q8_0 products' tickets, one a row tile, zero between launches
     /// (`mmq`).
     mmq_tickets: CudaBuffer,
-    /// The slots of the shared-memory weight rings that launches of 8 n-tiles of the
-    /// tensor-core products take their weights through (`mmq::RING_VAR`); 0: none.
-    pub(crate) mmq_ring: usize,
     err_host: Mutex<Pinned>,
     /// RoPE frequency tables by (θ bits, linear factor bits, head_dim, rotated pairs).
     pub(crate) rope_tables: Mutex<HashMap<(u32, u32, usize, usize), CudaBuffer>>,
@@ -155,10 +152,6 @@ impl CudaBackend {
         let queue = QueueCount::default();
         let blas = Blas::new(&dev.stream, queue.clone())?.map(Arc::new);
         let graphs = std::env::var("MARKBASE_CUDA_GRAPHS").map_or(true, |v| v != "0");
-        let mmq_ring = match std::env::var(crate::mmq::RING_VAR).is_ok_and(|v| v == "1") {
-            true => crate::mmq::ring_slots()?,
-            false => 0,
-        };
         let steps = Steps::new(&dev.stream, blas.clone(), graphs)?;
         if let Some(blas) = &blas {
             blas.attach(&steps);
@@ -182,7 +175,6 @@ impl CudaBackend {
             queue,
             err,
             mmq_tickets,
-            mmq_ring,
             err_host: Mutex::new(err_host),
             rope_tables: Mutex::new(HashMap::new()),
             resident: Mutex::new(HashMap::new()),

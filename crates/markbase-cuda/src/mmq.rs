@@ -11,7 +11,7 @@
 //! order (a ticket a tile in `tickets`).
 
 use markbase_core::quant::GgmlType;
-use markbase_core::{Error, Result};
+use markbase_core::Result;
 
 use crate::backend::{int, CudaBackend, Scratch};
 use crate::buffer::CudaMatrix;
@@ -63,36 +63,12 @@ const ITEMS_PER_SM: usize = 8;
 /// Blocks resident on a multiprocessor of launches of 4 n-tiles or fewer
 /// (`__launch_bounds__(256, 2)`; 8 n-tiles: one).
 const BLOCKS_PER_SM: usize = 2;
-/// The environment variable that (set to 1) runs launches of 8 n-tiles as `mmq_ring_<format>_8`:
-/// the weights through a ring of `ring_slots()` units a warp in shared memory instead of
-/// registers. Under evaluation (docs/perf.md, sessions 41–42).
-pub const RING_VAR: &str = "MARKBASE_MMQ_RING";
-/// The kernel define giving the slots of an mmq_ring warp's weight ring (mmq.cu), 3 unless
-/// `MARKBASE_CUDA_DEFINES` sets it.
-const RING_SLOTS_DEFINE: &str = "MMQ_RING_SLOTS";
-
-/// The slots of an mmq_ring warp's weight ring the kernels are compiled with: `MMQ_RING_SLOTS`
-/// from `MARKBASE_CUDA_DEFINES` (2–6), else 3; an error naming a value out of range.
-pub(crate) fn ring_slots() -> Result<usize> {
-    let Some(v) = crate::sources::define_from_env(RING_SLOTS_DEFINE)? else {
-        return Ok(3);
-    };
-    match v.parse::<usize>() {
-        Ok(slots @ 2..=6) => Ok(slots),
-        _ => Err(Error::Invalid(format!(
-            "{}: {RING_SLOTS_DEFINE}={v} is not a slot count from 2 to 6",
-            crate::sources::DEFINES_VAR
-        ))),
-    }
-}
 
 /// How the kernels of a weight format cut a row (mmq.cu's `MmqK`, `MmqQ6k`, `MmqQ8_0`,
 /// `MmqLegacy`).
 struct Format {
     /// Values a unit covers (`F::K`).
     unit: usize,
-    /// Bytes of a unit of one row as the kernels read it (`F::UNIT_BYTES`).
-    unit_bytes: usize,
     /// Shared memory a token's unit of activations takes (`F::TOKEN_BYTES`).
     token_bytes: usize,
     /// The most n-tiles of 8 tokens a kernel takes.
@@ -101,21 +77,21 @@ struct Format {
 
 /// The kernels' cut of rows stored as `ty`, for the formats they take.
 fn format(ty: GgmlType) -> Option<Format> {
-    // A super-block (Q6_K's as laid out on the device), a regrouped group of 8 blocks (Q8_0;
-    // Q4_0 and Q5_0 laid out: layout.rs): the same activation slots.
-    let unit_bytes = match ty {
-        GgmlType::Q4_K | GgmlType::Q4_0 => 144,
-        GgmlType::Q5_K | GgmlType::Q5_0 => 176,
-        GgmlType::Q6_K => 224,
-        GgmlType::Q8_0 => 272,
-        _ => return None,
-    };
-    Some(Format {
-        unit: 256,
-        unit_bytes,
-        token_bytes: 576,
-        most_nt: 8,
-    })
+    match ty {
+        // A super-block (Q6_K's as laid out on the device), a regrouped group of 8 blocks
+        // (Q8_0; Q4_0 and Q5_0 laid out: layout.rs): the same activation slots.
+        GgmlType::Q4_K
+        | GgmlType::Q5_K
+        | GgmlType::Q6_K
+        | GgmlType::Q8_0
+        | GgmlType::Q4_0
+        | GgmlType::Q5_0 => Some(Format {
+            unit: 256,
+            token_bytes: 576,
+            most_nt: 8,
+        }),
+        _ => None,
+    }
 }
 
 /// Whether a product of `n` token rows with weights stored as `ty`, rows `cols` wide, may run
@@ -150,52 +126,29 @@ fn max_shared(nt: usize) -> usize {
 }
 
 /// How a launch covers its matrices' `tiles` row tiles: `nt` n-tiles of 8 tokens, each tile's
-/// units in `splits` runs of `per_split`, `blocks` blocks a split; `ring`: the bytes of the
-/// warps' weight rings (`mmq_ring`, 8 n-tiles), 0 for the kernels holding weights in registers.
+/// units in `splits` runs of `per_split`, `blocks` blocks a split.
 #[derive(Debug, PartialEq, Eq)]
 struct Shape {
     nt: usize,
     splits: usize,
     per_split: usize,
     blocks: usize,
-    ring: usize,
 }
 
 impl Shape {
-    /// Dynamic shared memory of a block: its split's activations, and its warps' rings.
+    /// Dynamic shared memory of a block: its split's activations.
     fn shared(&self, f: &Format) -> usize {
-        8 * self.nt * self.per_split * f.token_bytes + self.ring
-    }
-
-    /// The kernel's name prefix.
-    fn kernel(&self) -> &'static str {
-        if self.ring > 0 {
-            "mmq_ring"
-        } else {
-            "mmq"
-        }
+        8 * self.nt * self.per_split * f.token_bytes
     }
 }
 
 /// The launch shape for `n` tokens (at most 8 · `f.most_nt`) and `tiles` row tiles of `k`
-/// values (a multiple of `f.unit`) on `sms` multiprocessors, with the weights of 8 n-tiles
-/// through rings of `ring_slots` units a warp (0: none); None where the tiles are too many to
-/// split.
-fn shape(
-    f: &Format,
-    tiles: usize,
-    k: usize,
-    n: usize,
-    sms: usize,
-    ring_slots: usize,
-) -> Option<Shape> {
+/// values (a multiple of `f.unit`) on `sms` multiprocessors; None where the tiles are too many
+/// to split.
+fn shape(f: &Format, tiles: usize, k: usize, n: usize, sms: usize) -> Option<Shape> {
     let nt = n.div_ceil(8).next_power_of_two().min(f.most_nt);
     let units = k / f.unit;
-    let ring = match nt {
-        8 => BLOCK_WARPS * ring_slots * 16 * f.unit_bytes,
-        _ => 0,
-    };
-    let most_per_split = ((max_shared(nt) - ring) / (8 * nt * f.token_bytes)).min(units);
+    let most_per_split = (max_shared(nt) / (8 * nt * f.token_bytes)).min(units);
     let want = (ITEMS_PER_SM * sms)
         .div_ceil(tiles)
         .clamp(units.div_ceil(most_per_split), units);
@@ -210,7 +163,6 @@ fn shape(
         splits,
         per_split,
         blocks: tiles.div_ceil(BLOCK_WARPS).min(resident),
-        ring,
     })
 }
 
@@ -282,16 +234,8 @@ type Launch = (usize, usize, Shape, usize);
 /// width, tiles few enough to split, and shared memory enough (GPUs of compute capability 8.6
 /// and 8.9 give 99 KB). Up to `LAUNCH_TOKENS` rows take one launch; 33–64 one launch of 8
 /// n-tiles where it splits its tiles fewer than `WIDE_SPLITS` ways, else launches of
-/// `LAUNCH_TOKENS` rows, which one matrix alone takes up to `ALONE_TOKENS`. `ring_slots`:
-/// launches of 8 n-tiles stage their weights through rings of that many units a warp
-/// (`RING_VAR`; 0: none).
-fn plan(
-    e: &Extent,
-    n: usize,
-    sms: usize,
-    most_shared: usize,
-    ring_slots: usize,
-) -> Option<Vec<Launch>> {
+/// `LAUNCH_TOKENS` rows, which one matrix alone takes up to `ALONE_TOKENS`.
+fn plan(e: &Extent, n: usize, sms: usize, most_shared: usize) -> Option<Vec<Launch>> {
     let f = format(e.ty)?;
     if !mma_suits(e.ty, e.cols, n) {
         return None;
@@ -301,7 +245,7 @@ fn plan(
             .step_by(chunk)
             .map(|t0| {
                 let len = (n - t0).min(chunk);
-                let sh = shape(&f, e.tiles, e.cols, len, sms, ring_slots)?;
+                let sh = shape(&f, e.tiles, e.cols, len, sms)?;
                 let shared = sh.shared(&f);
                 (shared <= most_shared).then_some((t0, len, sh, shared))
             })
@@ -326,13 +270,7 @@ impl CudaBackend {
             return None;
         }
         let sms = self.dev.multiprocessors() as usize;
-        plan(
-            e,
-            n,
-            sms,
-            self.dev.max_block_shared() as usize,
-            self.mmq_ring,
-        )
+        plan(e, n, sms, self.dev.max_block_shared() as usize)
     }
 
     /// Whether `mmq` takes `job` for `n` token rows.
@@ -389,7 +327,7 @@ impl CudaBackend {
             };
             let kernel = self.kernels.func_for_with_shared(
                 Module::Gemv,
-                sh.kernel(),
+                "mmq",
                 w0.ty,
                 sh.nt as u32,
                 shared as u32,
@@ -440,13 +378,9 @@ mod tests {
             (16_384, 2560),
             (5, 12_800),
         ] {
-            // One launch's token rows, with and without the weight rings.
-            for (n, slots) in [2, 8, 9, 16, 17, 25, 32, 33, 48, 64]
-                .into_iter()
-                .flat_map(|n| [(n, 0), (n, 3), (n, 4)])
-            {
-                let sh = shape(&q4k, tiles, k, n, 132, slots).unwrap();
-                assert_eq!(sh.ring > 0, slots > 0 && sh.nt == 8, "{n}");
+            // One launch's token rows.
+            for n in [2, 8, 9, 16, 17, 25, 32, 33, 48, 64] {
+                let sh = shape(&q4k, tiles, k, n, 132).unwrap();
                 let units = k / q4k.unit;
                 assert!(sh.nt * 8 >= n && (sh.nt == 1 || sh.nt * 4 < n), "{n}");
                 assert!(sh.nt <= q4k.most_nt && sh.nt.is_power_of_two());
@@ -460,46 +394,31 @@ mod tests {
                 assert!(sh.blocks * sh.splits <= resident || sh.blocks == 1);
                 assert!(sh.blocks >= 1 && sh.blocks <= tiles.div_ceil(8));
                 // Enough items, or one super-block a split, or shared memory full.
-                let room = max_shared(sh.nt) - sh.ring;
                 assert!(
                     2 * tiles * sh.splits >= 8 * 132
                         || sh.per_split == 1
-                        || sh.per_split * 2 > room / (64 * sh.nt * q4k.token_bytes),
+                        || sh.per_split * 2 > max_shared(sh.nt) / (64 * sh.nt * q4k.token_bytes),
                     "{tiles}x{k} n={n}: {sh:?}"
                 );
             }
         }
         assert_eq!(
-            shape(&q4k, 160, 10_240, 8, 132, 3),
+            shape(&q4k, 160, 10_240, 8, 132),
             Some(Shape {
                 nt: 1,
                 splits: 7,
                 per_split: 6,
-                blocks: 20,
-                ring: 0
+                blocks: 20
             })
         );
-        // E4B's gated pair at 64 rows: the rings (3 slots of 16 rows of 144 bytes a warp)
-        // leave room for 4 units of activations a split, not 5.
-        assert_eq!(
-            shape(&q4k, 1280, 2560, 64, 132, 3),
-            Some(Shape {
-                nt: 8,
-                splits: 3,
-                per_split: 4,
-                blocks: 44,
-                ring: 8 * 3 * 16 * 144
-            })
-        );
-        assert_eq!(shape(&q4k, 1280, 2560, 64, 132, 0).unwrap().splits, 2);
-        assert_eq!(shape(&q4k, TICKETS + 1, 12_800, 32, 132, 0), None);
+        assert_eq!(shape(&q4k, TICKETS + 1, 12_800, 32, 132), None);
     }
 
     #[test]
     fn launches_of_33_to_64_rows_take_8_n_tiles_unless_they_split_8_ways() {
         let h200 = |ty, cols, rows: &[usize], n| {
             let e = Extent::products(ty, cols, rows.iter().copied());
-            plan(&e, n, 132, 227 << 10, 0).map(|p| {
+            plan(&e, n, 132, 227 << 10).map(|p| {
                 p.iter()
                     .map(|(t0, len, sh, _)| (*t0, *len, sh.nt, sh.splits))
                     .collect::<Vec<_>>()

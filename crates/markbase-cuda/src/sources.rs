@@ -24,19 +24,6 @@ pub fn defines_from_env() -> Result<String> {
     }
 }
 
-/// The value `MARKBASE_CUDA_DEFINES` gives the define `name` ("1" for a bare `NAME`), if it
-/// names it (the last entry wins, as the `#define` lines it becomes would); an error as
-/// `defines_from_env`'s.
-pub fn define_from_env(name: &str) -> Result<Option<String>> {
-    let lines = defines_from_env()?;
-    let prefix = format!("#define {name} ");
-    Ok(lines
-        .lines()
-        .rev()
-        .find_map(|l| l.strip_prefix(&prefix))
-        .map(str::to_string))
-}
-
 /// `#define` lines for the space-separated `NAME[=VALUE]` entries of `spec`: a name is
 /// letters, digits and '_', not starting with a digit; a value is letters, digits, '_' and '.'.
 pub fn define_lines(spec: &str) -> Result<String> {

@@ -17,7 +17,7 @@ use half::f16;
 use markbase_core::backend::{first_visible_key, AttnSpec, HostMatrix, KvLayout, Rope};
 use markbase_core::quant::GgmlType;
 use markbase_cpu::reference;
-use markbase_cuda::sources::{define_from_env, defines_from_env, Module, Unit, FORMATS};
+use markbase_cuda::sources::{defines_from_env, Module, Unit, FORMATS};
 use markbase_cuda::{device_bytes, gemv_takes_16_bit_activations};
 use markbase_kernel_emu::{compiler_available, EmuModule};
 use matrices::*;
@@ -119,32 +119,11 @@ fn products(w: &[f32], x: &[f32], rows: usize, k: usize, n: usize) -> Vec<f64> {
     out
 }
 
-/// One launch of an mmq kernel: its n-tiles, its blocks and its splits of each tile's units,
-/// and whether it is the ring variant (`mmq_ring_<format>_8`, weights through shared memory).
+/// One launch of an mmq kernel: its n-tiles, its blocks and its splits of each tile's units.
 struct MmqShape {
     nt: usize,
     blocks: u32,
     splits: usize,
-    ring: bool,
-}
-
-/// Slots of an mmq_ring warp's weight ring: MMQ_RING_SLOTS, 3 unless MARKBASE_CUDA_DEFINES
-/// sets it (as the units compile).
-fn mmq_ring_slots() -> usize {
-    define_from_env("MMQ_RING_SLOTS")
-        .unwrap_or_else(|e| panic!("{e}"))
-        .map_or(3, |v| v.parse().expect("MMQ_RING_SLOTS: a number"))
-}
-
-/// Bytes of a format's 256-value unit of one row as the mmq kernels read it (F::UNIT_BYTES).
-fn mmq_unit_bytes(ty: GgmlType) -> usize {
-    match ty {
-        GgmlType::Q4_K | GgmlType::Q4_0 => 144,
-        GgmlType::Q5_K | GgmlType::Q5_0 => 176,
-        GgmlType::Q6_K => 224,
-        GgmlType::Q8_0 => 272,
-        ty => panic!("no mmq kernels for {ty}"),
-    }
 }
 
 /// What a launch covers: `mats` matrices of `rows` rows each (a gated pair: gate, up), `k`
@@ -204,10 +183,7 @@ fn check_mmq(unit: &EmuModule, format: &str, case: &MmqCase, shape: &MmqShape, s
         p.out[i] = out.as_mut_ptr() as u64;
         p.rows[i] = case.rows[i] as i32;
     }
-    let name = match shape.ring {
-        true => format!("mmq_ring_{format}_{}", shape.nt),
-        false => format!("mmq_{format}_{}", shape.nt),
-    };
+    let name = format!("mmq_{format}_{}", shape.nt);
     // SAFETY: MmqKernel is the signature of the mmq kernels.
     let kernel: MmqKernel = unsafe { unit.kernel(&name) }.unwrap();
     let (xp, pp, tp) = (
@@ -215,11 +191,7 @@ fn check_mmq(unit: &EmuModule, format: &str, case: &MmqCase, shape: &MmqShape, s
         parts.as_mut_ptr() as usize,
         tickets.as_mut_ptr() as usize,
     );
-    let ring = match shape.ring {
-        true => 8 * mmq_ring_slots() * 16 * mmq_unit_bytes(case.ty),
-        false => 0,
-    };
-    let shared = per_split * 8 * shape.nt * MMQ_TOKEN_BYTES + ring;
+    let shared = per_split * 8 * shape.nt * MMQ_TOKEN_BYTES;
     let (gated, splits) = (i32::from(case.gated), shape.splits as i32);
     unit.launch(
         [shape.blocks, shape.splits as u32, 1],
@@ -288,27 +260,17 @@ fn gelu_tanh(x: f64) -> f64 {
     0.5 * x * (1.0 + (0.797_884_560_802_865_4 * (x + 0.044_715 * x * x * x)).tanh())
 }
 
-/// Every n-tile count of one format's mmq kernels, and the ring variant of 8: products of two
-/// matrices (partial row tiles), one launch unsplit and one split, and the gated pair, split.
+/// Every n-tile count of one format's mmq kernels: products of two matrices (partial row
+/// tiles), one launch unsplit and one split, and the gated pair, split.
 fn mmq_format(ty: GgmlType, format: &'static str) {
     let Some(unit) = gemv_unit(format) else {
         return;
     };
-    let cases = [
-        (3, 1, 1),
-        (13, 2, 3),
-        (27, 4, 1),
-        (64, 8, 2),
-        (50, 8, 3),
-        (64, 8, 1),
-    ];
-    for (i, (n, nt, splits)) in cases.into_iter().enumerate() {
+    for (n, nt, splits) in [(3, 1, 1), (13, 2, 3), (27, 4, 1), (64, 8, 2)] {
         let case = MmqCase {
             ty,
             rows: vec![40, 24],
-            // The ring's unsplit launch over 2 units: 3 units of 64 tokens beside a Q8_0 ring
-            // of 4 slots (MARKBASE_CUDA_DEFINES) exceed a block's shared memory.
-            k: if i == 5 { 512 } else { 768 },
+            k: 768,
             n,
             gated: false,
         };
@@ -316,11 +278,10 @@ fn mmq_format(ty: GgmlType, format: &'static str) {
             nt,
             blocks: 1,
             splits,
-            ring: i >= 4,
         };
         check_mmq(&unit, format, &case, &shape, &format!("mmq {format} n={n}"));
     }
-    for (n, nt, splits, ring) in [(9, 2, 3, false), (40, 8, 1, false), (40, 8, 3, true)] {
+    for (n, nt, splits) in [(9, 2, 3), (40, 8, 1)] {
         let case = MmqCase {
             ty,
             rows: vec![20, 20],
@@ -332,7 +293,6 @@ fn mmq_format(ty: GgmlType, format: &'static str) {
             nt,
             blocks: 2,
             splits,
-            ring,
         };
         let seed = format!("mmq gated {format} n={n}");
         check_mmq(&unit, format, &case, &shape, &seed);
