@@ -84,6 +84,27 @@ __device__ __forceinline__ void mmq_wait_all() {
 #endif
 }
 
+// 1: a split's warp takes its tile's ticket with one acquire-release atomic after a warp
+// barrier, in place of two sequentially consistent fences (__threadfence, MEMBAR.SC.GPU) around
+// a relaxed one (mmq_store); under evaluation (docs/perf.md, session 42).
+#ifndef MMQ_TICKET_ACQ_REL
+#define MMQ_TICKET_ACQ_REL 0
+#endif
+
+// The old value of *t, incremented by one atomically with acquire-release semantics at GPU
+// scope: the caller's writes (and those ordered before them) are visible to whichever thread
+// takes a later ticket, and every write released with an earlier ticket is visible to the
+// caller.
+__device__ __forceinline__ u32 mmq_ticket_acq_rel(u32* t) {
+#ifdef MB_EMU
+    return atomicAdd(t, 1u);
+#else
+    u32 old;
+    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(t) : "memory");
+    return old;
+#endif
+}
+
 // s += the 4 floats at p (16-byte aligned) that other warps wrote (read from L2, not from a
 // stale L1 line).
 __device__ __forceinline__ void mmq_add4(float4& s, const float* p) {
@@ -579,6 +600,15 @@ __device__ __forceinline__ void mmq_store(const MmqCursor& u, int gated, float (
             int t = 8 * j + 2 * c + (v & 1);
             if (t < n) part[t * ld + g + 8 * (v >> 1)] = acc[j][v];
         }
+#if MMQ_TICKET_ACQ_REL
+    __syncwarp();  // every lane's part written before lane 0 releases them with its ticket
+    u32 ticket = 0;
+    if ((threadIdx.x & 31) == 0) ticket = mmq_ticket_acq_rel(&tickets[u.tile]);
+    ticket = __shfl_sync(0xffffffffu, ticket, 0);
+    if (ticket != (u32)splits - 1) return;
+    if ((threadIdx.x & 31) == 0) tickets[u.tile] = 0;
+    __syncwarp();  // the other splits' parts, acquired by lane 0's ticket, for every lane
+#else
     __threadfence();
     __syncwarp();
     u32 ticket = 0;
@@ -587,6 +617,7 @@ __device__ __forceinline__ void mmq_store(const MmqCursor& u, int gated, float (
     if (ticket != (u32)splits - 1) return;
     if ((threadIdx.x & 31) == 0) tickets[u.tile] = 0;
     __threadfence();
+#endif
     // The parts as float4s of 4 rows: 4 a token (gated: the gate's first 2, each with the up
     // rows 8 on), NT a lane at most; the splits' loads of all of them in flight at once.
     const int quads = gated ? 2 * n : 4 * n;

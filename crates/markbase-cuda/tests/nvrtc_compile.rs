@@ -43,14 +43,24 @@ fn nvrtc_library() -> PathBuf {
 /// Kernel variants under evaluation (`MARKBASE_CUDA_DEFINES`), compiled beside the defaults:
 /// a unit they change (its PTX must differ from the default's), and PTX its kernels must
 /// contain (empty for a variant that only reorders work).
-const VARIANTS: &[(Unit, &str, &str)] = &[(
-    Unit {
-        module: Module::Gemv,
-        part: Part::Format("bf16"),
-    },
-    "GEMV_PLAIN_MIN_BLOCKS=2",
-    ".minnctapersm 2",
-)];
+const VARIANTS: &[(Unit, &str, &str)] = &[
+    (
+        Unit {
+            module: Module::Gemv,
+            part: Part::Format("bf16"),
+        },
+        "GEMV_PLAIN_MIN_BLOCKS=2",
+        ".minnctapersm 2",
+    ),
+    (
+        Unit {
+            module: Module::Gemv,
+            part: Part::Format("q4_k"),
+        },
+        "MMQ_TICKET_ACQ_REL=1",
+        "atom.acq_rel.gpu.global.add.u32",
+    ),
+];
 
 /// One compilation of the check: a whole module (every kernel, for comparison), one of the
 /// units the backend compiles, or a variant of one (its defines, and the PTX it must hold).
