@@ -15,8 +15,11 @@
 # Usage: scripts/device_ab.sh DIR [ROUNDS] [BENCH ...], where each BENCH is one quoted argument
 # list for `markbase --device cuda bench`, e.g. "--synthetic e4b:q4_k -p 0 -n 64 -b 1,8 -r 1 -v".
 # Kernel variants: VARIANTS="SET;SET…", each SET a MARKBASE_CUDA_DEFINES value (e.g.
-# VARIANTS="GEMV_PLAIN_MIN_BLOCKS=2;GEMV_PREFETCH_LINES=8"): each also runs gpu_ops' product tests
-# ("matmul") and `cuda_bench --gemv` under it, and becomes a build m_vN wrapping the first m_*.
+# VARIANTS="GEMV_PLAIN_MIN_BLOCKS=2;GEMV_PREFETCH_LINES=8"): each runs `cuda_bench --gemv` under
+# it and becomes a build m_vN wrapping the first m_*; with VARIANT_TESTS=1 each also runs
+# gpu_ops' product tests ("matmul"; 2–3 minutes a variant on the H200, session 42 — check
+# variants on the CPU first: MARKBASE_CUDA_DEFINES=SET cargo test --release -p markbase-cuda
+# --test emu_kernels).
 # Steps that are missing are skipped; each step is bounded by `timeout`.
 set -u
 dir=${1:?usage: scripts/device_ab.sh DIR [ROUNDS] [BENCH ...]}
@@ -54,7 +57,7 @@ IFS=';' read -r -a variants <<< "${VARIANTS:-}"
 for j in "${!variants[@]}"; do
     v=${variants[$j]}
     for t in "$dir"/gpu_ops*; do
-        [ -x "$t" ] || continue
+        [ -x "$t" ] && [ "${VARIANT_TESTS:-0}" = 1 ] || continue
         echo "== MARKBASE_CUDA_DEFINES='$v' $(basename "$t") matmul"
         MARKBASE_CUDA_DEFINES=$v timeout 300 "$t" matmul --test-threads 1 2>&1 |
             grep -E "^test |test result|panicked|assert" | tail -20
