@@ -91,17 +91,17 @@ __device__ __forceinline__ void mmq_wait_all() {
 #define MMQ_TICKET_ACQ_REL 0
 #endif
 
-// The old value of *t, incremented by one atomically with acquire-release semantics at GPU
-// scope: the caller's writes (and those ordered before them) are visible to whichever thread
-// takes a later ticket, and every write released with an earlier ticket is visible to the
-// caller.
-__device__ __forceinline__ u32 mmq_ticket_acq_rel(u32* t) {
-#ifdef MB_EMU
-    return atomicAdd(t, 1u);
-#else
+// The old value of *t, incremented by one atomically: relaxed (the caller fences around it),
+// or with MMQ_TICKET_ACQ_REL acquire-release at GPU scope — the caller's writes (and those
+// ordered before them) are visible to whichever thread takes a later ticket, and every write
+// released with an earlier ticket is visible to the caller.
+__device__ __forceinline__ u32 mmq_ticket(u32* t) {
+#if MMQ_TICKET_ACQ_REL && !defined(MB_EMU)
     u32 old;
     asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(t) : "memory");
     return old;
+#else
+    return atomicAdd(t, 1u);
 #endif
 }
 
@@ -600,22 +600,18 @@ __device__ __forceinline__ void mmq_store(const MmqCursor& u, int gated, float (
             int t = 8 * j + 2 * c + (v & 1);
             if (t < n) part[t * ld + g + 8 * (v >> 1)] = acc[j][v];
         }
-#if MMQ_TICKET_ACQ_REL
-    __syncwarp();  // every lane's part written before lane 0 releases them with its ticket
+#if !MMQ_TICKET_ACQ_REL
+    __threadfence();
+#endif
+    __syncwarp();  // every lane's part written before lane 0 takes the ticket
     u32 ticket = 0;
-    if ((threadIdx.x & 31) == 0) ticket = mmq_ticket_acq_rel(&tickets[u.tile]);
+    if ((threadIdx.x & 31) == 0) ticket = mmq_ticket(&tickets[u.tile]);
     ticket = __shfl_sync(0xffffffffu, ticket, 0);
     if (ticket != (u32)splits - 1) return;
     if ((threadIdx.x & 31) == 0) tickets[u.tile] = 0;
+#if MMQ_TICKET_ACQ_REL
     __syncwarp();  // the other splits' parts, acquired by lane 0's ticket, for every lane
 #else
-    __threadfence();
-    __syncwarp();
-    u32 ticket = 0;
-    if ((threadIdx.x & 31) == 0) ticket = atomicAdd(&tickets[u.tile], 1u);
-    ticket = __shfl_sync(0xffffffffu, ticket, 0);
-    if (ticket != (u32)splits - 1) return;
-    if ((threadIdx.x & 31) == 0) tickets[u.tile] = 0;
     __threadfence();
 #endif
     // The parts as float4s of 4 rows: 4 a token (gated: the gate's first 2, each with the up
