@@ -5,13 +5,15 @@
 #   gpu_ops*, gpu_models*   test binaries of markbase-cuda (`cargo test --release -p
 #                           markbase-cuda --no-run`, then copied out of target/release/deps;
 #                           a suffix tells builds apart, e.g. gpu_ops_new);
-#   cb_NAME                 cuda_bench examples: first each loads the kernels with an empty
-#                           cache (the time of a fresh compile), then `--gemv` runs once per
-#                           build;
+#   cb_NAME                 cuda_bench examples: `--gemv` runs once per build (with
+#                           FRESH_COMPILE=1, first each loads the kernels with an empty cache:
+#                           the time of a fresh compile);
 #   m_NAME                  markbase CLIs: each bench line below runs once per build per round
 #                           (a wrapper script that sets MARKBASE_CUDA_DEFINES and execs another
 #                           staged binary counts as a build).
-#   cut.gguf                the Gemma 3 270M cut (scripts/make_gemma3_270m_cut.py), if present.
+#   cut.gguf                the Gemma 3 270M cut (scripts/make_gemma3_270m_cut.py), if present;
+#   kc.tgz                  the kernel cache compiled off the GPU (stage_for_device.sh), which
+#                           every step below loads from (MARKBASE_CUDA_CACHE), if present.
 # Usage: scripts/device_ab.sh DIR [ROUNDS] [BENCH ...], where each BENCH is one quoted argument
 # list for `markbase --device cuda bench`, e.g. "--synthetic e4b:q4_k -p 0 -n 64 -b 1,8 -r 1 -v".
 # Kernel variants: VARIANTS="SET;SET…", each SET a MARKBASE_CUDA_DEFINES value (e.g.
@@ -20,6 +22,7 @@
 # gpu_ops' product tests ("matmul"; 2–3 minutes a variant on the H200, session 42 — check
 # variants on the CPU first: MARKBASE_CUDA_DEFINES=SET cargo test --release -p markbase-cuda
 # --test emu_kernels).
+# GEMV_ARGS: more arguments for `cuda_bench --gemv` (e.g. "--tokens 64").
 # Steps that are missing are skipped; each step is bounded by `timeout`.
 set -u
 dir=${1:?usage: scripts/device_ab.sh DIR [ROUNDS] [BENCH ...]}
@@ -33,8 +36,14 @@ chmod +x "$dir"/* 2>/dev/null
 export MARKBASE_FIXTURES=$PWD/tests/fixtures
 [ -f "$dir/cut.gguf" ] && export MARKBASE_GEMMA3_CUT=$PWD/$dir/cut.gguf
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
+if [ -f "$dir/kc.tgz" ]; then
+    kc_root=$(mktemp -d)
+    tar xzf "$dir/kc.tgz" -C "$kc_root"
+    export MARKBASE_CUDA_CACHE=$kc_root/kc
+    echo "kernel cache: $(ls "$MARKBASE_CUDA_CACHE" | wc -l) units staged"
+fi
 for cb in "$dir"/cb_*; do
-    [ -x "$cb" ] || continue
+    [ -x "$cb" ] && [ "${FRESH_COMPILE:-0}" = 1 ] || continue
     echo "== $(basename "$cb"): every kernel compiled afresh (an empty cache)"
     fresh=$(mktemp -d)
     MARKBASE_CUDA_CACHE=$fresh timeout 300 "$cb" 2>&1 | head -1
@@ -47,8 +56,8 @@ for t in "$dir"/gpu_ops* "$dir"/gpu_models*; do
 done
 for cb in "$dir"/cb_*; do
     [ -x "$cb" ] || continue
-    echo "== $(basename "$cb") --gemv"
-    timeout 90 "$cb" --gemv 2>&1 | tail -16
+    echo "== $(basename "$cb") --gemv ${GEMV_ARGS:-}"
+    timeout 90 "$cb" --gemv ${GEMV_ARGS:-} 2>&1 | tail -16
 done
 builds=()
 rm -f "$dir"/m_v[0-9]*  # wrappers of an earlier run
@@ -65,7 +74,7 @@ for j in "${!variants[@]}"; do
     for cb in "$dir"/cb_*; do
         [ -x "$cb" ] || continue
         echo "== MARKBASE_CUDA_DEFINES='$v' $(basename "$cb") --gemv"
-        MARKBASE_CUDA_DEFINES=$v timeout 90 "$cb" --gemv 2>&1 | tail -16
+        MARKBASE_CUDA_DEFINES=$v timeout 90 "$cb" --gemv ${GEMV_ARGS:-} 2>&1 | tail -16
     done
     [ ${#builds[@]} -gt 0 ] || continue
     w=$dir/m_v$j

@@ -53,6 +53,19 @@ fn load_function(module: &Arc<CudaModule>, name: &str) -> Result<CudaFunction> {
         .map_err(|e| driver_err(&format!("kernel {name}"), e))
 }
 
+/// Every kernel unit (with `MARKBASE_CUDA_DEFINES`' defines) compiled for compute capability
+/// `cc` (e.g. 90) as a cubin, through the disk cache (`nvrtc::compile_cached`); the units
+/// compile in parallel (the GEMV module whole took ≈ 40 s on one core). Needs NVRTC, not a
+/// GPU.
+pub fn unit_images(cc: u32) -> Result<Vec<(Unit, Result<Vec<u8>>)>> {
+    let defines = crate::sources::defines_from_env()?;
+    let all = Unit::all();
+    let images = nvrtc::on_every_core(&all, |u| {
+        nvrtc::compile_cached(&u.name(), &u.source(&defines), Target::Cubin(cc))
+    });
+    Ok(all.into_iter().zip(images).collect())
+}
+
 /// Dynamic shared memory a block may have without raising the kernel's limit.
 const DEFAULT_SHARED: u32 = 48 << 10;
 
@@ -60,15 +73,10 @@ impl Kernels {
     /// Compiles (or takes from the cache) and loads every kernel unit for compute capability
     /// `cc` (e.g. 90); units compile in parallel.
     pub(crate) fn load(ctx: &Arc<CudaContext>, cc: u32) -> Result<Kernels> {
-        let defines = crate::sources::defines_from_env()?;
-        let all = Unit::all();
-        // Units compile in parallel (the GEMV module whole took ≈ 40 s on one core).
-        let images = nvrtc::on_every_core(&all, |u| {
-            nvrtc::compile_cached(&u.name(), &u.source(&defines), Target::Cubin(cc))
-        });
         let mut units = HashMap::new();
+        let images = unit_images(cc)?;
         let _held = device_wide();
-        for (unit, image) in all.into_iter().zip(images) {
+        for (unit, image) in images {
             let module = ctx
                 .load_module(Ptx::from_binary(image?))
                 .map_err(|e| driver_err(&format!("loading kernel unit {}", unit.name()), e))?;

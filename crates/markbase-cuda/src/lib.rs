@@ -42,6 +42,7 @@ mod tune;
 pub use attention_flash::ATTN_FLASH_MIN_ROWS;
 pub use backend::CudaBackend;
 pub use buffer::{CudaBuffer, CudaMatrix};
+pub use kernels::unit_images;
 pub use layout::device_bytes;
 pub use mmq::mma_suits;
 pub use moe::moe_groups_pairs;
