@@ -54,6 +54,13 @@
 #ifndef MMQ_WIDE_UNITS_AHEAD
 #define MMQ_WIDE_UNITS_AHEAD 1
 #endif
+// Blocks of a launch of 8 n-tiles resident on a multiprocessor: 1 (up to 255 registers a
+// thread) or 2 (up to 128: 88–172 bytes of each format's item-end addresses spill, none in
+// the units' loop), under evaluation with the host plan's other `MMQ_WIDE_*` settings
+// (mmq.rs `Tuning`; docs/perf.md, session 43).
+#ifndef MMQ_WIDE_BLOCKS
+#define MMQ_WIDE_BLOCKS 1
+#endif
 // Accumulator sets of a warp for up to 16 tokens (one for more): a unit's products go to two
 // chains of dependent mma instructions, not one.
 #ifndef MMQ_CHAINS
@@ -739,9 +746,10 @@ __device__ void mmq_impl(const Products& p, u64 row_bytes, int k, const u16* xh,
 
 // The kernels mmq_<format>_<NT> for NT n-tiles (up to 8 · NT token rows); blocks of 256
 // threads with 8·NT · per_split · F::TOKEN_BYTES of dynamic shared memory, two a
-// multiprocessor (8 n-tiles: one, whose 64 tokens' sums take up to 255 registers a thread).
+// multiprocessor (8 n-tiles: MMQ_WIDE_BLOCKS, one by default, whose 64 tokens' sums take up
+// to 255 registers a thread).
 #define MMQ_KERNEL(SUFFIX, F, NT)                                                              \
-    extern "C" __global__ void __launch_bounds__(256, NT > 4 ? 1 : 2)                          \
+    extern "C" __global__ void __launch_bounds__(256, NT > 4 ? MMQ_WIDE_BLOCKS : 2)            \
         mmq_##SUFFIX##_##NT(Products p, u64 row_bytes, int k, const u16* xh, int n, int gated, \
                             float* parts, u32* tickets, int splits, int per_split) {           \
         mmq_impl<F, NT>(p, row_bytes, k, xh, n, gated, parts, tickets, splits, per_split);     \

@@ -29,7 +29,7 @@ use crate::device::{driver_err, Device};
 use crate::device_wide::Pinned;
 use crate::graph::{DeviceCopy, Op, Steps};
 use crate::kernels::{Arg, Grid, Kernels, Launch, MAX_PRODUCTS};
-use crate::mmq::TICKETS as MMQ_TICKETS;
+use crate::mmq::{Tuning as MmqTuning, TICKETS as MMQ_TICKETS};
 use crate::moe::{moe_groups_pairs, MoeCall, MAX_EXPERTS, MAX_GRID_Y, MAX_TOP_K};
 use crate::moe_mma::moe_on_tensor_cores;
 use crate::norms::{norm_grid, EXTRA_NORMS, Q4K_TILES_MAX_DIM};
@@ -74,6 +74,8 @@ pub struct CudaBackend {
     /// The tensor-core Q4_K / Q8_0 products' tickets, one a row tile, zero between launches
     /// (`mmq`).
     mmq_tickets: CudaBuffer,
+    /// How the tensor-core products' launches of 33–64 token rows are shaped (`mmq`).
+    pub(crate) mmq_tuning: MmqTuning,
     err_host: Mutex<Pinned>,
     /// RoPE frequency tables by (θ bits, linear factor bits, head_dim, rotated pairs).
     pub(crate) rope_tables: Mutex<HashMap<(u32, u32, usize, usize), CudaBuffer>>,
@@ -175,6 +177,7 @@ impl CudaBackend {
             queue,
             err,
             mmq_tickets,
+            mmq_tuning: MmqTuning::from_env()?,
             err_host: Mutex::new(err_host),
             rope_tables: Mutex::new(HashMap::new()),
             resident: Mutex::new(HashMap::new()),

@@ -11,12 +11,12 @@
 //! order (a ticket a tile in `tickets`).
 
 use markbase_core::quant::GgmlType;
-use markbase_core::Result;
+use markbase_core::{Error, Result};
 
 use crate::backend::{int, CudaBackend, Scratch};
 use crate::buffer::CudaMatrix;
 use crate::kernels::{Arg, Grid, ProductArgs};
-use crate::sources::Module;
+use crate::sources::{define_value, Module, DEFINES_VAR};
 
 /// Token rows for which a product of Q4_K or Q8_0 weights runs here rather than as GEMVs
 /// (fewer) or as cuBLAS on weights dequantized to f16 (more). Measured on the H200
@@ -53,6 +53,10 @@ const MAX_SHARED: usize = 100 << 10;
 /// Most dynamic shared memory of a block of 8 n-tiles (a block a multiprocessor): 5 units of
 /// 64 tokens' activations.
 const WIDE_SHARED: usize = 200 << 10;
+/// Most dynamic shared memory of a block of 8 n-tiles where two share a multiprocessor
+/// (`Tuning::wide_blocks` 2): 3 units of 64 tokens' activations (108 KB; Hopper's 228 KB a
+/// multiprocessor hold two, with 1 KB reserved a block).
+const WIDE_SHARED_TWO: usize = 110 << 10;
 /// Row tiles whose launches may split their units: one ticket each.
 pub(crate) const TICKETS: usize = 1 << 16;
 /// Items (a row tile over a split) a launch aims for a multiprocessor: matrices of fewer row
@@ -61,8 +65,85 @@ pub(crate) const TICKETS: usize = 1 << 16;
 /// session 31).
 const ITEMS_PER_SM: usize = 8;
 /// Blocks resident on a multiprocessor of launches of 4 n-tiles or fewer
-/// (`__launch_bounds__(256, 2)`; 8 n-tiles: one).
+/// (`__launch_bounds__(256, 2)`; 8 n-tiles: `Tuning::wide_blocks`).
 const BLOCKS_PER_SM: usize = 2;
+
+/// How launches of 8 n-tiles (33–64 token rows) are shaped. The defaults are the measured
+/// ones; `MARKBASE_CUDA_DEFINES` may set each (the define named on each field) for a sweep
+/// on a GPU — the kernels read `MMQ_WIDE_BLOCKS` too (their register cap).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Tuning {
+    /// Blocks resident on a multiprocessor (`MMQ_WIDE_BLOCKS`): 1 (up to 255 registers a
+    /// thread, `WIDE_SHARED`) or 2 (up to 128, `WIDE_SHARED_TWO`).
+    wide_blocks: usize,
+    /// Items a launch aims for a multiprocessor where it splits by `ITEMS_PER_SM`'s rule
+    /// (`MMQ_WIDE_ITEMS`).
+    wide_items: usize,
+    /// Splits from which a launch is declined (`MMQ_WIDE_SPLITS`, `WIDE_SPLITS`).
+    wide_splits: usize,
+    /// Whether a launch takes, instead of the items rule, the split length that puts the
+    /// fewest units on its busiest warp (tiles a warp × units a split; fewer splits on a tie)
+    /// of those splitting fewer than `wide_splits` ways (`MMQ_WIDE_BALANCE` 1).
+    balance: bool,
+}
+
+impl Tuning {
+    /// The measured shape rules (docs/perf.md sessions 31–39).
+    pub(crate) const DEFAULT: Tuning = Tuning {
+        wide_blocks: 1,
+        wide_items: ITEMS_PER_SM,
+        wide_splits: WIDE_SPLITS,
+        balance: false,
+    };
+
+    /// The defaults with what `MARKBASE_CUDA_DEFINES` sets; an error names a value out of
+    /// range.
+    pub(crate) fn from_env() -> Result<Tuning> {
+        Tuning::from_defines(&crate::sources::defines_from_env()?)
+    }
+
+    /// The defaults with what the `#define` lines `defines` set.
+    fn from_defines(defines: &str) -> Result<Tuning> {
+        let get = |name: &str, lo: usize, hi: usize, default: usize| -> Result<usize> {
+            let Some(v) = define_value(defines, name) else {
+                return Ok(default);
+            };
+            v.parse::<usize>()
+                .ok()
+                .filter(|n| (lo..=hi).contains(n))
+                .ok_or_else(|| {
+                    Error::Invalid(format!(
+                        "{DEFINES_VAR}: {name}={v} is not a whole number from {lo} to {hi}"
+                    ))
+                })
+        };
+        let d = Tuning::DEFAULT;
+        Ok(Tuning {
+            wide_blocks: get("MMQ_WIDE_BLOCKS", 1, 2, d.wide_blocks)?,
+            wide_items: get("MMQ_WIDE_ITEMS", 1, 64, d.wide_items)?,
+            wide_splits: get("MMQ_WIDE_SPLITS", 2, 64, d.wide_splits)?,
+            balance: get("MMQ_WIDE_BALANCE", 0, 1, d.balance.into())? == 1,
+        })
+    }
+
+    /// Blocks of a launch of `nt` n-tiles resident on a multiprocessor.
+    fn blocks_per_sm(&self, nt: usize) -> usize {
+        if nt > 4 {
+            self.wide_blocks
+        } else {
+            BLOCKS_PER_SM
+        }
+    }
+
+    /// Most dynamic shared memory of a block of `nt` n-tiles.
+    fn max_shared(&self, nt: usize) -> usize {
+        match (nt > 4, self.wide_blocks) {
+            (false, _) => MAX_SHARED,
+            (true, 1) => WIDE_SHARED,
+            (true, _) => WIDE_SHARED_TWO,
+        }
+    }
+}
 
 /// How the kernels of a weight format cut a row (mmq.cu's `MmqK`, `MmqQ6k`, `MmqQ8_0`,
 /// `MmqLegacy`).
@@ -107,24 +188,6 @@ pub(crate) fn mmq_rows(n: usize) -> bool {
     MMQ_TOKENS.contains(&n)
 }
 
-/// Blocks of a launch of `nt` n-tiles resident on a multiprocessor.
-fn blocks_per_sm(nt: usize) -> usize {
-    if nt > 4 {
-        1
-    } else {
-        BLOCKS_PER_SM
-    }
-}
-
-/// Most dynamic shared memory of a block of `nt` n-tiles.
-fn max_shared(nt: usize) -> usize {
-    if nt > 4 {
-        WIDE_SHARED
-    } else {
-        MAX_SHARED
-    }
-}
-
 /// How a launch covers its matrices' `tiles` row tiles: `nt` n-tiles of 8 tokens, each tile's
 /// units in `splits` runs of `per_split`, `blocks` blocks a split.
 #[derive(Debug, PartialEq, Eq)]
@@ -145,24 +208,37 @@ impl Shape {
 /// The launch shape for `n` tokens (at most 8 · `f.most_nt`) and `tiles` row tiles of `k`
 /// values (a multiple of `f.unit`) on `sms` multiprocessors; None where the tiles are too many
 /// to split.
-fn shape(f: &Format, tiles: usize, k: usize, n: usize, sms: usize) -> Option<Shape> {
+fn shape(t: &Tuning, f: &Format, tiles: usize, k: usize, n: usize, sms: usize) -> Option<Shape> {
     let nt = n.div_ceil(8).next_power_of_two().min(f.most_nt);
     let units = k / f.unit;
-    let most_per_split = (max_shared(nt) / (8 * nt * f.token_bytes)).min(units);
-    let want = (ITEMS_PER_SM * sms)
-        .div_ceil(tiles)
-        .clamp(units.div_ceil(most_per_split), units);
-    let per_split = units.div_ceil(want);
+    let most_per_split = (t.max_shared(nt) / (8 * nt * f.token_bytes)).min(units);
+    let resident = |splits: usize| (t.blocks_per_sm(nt) * sms / splits).max(1);
+    let blocks = |splits: usize| tiles.div_ceil(BLOCK_WARPS).min(resident(splits));
+    let per_split = if nt > 4 && t.balance {
+        // Units on the busiest warp: its tiles (grid-stride over a split's warps) × a split's.
+        let busiest = |p: usize| {
+            let splits = units.div_ceil(p);
+            (tiles.div_ceil(BLOCK_WARPS * blocks(splits)) * p, splits)
+        };
+        (1..=most_per_split)
+            .filter(|&p| units.div_ceil(p) < t.wide_splits || p == most_per_split)
+            .min_by_key(|&p| busiest(p))?
+    } else {
+        let items = if nt > 4 { t.wide_items } else { ITEMS_PER_SM };
+        let want = (items * sms)
+            .div_ceil(tiles)
+            .clamp(units.div_ceil(most_per_split), units);
+        units.div_ceil(want)
+    };
     let splits = units.div_ceil(per_split);
     if splits > 1 && tiles > TICKETS {
         return None;
     }
-    let resident = (blocks_per_sm(nt) * sms / splits).max(1);
     Some(Shape {
         nt,
         splits,
         per_split,
-        blocks: tiles.div_ceil(BLOCK_WARPS).min(resident),
+        blocks: blocks(splits),
     })
 }
 
@@ -235,7 +311,7 @@ type Launch = (usize, usize, Shape, usize);
 /// and 8.9 give 99 KB). Up to `LAUNCH_TOKENS` rows take one launch; 33–64 one launch of 8
 /// n-tiles where it splits its tiles fewer than `WIDE_SPLITS` ways, else launches of
 /// `LAUNCH_TOKENS` rows, which one matrix alone takes up to `ALONE_TOKENS`.
-fn plan(e: &Extent, n: usize, sms: usize, most_shared: usize) -> Option<Vec<Launch>> {
+fn plan(t: &Tuning, e: &Extent, n: usize, sms: usize, most_shared: usize) -> Option<Vec<Launch>> {
     let f = format(e.ty)?;
     if !mma_suits(e.ty, e.cols, n) {
         return None;
@@ -245,14 +321,14 @@ fn plan(e: &Extent, n: usize, sms: usize, most_shared: usize) -> Option<Vec<Laun
             .step_by(chunk)
             .map(|t0| {
                 let len = (n - t0).min(chunk);
-                let sh = shape(&f, e.tiles, e.cols, len, sms)?;
+                let sh = shape(t, &f, e.tiles, e.cols, len, sms)?;
                 let shared = sh.shared(&f);
                 (shared <= most_shared).then_some((t0, len, sh, shared))
             })
             .collect()
     };
     if n > LAUNCH_TOKENS {
-        if let Some(one) = launches(n).filter(|p| p[0].2.splits < WIDE_SPLITS) {
+        if let Some(one) = launches(n).filter(|p| p[0].2.splits < t.wide_splits) {
             return Some(one);
         }
         if e.alone && n > ALONE_TOKENS {
@@ -270,7 +346,13 @@ impl CudaBackend {
             return None;
         }
         let sms = self.dev.multiprocessors() as usize;
-        plan(e, n, sms, self.dev.max_block_shared() as usize)
+        plan(
+            &self.mmq_tuning,
+            e,
+            n,
+            sms,
+            self.dev.max_block_shared() as usize,
+        )
     }
 
     /// Whether `mmq` takes `job` for `n` token rows.
@@ -361,6 +443,68 @@ impl CudaBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::sources::define_lines;
+
+    /// The measured tuning and those of a sweep (`Tuning::from_defines`).
+    fn tunings() -> impl Iterator<Item = Tuning> {
+        [
+            "",
+            "MMQ_WIDE_BLOCKS=2",
+            "MMQ_WIDE_BLOCKS=2 MMQ_WIDE_ITEMS=16 MMQ_WIDE_SPLITS=12",
+            "MMQ_WIDE_BALANCE=1",
+            "MMQ_WIDE_BLOCKS=2 MMQ_WIDE_BALANCE=1 MMQ_WIDE_SPLITS=24",
+        ]
+        .into_iter()
+        .map(|spec| Tuning::from_defines(&define_lines(spec).unwrap()).unwrap())
+    }
+
+    #[test]
+    fn tunings_come_from_the_defines_and_bad_values_are_named() {
+        let t: Vec<Tuning> = tunings().collect();
+        assert_eq!(t[0], Tuning::DEFAULT);
+        assert_eq!(
+            (t[1].wide_blocks, t[1].max_shared(8), t[1].blocks_per_sm(8)),
+            (2, WIDE_SHARED_TWO, 2)
+        );
+        assert_eq!(
+            (t[2].wide_items, t[2].wide_splits, t[2].balance),
+            (16, 12, false)
+        );
+        assert!(t[3].balance && t[3].wide_blocks == 1);
+        // Launches of 4 n-tiles or fewer keep their rules.
+        assert_eq!(
+            (t[1].max_shared(4), t[1].blocks_per_sm(4)),
+            (MAX_SHARED, BLOCKS_PER_SM)
+        );
+        for bad in [
+            "MMQ_WIDE_BLOCKS=3",
+            "MMQ_WIDE_SPLITS=1",
+            "MMQ_WIDE_BALANCE=2",
+            "MMQ_WIDE_ITEMS=x",
+        ] {
+            let e = Tuning::from_defines(&define_lines(bad).unwrap())
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(bad) && e.contains(DEFINES_VAR), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn a_balanced_launch_puts_the_fewest_units_on_its_busiest_warp() {
+        // E4B's gate + up at 64 tokens (1 280 tiles of 10 units) on an H200: the items rule
+        // splits 2 ways (5 units, 3 tiles on the busiest warp: 15 units); balanced, under 8
+        // ways, 5 (7 tiles of 2 units); with two blocks a multiprocessor (3 units a split at
+        // most) and up to 24 ways, 10 (7 tiles of 1) against the items rule's 4 of 3 (3
+        // tiles: 9 units).
+        let q4k = format(GgmlType::Q4_K).unwrap();
+        let t: Vec<Tuning> = tunings().collect();
+        let busiest = |sh: &Shape| 1280usize.div_ceil(BLOCK_WARPS * sh.blocks) * sh.per_split;
+        let at = |t: &Tuning| shape(t, &q4k, 1280, 2560, 64, 132).unwrap();
+        assert_eq!((at(&t[0]).splits, busiest(&at(&t[0]))), (2, 15));
+        assert_eq!((at(&t[3]).splits, busiest(&at(&t[3]))), (5, 14));
+        assert_eq!((at(&t[1]).splits, busiest(&at(&t[1]))), (4, 9));
+        assert_eq!((at(&t[4]).splits, busiest(&at(&t[4]))), (10, 7));
+    }
 
     #[test]
     fn shapes_cover_every_unit_once_and_fit_shared_memory() {
@@ -378,32 +522,36 @@ mod tests {
             (16_384, 2560),
             (5, 12_800),
         ] {
-            // One launch's token rows.
-            for n in [2, 8, 9, 16, 17, 25, 32, 33, 48, 64] {
-                let sh = shape(&q4k, tiles, k, n, 132).unwrap();
+            // One launch's token rows, under each tuning of a sweep.
+            for (t, n) in
+                tunings().flat_map(|t| [2, 8, 9, 16, 17, 25, 32, 33, 48, 64].map(|n| (t, n)))
+            {
+                let sh = shape(&t, &q4k, tiles, k, n, 132).unwrap();
                 let units = k / q4k.unit;
                 assert!(sh.nt * 8 >= n && (sh.nt == 1 || sh.nt * 4 < n), "{n}");
                 assert!(sh.nt <= q4k.most_nt && sh.nt.is_power_of_two());
                 assert!(sh.splits * sh.per_split >= units);
                 assert!((sh.splits - 1) * sh.per_split < units, "no empty split");
                 assert!(
-                    sh.shared(&q4k) <= max_shared(sh.nt),
+                    sh.shared(&q4k) <= t.max_shared(sh.nt),
                     "{tiles}x{k} n={n}: {sh:?}"
                 );
-                let resident = blocks_per_sm(sh.nt) * 132;
+                let resident = t.blocks_per_sm(sh.nt) * 132;
                 assert!(sh.blocks * sh.splits <= resident || sh.blocks == 1);
                 assert!(sh.blocks >= 1 && sh.blocks <= tiles.div_ceil(8));
                 // Enough items, or one super-block a split, or shared memory full.
                 assert!(
                     2 * tiles * sh.splits >= 8 * 132
                         || sh.per_split == 1
-                        || sh.per_split * 2 > max_shared(sh.nt) / (64 * sh.nt * q4k.token_bytes),
+                        || sh.per_split * 2 > t.max_shared(sh.nt) / (64 * sh.nt * q4k.token_bytes)
+                        || (t.balance && sh.nt > 4),
                     "{tiles}x{k} n={n}: {sh:?}"
                 );
             }
         }
+        let d = Tuning::DEFAULT;
         assert_eq!(
-            shape(&q4k, 160, 10_240, 8, 132),
+            shape(&d, &q4k, 160, 10_240, 8, 132),
             Some(Shape {
                 nt: 1,
                 splits: 7,
@@ -411,14 +559,14 @@ mod tests {
                 blocks: 20
             })
         );
-        assert_eq!(shape(&q4k, TICKETS + 1, 12_800, 32, 132), None);
+        assert_eq!(shape(&d, &q4k, TICKETS + 1, 12_800, 32, 132), None);
     }
 
     #[test]
     fn launches_of_33_to_64_rows_take_8_n_tiles_unless_they_split_8_ways() {
         let h200 = |ty, cols, rows: &[usize], n| {
             let e = Extent::products(ty, cols, rows.iter().copied());
-            plan(&e, n, 132, 227 << 10).map(|p| {
+            plan(&Tuning::DEFAULT, &e, n, 132, 227 << 10).map(|p| {
                 p.iter()
                     .map(|(t0, len, sh, _)| (*t0, *len, sh.nt, sh.splits))
                     .collect::<Vec<_>>()

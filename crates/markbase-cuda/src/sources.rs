@@ -24,6 +24,22 @@ pub fn defines_from_env() -> Result<String> {
     }
 }
 
+/// The value `MARKBASE_CUDA_DEFINES` gives the define `name` (`define_value`); an error as
+/// `defines_from_env`'s.
+pub fn define_from_env(name: &str) -> Result<Option<String>> {
+    Ok(define_value(&defines_from_env()?, name).map(str::to_string))
+}
+
+/// The value the `#define` lines `lines` (`define_lines`) give `name` ("1" for a bare
+/// `NAME`), if they name it: the last wins, as it would in the source.
+pub fn define_value<'a>(lines: &'a str, name: &str) -> Option<&'a str> {
+    lines.lines().rev().find_map(|l| {
+        l.strip_prefix("#define ")?
+            .strip_prefix(name)?
+            .strip_prefix(' ')
+    })
+}
+
 /// `#define` lines for the space-separated `NAME[=VALUE]` entries of `spec`: a name is
 /// letters, digits and '_', not starting with a digit; a value is letters, digits, '_' and '.'.
 pub fn define_lines(spec: &str) -> Result<String> {
@@ -288,6 +304,11 @@ mod tests {
         let src = Module::Gemv.source(&d);
         assert!(src.starts_with(&d));
         assert_ne!(src, Module::Gemv.source(""));
+        let d = define_lines("MMQ_WIDE=2 MMQ_WIDE_BLOCKS=1 MMQ_WIDE_BLOCKS=2 B").unwrap();
+        assert_eq!(define_value(&d, "MMQ_WIDE_BLOCKS"), Some("2"));
+        assert_eq!(define_value(&d, "MMQ_WIDE"), Some("2"));
+        assert_eq!(define_value(&d, "B"), Some("1"));
+        assert_eq!(define_value(&d, "MMQ"), None);
         for bad in ["4X=1", "A=b;c", "A=", "=3", "A.B=1"] {
             let e = define_lines(bad).unwrap_err().to_string();
             assert!(e.contains(bad) && e.contains(DEFINES_VAR), "{bad}: {e}");

@@ -60,6 +60,15 @@ const VARIANTS: &[(Unit, &str, &str)] = &[
         "MMQ_TICKET_ACQ_REL=1",
         "atom.acq_rel.gpu.global.add.u32",
     ),
+    (
+        Unit {
+            module: Module::Gemv,
+            part: Part::Format("q4_k"),
+        },
+        // mmq_q4_k_8's `.minnctapersm 1` becomes 2 (other kernels of the unit have 2 already).
+        "MMQ_WIDE_BLOCKS=2",
+        "",
+    ),
 ];
 
 /// One compilation of the check: a whole module (every kernel, for comparison), one of the
