@@ -490,6 +490,86 @@ mod tests {
     }
 
     #[test]
+    fn e4b_launches_at_64_tokens_under_each_setting() {
+        // (splits, units a split, blocks a split, units on the busiest warp) of E4B's q/k/v,
+        // o, gate + up, down, PLE gate and PLE projection at 64 tokens on an H200, or None
+        // (launches of 32 rows, or cuBLAS): the table of docs/perf.md session 43.
+        type Cell = Option<(usize, usize, usize, usize)>;
+        let cell = |t: &Tuning, cols: usize, rows: &[usize], gated: bool| -> Cell {
+            let mut e = Extent::products(GgmlType::Q4_K, cols, rows.iter().copied());
+            if gated {
+                e.tiles = rows[0].div_ceil(8);
+            }
+            let p = plan(t, &e, 64, 132, 227 << 10)?;
+            assert_eq!(p.len(), 1);
+            let sh = &p[0].2;
+            let busiest = e.tiles.div_ceil(BLOCK_WARPS * sh.blocks) * sh.per_split;
+            Some((sh.splits, sh.per_split, sh.blocks, busiest))
+        };
+        let specs = [
+            "",
+            "MMQ_WIDE_BLOCKS=2",
+            "MMQ_WIDE_BLOCKS=2 MMQ_WIDE_ITEMS=16 MMQ_WIDE_SPLITS=16",
+            "MMQ_WIDE_BALANCE=1 MMQ_WIDE_SPLITS=24",
+            "MMQ_WIDE_BLOCKS=2 MMQ_WIDE_BALANCE=1 MMQ_WIDE_SPLITS=24",
+        ];
+        let want: [[Cell; 6]; 5] = [
+            [
+                Some((5, 2, 24, 2)),
+                Some((4, 2, 20, 2)),
+                Some((2, 5, 66, 15)),
+                None,
+                None,
+                Some((1, 1, 20, 1)),
+            ],
+            [
+                Some((5, 2, 24, 2)),
+                Some((4, 2, 20, 2)),
+                Some((4, 3, 66, 9)),
+                None,
+                None,
+                Some((1, 1, 20, 1)),
+            ],
+            [
+                Some((10, 1, 24, 1)),
+                Some((8, 1, 20, 1)),
+                Some((4, 3, 66, 9)),
+                Some((14, 3, 18, 6)),
+                Some((10, 1, 2, 1)),
+                Some((1, 1, 20, 1)),
+            ],
+            [
+                Some((5, 2, 24, 2)),
+                Some((4, 2, 20, 2)),
+                Some((10, 1, 13, 13)),
+                Some((10, 4, 13, 8)),
+                Some((10, 1, 2, 1)),
+                Some((1, 1, 20, 1)),
+            ],
+            [
+                Some((10, 1, 24, 1)),
+                Some((8, 1, 20, 1)),
+                Some((10, 1, 26, 7)),
+                Some((20, 2, 13, 4)),
+                Some((10, 1, 2, 1)),
+                Some((1, 1, 20, 1)),
+            ],
+        ];
+        for (spec, want) in specs.iter().zip(want) {
+            let t = Tuning::from_defines(&define_lines(spec).unwrap()).unwrap();
+            let got = [
+                cell(&t, 2560, &[2048, 512, 512], false),
+                cell(&t, 2048, &[2560], false),
+                cell(&t, 2560, &[10_240], true),
+                cell(&t, 10_240, &[2560], false),
+                cell(&t, 2560, &[256], false),
+                cell(&t, 256, &[2560], false),
+            ];
+            assert_eq!(got, want, "{spec}");
+        }
+    }
+
+    #[test]
     fn a_balanced_launch_puts_the_fewest_units_on_its_busiest_warp() {
         // E4B's gate + up at 64 tokens (1 280 tiles of 10 units) on an H200: the items rule
         // splits 2 ways (5 units, 3 tiles on the busiest warp: 15 units); balanced, under 8
