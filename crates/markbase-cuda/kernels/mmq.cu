@@ -91,6 +91,16 @@ __device__ __forceinline__ void mmq_wait_all() {
 #endif
 }
 
+// 1: an item's ends with fewer instructions and round trips, under evaluation (docs/perf.md,
+// session 43): the block stages its activations a lane a 16-byte piece and a warp a token
+// (≈ 8 instructions a copy, from 40), and a split stores its part in the sums' fragment order
+// (a float4 a lane and n-tile: parts[split][tile][n-tile][lane]), which the tile's last warp
+// adds back split by split with all of a split's loads in flight (from one load and its wait
+// at a time) before storing the outputs as one split would.
+#ifndef MMQ_LEAN_ENDS
+#define MMQ_LEAN_ENDS 0
+#endif
+
 // 1: a split's warp takes its tile's ticket with one acquire-release atomic after a warp
 // barrier, in place of two sequentially consistent fences (__threadfence, MEMBAR.SC.GPU) around
 // a relaxed one (mmq_store); under evaluation (docs/perf.md, session 42).
@@ -127,6 +137,19 @@ __device__ __forceinline__ void mmq_add4(float4& s, const float* p) {
     s.y += y;
     s.z += z;
     s.w += w;
+}
+
+// The 4 floats at p (16-byte aligned) that other warps wrote (from L2, as mmq_add4).
+__device__ __forceinline__ float4 mmq_ld4(const float* p) {
+    float4 v;
+#ifdef MB_EMU
+    v = make_float4(p[0], p[1], p[2], p[3]);
+#else
+    asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                 : "l"(p));
+#endif
+    return v;
 }
 
 // Word i (0..7) of a lane's 32 quant bytes of one row.
@@ -573,31 +596,90 @@ __device__ __forceinline__ void mmq_quad(int i, int gated, int& t, int& quad) {
     quad = gated ? i & 1 : i & 3;
 }
 
-// Stores the warp's sums of item u (lane (g, c): the tile's rows g, g + 8 — v 0, 1 and 2, 3 —
-// for tokens 8j + 2c + (v & 1)): as outputs, or with several splits as this split's part
-// (parts[split][token][tile][16]), the item's last warp adding the parts in split order.
-// The gated tile's rows 0..7 are gate rows, 8..15 the up rows of the same outputs.
+// Stores the warp's sums of item u as outputs (lane (g, c): the tile's rows g, g + 8 — v 0, 1
+// and 2, 3 — for tokens 8j + 2c + (v & 1)). The gated tile's rows 0..7 are gate rows, 8..15
+// the up rows of the same outputs.
 template <class F, int NT>
-__device__ __forceinline__ void mmq_store(const MmqCursor& u, int gated, float (*acc)[4], int n,
-                                          int tiles, float* parts, u32* tickets, int splits,
-                                          int g, int c) {
+__device__ __forceinline__ void mmq_outputs(const MmqCursor& u, int gated, float (*acc)[4],
+                                            int n, int g, int c) {
     const int rows = u.rows;
-    if (splits == 1) {
 #pragma unroll
-        for (int j = 0; j < NT; j++)
+    for (int j = 0; j < NT; j++)
 #pragma unroll
-            for (int v = 0; v < 4; v++) {
-                int t = 8 * j + 2 * c + (v & 1);
-                if (gated) {
-                    if (v < 2 && u.r0 + g < rows && t < n)
-                        mmq_put<F>(u, 1, t, u.r0 + g, acc[j][v], acc[j][v + 2]);
-                } else {
-                    int r = u.r0 + g + 8 * (v >> 1);
-                    if (r < rows && t < n) mmq_put<F>(u, 0, t, r, acc[j][v], 0.f);
-                }
+        for (int v = 0; v < 4; v++) {
+            int t = 8 * j + 2 * c + (v & 1);
+            if (gated) {
+                if (v < 2 && u.r0 + g < rows && t < n)
+                    mmq_put<F>(u, 1, t, u.r0 + g, acc[j][v], acc[j][v + 2]);
+            } else {
+                int r = u.r0 + g + 8 * (v >> 1);
+                if (r < rows && t < n) mmq_put<F>(u, 0, t, r, acc[j][v], 0.f);
             }
-        return;
+        }
+}
+
+// Whether the calling warp, its split's part of tile `tile` written, is the tile's last split
+// (a ticket a tile, which that warp resets); if so every split's part is visible to all its
+// lanes.
+__device__ __forceinline__ bool mmq_last_split(u32* tickets, int tile, int splits) {
+#if !MMQ_TICKET_ACQ_REL
+    __threadfence();
+#endif
+    __syncwarp();  // every lane's part written before lane 0 takes the ticket
+    u32 ticket = 0;
+    if ((threadIdx.x & 31) == 0) ticket = mmq_ticket(&tickets[tile]);
+    ticket = __shfl_sync(0xffffffffu, ticket, 0);
+    if (ticket != (u32)splits - 1) return false;
+    if ((threadIdx.x & 31) == 0) tickets[tile] = 0;
+#if MMQ_TICKET_ACQ_REL
+    __syncwarp();  // the other splits' parts, acquired by lane 0's ticket, for every lane
+#else
+    __threadfence();
+#endif
+    return true;
+}
+
+#if MMQ_LEAN_ENDS
+// Stores the warp's sums of item u as its split's part in fragment order (a float4 a lane and
+// n-tile: parts[split][tile][n-tile][lane], 8 · NT token slots a tile whatever n is) and
+// returns whether it was the tile's last split; if so acc holds the sum of every split's part,
+// added in split order (every run the same bits), each split's loads all in flight at once.
+template <int NT>
+__device__ __forceinline__ bool mmq_gather(const MmqCursor& u, float (*acc)[4], int tiles,
+                                           float* parts, u32* tickets, int splits) {
+    const u64 stride = (u64)tiles * NT * 128;  // floats a split
+    const u64 mine = ((u64)u.tile * NT * 32 + (threadIdx.x & 31)) * 4;
+    float* part = parts + blockIdx.y * stride + mine;
+#pragma unroll
+    for (int j = 0; j < NT; j++)
+        *(float4*)(part + 128 * j) = make_float4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]);
+    if (!mmq_last_split(tickets, u.tile, splits)) return false;
+#pragma unroll
+    for (int j = 0; j < NT; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+    const float* at = parts + mine;
+    for (int q = 0; q < splits; q++, at += stride) {
+        float4 v[NT];
+#pragma unroll
+        for (int j = 0; j < NT; j++) v[j] = mmq_ld4(at + 128 * j);
+#pragma unroll
+        for (int j = 0; j < NT; j++) {
+            acc[j][0] += v[j].x;
+            acc[j][1] += v[j].y;
+            acc[j][2] += v[j].z;
+            acc[j][3] += v[j].w;
+        }
     }
+    return true;
+}
+#else
+// Stores the warp's sums of item u (as mmq_outputs) as its split's part
+// (parts[split][token][tile][16]); the item's last warp adds the parts in split order and
+// stores the outputs.
+template <class F, int NT>
+__device__ __forceinline__ void mmq_store_parts(const MmqCursor& u, int gated, float (*acc)[4],
+                                                int n, int tiles, float* parts, u32* tickets,
+                                                int splits, int g, int c) {
+    const int rows = u.rows;
     const u64 ld = 16 * (u64)tiles;
     float* part = parts + (u64)blockIdx.y * n * ld + 16 * u.tile;
 #pragma unroll
@@ -607,22 +689,9 @@ __device__ __forceinline__ void mmq_store(const MmqCursor& u, int gated, float (
             int t = 8 * j + 2 * c + (v & 1);
             if (t < n) part[t * ld + g + 8 * (v >> 1)] = acc[j][v];
         }
-#if !MMQ_TICKET_ACQ_REL
-    __threadfence();
-#endif
-    __syncwarp();  // every lane's part written before lane 0 takes the ticket
-    u32 ticket = 0;
-    if ((threadIdx.x & 31) == 0) ticket = mmq_ticket(&tickets[u.tile]);
-    ticket = __shfl_sync(0xffffffffu, ticket, 0);
-    if (ticket != (u32)splits - 1) return;
-    if ((threadIdx.x & 31) == 0) tickets[u.tile] = 0;
-#if MMQ_TICKET_ACQ_REL
-    __syncwarp();  // the other splits' parts, acquired by lane 0's ticket, for every lane
-#else
-    __threadfence();
-#endif
+    if (!mmq_last_split(tickets, u.tile, splits)) return;
     // The parts as float4s of 4 rows: 4 a token (gated: the gate's first 2, each with the up
-    // rows 8 on), NT a lane at most; the splits' loads of all of them in flight at once.
+    // rows 8 on), NT a lane at most.
     const int quads = gated ? 2 * n : 4 * n;
     constexpr int NB = NT > 1 ? NT / 2 : 1;  // a lane's gated quads (n ≤ 8 · NT)
     float4 a[NT], b[NB];
@@ -658,6 +727,25 @@ __device__ __forceinline__ void mmq_store(const MmqCursor& u, int gated, float (
             if (r < rows) mmq_put<F>(u, gated, t, r, av[e], bv[e]);
         }
     }
+}
+#endif
+
+// Stores the warp's sums of item u: as outputs (mmq_outputs), or with several splits as this
+// split's part, the item's last warp adding the parts in split order.
+template <class F, int NT>
+__device__ __forceinline__ void mmq_store(const MmqCursor& u, int gated, float (*acc)[4], int n,
+                                          int tiles, float* parts, u32* tickets, int splits,
+                                          int g, int c) {
+#if MMQ_LEAN_ENDS
+    if (splits > 1 && !mmq_gather<NT>(u, acc, tiles, parts, tickets, splits)) return;
+    mmq_outputs<F, NT>(u, gated, acc, n, g, c);
+#else
+    if (splits == 1) {
+        mmq_outputs<F, NT>(u, gated, acc, n, g, c);
+        return;
+    }
+    mmq_store_parts<F, NT>(u, gated, acc, n, tiles, parts, tickets, splits, g, c);
+#endif
 }
 
 // The warps of the launch walk the row tiles of `p`'s matrices grid-stride over the blocks of
@@ -696,6 +784,19 @@ __device__ void mmq_impl(const Products& p, u64 row_bytes, int k, const u16* xh,
         }
     wait_prior_grid();
     const u32 smem = shared_address(mmq_smem);
+#if MMQ_LEAN_ENDS
+    static_assert(F::PIECES == 32, "a lane a piece");
+    {
+        const int piece = lane, warps = blockDim.x >> 5, t0 = threadIdx.x >> 5;
+        const u64 step = (u64)warps * k;
+        for (int i = 0; i < count; i++) {
+            u32 to = smem + (i * 8 * NT + t0) * F::TOKEN_BYTES + F::piece_at(piece);
+            const u16* from = xh + (u64)t0 * k + (sb0 + i) * F::K + 8 * piece;
+            for (int t = t0; t < n; t += warps, to += warps * F::TOKEN_BYTES, from += step)
+                mmq_cp16(to, from);
+        }
+    }
+#else
     for (int q = threadIdx.x; q < count * 8 * NT * F::PIECES; q += blockDim.x) {
         int piece = q % F::PIECES, slice = q / F::PIECES, t = slice % (8 * NT),
             i = slice / (8 * NT);
@@ -703,6 +804,7 @@ __device__ void mmq_impl(const Products& p, u64 row_bytes, int k, const u16* xh,
             mmq_cp16(smem + slice * F::TOKEN_BYTES + F::piece_at(piece),
                      xh + (u64)t * k + (sb0 + i) * F::K + 8 * piece);
     }
+#endif
     mmq_commit();
     mmq_wait_all();
     __syncthreads();

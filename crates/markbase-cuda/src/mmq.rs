@@ -401,9 +401,10 @@ impl CudaBackend {
                 }
             };
             let parts = if sh.splits > 1 {
-                // 16 floats a tile, token and split, in f16 slots.
+                // 16 floats a tile, token slot (8 · nt, at least `len`) and split, in f16
+                // slots (MMQ_LEAN_ENDS keeps every slot's).
                 s.tiles
-                    .get(&self.dev.stream, 32 * sh.splits * len * tiles)?
+                    .get(&self.dev.stream, 32 * sh.splits * 8 * sh.nt * tiles)?
             } else {
                 0
             };

@@ -171,7 +171,8 @@ fn check_mmq(unit: &EmuModule, format: &str, case: &MmqCase, shape: &MmqShape, s
     let units = k / 256;
     let per_split = units.div_ceil(shape.splits);
     assert_eq!(units.div_ceil(per_split), shape.splits, "no empty split");
-    let mut parts = vec![f32::NAN; shape.splits * n * tiles * 16];
+    // 16 floats a tile, token slot (8 · nt of them: MMQ_LEAN_ENDS keeps every slot's) and split.
+    let mut parts = vec![f32::NAN; shape.splits * 8 * shape.nt * tiles * 16];
     let mut tickets = vec![0u32; tiles];
 
     let mut p = Products {
@@ -281,7 +282,7 @@ fn mmq_format(ty: GgmlType, format: &'static str) {
         };
         check_mmq(&unit, format, &case, &shape, &format!("mmq {format} n={n}"));
     }
-    for (n, nt, splits) in [(9, 2, 3), (40, 8, 1)] {
+    for (n, nt, splits) in [(9, 2, 3), (40, 8, 1), (40, 8, 3)] {
         let case = MmqCase {
             ty,
             rows: vec![20, 20],

@@ -69,6 +69,14 @@ const VARIANTS: &[(Unit, &str, &str)] = &[
         "MMQ_WIDE_BLOCKS=2",
         "",
     ),
+    (
+        Unit {
+            module: Module::Gemv,
+            part: Part::Format("q4_k"),
+        },
+        "MMQ_LEAN_ENDS=1",
+        "",
+    ),
 ];
 
 /// One compilation of the check: a whole module (every kernel, for comparison), one of the
