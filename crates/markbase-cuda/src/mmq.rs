@@ -81,9 +81,9 @@ pub(crate) struct Tuning {
     wide_items: usize,
     /// Splits from which a launch is declined (`MMQ_WIDE_SPLITS`, `WIDE_SPLITS`).
     wide_splits: usize,
-    /// Whether a launch takes, instead of the items rule, the split length that puts the
-    /// fewest units on its busiest warp (tiles a warp × units a split; fewer splits on a tie)
-    /// of those splitting fewer than `wide_splits` ways (`MMQ_WIDE_BALANCE` 1).
+    /// Whether a launch takes, instead of the items rule, the split length that gives its
+    /// busiest warp the least work (`busiest_work`; fewer splits on a tie) of those splitting
+    /// fewer than `wide_splits` ways (`MMQ_WIDE_BALANCE` 1).
     balance: bool,
 }
 
@@ -215,10 +215,10 @@ fn shape(t: &Tuning, f: &Format, tiles: usize, k: usize, n: usize, sms: usize) -
     let resident = |splits: usize| (t.blocks_per_sm(nt) * sms / splits).max(1);
     let blocks = |splits: usize| tiles.div_ceil(BLOCK_WARPS).min(resident(splits));
     let per_split = if nt > 4 && t.balance {
-        // Units on the busiest warp: its tiles (grid-stride over a split's warps) × a split's.
         let busiest = |p: usize| {
             let splits = units.div_ceil(p);
-            (tiles.div_ceil(BLOCK_WARPS * blocks(splits)) * p, splits)
+            let items = tiles.div_ceil(BLOCK_WARPS * blocks(splits));
+            (busiest_work(items, p), splits)
         };
         (1..=most_per_split)
             .filter(|&p| units.div_ceil(p) < t.wide_splits || p == most_per_split)
@@ -240,6 +240,14 @@ fn shape(t: &Tuning, f: &Format, tiles: usize, k: usize, n: usize, sms: usize) -
         per_split,
         blocks: blocks(splits),
     })
+}
+
+/// The work of a warp with `items` items of `per_split` units, in units: an item's end (the
+/// staging's share, the part's stores and the last split's fix-up, with their round trips)
+/// counted as one more — a guess for `Tuning::balance` to be measured against (docs/perf.md
+/// session 43): at 64 tokens a split's part is 4 KB a tile, a Q4_K unit's weights 2.3 KB.
+fn busiest_work(items: usize, per_split: usize) -> usize {
+    items * (per_split + 1)
 }
 
 /// What one launch computes: products of matrices of one width, or a gated pair.
@@ -542,7 +550,7 @@ mod tests {
             [
                 Some((5, 2, 24, 2)),
                 Some((4, 2, 20, 2)),
-                Some((10, 1, 13, 13)),
+                Some((2, 5, 66, 15)),
                 Some((10, 4, 13, 8)),
                 Some((10, 1, 2, 1)),
                 Some((1, 1, 20, 1)),
@@ -550,7 +558,7 @@ mod tests {
             [
                 Some((10, 1, 24, 1)),
                 Some((8, 1, 20, 1)),
-                Some((10, 1, 26, 7)),
+                Some((4, 3, 66, 9)),
                 Some((20, 2, 13, 4)),
                 Some((10, 1, 2, 1)),
                 Some((1, 1, 20, 1)),
@@ -571,20 +579,28 @@ mod tests {
     }
 
     #[test]
-    fn a_balanced_launch_puts_the_fewest_units_on_its_busiest_warp() {
-        // E4B's gate + up at 64 tokens (1 280 tiles of 10 units) on an H200: the items rule
-        // splits 2 ways (5 units, 3 tiles on the busiest warp: 15 units); balanced, under 8
-        // ways, 5 (7 tiles of 2 units); with two blocks a multiprocessor (3 units a split at
-        // most) and up to 24 ways, 10 (7 tiles of 1) against the items rule's 4 of 3 (3
-        // tiles: 9 units).
+    fn a_balanced_launch_weighs_units_against_item_ends() {
+        // E4B's down at 64 tokens (160 tiles of 40 units) on an H200, balanced, splitting
+        // under 24 ways: a block a multiprocessor, 10 splits of 4 units (13 blocks a split, 2
+        // items on the busiest warp: 2 · 5) beats 8 of 5 (2 · 6) and 20 of 2 (4 · 3); two, 20
+        // of 2 (2 · 3) beats 14 of 3 (2 · 4). Gate + up (1 280 tiles of 10 units): 2 of 5
+        // (3 · 6) beats 10 of 1 (13 · 2), though its busiest warp has more units (15 to 13).
         let q4k = format(GgmlType::Q4_K).unwrap();
         let t: Vec<Tuning> = tunings().collect();
-        let busiest = |sh: &Shape| 1280usize.div_ceil(BLOCK_WARPS * sh.blocks) * sh.per_split;
-        let at = |t: &Tuning| shape(t, &q4k, 1280, 2560, 64, 132).unwrap();
-        assert_eq!((at(&t[0]).splits, busiest(&at(&t[0]))), (2, 15));
-        assert_eq!((at(&t[3]).splits, busiest(&at(&t[3]))), (5, 14));
-        assert_eq!((at(&t[1]).splits, busiest(&at(&t[1]))), (4, 9));
-        assert_eq!((at(&t[4]).splits, busiest(&at(&t[4]))), (10, 7));
+        let work = |tiles: usize, sh: &Shape| {
+            busiest_work(tiles.div_ceil(BLOCK_WARPS * sh.blocks), sh.per_split)
+        };
+        let one =
+            Tuning::from_defines(&define_lines("MMQ_WIDE_BALANCE=1 MMQ_WIDE_SPLITS=24").unwrap())
+                .unwrap();
+        let down = shape(&one, &q4k, 160, 10_240, 64, 132).unwrap();
+        assert_eq!((down.splits, down.per_split, work(160, &down)), (10, 4, 10));
+        let down = shape(&t[4], &q4k, 160, 10_240, 64, 132).unwrap();
+        assert_eq!((down.splits, down.per_split, work(160, &down)), (20, 2, 6));
+        let gate_up = shape(&one, &q4k, 1280, 2560, 64, 132).unwrap();
+        assert_eq!((gate_up.splits, work(1280, &gate_up)), (2, 18));
+        // Here the balance and the items rule agree.
+        assert_eq!(shape(&t[0], &q4k, 1280, 2560, 64, 132), Some(gate_up));
     }
 
     #[test]
