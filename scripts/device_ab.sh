@@ -23,6 +23,9 @@
 # variants on the CPU first: MARKBASE_CUDA_DEFINES=SET cargo test --release -p markbase-cuda
 # --test emu_kernels).
 # GEMV_ARGS: more arguments for `cuda_bench --gemv` (e.g. "--tokens 64").
+# NCU_KERNEL=REGEX: also profile the first 3 launches of the kernels REGEX matches (e.g.
+# "mmq_q4_k_8") in `cuda_bench --gemv` under Nsight Compute, for the first build and each
+# variant: speed of light, occupancy, scheduler and warp-state (stall) sections.
 # Steps that are missing are skipped; each step is bounded by `timeout`.
 set -u
 dir=${1:?usage: scripts/device_ab.sh DIR [ROUNDS] [BENCH ...]}
@@ -59,6 +62,19 @@ for cb in "$dir"/cb_*; do
     echo "== $(basename "$cb") --gemv ${GEMV_ARGS:-}"
     timeout 90 "$cb" --gemv ${GEMV_ARGS:-} 2>&1 | tail -16
 done
+ncu_gemv() {  # ncu_gemv CUDA_BENCH: its --gemv launches of NCU_KERNEL under Nsight Compute
+    [ -n "${NCU_KERNEL:-}" ] || return 0
+    # shellcheck disable=SC2086 # GEMV_ARGS is a word list on purpose
+    timeout 240 /usr/local/cuda/bin/ncu --clock-control none -k "regex:$NCU_KERNEL" -c 3 \
+        --section SpeedOfLight --section Occupancy --section SchedulerStats \
+        --section WarpStateStats "$1" --gemv ${GEMV_ARGS:-} 2>&1 | grep -vE "^==PROF==|^\s*$" |
+        tail -80
+}
+for cb in "$dir"/cb_*; do
+    [ -x "$cb" ] && [ -n "${NCU_KERNEL:-}" ] || continue
+    echo "== ncu $(basename "$cb") --gemv ${GEMV_ARGS:-}: $NCU_KERNEL"
+    ncu_gemv "$cb"
+done
 builds=()
 rm -f "$dir"/m_v[0-9]*  # wrappers of an earlier run
 for m in "$dir"/m_*; do [ -x "$m" ] && builds+=("$m"); done
@@ -75,6 +91,8 @@ for j in "${!variants[@]}"; do
         [ -x "$cb" ] || continue
         echo "== MARKBASE_CUDA_DEFINES='$v' $(basename "$cb") --gemv"
         MARKBASE_CUDA_DEFINES=$v timeout 90 "$cb" --gemv ${GEMV_ARGS:-} 2>&1 | tail -16
+        [ -n "${NCU_KERNEL:-}" ] && echo "== ncu: MARKBASE_CUDA_DEFINES='$v' $NCU_KERNEL"
+        MARKBASE_CUDA_DEFINES=$v ncu_gemv "$cb"
     done
     [ ${#builds[@]} -gt 0 ] || continue
     w=$dir/m_v$j
