@@ -139,6 +139,31 @@ const OPTIONS: [&str; 2] = ["--std=c++17", "--fmad=true"];
 
 /// Compiles `src` (named `name` in messages) for `target`; a compile error carries NVRTC's log.
 pub fn compile(name: &str, src: &str, target: Target) -> Result<Vec<u8>> {
+    compile_program(name, src, target, |prog| match target {
+        // SAFETY: `prog` is live and compiled.
+        Target::Ptx(_) => unsafe { get_ptx(prog, name) },
+        // SAFETY: as above.
+        Target::Cubin(_) => unsafe { get_cubin(prog, name) },
+    })
+}
+
+/// Compiles `src` for `sm_{cc}` as [`compile`] does, returning its PTX (as for
+/// `compute_{cc}`) beside the cubin the device would load: the check that every kernel
+/// assembles, without a GPU.
+pub fn compile_ptx_and_cubin(name: &str, src: &str, cc: u32) -> Result<(Vec<u8>, Vec<u8>)> {
+    compile_program(name, src, Target::Cubin(cc), |prog| {
+        // SAFETY: `prog` is live and compiled.
+        unsafe { Ok((get_ptx(prog, name)?, get_cubin(prog, name)?)) }
+    })
+}
+
+/// Compiles `src` for `target` and hands the compiled program to `fetch`.
+fn compile_program<T>(
+    name: &str,
+    src: &str,
+    target: Target,
+    fetch: impl FnOnce(sys::nvrtcProgram) -> Result<T>,
+) -> Result<T> {
     ensure_loaded()?;
     let c_src = CString::new(src).map_err(|_| Error::Invalid(format!("{name}: NUL in source")))?;
     let c_name = CString::new(name).map_err(|_| Error::Invalid(format!("bad name {name}")))?;
@@ -156,17 +181,20 @@ pub fn compile(name: &str, src: &str, target: Target) -> Result<Vec<u8>> {
             Err(e) => Err(Error::Invalid(format!(
                 "NVRTC failed to compile {name} ({e:?}):\n{log}"
             ))),
-            Ok(()) => match target {
-                Target::Ptx(_) => cudarc::nvrtc::result::get_ptx(prog)
-                    .map(|p| p.iter().map(|&c| c as u8).collect())
-                    .map_err(|e| Error::Unsupported(format!("NVRTC PTX of {name}: {e:?}"))),
-                Target::Cubin(_) => get_cubin(prog, name),
-            },
+            Ok(()) => fetch(prog),
         };
         let _ = cudarc::nvrtc::result::destroy_program(prog);
         out
     };
     out
+}
+
+/// # Safety
+/// `prog` must be a live, compiled program.
+unsafe fn get_ptx(prog: sys::nvrtcProgram, name: &str) -> Result<Vec<u8>> {
+    cudarc::nvrtc::result::get_ptx(prog)
+        .map(|p| p.iter().map(|&c| c as u8).collect())
+        .map_err(|e| Error::Unsupported(format!("NVRTC PTX of {name}: {e:?}")))
 }
 
 /// # Safety

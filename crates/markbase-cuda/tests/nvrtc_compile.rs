@@ -1,7 +1,8 @@
 //! CI compile-check, no GPU needed: NVRTC 13 (from the `nvidia-cuda-nvrtc` wheel, pip-installed
 //! under target/ on first use, or the library named by `MARKBASE_NVRTC`) compiles every kernel
 //! module to PTX for compute_90, whole and in the units the backend compiles (each of a
-//! module's kernels in exactly one unit; a per-format unit only its format's). A compile
+//! module's kernels in exactly one unit; a per-format unit only its format's), and assembles
+//! each unit for sm_90 as the backend does (a cubin naming every kernel). A compile or assembly
 //! error fails this test; so does a missing NVRTC — it is never skipped. With
 //! `MARKBASE_PTX_DIR` set (not empty), each module's PTX is written there.
 
@@ -97,13 +98,20 @@ impl Job {
         }
     }
 
-    fn compile(&self) -> Result<Vec<u8>, String> {
+    /// The job's PTX for compute_90, and (a unit as the backend compiles it) its sm_90 cubin.
+    fn compile(&self) -> Result<(Vec<u8>, Option<Vec<u8>>), String> {
         let src = match self {
             Job::Module(m) => m.source(""),
             Job::Unit(u) => u.source(""),
             Job::Variant(u, defines, _) => u.source(&sources::define_lines(defines).unwrap()),
         };
-        nvrtc::compile("check", &src, Target::Ptx(90)).map_err(|e| e.to_string())
+        let r = match self {
+            Job::Unit(_) => {
+                nvrtc::compile_ptx_and_cubin("check", &src, 90).map(|(p, c)| (p, Some(c)))
+            }
+            _ => nvrtc::compile("check", &src, Target::Ptx(90)).map(|p| (p, None)),
+        };
+        r.map_err(|e| e.to_string())
     }
 }
 
@@ -115,7 +123,7 @@ fn kernels_of(ptx: &str) -> impl Iterator<Item = (&str, &str)> {
 }
 
 #[test]
-fn every_kernel_module_compiles_to_ptx_for_compute_90() {
+fn every_kernel_module_compiles_to_ptx_and_every_unit_assembles_for_sm_90() {
     let lib = nvrtc_library();
     // The only test in this binary, so no other thread reads the environment meanwhile.
     std::env::set_var("MARKBASE_NVRTC", &lib);
@@ -143,7 +151,7 @@ fn every_kernel_module_compiles_to_ptx_for_compute_90() {
     let mut unit_ptx: HashMap<Unit, String> = HashMap::new();
     let mut variant_ptx = Vec::new();
     for (&job, (r, took)) in jobs.iter().zip(results) {
-        let ptx = r.unwrap_or_else(|e| panic!("{}: {e}", job.name()));
+        let (ptx, cubin) = r.unwrap_or_else(|e| panic!("{}: {e}", job.name()));
         let text = String::from_utf8_lossy(&ptx);
         // An empty value counts as unset (it would write into the working directory).
         if let Some(dir) = std::env::var_os("MARKBASE_PTX_DIR").filter(|d| !d.is_empty()) {
@@ -167,6 +175,21 @@ fn every_kernel_module_compiles_to_ptx_for_compute_90() {
             job.name()
         );
         assert!(!names.is_empty(), "{}: no kernels", job.name());
+        // A unit also assembles for sm_90 (ptxas inside NVRTC): an ELF image naming each of
+        // its kernels, as the backend loads it.
+        if let Some(cubin) = &cubin {
+            assert!(
+                cubin.starts_with(b"\x7fELF"),
+                "{}: no sm_90 cubin",
+                job.name()
+            );
+            for n in &names {
+                let named = cubin
+                    .windows(n.len() + 1)
+                    .any(|w| &w[..n.len()] == n.as_bytes() && w[n.len()] == 0);
+                assert!(named, "{}: kernel {n} missing from the cubin", job.name());
+            }
+        }
         // Every kernel launches early on Hopper, so every kernel must wait for the one ahead
         // of it (`wait_prior_grid`) — a kernel without the wait would race its inputs.
         for (name, body) in kernels_of(&text) {
