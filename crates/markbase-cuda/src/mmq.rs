@@ -68,11 +68,15 @@ const ITEMS_PER_SM: usize = 8;
 /// (`__launch_bounds__(256, 2)`; 8 n-tiles: `Tuning::wide_blocks`).
 const BLOCKS_PER_SM: usize = 2;
 
-/// How launches of 8 n-tiles (33–64 token rows) are shaped. The defaults are the measured
-/// ones; `MARKBASE_CUDA_DEFINES` may set each (the define named on each field) for a sweep
-/// on a GPU — the kernels read `MMQ_WIDE_BLOCKS` too (their register cap).
+/// How the launches are shaped: those of 8 n-tiles (33–64 token rows), and the items rule of
+/// those of fewer. The defaults are the measured ones; `MARKBASE_CUDA_DEFINES` may set each
+/// (the define named on each field) for a sweep on a GPU — the kernels read `MMQ_WIDE_BLOCKS`
+/// too (their register cap).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Tuning {
+    /// Items a launch of 4 n-tiles or fewer aims for a multiprocessor (`MMQ_ITEMS`,
+    /// `ITEMS_PER_SM`).
+    items: usize,
     /// Blocks resident on a multiprocessor (`MMQ_WIDE_BLOCKS`): 1 (up to 255 registers a
     /// thread, `WIDE_SHARED`) or 2 (up to 128, `WIDE_SHARED_TWO`).
     wide_blocks: usize,
@@ -90,6 +94,7 @@ pub(crate) struct Tuning {
 impl Tuning {
     /// The measured shape rules (docs/perf.md sessions 31–39).
     pub(crate) const DEFAULT: Tuning = Tuning {
+        items: ITEMS_PER_SM,
         wide_blocks: 1,
         wide_items: ITEMS_PER_SM,
         wide_splits: WIDE_SPLITS,
@@ -119,6 +124,7 @@ impl Tuning {
         };
         let d = Tuning::DEFAULT;
         Ok(Tuning {
+            items: get("MMQ_ITEMS", 1, 64, d.items)?,
             wide_blocks: get("MMQ_WIDE_BLOCKS", 1, 2, d.wide_blocks)?,
             wide_items: get("MMQ_WIDE_ITEMS", 1, 64, d.wide_items)?,
             wide_splits: get("MMQ_WIDE_SPLITS", 2, 64, d.wide_splits)?,
@@ -224,7 +230,7 @@ fn shape(t: &Tuning, f: &Format, tiles: usize, k: usize, n: usize, sms: usize) -
             .filter(|&p| units.div_ceil(p) < t.wide_splits || p == most_per_split)
             .min_by_key(|&p| busiest(p))?
     } else {
-        let items = if nt > 4 { t.wide_items } else { ITEMS_PER_SM };
+        let items = if nt > 4 { t.wide_items } else { t.items };
         let want = (items * sms)
             .div_ceil(tiles)
             .clamp(units.div_ceil(most_per_split), units);
@@ -480,6 +486,23 @@ mod tests {
             (16, 12, false)
         );
         assert!(t[3].balance && t[3].wide_blocks == 1);
+        let more = Tuning::from_defines(&define_lines("MMQ_ITEMS=16").unwrap()).unwrap();
+        assert_eq!(
+            more,
+            Tuning {
+                items: 16,
+                ..Tuning::DEFAULT
+            }
+        );
+        // E4B's o at 32 tokens (160 tiles of 8 units): 8 items a multiprocessor split 4 ways,
+        // 16 8 ways (a unit each); q/k/v (192 of 10): 5 ways, 10 ways.
+        let q4k = format(GgmlType::Q4_K).unwrap();
+        let splits = |t: &Tuning, tiles, k| shape(t, &q4k, tiles, k, 32, 132).unwrap().splits;
+        assert_eq!((splits(&t[0], 160, 2048), splits(&more, 160, 2048)), (4, 8));
+        assert_eq!(
+            (splits(&t[0], 192, 2560), splits(&more, 192, 2560)),
+            (5, 10)
+        );
         // Launches of 4 n-tiles or fewer keep their rules.
         assert_eq!(
             (t[1].max_shared(4), t[1].blocks_per_sm(4)),
