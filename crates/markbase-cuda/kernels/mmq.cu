@@ -93,7 +93,7 @@ __device__ __forceinline__ void mmq_wait_all() {
 
 // 1: an item's ends with fewer instructions and round trips, under evaluation (docs/perf.md,
 // session 43): the block stages its activations a lane a 16-byte piece and a warp a token
-// (≈ 8 instructions a copy, from 40), and a split stores its part in the sums' fragment order
+// (12 SASS instructions a copy, from 40), and a split stores its part in the sums' fragment order
 // (a float4 a lane and n-tile: parts[split][tile][n-tile][lane]), which the tile's last warp
 // adds back split by split with all of a split's loads in flight (from one load and its wait
 // at a time) before storing the outputs as one split would.
@@ -122,24 +122,8 @@ __device__ __forceinline__ u32 mmq_ticket(u32* t) {
 #endif
 }
 
-// s += the 4 floats at p (16-byte aligned) that other warps wrote (read from L2, not from a
-// stale L1 line).
-__device__ __forceinline__ void mmq_add4(float4& s, const float* p) {
-    float x, y, z, w;
-#ifdef MB_EMU
-    x = p[0], y = p[1], z = p[2], w = p[3];
-#else
-    asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];"
-                 : "=f"(x), "=f"(y), "=f"(z), "=f"(w)
-                 : "l"(p));
-#endif
-    s.x += x;
-    s.y += y;
-    s.z += z;
-    s.w += w;
-}
-
-// The 4 floats at p (16-byte aligned) that other warps wrote (from L2, as mmq_add4).
+// The 4 floats at p (16-byte aligned) that other warps wrote (read from L2, not from a stale
+// L1 line).
 __device__ __forceinline__ float4 mmq_ld4(const float* p) {
     float4 v;
 #ifdef MB_EMU
@@ -150,6 +134,15 @@ __device__ __forceinline__ float4 mmq_ld4(const float* p) {
                  : "l"(p));
 #endif
     return v;
+}
+
+// s += the 4 floats at p (mmq_ld4).
+__device__ __forceinline__ void mmq_add4(float4& s, const float* p) {
+    const float4 v = mmq_ld4(p);
+    s.x += v.x;
+    s.y += v.y;
+    s.z += v.z;
+    s.w += v.w;
 }
 
 // Word i (0..7) of a lane's 32 quant bytes of one row.

@@ -223,8 +223,7 @@ fn shape(t: &Tuning, f: &Format, tiles: usize, k: usize, n: usize, sms: usize) -
     let per_split = if nt > 4 && t.balance {
         let busiest = |p: usize| {
             let splits = units.div_ceil(p);
-            let items = tiles.div_ceil(BLOCK_WARPS * blocks(splits));
-            (busiest_work(items, p), splits)
+            (busiest_work(items_a_warp(tiles, blocks(splits)), p), splits)
         };
         (1..=most_per_split)
             .filter(|&p| units.div_ceil(p) < t.wide_splits || p == most_per_split)
@@ -246,6 +245,12 @@ fn shape(t: &Tuning, f: &Format, tiles: usize, k: usize, n: usize, sms: usize) -
         per_split,
         blocks: blocks(splits),
     })
+}
+
+/// Items on the busiest warp of a split of `blocks` blocks walking `tiles` row tiles
+/// grid-stride.
+fn items_a_warp(tiles: usize, blocks: usize) -> usize {
+    tiles.div_ceil(BLOCK_WARPS * blocks)
 }
 
 /// The work of a warp with `items` items of `per_split` units, in units: an item's end (the
@@ -460,6 +465,11 @@ mod tests {
     use super::*;
     use crate::sources::define_lines;
 
+    /// The tuning of the `MARKBASE_CUDA_DEFINES` value `spec`.
+    fn tuning(spec: &str) -> Tuning {
+        Tuning::from_defines(&define_lines(spec).unwrap()).unwrap()
+    }
+
     /// The measured tuning and those of a sweep (`Tuning::from_defines`).
     fn tunings() -> impl Iterator<Item = Tuning> {
         [
@@ -470,7 +480,7 @@ mod tests {
             "MMQ_WIDE_BLOCKS=2 MMQ_WIDE_BALANCE=1 MMQ_WIDE_SPLITS=24",
         ]
         .into_iter()
-        .map(|spec| Tuning::from_defines(&define_lines(spec).unwrap()).unwrap())
+        .map(tuning)
     }
 
     #[test]
@@ -486,7 +496,7 @@ mod tests {
             (16, 12, false)
         );
         assert!(t[3].balance && t[3].wide_blocks == 1);
-        let more = Tuning::from_defines(&define_lines("MMQ_ITEMS=16").unwrap()).unwrap();
+        let more = tuning("MMQ_ITEMS=16");
         assert_eq!(
             more,
             Tuning {
@@ -535,7 +545,7 @@ mod tests {
             let p = plan(t, &e, 64, 132, 227 << 10)?;
             assert_eq!(p.len(), 1);
             let sh = &p[0].2;
-            let busiest = e.tiles.div_ceil(BLOCK_WARPS * sh.blocks) * sh.per_split;
+            let busiest = items_a_warp(e.tiles, sh.blocks) * sh.per_split;
             Some((sh.splits, sh.per_split, sh.blocks, busiest))
         };
         let specs = [
@@ -588,7 +598,7 @@ mod tests {
             ],
         ];
         for (spec, want) in specs.iter().zip(want) {
-            let t = Tuning::from_defines(&define_lines(spec).unwrap()).unwrap();
+            let t = tuning(spec);
             let got = [
                 cell(&t, 2560, &[2048, 512, 512], false),
                 cell(&t, 2048, &[2560], false),
@@ -610,12 +620,9 @@ mod tests {
         // (3 · 6) beats 10 of 1 (13 · 2), though its busiest warp has more units (15 to 13).
         let q4k = format(GgmlType::Q4_K).unwrap();
         let t: Vec<Tuning> = tunings().collect();
-        let work = |tiles: usize, sh: &Shape| {
-            busiest_work(tiles.div_ceil(BLOCK_WARPS * sh.blocks), sh.per_split)
-        };
-        let one =
-            Tuning::from_defines(&define_lines("MMQ_WIDE_BALANCE=1 MMQ_WIDE_SPLITS=24").unwrap())
-                .unwrap();
+        let work =
+            |tiles: usize, sh: &Shape| busiest_work(items_a_warp(tiles, sh.blocks), sh.per_split);
+        let one = tuning("MMQ_WIDE_BALANCE=1 MMQ_WIDE_SPLITS=24");
         let down = shape(&one, &q4k, 160, 10_240, 64, 132).unwrap();
         assert_eq!((down.splits, down.per_split, work(160, &down)), (10, 4, 10));
         let down = shape(&t[4], &q4k, 160, 10_240, 64, 132).unwrap();

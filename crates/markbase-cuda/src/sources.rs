@@ -24,12 +24,6 @@ pub fn defines_from_env() -> Result<String> {
     }
 }
 
-/// The value `MARKBASE_CUDA_DEFINES` gives the define `name` (`define_value`); an error as
-/// `defines_from_env`'s.
-pub fn define_from_env(name: &str) -> Result<Option<String>> {
-    Ok(define_value(&defines_from_env()?, name).map(str::to_string))
-}
-
 /// The value the `#define` lines `lines` (`define_lines`) give `name` ("1" for a bare
 /// `NAME`), if they name it: the last wins, as it would in the source.
 pub fn define_value<'a>(lines: &'a str, name: &str) -> Option<&'a str> {
