@@ -62,8 +62,9 @@ for cb in "$dir"/cb_*; do
     echo "== $(basename "$cb") --gemv ${GEMV_ARGS:-}"
     timeout 90 "$cb" --gemv ${GEMV_ARGS:-} 2>&1 | tail -16
 done
-ncu_gemv() {  # ncu_gemv CUDA_BENCH: its --gemv launches of NCU_KERNEL under Nsight Compute
+ncu_gemv() {  # ncu_gemv CUDA_BENCH LABEL: its --gemv launches of NCU_KERNEL under Nsight Compute
     [ -n "${NCU_KERNEL:-}" ] || return 0
+    echo "== ncu $2 --gemv ${GEMV_ARGS:-}: $NCU_KERNEL"
     # shellcheck disable=SC2086 # GEMV_ARGS is a word list on purpose
     timeout 240 /usr/local/cuda/bin/ncu --clock-control none -k "regex:$NCU_KERNEL" -c 3 \
         --section SpeedOfLight --section Occupancy --section SchedulerStats \
@@ -71,9 +72,7 @@ ncu_gemv() {  # ncu_gemv CUDA_BENCH: its --gemv launches of NCU_KERNEL under Nsi
         tail -80
 }
 for cb in "$dir"/cb_*; do
-    [ -x "$cb" ] && [ -n "${NCU_KERNEL:-}" ] || continue
-    echo "== ncu $(basename "$cb") --gemv ${GEMV_ARGS:-}: $NCU_KERNEL"
-    ncu_gemv "$cb"
+    [ -x "$cb" ] && ncu_gemv "$cb" "$(basename "$cb")"
 done
 builds=()
 rm -f "$dir"/m_v[0-9]*  # wrappers of an earlier run
@@ -91,8 +90,7 @@ for j in "${!variants[@]}"; do
         [ -x "$cb" ] || continue
         echo "== MARKBASE_CUDA_DEFINES='$v' $(basename "$cb") --gemv"
         MARKBASE_CUDA_DEFINES=$v timeout 90 "$cb" --gemv ${GEMV_ARGS:-} 2>&1 | tail -16
-        [ -n "${NCU_KERNEL:-}" ] && echo "== ncu: MARKBASE_CUDA_DEFINES='$v' $NCU_KERNEL"
-        MARKBASE_CUDA_DEFINES=$v ncu_gemv "$cb"
+        MARKBASE_CUDA_DEFINES=$v ncu_gemv "$cb" "MARKBASE_CUDA_DEFINES='$v' $(basename "$cb")"
     done
     [ ${#builds[@]} -gt 0 ] || continue
     w=$dir/m_v$j
