@@ -1,16 +1,19 @@
 // The CUDA C++ our kernel units use, for a C++ compiler on the CPU: a kernel unit compiled after
-// this header runs its blocks one at a time, each thread a fiber on the calling thread, the
-// ready ones in turn (from the first, or descending from the last thread of the last block: a
-// kernel that leans on one order fails in the other). Block
-// barriers and warp collectives (shuffles, votes, mma.sync, ldmatrix) switch fibers until every
-// thread they wait for has arrived; the last one to arrive does the collective's work for all.
-// The inline PTX of the kernels has twins here (`emu_*`), chosen with `#ifdef MB_EMU` beside
-// each `asm`; cp.async lands at the wait that covers it, and griddepcontrol, fences and
-// prefetches do nothing (one kernel runs at a time). Shared memory: a `__shared__` array is a
-// static of the unit (in section mb_shared), the dynamic part an arena of the launch; both are
-// poisoned (0xcd bytes) as each block starts. Errors (a collective some
-// lanes of its mask never reach, a barrier that never fills, a lane that left) end the launch
-// with a message instead of hanging.
+// this header runs on the calling thread, each thread of a block a fiber, the ready ones in
+// turn (from the first, or descending from the last thread of the last block: a kernel that
+// leans on one order fails in the other). A launch runs its blocks one at a time, or, resident
+// (flag bit 1), all of them at once, their threads one round robin over the launch, so that
+// blocks may wait for each other through global memory. Block barriers and warp collectives
+// (shuffles, votes, mma.sync, ldmatrix) switch fibers until every thread they wait for has
+// arrived; the last one to arrive does the collective's work for all. A spin-wait loop calls
+// mb_emu::spin(), which lets the other fibers run. The inline PTX of the kernels has twins here
+// (`emu_*`), chosen with `#ifdef MB_EMU` beside each `asm`; cp.async lands at the wait that
+// covers it, and griddepcontrol, fences and prefetches do nothing (one kernel runs at a time).
+// Shared memory: a `__shared__` array is a static of the unit (in section mb_shared: one copy,
+// so a resident launch of several blocks refuses a unit that has one), the dynamic part an
+// arena of each live block; both are poisoned (0xcd bytes) as a block starts. Errors (a
+// collective some lanes of its mask never reach, a barrier that never fills, a lane that left,
+// every live thread spinning) end the launch with a message instead of hanging.
 
 #pragma once
 #define MB_EMU 1
@@ -130,12 +133,15 @@ struct Copy {
     int group;
 };
 
-// A thread of the block.
+struct Block;
+
+// A thread of a block.
 struct Fiber {
     Context ctx;
     char* stack;
+    Block* block;  // its block
     uint3 tid;
-    int lane, warp;
+    int lane, warp;  // warp: of the launch (the block's slot times its warps, plus its own)
     bool done;
     int waits;  // 0: runs; WAIT_BLOCK, WAIT_WARP, or WAIT_NAMED + id
     std::vector<Copy> copies;
@@ -143,6 +149,16 @@ struct Fiber {
 };
 
 enum { WAIT_BLOCK = 1, WAIT_WARP = 2, WAIT_NAMED = 3 };
+
+// A live block: its index, dynamic shared memory, threads, and barriers.
+struct Block {
+    uint3 idx;
+    char* shared;    // its arena of dynamic shared memory
+    Fiber* fibers;   // its threads (Launch::threads of them)
+    int live;        // its threads that have not left
+    int at_barrier;  // those waiting at __syncthreads
+    int named_arrived[16];
+};
 
 // A warp collective some lanes have reached: its lanes, those arrived, their records, and the
 // work the last one does for all.
@@ -155,17 +171,19 @@ struct Pending {
 // The launch this OS thread runs.
 struct Launch {
     dim3 grid, block;
-    uint3 block_idx;
+    int threads, warps;  // of a block
     void (*body)(void*);
     void* ctx;
-    std::vector<Fiber> fibers;
-    std::vector<Pending> pending;  // per warp: up to 4 groups at once
+    std::vector<Block> blocks;     // the live ones: every block (resident), or the one running
+    std::vector<Fiber> fibers;     // their threads, block by block
+    std::vector<Pending> pending;  // per warp of the launch: up to 4 groups at once
+    char* arenas;                  // the blocks' dynamic shared memory, one allocation
     Context scheduler;
     Fiber* current;
-    int live, at_barrier;
-    int named_arrived[16];
-    char* shared;
+    int live;   // threads of the launch that have not left
+    int spins;  // spin() calls in a row, with no barrier, collective or exit between
     bool descending;  // threads and blocks from the last
+    bool resident;    // every block at once
     bool failed;
     char error[512];
 };
@@ -179,8 +197,9 @@ constexpr int GROUPS = 4;
     Launch* L = launch;
     if (!L->failed) {
         L->failed = true;
-        int n = std::snprintf(L->error, sizeof L->error, "block (%u, %u, %u), thread %u: ",
-                              L->block_idx.x, L->block_idx.y, L->block_idx.z, L->current->tid.x);
+        const uint3 bi = L->current->block->idx;
+        int n = std::snprintf(L->error, sizeof L->error, "block (%u, %u, %u), thread %u: ", bi.x,
+                              bi.y, bi.z, L->current->tid.x);
         std::snprintf(L->error + n, sizeof L->error - n, fmt, a, b, c);
     }
     context_switch(L->current->ctx, L->scheduler);
@@ -194,22 +213,34 @@ inline void wait_here(int what) {
     context_switch(L->current->ctx, L->scheduler);
 }
 
-// Wakes every fiber waiting at `what`.
+// Wakes every fiber of the running fiber's block waiting at `what`.
 inline void wake(int what) {
-    for (Fiber& f : launch->fibers)
-        if (f.waits == what) f.waits = 0;
+    Launch* L = launch;
+    Fiber* f = L->current->block->fibers;
+    for (int t = 0; t < L->threads; t++)
+        if (f[t].waits == what) f[t].waits = 0;
 }
 
 inline Fiber& self() { return *launch->current; }
 
-// Lanes of warp w that have left the kernel.
-inline unsigned done_lanes(int w) {
+// A fiber arrived at a barrier or collective, or left: what spins wait for may have changed.
+inline void progress() { launch->spins = 0; }
+
+// The fiber of lane 0 of the launch's warp w, and in `lanes` how many lanes it has.
+inline Fiber* warp_lanes(int w, int* lanes) {
     Launch* L = launch;
-    unsigned m = 0;
-    int n = (int)L->fibers.size();
-    for (int l = 0; l < 32 && 32 * w + l < n; l++)
-        if (L->fibers[32 * w + l].done) m |= 1u << l;
-    if (32 * w + 32 > n) m |= ~0u << (n - 32 * w);  // lanes past the block's threads
+    const int first = 32 * (w % L->warps);
+    *lanes = L->threads - first < 32 ? L->threads - first : 32;
+    return &L->fibers[(size_t)(w / L->warps) * L->threads + first];
+}
+
+// Lanes of the launch's warp w that have left the kernel.
+inline unsigned done_lanes(int w) {
+    int n;
+    const Fiber* f = warp_lanes(w, &n);
+    unsigned m = n < 32 ? ~0u << n : 0;  // lanes past the block's threads
+    for (int l = 0; l < n; l++)
+        if (f[l].done) m |= 1u << l;
     return m;
 }
 
@@ -218,6 +249,7 @@ inline unsigned done_lanes(int w) {
 inline void warp_meet(unsigned mask, void* record, void (*work)(void**, unsigned)) {
     Launch* L = launch;
     Fiber& f = self();
+    progress();
     if (!(mask & (1u << f.lane))) fail("a warp collective whose mask %#x lacks lane %d", mask, f.lane);
     if (mask & done_lanes(f.warp))
         fail("a warp collective of mask %#x waits for lanes that left (%#x)", mask,
@@ -230,9 +262,10 @@ inline void warp_meet(unsigned mask, void* record, void (*work)(void**, unsigned
     if (!group)
         for (int i = 0; i < GROUPS && !group; i++)
             if (!L->pending[GROUPS * f.warp + i].arrived) group = &L->pending[GROUPS * f.warp + i];
-    if (!group) fail("more than %d warp collectives of warp %d pending at once", GROUPS, f.warp);
+    if (!group)
+        fail("more than %d warp collectives of warp %d pending at once", GROUPS, f.warp % L->warps);
     if (group->arrived && group->work != work)
-        fail("lanes of warp %d (mask %#x) meet at different collectives", f.warp, mask);
+        fail("lanes of warp %d (mask %#x) meet at different collectives", f.warp % L->warps, mask);
     if (group->arrived & (1u << f.lane)) fail("lane %d arrives twice at one collective", f.lane);
     group->mask = mask;
     group->work = work;
@@ -244,31 +277,52 @@ inline void warp_meet(unsigned mask, void* record, void (*work)(void**, unsigned
     }
     work(group->records, mask);
     group->arrived = 0;
-    for (int l = 0; l < 32; l++)
-        if ((mask >> l & 1) && l != f.lane) L->fibers[32 * f.warp + l].waits = 0;
+    int n;
+    Fiber* lanes = warp_lanes(f.warp, &n);
+    for (int l = 0; l < n; l++)
+        if ((mask >> l & 1) && l != f.lane) lanes[l].waits = 0;
 }
 
 // __syncthreads: every live thread of the block.
 inline void sync_block() {
-    Launch* L = launch;
-    if (++L->at_barrier < L->live) {
+    Block* B = self().block;
+    progress();
+    if (++B->at_barrier < B->live) {
         wait_here(WAIT_BLOCK);
         return;
     }
-    L->at_barrier = 0;
+    B->at_barrier = 0;
     wake(WAIT_BLOCK);
 }
 
 // bar.sync id, count.
 inline void sync_named(int id, int count) {
-    Launch* L = launch;
+    Block* B = self().block;
+    progress();
     if (id < 0 || id >= 16) fail("named barrier %d out of range", id);
-    if (++L->named_arrived[id] < count) {
+    if (++B->named_arrived[id] < count) {
         wait_here(WAIT_NAMED + id);
         return;
     }
-    L->named_arrived[id] = 0;
+    B->named_arrived[id] = 0;
     wake(WAIT_NAMED + id);
+}
+
+// For a spin-wait loop (`while (load_acquire(p) < target) SPIN();`): back to the scheduler,
+// ready, to run again in turn after the other ready fibers. When every live thread of the
+// launch has spun twice over with no barrier, collective or exit between (a thread that spins
+// writes nothing the others wait for), no memory they wait for can change: the launch fails.
+// (A thread that leaves one spin loop and enters another shows no progress here: such
+// hand-offs chained against the scheduling order fail from the third on, unless a barrier or
+// collective follows each wait.)
+inline void spin() {
+    Launch* L = launch;
+    if (++L->spins > 2 * L->live) {
+        if (L->resident) fail("every live thread spins, waiting for memory no thread will change");
+        fail("every live thread spins, waiting for memory no thread will change (blocks that "
+             "wait for each other need a resident launch)");
+    }
+    context_switch(L->current->ctx, L->scheduler);
 }
 
 // Shared-memory addresses as 32 bits (cvta.to.shared): the pointer's low 28 bits, and in the
@@ -290,12 +344,12 @@ inline void* shared_pointer(unsigned h) {
     return (void*)((shared_pages[h >> 28] << 28) | (h & 0x0fffffffu));
 }
 
-inline void* dynamic_shared() { return launch->shared; }
+inline void* dynamic_shared() { return self().block->shared; }
 
 }  // namespace mb_emu
 
 #define threadIdx (mb_emu::self().tid)
-#define blockIdx (mb_emu::launch->block_idx)
+#define blockIdx (mb_emu::self().block->idx)
 #define blockDim (mb_emu::launch->block)
 #define gridDim (mb_emu::launch->grid)
 
@@ -592,74 +646,163 @@ inline void fiber_entry() {
     Launch* L = launch;
     L->body(L->ctx);
     Fiber& f = self();
+    Block* B = f.block;
     f.done = true;
     L->live--;
+    B->live--;
+    progress();
     for (int i = 0; i < GROUPS; i++) {
         Pending& p = L->pending[GROUPS * f.warp + i];
         if (p.arrived && (p.mask >> f.lane & 1))
             fail("lane %d left while lanes %#x of its warp wait for it at a collective", f.lane,
                  p.arrived);
     }
-    if (L->at_barrier > 0 && L->at_barrier == L->live) {
-        L->at_barrier = 0;
+    if (B->at_barrier > 0 && B->at_barrier == B->live) {
+        B->at_barrier = 0;
         wake(WAIT_BLOCK);
     }
     context_switch(f.ctx, L->scheduler);
 }
 
-// Runs the block blockIdx of the launch: 0, or -1 with L->error set.
-inline int run_block(Launch* L) {
-    int n = (int)L->fibers.size();
-    for (int t = 0; t < n; t++) {
-        Fiber& f = L->fibers[t];
+// Starts the block of linear index `index` in slot `slot` of the launch: its threads' fibers
+// at the kernel's entry, its barriers and its warps' collectives empty.
+inline void start_block(Launch* L, int slot, unsigned index) {
+    const dim3 g = L->grid;
+    Block& B = L->blocks[slot];
+    B.idx = {index % g.x, index / g.x % g.y, index / (g.x * g.y)};
+    B.fibers = &L->fibers[(size_t)slot * L->threads];
+    B.live = L->threads;
+    B.at_barrier = 0;
+    for (int& a : B.named_arrived) a = 0;
+    for (int t = 0; t < L->threads; t++) {
+        Fiber& f = B.fibers[t];
+        f.block = &B;
         f.tid = {(unsigned)t % L->block.x, (unsigned)t / L->block.x % L->block.y,
                  (unsigned)t / (L->block.x * L->block.y)};
         f.lane = t & 31;
-        f.warp = t >> 5;
+        f.warp = slot * L->warps + (t >> 5);
         f.done = false;
         f.waits = 0;
         f.copies.clear();
         f.commits = 0;
         context_start(f.ctx, f.stack, STACK_BYTES, fiber_entry);
     }
-    for (Pending& p : L->pending) p.arrived = 0;
+    Pending* pending = &L->pending[(size_t)slot * L->warps * GROUPS];
+    for (int i = 0; i < L->warps * GROUPS; i++) pending[i].arrived = 0;
+}
+
+// Runs the started blocks' fibers until all have left: 0, or -1 with L->error set.
+inline int run_fibers(Launch* L) {
+    const int n = (int)L->fibers.size();
     L->live = n;
-    L->at_barrier = 0;
-    for (int& a : L->named_arrived) a = 0;
+    L->spins = 0;
     // Round robin over the ready threads, from the first (or the last) on.
-    const int step = L->descending ? n - 1 : 1;
     int next = L->descending ? n - 1 : 0;
     while (L->live > 0) {
         int pick = -1;
         for (int i = 0; i < n; i++) {
-            int t = (next + i * step) % n;
+            const int t = L->descending ? (next - i + n) % n : (next + i) % n;
             if (!L->fibers[t].done && !L->fibers[t].waits) {
                 pick = t;
                 break;
             }
         }
         if (pick < 0) {
+            const Block* B = &L->blocks[0];
+            while (B->live == 0) B++;  // the first block that has not ended
             std::snprintf(L->error, sizeof L->error,
                           "block (%u, %u, %u): %d threads wait at barriers or collectives that "
                           "never fill",
-                          L->block_idx.x, L->block_idx.y, L->block_idx.z, L->live);
+                          B->idx.x, B->idx.y, B->idx.z, B->live);
             return -1;
         }
         L->current = &L->fibers[pick];
         context_switch(L->scheduler, L->fibers[pick].ctx);
         if (L->failed) return -1;
-        next = (pick + step) % n;
+        next = L->descending ? (pick - 1 + n) % n : (pick + 1) % n;
     }
     return 0;
 }
 
+// Checks and allocates the launch of `blocks` blocks whose live ones `L` holds: 0, or -1 with
+// a message in `error`.
+inline int prepare(Launch* L, unsigned long long blocks, size_t shared_bytes, char* error,
+                   size_t error_len) {
+    const size_t threads = (size_t)L->block.x * L->block.y * L->block.z;
+    if (threads == 0 || threads > 1024 || shared_bytes > 232448) {
+        std::snprintf(error, error_len, "a block of %zu threads with %zu bytes of shared memory",
+                      threads, shared_bytes);
+        return -1;
+    }
+    const size_t slots = L->resident ? blocks : 1;
+    // A block's arena, in whole 4 KB pages (one at least: each block's own address).
+    const size_t stride = shared_bytes ? (shared_bytes + 4095) & ~(size_t)4095 : 4096;
+    if (L->resident) {
+        if (blocks > 65536 || blocks * threads > 65536) {
+            std::snprintf(error, error_len,
+                          "a resident launch of %llu blocks of %zu threads: more than 65536 "
+                          "threads (each a fiber with a stack of its own)",
+                          blocks, threads);
+            return -1;
+        }
+        if (slots * stride > (size_t)1 << 28) {
+            std::snprintf(error, error_len,
+                          "a resident launch of %llu blocks needs %zu bytes of dynamic shared "
+                          "memory (%zu a block, in 4 KB pages): more than 256 MB",
+                          blocks, slots * stride, stride);
+            return -1;
+        }
+        const size_t statics = __start_mb_shared ? __stop_mb_shared - __start_mb_shared : 0;
+        if (blocks > 1 && statics > 0) {
+            std::snprintf(error, error_len,
+                          "a resident launch of %llu blocks: the unit has static __shared__ "
+                          "arrays (%zu bytes), one copy for all blocks; a resident launch of "
+                          "more than one block takes dynamic shared memory only",
+                          blocks, statics);
+            return -1;
+        }
+    }
+    L->threads = (int)threads;
+    L->warps = (int)((threads + 31) / 32);
+    L->blocks.resize(slots);
+    L->fibers.resize(slots * threads);
+    L->pending.resize(slots * L->warps * GROUPS);
+    for (Fiber& f : L->fibers)
+        if (!(f.stack = (char*)std::malloc(STACK_BYTES))) {
+            std::snprintf(error, error_len, "no memory for %zu fiber stacks", L->fibers.size());
+            return -1;
+        }
+    // Every arena in one allocation aligned to a power of two at least its size (1 MB at
+    // least): their 32-bit shared addresses never cross a 256 MB page.
+    size_t align = 1 << 20;
+    while (align < slots * stride) align <<= 1;
+    L->arenas = (char*)std::aligned_alloc(align, align);
+    if (!L->arenas) {
+        std::snprintf(error, error_len, "no memory for %zu bytes of shared memory", align);
+        return -1;
+    }
+    for (size_t b = 0; b < slots; b++) L->blocks[b].shared = L->arenas + b * stride;
+    return 0;
+}
+
+// Poisons the live blocks' shared memory, static and dynamic: not zeros, and not the last
+// block's bytes, so that stale reads show.
+inline void poison_shared(Launch* L, size_t shared_bytes) {
+    for (Block& B : L->blocks) std::memset(B.shared, 0xcd, shared_bytes);
+    if (__start_mb_shared) std::memset(__start_mb_shared, 0xcd, __stop_mb_shared - __start_mb_shared);
+}
+
 }  // namespace mb_emu
 
+// Bits of mb_emu_launch's `flags`.
+enum { MB_EMU_DESCENDING = 1, MB_EMU_RESIDENT = 2 };
+
 // Runs the launch grid × block with `shared_bytes` of dynamic shared memory, every thread
-// calling body(ctx) (which calls the kernel), blocks and threads from the last when
-// `descending`: 0, or -1 with a message in `error`.
+// calling body(ctx) (which calls the kernel): 0, or -1 with a message in `error`. `flags`:
+// MB_EMU_DESCENDING runs blocks and threads from the last; MB_EMU_RESIDENT runs every block
+// at once (their threads one round robin, block by block) instead of one block after another.
 extern "C" __attribute__((visibility("default"))) int mb_emu_launch(
-    const unsigned* grid, const unsigned* block, size_t shared_bytes, int descending,
+    const unsigned* grid, const unsigned* block, size_t shared_bytes, unsigned flags,
     void (*body)(void*), void* ctx, char* error, size_t error_len) {
     using namespace mb_emu;
     Launch L{};
@@ -667,34 +810,28 @@ extern "C" __attribute__((visibility("default"))) int mb_emu_launch(
     L.block = {block[0], block[1], block[2]};
     L.body = body;
     L.ctx = ctx;
-    size_t threads = (size_t)block[0] * block[1] * block[2];
-    if (threads == 0 || threads > 1024 || shared_bytes > 232448) {
-        std::snprintf(error, error_len, "a block of %zu threads with %zu bytes of shared memory",
-                      threads, shared_bytes);
-        return -1;
+    L.descending = (flags & MB_EMU_DESCENDING) != 0;
+    L.resident = (flags & MB_EMU_RESIDENT) != 0;
+    const unsigned long long blocks = (unsigned long long)grid[0] * grid[1] * grid[2];
+    int rc = prepare(&L, blocks, shared_bytes, error, error_len);
+    if (rc == 0) {
+        Launch* outer = launch;
+        launch = &L;
+        shared_page_count = 0;
+        if (L.resident && blocks > 0) {
+            for (unsigned b = 0; b < blocks; b++) start_block(&L, (int)b, b);
+            poison_shared(&L, shared_bytes);
+            rc = run_fibers(&L);
+        }
+        for (unsigned long long b = 0; !L.resident && b < blocks && rc == 0; b++) {
+            start_block(&L, 0, (unsigned)(L.descending ? blocks - 1 - b : b));
+            poison_shared(&L, shared_bytes);
+            rc = run_fibers(&L);
+        }
+        launch = outer;
+        if (rc != 0) std::snprintf(error, error_len, "%s", L.error);
     }
-    L.fibers.resize(threads);
-    L.pending.resize((threads + 31) / 32 * GROUPS);
-    for (Fiber& f : L.fibers) f.stack = (char*)std::malloc(STACK_BYTES);
-    // One megabyte-aligned arena: its 32-bit shared addresses never cross a 256 MB page.
-    L.shared = (char*)std::aligned_alloc(1 << 20, 1 << 20);
-    L.descending = descending != 0;
-    Launch* outer = launch;
-    launch = &L;
-    shared_page_count = 0;
-    int rc = 0;
-    const unsigned blocks = grid[0] * grid[1] * grid[2];
-    for (unsigned b = 0; b < blocks && rc == 0; b++) {
-        const unsigned i = L.descending ? blocks - 1 - b : b;
-        L.block_idx = {i % grid[0], i / grid[0] % grid[1], i / (grid[0] * grid[1])};
-        // Not zeros, and not the last block's bytes: stale reads show.
-        std::memset(L.shared, 0xcd, shared_bytes);
-        if (__start_mb_shared) std::memset(__start_mb_shared, 0xcd, __stop_mb_shared - __start_mb_shared);
-        rc = run_block(&L);
-    }
-    launch = outer;
-    if (rc != 0) std::snprintf(error, error_len, "%s", L.error);
     for (Fiber& f : L.fibers) std::free(f.stack);
-    std::free(L.shared);
+    std::free(L.arenas);
     return rc;
 }

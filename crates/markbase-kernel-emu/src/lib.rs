@@ -3,15 +3,18 @@
 //!
 //! A unit's source (`markbase_cuda::sources`) is compiled by the system's C++ compiler after
 //! `cpp/emu.hpp`, which spells out the CUDA C++ the kernels use: a launch runs the blocks one
-//! at a time, each thread a fiber on the calling thread, and block barriers and warp
-//! collectives (shuffles, votes, `mma.sync`, `ldmatrix`) switch fibers until every thread they
-//! wait for has arrived. The kernels' inline PTX has twins there, chosen by `#ifdef MB_EMU`.
+//! at a time ([`EmuModule::launch`]) or all at once ([`EmuModule::launch_resident`], for
+//! blocks that wait for each other through global memory), each thread a fiber on the calling
+//! thread, and block barriers, warp collectives (shuffles, votes, `mma.sync`, `ldmatrix`) and
+//! spin-wait loops (`mb_emu::spin()`) switch fibers until every thread they wait for has
+//! arrived. The kernels' inline PTX has twins there, chosen by `#ifdef MB_EMU`.
 //! Compiled units are cached on disk as shared libraries (key: the source and the compiler
 //! command), as NVRTC's PTX is.
 //!
 //! What the emulator shows: that a kernel computes what its reference does, lane by lane and
 //! with the rounding of its f16 steps. What it cannot show: speed, races between blocks (they
-//! run one after another), and memory-model effects (one thread runs at a time).
+//! run one after another, or interleaved only where a thread waits or spins), and memory-model
+//! effects (one thread runs at a time).
 
 use std::ffi::{c_char, c_void, CStr};
 use std::path::{Path, PathBuf};
@@ -80,7 +83,8 @@ pub enum EmuError {
         /// The loader's message.
         reason: String,
     },
-    /// A launch's shape is invalid, or a thread hung at a barrier or broke a collective.
+    /// A launch's shape is invalid, or a thread hung at a barrier or broke a collective, or
+    /// every live thread spins.
     #[error("launch of unit {unit}: {message}")]
     Launch {
         /// The unit's name.
@@ -164,12 +168,17 @@ type LaunchFn = unsafe extern "C" fn(
     grid: *const u32,
     block: *const u32,
     shared_bytes: usize,
-    descending: i32,
+    flags: u32,
     body: extern "C" fn(*mut c_void),
     ctx: *mut c_void,
     error: *mut c_char,
     error_len: usize,
 ) -> i32;
+
+/// `mb_emu_launch`'s flag: blocks and threads from the last.
+const DESCENDING: u32 = 1;
+/// `mb_emu_launch`'s flag: every block of the grid live at once.
+const RESIDENT: u32 = 2;
 
 /// The order in which a launch runs its blocks, and a block its ready threads in turn: a kernel
 /// that is right only in one order (a missing barrier, a fix-up that assumes which block ends
@@ -201,7 +210,7 @@ pub struct EmuModule {
 
 /// Calls the launch body a fiber was started with.
 extern "C" fn run_body(ctx: *mut c_void) {
-    // SAFETY: `ctx` is the `&&dyn Fn()` that `EmuModule::launch` passed, alive for the launch.
+    // SAFETY: `ctx` is the `&&dyn Fn()` that `EmuModule::run` passed, alive for the launch.
     let body = unsafe { &*(ctx as *const &dyn Fn()) };
     body();
 }
@@ -275,8 +284,8 @@ impl EmuModule {
     ///
     /// # Safety
     /// `F` must be an `unsafe extern "C" fn` with the kernel's parameter types (each C type
-    /// as its Rust twin, structs `#[repr(C)]`), and it may be called only inside
-    /// [`EmuModule::launch`]'s body.
+    /// as its Rust twin, structs `#[repr(C)]`), and it may be called only inside the body of
+    /// one of this module's launches ([`EmuModule::launch`] and its kin).
     pub unsafe fn kernel<F: Copy>(&self, name: &str) -> Result<F, EmuError> {
         let symbol = format!("{name}\0");
         // SAFETY: the caller vouches for F; the pointer lives as long as `self.library`.
@@ -290,7 +299,9 @@ impl EmuModule {
 
     /// Runs a launch of `grid` blocks of `block` threads with `shared_bytes` of dynamic shared
     /// memory, each thread calling `body` (which calls one kernel of this unit with the
-    /// launch's arguments), in `ORDER_VAR`'s order.
+    /// launch's arguments), in `ORDER_VAR`'s order: the blocks one after another, so a block
+    /// that spins waiting for a later one fails the launch ([`EmuModule::launch_resident`]
+    /// runs them all at once).
     pub fn launch(
         &self,
         grid: [u32; 3],
@@ -310,6 +321,58 @@ impl EmuModule {
         shared_bytes: usize,
         body: &dyn Fn(),
     ) -> Result<(), EmuError> {
+        self.run(order, false, grid, block, shared_bytes, body)
+    }
+
+    /// A launch whose blocks are all live at once, as on a GPU that holds the whole grid, in
+    /// `ORDER_VAR`'s order: the threads of every block take turns in one round robin (block
+    /// 0's threads, then block 1's, ...), so a block may spin (`mb_emu::spin()`) on global
+    /// memory that another block writes. Each block has its own dynamic shared memory; a unit
+    /// with static `__shared__` arrays (one copy for all blocks) cannot launch more than one
+    /// block this way, nor may a launch have more than 65 536 threads (each a fiber with a
+    /// stack of its own) or 256 MB of dynamic shared memory in all (each block's rounded up
+    /// to 4 KB). A launch in which every live thread keeps spinning with nothing left to
+    /// change what they wait for fails ([`EmuError::Launch`]) instead of hanging.
+    pub fn launch_resident(
+        &self,
+        grid: [u32; 3],
+        block: [u32; 3],
+        shared_bytes: usize,
+        body: &dyn Fn(),
+    ) -> Result<(), EmuError> {
+        self.launch_resident_in(Order::from_env(), grid, block, shared_bytes, body)
+    }
+
+    /// [`EmuModule::launch_resident`] in the given order (descending: from the last thread of
+    /// the last block).
+    pub fn launch_resident_in(
+        &self,
+        order: Order,
+        grid: [u32; 3],
+        block: [u32; 3],
+        shared_bytes: usize,
+        body: &dyn Fn(),
+    ) -> Result<(), EmuError> {
+        self.run(order, true, grid, block, shared_bytes, body)
+    }
+
+    /// Runs a launch in `order`, its blocks all at once when `resident`, else one at a time.
+    fn run(
+        &self,
+        order: Order,
+        resident: bool,
+        grid: [u32; 3],
+        block: [u32; 3],
+        shared_bytes: usize,
+        body: &dyn Fn(),
+    ) -> Result<(), EmuError> {
+        let mut flags = 0;
+        if order == Order::Descending {
+            flags |= DESCENDING;
+        }
+        if resident {
+            flags |= RESIDENT;
+        }
         let mut message = vec![0 as c_char; 1024];
         let mut ctx: &dyn Fn() = body;
         // One launch at a time in the process: a unit's static shared arrays are statics of
@@ -324,7 +387,7 @@ impl EmuModule {
                 grid.as_ptr(),
                 block.as_ptr(),
                 shared_bytes,
-                i32::from(order == Order::Descending),
+                flags,
                 run_body,
                 &mut ctx as *mut &dyn Fn() as *mut c_void,
                 message.as_mut_ptr(),

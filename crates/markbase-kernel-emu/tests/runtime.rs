@@ -1,6 +1,7 @@
 //! The emulator's own pieces on small kernels written here: block barriers and shared memory,
-//! shuffles, `mma.sync`'s fragment layout against a plain matrix product, and the errors of a
-//! barrier that never fills and of a collective a lane has left.
+//! shuffles, `mma.sync`'s fragment layout against a plain matrix product, the errors of a
+//! barrier that never fills and of a collective a lane has left, and resident launches, whose
+//! blocks wait for each other through global memory.
 
 use markbase_kernel_emu::{compiler_available, EmuError, EmuModule, Order};
 use rand::{Rng, SeedableRng};
@@ -84,6 +85,44 @@ extern "C" __global__ void early_exit(float* out) {
 }
 "#;
 
+/// Kernels for resident launches: blocks that wait for each other, with no static shared
+/// arrays (one copy for all blocks).
+const RESIDENT_SOURCE: &str = r#"
+#define SPIN() mb_emu::spin()
+
+// The last block writes data[t] = 1000 + t, then sets the flag; block 0 waits for the flag
+// and copies data to out.
+extern "C" __global__ void wait_for_last(volatile unsigned* flag, volatile unsigned* data,
+                                         unsigned* out) {
+    if (blockIdx.x == gridDim.x - 1) {
+        data[threadIdx.x] = 1000u + threadIdx.x;
+        __syncthreads();
+        if (threadIdx.x == 0) *flag = 1u;
+    } else if (blockIdx.x == 0) {
+        while (*flag == 0u) SPIN();
+        out[threadIdx.x] = data[threadIdx.x];
+    }
+}
+
+// Every thread waits for a flag no thread sets.
+extern "C" __global__ void wait_forever(volatile unsigned* flag) {
+    while (*flag == 0u) SPIN();
+}
+
+// Each block writes its index into its dynamic shared memory, counts itself in, waits until
+// every block has, and writes what a neighbour thread of its block wrote (read through the
+// 32-bit shared address) to out.
+extern "C" __global__ void own_shared(volatile unsigned* arrived, unsigned* out) {
+    extern __shared__ unsigned mine[];
+    mine[threadIdx.x] = blockIdx.x * 1000u + threadIdx.x;
+    __syncthreads();
+    if (threadIdx.x == 0) *arrived = *arrived + 1u;
+    while (*arrived < gridDim.x) SPIN();
+    unsigned next = mb_emu::shared_handle(mine + (threadIdx.x + 1) % blockDim.x);
+    out[blockIdx.x * blockDim.x + threadIdx.x] = *(unsigned*)mb_emu::shared_pointer(next);
+}
+"#;
+
 fn module() -> Option<EmuModule> {
     if let Err(e) = compiler_available() {
         eprintln!("skipped: {e}");
@@ -91,6 +130,20 @@ fn module() -> Option<EmuModule> {
     }
     Some(EmuModule::compile("emu-runtime-test", SOURCE).expect("the test unit compiles"))
 }
+
+fn resident_module() -> Option<EmuModule> {
+    if let Err(e) = compiler_available() {
+        eprintln!("skipped: {e}");
+        return None;
+    }
+    Some(
+        EmuModule::compile("emu-resident-test", RESIDENT_SOURCE)
+            .expect("the resident test unit compiles"),
+    )
+}
+
+/// `wait_for_last`'s signature.
+type WaitForLast = unsafe extern "C" fn(*mut u32, *mut u32, *mut u32);
 
 #[test]
 fn block_sums_see_every_thread_through_shuffles_and_a_barrier() {
@@ -216,4 +269,143 @@ fn the_descending_order_exposes_a_missing_barrier() {
     // Ascending, warp 0 wrote first; descending, warp 1 read the launch's stale bytes.
     assert_eq!(got[0], 1.0);
     assert_ne!(got[1], 1.0);
+}
+
+/// Blocks and threads of the resident tests' launches.
+const BLOCKS: u32 = 4;
+const THREADS: u32 = 64;
+
+/// The error message of a launch expected to fail.
+fn launch_error(result: Result<(), EmuError>) -> String {
+    match result {
+        Err(EmuError::Launch { message, .. }) => message,
+        other => panic!("expected a launch error, got {other:?}"),
+    }
+}
+
+#[test]
+fn resident_blocks_wait_for_each_other_through_global_memory() {
+    let Some(m) = resident_module() else { return };
+    // SAFETY: the signature of wait_for_last.
+    let k: WaitForLast = unsafe { m.kernel("wait_for_last") }.unwrap();
+    for order in [Order::Ascending, Order::Descending] {
+        let (mut flag, mut data, mut out) = (vec![0u32], vec![0u32; 64], vec![0u32; 64]);
+        let (fp, dp, op) = (
+            flag.as_mut_ptr() as usize,
+            data.as_mut_ptr() as usize,
+            out.as_mut_ptr() as usize,
+        );
+        // SAFETY: the buffers outlive the launch.
+        m.launch_resident_in(order, [BLOCKS, 1, 1], [THREADS, 1, 1], 0, &|| unsafe {
+            k(fp as *mut u32, dp as *mut u32, op as *mut u32)
+        })
+        .unwrap_or_else(|e| panic!("{order:?}: {e}"));
+        let want: Vec<u32> = (1000..1064).collect();
+        assert_eq!(out, want, "{order:?}");
+    }
+}
+
+#[test]
+fn a_block_spinning_for_a_later_block_fails_when_blocks_run_one_at_a_time() {
+    let Some(m) = resident_module() else { return };
+    // SAFETY: the signature of wait_for_last.
+    let k: WaitForLast = unsafe { m.kernel("wait_for_last") }.unwrap();
+    let (mut flag, mut data, mut out) = (vec![0u32], vec![0u32; 64], vec![0u32; 64]);
+    let (fp, dp, op) = (
+        flag.as_mut_ptr() as usize,
+        data.as_mut_ptr() as usize,
+        out.as_mut_ptr() as usize,
+    );
+    // SAFETY: the buffers outlive the launch.
+    let message = launch_error(m.launch_in(
+        Order::Ascending,
+        [BLOCKS, 1, 1],
+        [THREADS, 1, 1],
+        0,
+        &|| unsafe { k(fp as *mut u32, dp as *mut u32, op as *mut u32) },
+    ));
+    assert!(
+        message.starts_with("block (0, 0, 0), thread ")
+            && message.ends_with(
+                ": every live thread spins, waiting for memory no thread will change \
+                 (blocks that wait for each other need a resident launch)"
+            ),
+        "{message}"
+    );
+}
+
+#[test]
+fn a_resident_launch_where_every_thread_spins_fails() {
+    let Some(m) = resident_module() else { return };
+    type Kernel = unsafe extern "C" fn(*mut u32);
+    // SAFETY: the signature of wait_forever.
+    let k: Kernel = unsafe { m.kernel("wait_forever") }.unwrap();
+    for order in [Order::Ascending, Order::Descending] {
+        let mut flag = vec![0u32];
+        let fp = flag.as_mut_ptr() as usize;
+        // SAFETY: `flag` outlives the launch.
+        let message = launch_error(m.launch_resident_in(
+            order,
+            [BLOCKS, 1, 1],
+            [THREADS, 1, 1],
+            0,
+            &|| unsafe { k(fp as *mut u32) },
+        ));
+        assert!(
+            message.starts_with("block (")
+                && message.ends_with(
+                    ": every live thread spins, waiting for memory no thread will change"
+                ),
+            "{order:?}: {message}"
+        );
+    }
+}
+
+#[test]
+fn each_resident_block_has_its_own_shared_memory_and_index() {
+    let Some(m) = resident_module() else { return };
+    type Kernel = unsafe extern "C" fn(*mut u32, *mut u32);
+    // SAFETY: the signature of own_shared.
+    let k: Kernel = unsafe { m.kernel("own_shared") }.unwrap();
+    for order in [Order::Ascending, Order::Descending] {
+        let mut arrived = vec![0u32];
+        let mut out = vec![0u32; (BLOCKS * THREADS) as usize];
+        let (ap, op) = (arrived.as_mut_ptr() as usize, out.as_mut_ptr() as usize);
+        // SAFETY: the buffers outlive the launch.
+        m.launch_resident_in(
+            order,
+            [BLOCKS, 1, 1],
+            [THREADS, 1, 1],
+            THREADS as usize * 4,
+            &|| unsafe { k(ap as *mut u32, op as *mut u32) },
+        )
+        .unwrap_or_else(|e| panic!("{order:?}: {e}"));
+        let want: Vec<u32> = (0..BLOCKS)
+            .flat_map(|b| (0..THREADS).map(move |t| b * 1000 + (t + 1) % THREADS))
+            .collect();
+        assert_eq!(out, want, "{order:?}");
+    }
+}
+
+#[test]
+fn a_resident_launch_refuses_static_shared_arrays_and_too_many_threads() {
+    let Some(m) = module() else { return };
+    type Kernel = unsafe extern "C" fn(*const f32, *mut f32);
+    // SAFETY: the signature of block_sums.
+    let k: Kernel = unsafe { m.kernel("block_sums") }.unwrap();
+    let input = vec![1f32; 2 * 64];
+    let mut out = vec![0f32; 2];
+    let (ip, op) = (input.as_ptr() as usize, out.as_mut_ptr() as usize);
+    // SAFETY: the buffers outlive the launch.
+    let body = || unsafe { k(ip as *const f32, op as *mut f32) };
+    // One block may use the unit's one copy of its static arrays.
+    m.launch_resident([1, 1, 1], [64, 1, 1], 0, &body).unwrap();
+    assert_eq!(out[0], 64.0);
+    let message = launch_error(m.launch_resident([2, 1, 1], [64, 1, 1], 0, &body));
+    assert!(
+        message.starts_with("a resident launch of 2 blocks: the unit has static __shared__ arrays"),
+        "{message}"
+    );
+    let message = launch_error(m.launch_resident([65, 1, 1], [1024, 1, 1], 0, &body));
+    assert!(message.contains("more than 65536 threads"), "{message}");
 }
