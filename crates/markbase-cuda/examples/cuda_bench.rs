@@ -1,7 +1,8 @@
 //! Timing harness for the CUDA backend: the device's copy bandwidth (the roofline's ceiling),
 //! decode products at E4B's or 31B's shapes per weight format (`--gemv`, `--gemv 31b`; one
 //! token row, or `--tokens N`), the routed experts of one 26B-A4B layer (`--moe`, N tokens
-//! routed uniformly at random, as a trained router spreads them), and
+//! routed uniformly at random, as a trained router spreads them), E4B's 42 layers of one-token
+//! bf16 products as one persistent launch and as a launch a product (`--chain`, chain.rs), and
 //! whole-model decode steps (one host wait each) of a synthetic Gemma 4 (random weights at a
 //! released variant's shapes) or a GGUF.
 //!
@@ -17,7 +18,7 @@ use markbase_core::backend::{Backend, HostBytes, HostMatrix};
 use markbase_core::config::Gemma3Config;
 use markbase_core::gguf::GgufFile;
 use markbase_core::quant::GgmlType;
-use markbase_cuda::CudaBackend;
+use markbase_cuda::{ChainLink, CudaBackend, LinkInput};
 use markbase_models::gemma3::Gemma3;
 use markbase_models::gemma4::Gemma4;
 use markbase_models::synthetic::{SyntheticSpec, SyntheticWeights};
@@ -281,6 +282,114 @@ fn gemv_bandwidth(be: &CudaBackend, shapes: &LayerShapes, n: usize) {
     }
 }
 
+/// E4B's one-token bf16 products of 42 layers in a step's order — q/k/v, o (reading q), gate
+/// and up, down (reading gelu(gate) · up), the per-layer-input gate and projection, each
+/// reading the one before and the ones a norm precedes normed — through `run_chain`: the whole
+/// chain in one persistent launch, and a launch a product. Layers cycle through 4 copies of
+/// the weights (183 MB each), so no product runs from L2. Prints ms a pass, µs a layer and GB/s
+/// of weight bytes beside the copy bandwidth `bw`.
+fn chain_bandwidth(be: &CudaBackend, bw: f64) {
+    let LayerShapes {
+        d, ff, q, kv, ple, ..
+    } = E4B_LAYER;
+    let (layers, copies) = (42, 4);
+    let mut seed = 5u64;
+    let mut load = |rows, cols| {
+        be.load_matrix(&random_matrix(GgmlType::BF16, rows, cols, &mut seed))
+            .unwrap()
+    };
+    // q, k, v and gate, up as one matrix each: their products read one input.
+    let weights: Vec<Vec<_>> = (0..copies)
+        .map(|_| {
+            vec![
+                load(q + 2 * kv, d),
+                load(d, q),
+                load(2 * ff, d),
+                load(d, ff),
+                load(ple, d),
+                load(d, ple),
+            ]
+        })
+        .collect();
+    let norm_d = be.load_vector(&vec![1.0; d]).unwrap();
+    let x = be.load_vector(&vec![0.01; d]).unwrap();
+    let mut links = Vec::with_capacity(6 * layers);
+    for layer in 0..layers {
+        let m = &weights[layer % copies];
+        let b = links.len();
+        let input = match layer {
+            0 => LinkInput::Buffer(&x),
+            _ => LinkInput::Link {
+                link: b - 1,
+                offset: 0,
+            },
+        };
+        let from = |link| LinkInput::Link { link, offset: 0 };
+        let normed = Some((&norm_d, 1e-6));
+        links.extend([
+            ChainLink {
+                weights: &m[0],
+                input,
+                pair: false,
+                norm: normed,
+            },
+            ChainLink {
+                weights: &m[1],
+                input: from(b),
+                pair: false,
+                norm: None,
+            },
+            ChainLink {
+                weights: &m[2],
+                input: from(b + 1),
+                pair: false,
+                norm: normed,
+            },
+            ChainLink {
+                weights: &m[3],
+                input: from(b + 2),
+                pair: true,
+                norm: None,
+            },
+            ChainLink {
+                weights: &m[4],
+                input: from(b + 3),
+                pair: false,
+                norm: normed,
+            },
+            ChainLink {
+                weights: &m[5],
+                input: from(b + 4),
+                pair: false,
+                norm: None,
+            },
+        ]);
+    }
+    let mut chain = be.chain(&links).unwrap();
+    let bytes = chain.weight_bytes() as f64;
+    let n = chain.len();
+    println!(
+        "chain: {layers} layers of E4B's bf16 products, {n} launches' worth, {:.2} GB a pass",
+        bytes / 1e9
+    );
+    println!("| launches | ms a pass | µs a layer | weight GB/s | share of the copy rate |");
+    println!("| --- | ---: | ---: | ---: | ---: |");
+    for whole in [true, false, true, false] {
+        let s = seconds_per_call(be, 20, |_| match whole {
+            true => be.run_chain(&mut chain, 0..n).unwrap(),
+            false => (0..n).for_each(|j| be.run_chain(&mut chain, j..j + 1).unwrap()),
+        });
+        println!(
+            "| {} | {:.3} | {:.1} | {:.0} | {:.0} % |",
+            if whole { "one" } else { "one a product" },
+            s * 1e3,
+            s * 1e6 / layers as f64,
+            bytes / s / 1e9,
+            100.0 * bytes / s / bw
+        );
+    }
+}
+
 /// The routed experts of one 26B-A4B layer (`moe_ffn`: 128 experts 704 wide over a model
 /// width of 2 816, top 8) for `n` tokens whose experts are drawn uniformly at random (distinct
 /// per token, a fixed seed), per storage (gate/up, down): µs a call, the experts the tokens
@@ -383,6 +492,9 @@ fn main() {
     }
     if args.iter().any(|a| a == "--moe") {
         moe_bandwidth(&be, tokens);
+    }
+    if args.iter().any(|a| a == "--chain") {
+        chain_bandwidth(&be, bw);
     }
     let nothing = |_: u64, _: u64| {};
     let t = Instant::now();

@@ -20,6 +20,7 @@ mod attention_flash;
 mod backend;
 mod blas;
 mod buffer;
+mod chain;
 pub mod device;
 mod device_wide;
 mod elementwise;
@@ -42,6 +43,10 @@ mod tune;
 pub use attention_flash::ATTN_FLASH_MIN_ROWS;
 pub use backend::CudaBackend;
 pub use buffer::{CudaBuffer, CudaMatrix};
+pub use chain::{
+    chain_shared_bytes, Chain, ChainLink, ChainOp, LinkInput, CHAIN_K, CHAIN_ROWS, CHAIN_STAGES,
+    CHAIN_THREADS,
+};
 pub use kernels::unit_images;
 pub use layout::device_bytes;
 pub use mmq::mma_suits;

@@ -85,17 +85,20 @@ pub enum Module {
     Moe,
     /// Argmax and top-k / top-p sampling.
     Sample,
+    /// A chain of one-token products in one persistent launch (an experiment, chain.rs).
+    Chain,
 }
 
 impl Module {
     /// Every module.
-    pub const ALL: [Module; 6] = [
+    pub const ALL: [Module; 7] = [
         Module::Ops,
         Module::Gemv,
         Module::Attention,
         Module::FlashAttention,
         Module::Moe,
         Module::Sample,
+        Module::Chain,
     ];
 
     /// The module's name (its `.cu` file stem).
@@ -107,6 +110,7 @@ impl Module {
             Module::FlashAttention => "flash_attention",
             Module::Moe => "moe",
             Module::Sample => "sample",
+            Module::Chain => "chain",
         }
     }
 
@@ -147,6 +151,7 @@ fn assemble(m: Module, defines: &str, part: Part) -> String {
         Module::FlashAttention => include_str!("../kernels/flash_attention.cu"),
         Module::Moe => include_str!("../kernels/moe.cu"),
         Module::Sample => include_str!("../kernels/sample.cu"),
+        Module::Chain => include_str!("../kernels/chain.cu"),
     };
     // quant.cuh (formats, FOR_EACH_FORMAT) is what the per-format modules need.
     let quant = m.per_format();
@@ -270,9 +275,9 @@ mod tests {
             all.len(),
             "unit names are unique (cache files)"
         );
-        // attention, flash attention, sample whole; ops and moe shared + 13 formats; gemv 13
-        // formats.
-        assert_eq!(all.len(), 3 + 2 * 14 + 13);
+        // attention, flash attention, sample, chain whole; ops and moe shared + 13 formats;
+        // gemv 13 formats.
+        assert_eq!(all.len(), 4 + 2 * 14 + 13);
         let q4k = Unit::holding(Module::Gemv, Some("q4_k"));
         assert_eq!(q4k.name(), "gemv-q4_k");
         assert!(all.contains(&q4k));

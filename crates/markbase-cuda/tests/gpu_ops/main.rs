@@ -5,6 +5,8 @@
 //!
 //! Without a usable GPU (no driver, no device, no NVRTC) every test prints why and passes.
 
+#[path = "../common/chain.rs"]
+mod chain_ref;
 #[path = "../common/mod.rs"]
 mod common;
 #[path = "../common/matrices.rs"]
@@ -238,6 +240,7 @@ fn random_tables(
 }
 
 mod attention;
+mod chain;
 mod elementwise;
 mod moe;
 mod norms;

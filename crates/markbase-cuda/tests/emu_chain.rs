@@ -1,0 +1,177 @@
+//! The chain of one-token bf16 products in one persistent launch (chain.cu) on the CPU
+//! emulator, its blocks all resident and waiting for each other through global memory, against
+//! the f64 products (tests/common/chain.rs) on fresh random inputs (seed printed,
+//! `MARKBASE_TEST_SEED` replays it): the whole chain in one launch, again in a second pass
+//! (the counts only grow, the tickets were reset), a link a launch, and in descending order
+//! give the same bits; with 3 and 5 blocks and rings of 11 and 3 stages.
+//!
+//! Without a C++ compiler every test prints why and passes.
+
+#[path = "common/chain.rs"]
+mod chain;
+
+use chain::*;
+use markbase_cuda::sources::{define_lines, Module, Unit};
+use markbase_cuda::{
+    chain_shared_bytes, ChainOp, CHAIN_K, CHAIN_ROWS, CHAIN_STAGES, CHAIN_THREADS,
+};
+use markbase_kernel_emu::{compiler_available, EmuModule, Order};
+use markbase_test_support::rng;
+
+/// `chain_bf16` (chain.cu).
+type ChainKernel = unsafe extern "C" fn(
+    ops: *const u32,
+    first: i32,
+    count: i32,
+    done: *mut u32,
+    epoch: u32,
+    x_floats: i32,
+);
+
+/// A chain laid out in host memory as the kernel reads it (the emulator runs in-process).
+struct HostChain {
+    table: Vec<u32>,
+    outputs: Vec<Vec<f32>>,
+    scratch: Vec<(Vec<f32>, Vec<u32>)>,
+    done: Vec<u32>,
+    epoch: u32,
+    max_k: usize,
+}
+
+impl HostChain {
+    fn new(spec: &[LinkSpec], inputs: &ChainInputs) -> HostChain {
+        let mut outputs: Vec<Vec<f32>> = spec.iter().map(|l| vec![f32::NAN; l.rows]).collect();
+        let mut scratch = Vec::new();
+        let mut table = Vec::new();
+        for (j, l) in spec.iter().enumerate() {
+            let (input, dep) = match l.source {
+                Source::Outside => (inputs.outside.as_ptr() as u64, None),
+                Source::Link { link, offset } => {
+                    (outputs[link][offset..].as_ptr() as u64, Some(link))
+                }
+            };
+            let mut op = ChainOp {
+                weights: inputs.weights[j].as_ptr() as u64,
+                input,
+                norm: if l.norm {
+                    inputs.norms[j].as_ptr() as u64
+                } else {
+                    0
+                },
+                out: outputs[j].as_mut_ptr() as u64,
+                rows: l.rows,
+                k: l.k,
+                pair: l.pair,
+                dep,
+                eps: EPS,
+                ..ChainOp::default()
+            };
+            let mut parts = vec![f32::NAN; op.tiles() * op.chunks() * CHAIN_ROWS];
+            let mut tickets = vec![0u32; op.tiles()];
+            op.parts = parts.as_mut_ptr() as u64;
+            op.tickets = tickets.as_mut_ptr() as u64;
+            table.extend(op.words().unwrap());
+            scratch.push((parts, tickets));
+        }
+        HostChain {
+            table,
+            outputs,
+            scratch,
+            done: vec![0; spec.len()],
+            epoch: 0,
+            max_k: spec.iter().map(|l| l.k).max().unwrap(),
+        }
+    }
+
+    /// One pass: the whole chain in one launch, or a link a launch; the outputs poisoned first.
+    fn pass(&mut self, unit: &EmuModule, order: Order, blocks: u32, stages: usize, whole: bool) {
+        for o in &mut self.outputs {
+            o.fill(f32::NAN);
+        }
+        self.epoch += 1;
+        let links = self.outputs.len();
+        let launches: Vec<(usize, usize)> = match whole {
+            true => vec![(0, links)],
+            false => (0..links).map(|j| (j, 1)).collect(),
+        };
+        let shared = chain_shared_bytes(stages, self.max_k);
+        let x_floats = self.max_k.div_ceil(CHAIN_K) * CHAIN_K;
+        // SAFETY: chain_bf16's signature in chain.cu.
+        let kernel: ChainKernel = unsafe { unit.kernel("chain_bf16") }.unwrap();
+        let (table, done, epoch) = (self.table.as_ptr(), self.done.as_mut_ptr(), self.epoch);
+        for (first, count) in launches {
+            let body = || unsafe {
+                kernel(
+                    table,
+                    first as i32,
+                    count as i32,
+                    done,
+                    epoch,
+                    x_floats as i32,
+                )
+            };
+            unit.launch_resident_in(order, [blocks, 1, 1], [CHAIN_THREADS, 1, 1], shared, &body)
+                .unwrap_or_else(|e| panic!("{e}"));
+        }
+        for (_, tickets) in &self.scratch {
+            assert!(
+                tickets.iter().all(|&t| t == 0),
+                "a launch leaves its tickets at 0"
+            );
+        }
+    }
+}
+
+/// The chain unit compiled with `defines` ("" or `CHAIN_STAGES=N`), or None where no C++
+/// compiler runs.
+fn chain_unit(defines: &str) -> Option<EmuModule> {
+    if let Err(e) = compiler_available() {
+        eprintln!("skipped: {e}");
+        return None;
+    }
+    let unit = Unit::holding(Module::Chain, None);
+    let lines = define_lines(defines).unwrap();
+    let name = format!("{}{}", unit.name(), defines.replace('=', "_"));
+    Some(EmuModule::compile(&name, &unit.source(&lines)).unwrap_or_else(|e| panic!("{e}")))
+}
+
+fn check(defines: &str, stages: usize) {
+    let Some(unit) = chain_unit(defines) else {
+        return;
+    };
+    let spec = test_chain();
+    let mut r = rng(&format!("chain {defines}"));
+    let inputs = chain_inputs(&mut r, &spec);
+    for blocks in [3, 5] {
+        let mut chain = HostChain::new(&spec, &inputs);
+        chain.pass(&unit, Order::Ascending, blocks, stages, true);
+        let what = format!("chain {defines}, {blocks} blocks");
+        check_chain(&what, &spec, &inputs, &chain.outputs);
+        let first = chain.outputs.clone();
+        for (order, whole) in [
+            (Order::Ascending, true),
+            (Order::Ascending, false),
+            (Order::Descending, true),
+            (Order::Descending, false),
+        ] {
+            chain.pass(&unit, order, blocks, stages, whole);
+            for (j, (a, b)) in first.iter().zip(&chain.outputs).enumerate() {
+                let same = a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+                assert!(
+                    same,
+                    "{what}: link {j} differs in a later pass ({order:?}, whole {whole})"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn chain_matches_reference_and_repeats_bit_for_bit() {
+    check("", CHAIN_STAGES);
+}
+
+#[test]
+fn chain_with_a_short_ring_matches_reference() {
+    check("CHAIN_STAGES=3", 3);
+}

@@ -1,0 +1,80 @@
+//! The chain of one-token bf16 products in one persistent launch (chain.cu) against the f64
+//! products (tests/common/chain.rs): a chain over the kernel's paths and two of E4B's layers,
+//! the whole chain in one launch, then a launch a link and a second whole pass bit for bit.
+
+use super::*;
+use chain_ref::*;
+use markbase_cuda::{ChainLink, LinkInput};
+
+/// Runs `spec` on the device: returns each pass's outputs (whole, a link a launch, whole).
+fn run_chain(g: &CudaBackend, spec: &[LinkSpec], inputs: &ChainInputs) -> Vec<Vec<Vec<f32>>> {
+    let weights: Vec<CudaMatrix> = spec
+        .iter()
+        .zip(&inputs.weights)
+        .map(|(l, w)| {
+            let bytes: Vec<u8> = w.iter().flat_map(|b| b.to_le_bytes()).collect();
+            g.load_matrix(&HostMatrix {
+                name: format!("chain {}x{}", l.rows, l.k),
+                ty: GgmlType::BF16,
+                rows: l.rows,
+                cols: l.k,
+                bytes: HostBytes::Owned(Arc::from(bytes)),
+            })
+            .unwrap()
+        })
+        .collect();
+    let outside = up(g, &inputs.outside);
+    let norms: Vec<CudaBuffer> = inputs.norms.iter().map(|n| up(g, n)).collect();
+    let links: Vec<ChainLink<'_>> = spec
+        .iter()
+        .enumerate()
+        .map(|(j, l)| ChainLink {
+            weights: &weights[j],
+            input: match l.source {
+                Source::Outside => LinkInput::Buffer(&outside),
+                Source::Link { link, offset } => LinkInput::Link { link, offset },
+            },
+            pair: l.pair,
+            norm: l.norm.then(|| (&norms[j], EPS)),
+        })
+        .collect();
+    let mut chain = g.chain(&links).unwrap();
+    let n = spec.len();
+    let mut passes = Vec::new();
+    for whole in [true, false, true] {
+        for (j, l) in spec.iter().enumerate() {
+            g.write(&vec![f32::NAN; l.rows], chain.output_mut(j))
+                .unwrap();
+        }
+        match whole {
+            true => g.run_chain(&mut chain, 0..n).unwrap(),
+            false => (0..n).for_each(|j| g.run_chain(&mut chain, j..j + 1).unwrap()),
+        }
+        passes.push(
+            (0..n)
+                .map(|j| down(g, chain.output(j), spec[j].rows))
+                .collect(),
+        );
+    }
+    passes
+}
+
+fn check_on_gpu(g: &CudaBackend, what: &str, spec: &[LinkSpec]) {
+    let mut r = rng(what);
+    let inputs = chain_inputs(&mut r, spec);
+    let passes = run_chain(g, spec, &inputs);
+    check_chain(what, spec, &inputs, &passes[0]);
+    for (p, pass) in passes.iter().enumerate().skip(1) {
+        for (j, (a, b)) in passes[0].iter().zip(pass).enumerate() {
+            let same = a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+            assert!(same, "{what}: link {j} differs in pass {p}");
+        }
+    }
+}
+
+#[test]
+fn chain_matches_reference_and_repeats_bit_for_bit() {
+    let g = gpu_or_skip!();
+    check_on_gpu(g, "chain", &test_chain());
+    check_on_gpu(g, "chain of two E4B layers", &e4b_layers());
+}
