@@ -12,7 +12,8 @@
 // boundaries: while a block waits for the product its next product reads, the weights of its
 // next units are already on their way. A block waits on a count of the tiles (8 rows) that
 // product has finished (`done`, in global memory; the waiting thread spins with acquire loads),
-// raised by the block that finishes each tile. A tile whose units fall to more than one block
+// which each block raises once at the end of its share by the tiles whose outputs it stored
+// (one fence and atomic a product, not one a tile). A tile whose units fall to more than one block
 // leaves each block's sum of its run as a part, which the block that ends the tile's last run
 // (a ticket a tile, reset by that block) adds in unit order: every run of a launch of the same
 // grid gives the same bits.
@@ -110,17 +111,6 @@ __device__ __forceinline__ u32 chain_acquire(const u32* p) {
 #endif
 }
 
-// A value other blocks wrote in this launch (from L2, never a stale L1 line).
-__device__ __forceinline__ float chain_load(const float* p) {
-#ifdef MB_EMU
-    return *(const volatile float*)p;
-#else
-    float v;
-    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
-    return v;
-#endif
-}
-
 // A turn of a spin-wait loop.
 __device__ __forceinline__ void chain_spin() {
 #ifdef MB_EMU
@@ -155,7 +145,32 @@ __device__ __forceinline__ float chain_block_sum(float v, float* red) {
     return s;
 }
 
+// x[i] for values i0 + 4j (j < 4, i0 a multiple of 4) of product o's input, read from L2
+// (other blocks wrote it in this launch): all loads first, so they are in flight together.
+__device__ __forceinline__ void chain_x4(const ChainOp& o, int i0, float4* x) {
+    const float* in = (const float*)o.in;
+    float4 a[4], b[4];
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        const int i = i0 + 4 * j;
+        a[j] = i < o.k ? __ldcg((const float4*)(in + i)) : make_float4(0.f, 0.f, 0.f, 0.f);
+        if (o.pair) b[j] = i < o.k ? __ldcg((const float4*)(in + o.k + i)) : a[j];
+    }
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        if (o.pair) {
+            a[j].x = gelu_tanh(a[j].x) * b[j].x;
+            a[j].y = gelu_tanh(a[j].y) * b[j].y;
+            a[j].z = gelu_tanh(a[j].z) * b[j].z;
+            a[j].w = gelu_tanh(a[j].w) * b[j].w;
+        }
+        x[j] = a[j];
+    }
+}
+
 // Waits until product o's input is done, then stages x (chunks · 1 024 floats, zeros past k).
+// A thread takes 16-value spans of x (4 float4s, their loads in flight together) where the
+// input lies on 16 bytes and k is a multiple of 4, else single values.
 __device__ void chain_stage_x(const ChainOp* ops, const ChainOp& o, const u32* done, u32 epoch,
                               float* xs, float* red) {
     if (o.dep >= 0) {
@@ -165,22 +180,34 @@ __device__ void chain_stage_x(const ChainOp* ops, const ChainOp& o, const u32* d
         }
         __syncthreads();
     }
-    const float* in = (const float*)o.in;
     const int kx = o.chunks * CHAIN_K;
     float ss = 0.f;
-    for (int i = threadIdx.x; i < kx; i += blockDim.x) {
-        float v = 0.f;
-        if (i < o.k) {
-            v = chain_load(in + i);
-            if (o.pair) v = gelu_tanh(v) * chain_load(in + o.k + i);
+    if ((o.in & 15) == 0 && (o.k & 3) == 0) {
+        for (int i0 = 16 * threadIdx.x; i0 < kx; i0 += 16 * blockDim.x) {
+            float4 x[4];
+            chain_x4(o, i0, x);
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                *(float4*)(xs + i0 + 4 * j) = x[j];
+                ss += x[j].x * x[j].x + x[j].y * x[j].y + x[j].z * x[j].z + x[j].w * x[j].w;
+            }
         }
-        xs[i] = v;
-        ss += v * v;
+    } else {
+        const float* in = (const float*)o.in;
+        for (int i = threadIdx.x; i < kx; i += blockDim.x) {
+            float v = 0.f;
+            if (i < o.k) {
+                v = __ldcg(in + i);
+                if (o.pair) v = gelu_tanh(v) * __ldcg(in + o.k + i);
+            }
+            xs[i] = v;
+            ss += v * v;
+        }
     }
     if (o.norm) {
         const float scale = rsqrtf(chain_block_sum(ss, red) / (float)o.k + o.eps);
         const float* nw = (const float*)o.norm;
-        for (int i = threadIdx.x; i < o.k; i += blockDim.x) xs[i] *= scale * nw[i];
+        for (int i = threadIdx.x; i < o.k; i += blockDim.x) xs[i] *= scale * __ldg(nw + i);
     }
     __syncthreads();
 }
@@ -212,46 +239,50 @@ __device__ __forceinline__ bool chain_starts_share(int v, int units) {
 
 // Ends this block's run of tile `tile` of product o (units `first_chunk` .. `chunk`, their
 // sum `run` in lane 0 of warp w, for row w): stores it as the tile's outputs when the run is
-// the whole tile, else as its part, the block ending the tile's last run adding the parts;
-// the block that stores the tile's outputs counts the tile done. Writers' stores reach thread 0
-// through the block barrier, and thread 0's fence orders them before its atomics (and, after
-// a ticket, the other runs' parts before the reads). flag: an int of shared memory.
-__device__ void chain_end_run(const ChainOp& o, int op, u32* done, int tile, int first_chunk,
-                              int chunk, float run, int w, int lane, int* flag) {
+// the whole tile, else as its part, the block ending the tile's last run adding the parts.
+// Returns whether this block stored the tile's outputs. Writers' stores reach thread 0 through
+// the block barrier, and thread 0's fence orders them before its ticket (and, after it, the
+// other runs' parts before the reads). flag: an int of shared memory.
+__device__ bool chain_end_run(const ChainOp& o, int tile, int first_chunk, int chunk, float run,
+                              int w, int lane, int* flag) {
     const int row = tile * CHAIN_ROWS + w;
-    float* parts = (float*)o.parts + (u64)tile * o.chunks * CHAIN_ROWS;
-    bool store = first_chunk == 0 && chunk == o.chunks - 1;
-    if (store) {
+    if (first_chunk == 0 && chunk == o.chunks - 1) {
         if (lane == 0 && row < o.rows) ((float*)o.out)[row] = run;
-    } else {
-        if (lane == 0) parts[first_chunk * CHAIN_ROWS + w] = run;
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            __threadfence();
-            const int n = chunk - first_chunk + 1;
-            const u32 before = atomicAdd((u32*)o.tickets + tile, (u32)n);
-            const bool last = before + n == (u32)o.chunks;
-            if (last) ((u32*)o.tickets)[tile] = 0;
-            __threadfence();
-            *flag = last;
-        }
-        __syncthreads();
-        store = *flag;
-        if (store && lane == 0 && row < o.rows) {
-            // The runs in unit order: each starts at chunk 0 or at a block's share.
-            const int units = o.tiles * o.chunks;
-            float s = 0.f;
-            for (int c = 0; c < o.chunks; c++)
-                if (c == 0 || chain_starts_share(tile * o.chunks + c, units))
-                    s += chain_load(parts + c * CHAIN_ROWS + w);
-            ((float*)o.out)[row] = s;
-        }
+        return true;
     }
-    if (!store) return;
+    const float* parts = (const float*)o.parts + (u64)tile * o.chunks * CHAIN_ROWS;
+    if (lane == 0) ((float*)parts)[first_chunk * CHAIN_ROWS + w] = run;
     __syncthreads();
     if (threadIdx.x == 0) {
         __threadfence();
-        atomicAdd(done + op, 1u);
+        const int n = chunk - first_chunk + 1;
+        const u32 before = atomicAdd((u32*)o.tickets + tile, (u32)n);
+        const bool last = before + n == (u32)o.chunks;
+        if (last) ((u32*)o.tickets)[tile] = 0;
+        __threadfence();
+        *flag = last;
+    }
+    __syncthreads();
+    if (!*flag) return false;
+    if (lane == 0 && row < o.rows) {
+        // The runs in unit order: each starts at chunk 0 or at a block's share.
+        const int units = o.tiles * o.chunks;
+        float s = 0.f;
+        for (int c = 0; c < o.chunks; c++)
+            if (c == 0 || chain_starts_share(tile * o.chunks + c, units))
+                s += __ldcg(parts + c * CHAIN_ROWS + w);
+        ((float*)o.out)[row] = s;
+    }
+    return true;
+}
+
+// Ends this block's share of product `op`: counts the `stored` tiles whose outputs it stored
+// as done, once their stores are ordered before the count (thread 0's fence after the barrier).
+__device__ __forceinline__ void chain_end_share(u32* done, int op, int stored) {
+    __syncthreads();
+    if (threadIdx.x == 0 && stored > 0) {
+        __threadfence();
+        atomicAdd(done + op, (u32)stored);
     }
 }
 
@@ -278,7 +309,7 @@ extern "C" __global__ void __launch_bounds__(256, 1)
     }
     wait_prior_grid();
 
-    int staged = -1, first_chunk = 0;
+    int staged = -1, first_chunk = 0, stored = 0;
     float run = 0.f;
     for (int i = 0; use.op < last; i++) {
         chain_wait<CHAIN_STAGES - 2>();
@@ -302,7 +333,11 @@ extern "C" __global__ void __launch_bounds__(256, 1)
         run += chain_dot(chain_smem + i % CHAIN_STAGES * CHAIN_STAGE_BYTES, xs + chunk * CHAIN_K,
                          w, lane);
         if (chunk == o.chunks - 1 || use.u + 1 == use.end)
-            chain_end_run(o, use.op, done, tile, first_chunk, chunk, run, w, lane, flag);
+            stored += chain_end_run(o, tile, first_chunk, chunk, run, w, lane, flag);
+        if (use.u + 1 == use.end) {
+            chain_end_share(done, use.op, stored);
+            stored = 0;
+        }
         chain_next(ops, last, use);
     }
     chain_wait<0>();

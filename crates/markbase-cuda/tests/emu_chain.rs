@@ -2,8 +2,10 @@
 //! emulator, its blocks all resident and waiting for each other through global memory, against
 //! the f64 products (tests/common/chain.rs) on fresh random inputs (seed printed,
 //! `MARKBASE_TEST_SEED` replays it): the whole chain in one launch, again in a second pass
-//! (the counts only grow, the tickets were reset), a link a launch, and in descending order
-//! give the same bits; with 3 and 5 blocks and rings of 11 and 3 stages.
+//! (the counts only grow, the tickets were reset), a link a launch, in descending order, and
+//! with the first or the last blocks running ahead of the others (a count raised before its
+//! outputs were written shows as poisoned inputs) give the same bits; with 3 and 5 blocks and
+//! rings of 11 and 3 stages.
 //!
 //! Without a C++ compiler every test prints why and passes.
 
@@ -153,6 +155,8 @@ fn check(defines: &str, stages: usize) {
             (Order::Ascending, false),
             (Order::Descending, true),
             (Order::Descending, false),
+            (Order::FirstAhead, true),
+            (Order::LastAhead, true),
         ] {
             chain.pass(&unit, order, blocks, stages, whole);
             for (j, (a, b)) in first.iter().zip(&chain.outputs).enumerate() {

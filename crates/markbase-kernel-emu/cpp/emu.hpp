@@ -182,6 +182,8 @@ struct Launch {
     Fiber* current;
     int live;   // threads of the launch that have not left
     int spins;  // spin() calls in a row, with no barrier, collective or exit between
+    bool ahead;  // each turn from the first ready thread (MB_EMU_AHEAD)
+    bool spun;   // the thread just run returned by spin()
     bool descending;  // threads and blocks from the last
     bool resident;    // every block at once
     bool failed;
@@ -322,6 +324,7 @@ inline void spin() {
         fail("every live thread spins, waiting for memory no thread will change (blocks that "
              "wait for each other need a resident launch)");
     }
+    L->spun = true;
     context_switch(L->current->ctx, L->scheduler);
 }
 
@@ -370,6 +373,8 @@ inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
 }
 template <class T>
 inline T __ldg(const T* p) { return *p; }
+template <class T>
+inline T __ldcg(const T* p) { return *p; }
 inline void __threadfence() {}
 
 inline int min(int a, int b) { return a < b ? a : b; }
@@ -717,9 +722,15 @@ inline int run_fibers(Launch* L) {
             return -1;
         }
         L->current = &L->fibers[pick];
+        L->spun = false;
         context_switch(L->scheduler, L->fibers[pick].ctx);
         if (L->failed) return -1;
-        next = L->descending ? (pick - 1 + n) % n : (pick + 1) % n;
+        // Round robin; ahead, back to the first thread unless this one spun (then the next
+        // ones get their turn, or it would spin alone).
+        if (L->ahead && !L->spun)
+            next = L->descending ? n - 1 : 0;
+        else
+            next = L->descending ? (pick - 1 + n) % n : (pick + 1) % n;
     }
     return 0;
 }
@@ -795,12 +806,14 @@ inline void poison_shared(Launch* L, size_t shared_bytes) {
 }  // namespace mb_emu
 
 // Bits of mb_emu_launch's `flags`.
-enum { MB_EMU_DESCENDING = 1, MB_EMU_RESIDENT = 2 };
+enum { MB_EMU_DESCENDING = 1, MB_EMU_RESIDENT = 2, MB_EMU_AHEAD = 4 };
 
 // Runs the launch grid × block with `shared_bytes` of dynamic shared memory, every thread
 // calling body(ctx) (which calls the kernel): 0, or -1 with a message in `error`. `flags`:
 // MB_EMU_DESCENDING runs blocks and threads from the last; MB_EMU_RESIDENT runs every block
-// at once (their threads one round robin, block by block) instead of one block after another.
+// at once (their threads one round robin, block by block) instead of one block after another;
+// MB_EMU_AHEAD gives each turn to the first ready thread in that order (after a spin, to the
+// next): the first blocks run ahead of the others as far as they can.
 extern "C" __attribute__((visibility("default"))) int mb_emu_launch(
     const unsigned* grid, const unsigned* block, size_t shared_bytes, unsigned flags,
     void (*body)(void*), void* ctx, char* error, size_t error_len) {
@@ -812,6 +825,7 @@ extern "C" __attribute__((visibility("default"))) int mb_emu_launch(
     L.ctx = ctx;
     L.descending = (flags & MB_EMU_DESCENDING) != 0;
     L.resident = (flags & MB_EMU_RESIDENT) != 0;
+    L.ahead = (flags & MB_EMU_AHEAD) != 0;
     const unsigned long long blocks = (unsigned long long)grid[0] * grid[1] * grid[2];
     int rc = prepare(&L, blocks, shared_bytes, error, error_len);
     if (rc == 0) {

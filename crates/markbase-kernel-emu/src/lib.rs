@@ -179,6 +179,8 @@ type LaunchFn = unsafe extern "C" fn(
 const DESCENDING: u32 = 1;
 /// `mb_emu_launch`'s flag: every block of the grid live at once.
 const RESIDENT: u32 = 2;
+/// `mb_emu_launch`'s flag: each turn to the first ready thread of the order.
+const AHEAD: u32 = 4;
 
 /// The order in which a launch runs its blocks, and a block its ready threads in turn: a kernel
 /// that is right only in one order (a missing barrier, a fix-up that assumes which block ends
@@ -189,6 +191,12 @@ pub enum Order {
     Ascending,
     /// From the last block and thread.
     Descending,
+    /// Each turn to the first ready thread from the first block's first (after a spin, to the
+    /// next): in a resident launch the first blocks run ahead of the others as far as they can,
+    /// so a block that waits on a count raised too early reads outputs not yet written.
+    FirstAhead,
+    /// As `FirstAhead`, from the last block's last thread.
+    LastAhead,
 }
 
 impl Order {
@@ -366,10 +374,12 @@ impl EmuModule {
         shared_bytes: usize,
         body: &dyn Fn(),
     ) -> Result<(), EmuError> {
-        let mut flags = 0;
-        if order == Order::Descending {
-            flags |= DESCENDING;
-        }
+        let mut flags = match order {
+            Order::Ascending => 0,
+            Order::Descending => DESCENDING,
+            Order::FirstAhead => AHEAD,
+            Order::LastAhead => AHEAD | DESCENDING,
+        };
         if resident {
             flags |= RESIDENT;
         }

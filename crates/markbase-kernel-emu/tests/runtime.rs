@@ -104,6 +104,14 @@ extern "C" __global__ void wait_for_last(volatile unsigned* flag, volatile unsig
     }
 }
 
+// Every thread logs its block in two phases a block barrier apart.
+extern "C" __global__ void phases(unsigned* log, unsigned* n) {
+    for (unsigned phase = 0; phase < 2; phase++) {
+        log[atomicAdd(n, 1u)] = blockIdx.x;
+        __syncthreads();
+    }
+}
+
 // Every thread waits for a flag no thread sets.
 extern "C" __global__ void wait_forever(volatile unsigned* flag) {
     while (*flag == 0u) SPIN();
@@ -303,6 +311,33 @@ fn resident_blocks_wait_for_each_other_through_global_memory() {
         let want: Vec<u32> = (1000..1064).collect();
         assert_eq!(out, want, "{order:?}");
     }
+}
+
+#[test]
+fn ahead_orders_run_the_first_or_the_last_blocks_ahead_of_the_others() {
+    let Some(m) = resident_module() else { return };
+    type Phases = unsafe extern "C" fn(*mut u32, *mut u32);
+    // SAFETY: the signature of phases.
+    let k: Phases = unsafe { m.kernel("phases") }.unwrap();
+    let log_of = |order| {
+        let (mut log, mut n) = (vec![u32::MAX; (2 * BLOCKS * THREADS) as usize], vec![0u32]);
+        let (lp, np) = (log.as_mut_ptr() as usize, n.as_mut_ptr() as usize);
+        // SAFETY: the buffers outlive the launch.
+        m.launch_resident_in(order, [BLOCKS, 1, 1], [THREADS, 1, 1], 0, &|| unsafe {
+            k(lp as *mut u32, np as *mut u32)
+        })
+        .unwrap_or_else(|e| panic!("{order:?}: {e}"));
+        assert_eq!(n[0], 2 * BLOCKS * THREADS);
+        log
+    };
+    // Ahead, a block runs to its end before the next one in the order starts; in turn, the
+    // blocks' phases interleave.
+    let first = log_of(Order::FirstAhead);
+    assert!(first.windows(2).all(|w| w[0] <= w[1]), "{first:?}");
+    let last = log_of(Order::LastAhead);
+    assert!(last.windows(2).all(|w| w[0] >= w[1]), "{last:?}");
+    let turns = log_of(Order::Ascending);
+    assert!(!turns.windows(2).all(|w| w[0] <= w[1]), "{turns:?}");
 }
 
 #[test]
