@@ -23,6 +23,9 @@
 # variants on the CPU first: MARKBASE_CUDA_DEFINES=SET cargo test --release -p markbase-cuda
 # --test emu_kernels).
 # GEMV_ARGS: more arguments for `cuda_bench --gemv` (e.g. "--tokens 64").
+# GEMV=0: no `cuda_bench --gemv` runs (e.g. a sweep of chain variants only).
+# CHAIN=1: also `cuda_bench --chain` (E4B's bf16 products of 42 layers as one persistent launch,
+# as a launch a product, and as the backend's own operations) for each build and variant.
 # NCU_KERNEL=REGEX: also profile the first 3 launches of the kernels REGEX matches (e.g.
 # "mmq_q4_k_8") in `cuda_bench --gemv` under Nsight Compute, for the first build and each
 # variant: speed of light, occupancy, scheduler and warp-state (stall) sections.
@@ -58,9 +61,18 @@ for t in "$dir"/gpu_ops* "$dir"/gpu_models*; do
     timeout 300 "$t" --test-threads 1 2>&1 | grep -E "^test |test result|panicked|assert|replayed" | tail -40
 done
 for cb in "$dir"/cb_*; do
-    [ -x "$cb" ] || continue
+    [ -x "$cb" ] && [ "${GEMV:-1}" = 1 ] || continue
     echo "== $(basename "$cb") --gemv ${GEMV_ARGS:-}"
     timeout 90 "$cb" --gemv ${GEMV_ARGS:-} 2>&1 | tail -16
+done
+chain() {  # chain CUDA_BENCH: its --chain table, when CHAIN=1
+    [ "${CHAIN:-0}" = 1 ] || return 0
+    timeout 150 "$1" --chain 2>&1 | grep -E "^chain|^\|" | grep -v -- "---"
+}
+for cb in "$dir"/cb_*; do
+    [ -x "$cb" ] && [ "${CHAIN:-0}" = 1 ] || continue
+    echo "== $(basename "$cb") --chain"
+    chain "$cb"
 done
 ncu_gemv() {  # ncu_gemv CUDA_BENCH LABEL: its --gemv launches of NCU_KERNEL under Nsight Compute
     [ -n "${NCU_KERNEL:-}" ] || return 0
@@ -88,9 +100,15 @@ for j in "${!variants[@]}"; do
     done
     for cb in "$dir"/cb_*; do
         [ -x "$cb" ] || continue
-        echo "== MARKBASE_CUDA_DEFINES='$v' $(basename "$cb") --gemv"
-        MARKBASE_CUDA_DEFINES=$v timeout 90 "$cb" --gemv ${GEMV_ARGS:-} 2>&1 | tail -16
+        if [ "${GEMV:-1}" = 1 ]; then
+            echo "== MARKBASE_CUDA_DEFINES='$v' $(basename "$cb") --gemv"
+            MARKBASE_CUDA_DEFINES=$v timeout 90 "$cb" --gemv ${GEMV_ARGS:-} 2>&1 | tail -16
+        fi
         MARKBASE_CUDA_DEFINES=$v ncu_gemv "$cb" "MARKBASE_CUDA_DEFINES='$v' $(basename "$cb")"
+        if [ "${CHAIN:-0}" = 1 ]; then
+            echo "== MARKBASE_CUDA_DEFINES='$v' $(basename "$cb") --chain"
+            MARKBASE_CUDA_DEFINES=$v chain "$cb"
+        fi
     done
     [ ${#builds[@]} -gt 0 ] || continue
     w=$dir/m_v$j

@@ -14,7 +14,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use markbase_core::backend::{Backend, HostBytes, HostMatrix};
+use markbase_core::backend::{Backend, HostBytes, HostMatrix, NormOut};
 use markbase_core::config::Gemma3Config;
 use markbase_core::gguf::GgufFile;
 use markbase_core::quant::GgmlType;
@@ -284,22 +284,25 @@ fn gemv_bandwidth(be: &CudaBackend, shapes: &LayerShapes, n: usize) {
 
 /// E4B's one-token bf16 products of 42 layers in a step's order — q/k/v, o (reading q), gate
 /// and up, down (reading gelu(gate) · up), the per-layer-input gate and projection, each
-/// reading the one before and the ones a norm precedes normed — through `run_chain`: the whole
-/// chain in one persistent launch, and a launch a product. Layers cycle through 4 copies of
-/// the weights (183 MB each), so no product runs from L2. Prints ms a pass, µs a layer and GB/s
-/// of weight bytes beside the copy bandwidth `bw`.
+/// reading the one before and the ones a norm precedes normed — three ways: through
+/// `run_chain` as one persistent launch and as a launch a product, and as the backend's own
+/// operations (`rms_norm`, `matmul_many`, `matmul`, `gated_ffn`: 9 launches a layer, as a
+/// step queues them). Steps of 5 passes end in a host wait, so the steps after the first two
+/// replay as CUDA graphs, as decode steps do. Layers cycle through 4 copies of the weights
+/// (183 MB each), so no product runs from L2. Prints ms a pass, µs a layer and GB/s of weight
+/// bytes beside the copy bandwidth `bw`.
 fn chain_bandwidth(be: &CudaBackend, bw: f64) {
     let LayerShapes {
         d, ff, q, kv, ple, ..
     } = E4B_LAYER;
-    let (layers, copies) = (42, 4);
+    let (layers, copies, passes) = (42, 4, 5);
     let mut seed = 5u64;
     let mut load = |rows, cols| {
         be.load_matrix(&random_matrix(GgmlType::BF16, rows, cols, &mut seed))
             .unwrap()
     };
-    // q, k, v and gate, up as one matrix each: their products read one input.
-    let weights: Vec<Vec<_>> = (0..copies)
+    // The chain's matrices: q, k, v and gate, up as one each (their products read one input).
+    let fused: Vec<Vec<_>> = (0..copies)
         .map(|_| {
             vec![
                 load(q + 2 * kv, d),
@@ -311,77 +314,112 @@ fn chain_bandwidth(be: &CudaBackend, bw: f64) {
             ]
         })
         .collect();
+    // The backend's: q, k, v, o, gate, up, down, PLE gate, PLE projection.
+    let apart: Vec<Vec<_>> = (0..copies)
+        .map(|_| {
+            vec![
+                load(q, d),
+                load(kv, d),
+                load(kv, d),
+                load(d, q),
+                load(ff, d),
+                load(ff, d),
+                load(d, ff),
+                load(ple, d),
+                load(d, ple),
+            ]
+        })
+        .collect();
     let norm_d = be.load_vector(&vec![1.0; d]).unwrap();
     let x = be.load_vector(&vec![0.01; d]).unwrap();
     let mut links = Vec::with_capacity(6 * layers);
     for layer in 0..layers {
-        let m = &weights[layer % copies];
+        let m = &fused[layer % copies];
         let b = links.len();
-        let input = match layer {
-            0 => LinkInput::Buffer(&x),
-            _ => LinkInput::Link {
-                link: b - 1,
-                offset: 0,
-            },
-        };
         let from = |link| LinkInput::Link { link, offset: 0 };
-        let normed = Some((&norm_d, 1e-6));
+        let input = if layer == 0 {
+            LinkInput::Buffer(&x)
+        } else {
+            from(b - 1)
+        };
+        let link = |j: usize, input, pair, normed: bool| ChainLink {
+            weights: &m[j],
+            input,
+            pair,
+            norm: normed.then_some((&norm_d, 1e-6)),
+        };
         links.extend([
-            ChainLink {
-                weights: &m[0],
-                input,
-                pair: false,
-                norm: normed,
-            },
-            ChainLink {
-                weights: &m[1],
-                input: from(b),
-                pair: false,
-                norm: None,
-            },
-            ChainLink {
-                weights: &m[2],
-                input: from(b + 1),
-                pair: false,
-                norm: normed,
-            },
-            ChainLink {
-                weights: &m[3],
-                input: from(b + 2),
-                pair: true,
-                norm: None,
-            },
-            ChainLink {
-                weights: &m[4],
-                input: from(b + 3),
-                pair: false,
-                norm: normed,
-            },
-            ChainLink {
-                weights: &m[5],
-                input: from(b + 4),
-                pair: false,
-                norm: None,
-            },
+            link(0, input, false, true),
+            link(1, from(b), false, false),
+            link(2, from(b + 1), false, true),
+            link(3, from(b + 2), true, false),
+            link(4, from(b + 3), false, true),
+            link(5, from(b + 4), false, false),
         ]);
     }
     let mut chain = be.chain(&links).unwrap();
     let bytes = chain.weight_bytes() as f64;
     let n = chain.len();
+    let mut h = be.load_vector(&vec![0.01; d]).unwrap();
+    let mut xn = be.alloc(d).unwrap();
+    let (mut qo, mut ko, mut vo, mut oo) = (
+        be.alloc(q).unwrap(),
+        be.alloc(kv).unwrap(),
+        be.alloc(kv).unwrap(),
+        be.alloc(d).unwrap(),
+    );
+    let (mut g, mut u, mut dn, mut pg) = (
+        be.alloc(ff).unwrap(),
+        be.alloc(ff).unwrap(),
+        be.alloc(d).unwrap(),
+        be.alloc(ple).unwrap(),
+    );
     println!(
-        "chain: {layers} layers of E4B's bf16 products, {n} launches' worth, {:.2} GB a pass",
+        "chain: {layers} layers of E4B's bf16 products ({n} of them), {:.2} GB a pass; steps of \
+         {passes} passes",
         bytes / 1e9
     );
     println!("| launches | ms a pass | µs a layer | weight GB/s | share of the copy rate |");
     println!("| --- | ---: | ---: | ---: | ---: |");
-    for whole in [true, false, true, false] {
-        let s = seconds_per_call(be, 20, |_| match whole {
-            true => be.run_chain(&mut chain, 0..n).unwrap(),
-            false => (0..n).for_each(|j| be.run_chain(&mut chain, j..j + 1).unwrap()),
-        });
+    for mode in [0, 1, 2, 0, 1, 2] {
+        let mut pass = |chain: &mut markbase_cuda::Chain| match mode {
+            0 => be.run_chain(chain, 0..n).unwrap(),
+            1 => (0..n).for_each(|j| be.run_chain(chain, j..j + 1).unwrap()),
+            _ => {
+                for layer in 0..layers {
+                    let m = &apart[layer % copies];
+                    let w = Some(&norm_d);
+                    be.rms_norm(&h, w, 1e-6, 1, d, &mut xn, NormOut::Write)
+                        .unwrap();
+                    be.matmul_many(
+                        &xn,
+                        1,
+                        &mut [(&m[0], &mut qo), (&m[1], &mut ko), (&m[2], &mut vo)],
+                    )
+                    .unwrap();
+                    be.matmul(&qo, 1, &m[3], &mut oo).unwrap();
+                    be.rms_norm(&oo, w, 1e-6, 1, d, &mut xn, NormOut::Write)
+                        .unwrap();
+                    be.gated_ffn(&xn, 1, &m[4], &m[5], &m[6], ff, &mut g, &mut u, &mut dn)
+                        .unwrap();
+                    be.rms_norm(&dn, w, 1e-6, 1, d, &mut xn, NormOut::Write)
+                        .unwrap();
+                    be.matmul(&xn, 1, &m[7], &mut pg).unwrap();
+                    be.matmul(&pg, 1, &m[8], &mut h).unwrap();
+                }
+            }
+        };
+        let s = seconds_per_call(be, 8, |_| {
+            (0..passes).for_each(|_| pass(&mut chain));
+            be.synchronize().unwrap();
+        }) / passes as f64;
+        let label = [
+            "one (chain)",
+            "one a product (chain)",
+            "9 a layer (backend)",
+        ][mode];
         println!(
-            "| {} | {:.3} | {:.1} | {:.0} | {:.0} % |",
-            if whole { "one" } else { "one a product" },
+            "| {label} | {:.3} | {:.1} | {:.0} | {:.0} % |",
             s * 1e3,
             s * 1e6 / layers as f64,
             bytes / s / 1e9,

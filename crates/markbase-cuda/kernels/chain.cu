@@ -18,11 +18,12 @@
 // (a ticket a tile, reset by that block) adds in unit order: every run of a launch of the same
 // grid gives the same bits.
 //
-// The counts only grow: pass `epoch` e (1, 2, … for the chain's passes) and a product's tiles are
-// all done when its count reaches e · tiles. Launches may cover any range of the chain's
-// products (`first`, `count`); a product reading one outside the range finds it done. Blocks of
-// 256 threads (a warp a row of the unit), CHAIN_STAGES · 16 KB + (x_floats + 32) · 4 bytes of
-// dynamic shared memory, and a grid whose blocks are all resident at once.
+// A launch may cover any range of the chain's products (`first`, `count`); a product whose input
+// comes from outside the range reads it without waiting (the stream ordered its producer
+// first). The block that exits last (a count in `exits`) sets the range's counts and `exits`
+// back to 0, so the arguments of every pass are the same and a captured graph replays them.
+// Blocks of 256 threads (a warp a row of the unit), CHAIN_STAGES · 16 KB + (x_floats + 32) · 4
+// bytes of dynamic shared memory, and a grid whose blocks are all resident at once.
 
 #ifndef CHAIN_STAGES
 #define CHAIN_STAGES 11
@@ -168,15 +169,16 @@ __device__ __forceinline__ void chain_x4(const ChainOp& o, int i0, float4* x) {
     }
 }
 
-// Waits until product o's input is done, then stages x (chunks · 1 024 floats, zeros past k).
+// Waits until product o's input is done (a product of the launch's range, from `first`), then
+// stages x (chunks · 1 024 floats, zeros past k).
 // A thread takes 16-value spans of x (4 float4s, their loads in flight together) where the
 // input lies on 16 bytes and k is a multiple of 4, else single values.
-__device__ void chain_stage_x(const ChainOp* ops, const ChainOp& o, const u32* done, u32 epoch,
+__device__ void chain_stage_x(const ChainOp* ops, const ChainOp& o, const u32* done, int first,
                               float* xs, float* red) {
-    if (o.dep >= 0) {
+    if (o.dep >= first) {
         if (threadIdx.x == 0) {
-            const u32 target = epoch * (u32)ops[o.dep].tiles;
-            while (chain_acquire(done + o.dep) < target) chain_spin();
+            const u32 tiles = (u32)ops[o.dep].tiles;
+            while (chain_acquire(done + o.dep) < tiles) chain_spin();
         }
         __syncthreads();
     }
@@ -287,7 +289,7 @@ __device__ __forceinline__ void chain_end_share(u32* done, int op, int stored) {
 }
 
 extern "C" __global__ void __launch_bounds__(256, 1)
-    chain_bf16(const ChainOp* ops, int first, int count, u32* done, u32 epoch, int x_floats) {
+    chain_bf16(const ChainOp* ops, int first, int count, u32* done, u32* exits, int x_floats) {
     extern __shared__ __align__(16) u8 chain_smem[];
     const int last = first + count, w = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const u32 ring = shared_address(chain_smem);
@@ -323,7 +325,7 @@ extern "C" __global__ void __launch_bounds__(256, 1)
         const ChainOp& o = ops[use.op];
         if (use.op != staged) {
             staged = use.op;
-            chain_stage_x(ops, o, done, epoch, xs, red);
+            chain_stage_x(ops, o, done, first, xs, red);
         }
         const int tile = use.u / o.chunks, chunk = use.u - tile * o.chunks;
         if (chunk == 0 || use.u == chain_share(o.tiles * o.chunks, blockIdx.x)) {
@@ -341,4 +343,14 @@ extern "C" __global__ void __launch_bounds__(256, 1)
         chain_next(ops, last, use);
     }
     chain_wait<0>();
+    // The last block out resets the counts: every block is past its waits by then.
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        if (atomicAdd(exits, 1u) == gridDim.x - 1) {
+            for (int j = first; j < last; j++) done[j] = 0;
+            *exits = 0;
+            __threadfence();
+        }
+    }
 }

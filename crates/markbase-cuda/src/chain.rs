@@ -135,14 +135,14 @@ pub struct ChainLink<'a> {
     pub norm: Option<(&'a CudaBuffer, f32)>,
 }
 
-/// A chain laid out on the device: the kernel's table, each link's outputs and scratch, and
-/// the counts of finished tiles (which only grow: a pass from link 0 raises the epoch).
+/// A chain laid out on the device: the kernel's table, each link's outputs and scratch, the
+/// counts of finished tiles and of exited blocks (0 between launches).
 pub struct Chain {
     table: CudaBuffer,
     outputs: Vec<CudaBuffer>,
     _scratch: Vec<CudaBuffer>,
     done: CudaBuffer,
-    epoch: u32,
+    exits: CudaBuffer,
     shared: u32,
     weight_bytes: u64,
 }
@@ -273,23 +273,21 @@ impl CudaBackend {
             outputs,
             _scratch: scratch,
             done: self.alloc(links.len())?,
-            epoch: 0,
+            exits: self.alloc(1)?,
             shared: shared as u32,
             weight_bytes,
         })
     }
 
-    /// Queues one launch of `chain`'s links `links` (a pass starts at link 0; the links it
-    /// reads outside the range must have run in this pass).
+    /// Queues one launch of `chain`'s links `links` (the links it reads outside the range must
+    /// have run before). Its arguments are the same every time, so a step of launches that
+    /// repeats replays as a graph.
     pub fn run_chain(&self, chain: &mut Chain, links: Range<usize>) -> Result<()> {
         if links.is_empty() || links.end > chain.len() {
             return Err(Error::Invalid(format!(
                 "chain: links {links:?} of a chain of {}",
                 chain.len()
             )));
-        }
-        if links.start == 0 {
-            chain.epoch += 1;
         }
         let f = self
             .kernels
@@ -306,7 +304,7 @@ impl CudaBackend {
                 Arg::I32(int("chain link", links.start)?),
                 Arg::I32(int("chain links", links.len())?),
                 Arg::U64(chain.done.ptr),
-                Arg::I32(chain.epoch as i32),
+                Arg::U64(chain.exits.ptr),
                 Arg::I32(int("chain x", x_floats)?),
             ],
         )

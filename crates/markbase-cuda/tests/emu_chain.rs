@@ -2,7 +2,7 @@
 //! emulator, its blocks all resident and waiting for each other through global memory, against
 //! the f64 products (tests/common/chain.rs) on fresh random inputs (seed printed,
 //! `MARKBASE_TEST_SEED` replays it): the whole chain in one launch, again in a second pass
-//! (the counts only grow, the tickets were reset), a link a launch, in descending order, and
+//! (the launch left its counts and tickets at 0), a link a launch, in descending order, and
 //! with the first or the last blocks running ahead of the others (a count raised before its
 //! outputs were written shows as poisoned inputs) give the same bits; with 3 and 5 blocks and
 //! rings of 11 and 3 stages.
@@ -26,7 +26,7 @@ type ChainKernel = unsafe extern "C" fn(
     first: i32,
     count: i32,
     done: *mut u32,
-    epoch: u32,
+    exits: *mut u32,
     x_floats: i32,
 );
 
@@ -36,7 +36,7 @@ struct HostChain {
     outputs: Vec<Vec<f32>>,
     scratch: Vec<(Vec<f32>, Vec<u32>)>,
     done: Vec<u32>,
-    epoch: u32,
+    exits: Vec<u32>,
     max_k: usize,
 }
 
@@ -80,7 +80,7 @@ impl HostChain {
             outputs,
             scratch,
             done: vec![0; spec.len()],
-            epoch: 0,
+            exits: vec![0],
             max_k: spec.iter().map(|l| l.k).max().unwrap(),
         }
     }
@@ -90,7 +90,6 @@ impl HostChain {
         for o in &mut self.outputs {
             o.fill(f32::NAN);
         }
-        self.epoch += 1;
         let links = self.outputs.len();
         let launches: Vec<(usize, usize)> = match whole {
             true => vec![(0, links)],
@@ -100,7 +99,11 @@ impl HostChain {
         let x_floats = self.max_k.div_ceil(CHAIN_K) * CHAIN_K;
         // SAFETY: chain_bf16's signature in chain.cu.
         let kernel: ChainKernel = unsafe { unit.kernel("chain_bf16") }.unwrap();
-        let (table, done, epoch) = (self.table.as_ptr(), self.done.as_mut_ptr(), self.epoch);
+        let (table, done, exits) = (
+            self.table.as_ptr(),
+            self.done.as_mut_ptr(),
+            self.exits.as_mut_ptr(),
+        );
         for (first, count) in launches {
             let body = || unsafe {
                 kernel(
@@ -108,7 +111,7 @@ impl HostChain {
                     first as i32,
                     count as i32,
                     done,
-                    epoch,
+                    exits,
                     x_floats as i32,
                 )
             };
