@@ -24,8 +24,9 @@
 # --test emu_kernels).
 # GEMV_ARGS: more arguments for `cuda_bench --gemv` (e.g. "--tokens 64").
 # GEMV=0: no `cuda_bench --gemv` runs (e.g. a sweep of chain variants only).
-# CHAIN=1: also `cuda_bench --chain` (E4B's bf16 products of 42 layers as one persistent launch,
-# as a launch a product, and as the backend's own operations) for each build and variant.
+# CHAIN=1: also `cuda_bench --chain bf16` and `--chain q4_k` (E4B's products of 42 layers as one
+# persistent launch, as a launch a product, and as the backend's own operations) for each build
+# and variant.
 # NCU_KERNEL=REGEX: also profile the first 3 launches of the kernels REGEX matches (e.g.
 # "mmq_q4_k_8") in `cuda_bench --gemv` under Nsight Compute, for the first build and each
 # variant: speed of light, occupancy, scheduler and warp-state (stall) sections.
@@ -65,9 +66,11 @@ for cb in "$dir"/cb_*; do
     echo "== $(basename "$cb") --gemv ${GEMV_ARGS:-}"
     timeout 90 "$cb" --gemv ${GEMV_ARGS:-} 2>&1 | tail -16
 done
-chain() {  # chain CUDA_BENCH: its --chain table, when CHAIN=1
+chain() {  # chain CUDA_BENCH: its --chain tables (bf16, Q4_K), when CHAIN=1
     [ "${CHAIN:-0}" = 1 ] || return 0
-    timeout 150 "$1" --chain 2>&1 | grep -E "^chain|^\|" | grep -v -- "---"
+    for f in bf16 q4_k; do
+        timeout 150 "$1" --chain $f 2>&1 | grep -E "^chain|^\|" | grep -v -- "---"
+    done
 }
 for cb in "$dir"/cb_*; do
     [ -x "$cb" ] && [ "${CHAIN:-0}" = 1 ] || continue

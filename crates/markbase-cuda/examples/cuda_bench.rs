@@ -2,7 +2,8 @@
 //! decode products at E4B's or 31B's shapes per weight format (`--gemv`, `--gemv 31b`; one
 //! token row, or `--tokens N`), the routed experts of one 26B-A4B layer (`--moe`, N tokens
 //! routed uniformly at random, as a trained router spreads them), E4B's 42 layers of one-token
-//! bf16 products as one persistent launch and as a launch a product (`--chain`, chain.rs), and
+//! bf16 (`--chain`) or Q4_K (`--chain q4_k`) products as one persistent launch, as a launch a
+//! product and as the backend's own operations (chain.rs), and
 //! whole-model decode steps (one host wait each) of a synthetic Gemma 4 (random weights at a
 //! released variant's shapes) or a GGUF.
 //!
@@ -282,23 +283,23 @@ fn gemv_bandwidth(be: &CudaBackend, shapes: &LayerShapes, n: usize) {
     }
 }
 
-/// E4B's one-token bf16 products of 42 layers in a step's order — q/k/v, o (reading q), gate
+/// E4B's one-token products of 42 layers (weights stored as `ty`: bf16 or Q4_K) in a step's order — q/k/v, o (reading q), gate
 /// and up, down (reading gelu(gate) · up), the per-layer-input gate and projection, each
 /// reading the one before and the ones a norm precedes normed — three ways: through
 /// `run_chain` as one persistent launch and as a launch a product, and as the backend's own
 /// operations (`rms_norm`, `matmul_many`, `matmul`, `gated_ffn`: 9 launches a layer, as a
 /// step queues them). Steps of 5 passes end in a host wait, so the steps after the first two
 /// replay as CUDA graphs, as decode steps do. Layers cycle through 4 copies of the weights
-/// (183 MB each), so no product runs from L2. Prints ms a pass, µs a layer and GB/s of weight
+/// (183 MB each in bf16, 51 MB in Q4_K), so no product runs from L2. Prints ms a pass, µs a layer and GB/s of weight
 /// bytes beside the copy bandwidth `bw`.
-fn chain_bandwidth(be: &CudaBackend, bw: f64) {
+fn chain_bandwidth(be: &CudaBackend, bw: f64, ty: GgmlType) {
     let LayerShapes {
         d, ff, q, kv, ple, ..
     } = E4B_LAYER;
     let (layers, copies, passes) = (42, 4, 5);
     let mut seed = 5u64;
     let mut load = |rows, cols| {
-        be.load_matrix(&random_matrix(GgmlType::BF16, rows, cols, &mut seed))
+        be.load_matrix(&random_matrix(ty, rows, cols, &mut seed))
             .unwrap()
     };
     // The chain's matrices: q, k, v and gate, up as one each (their products read one input).
@@ -375,7 +376,7 @@ fn chain_bandwidth(be: &CudaBackend, bw: f64) {
         be.alloc(ple).unwrap(),
     );
     println!(
-        "chain: {layers} layers of E4B's bf16 products ({n} of them), {:.2} GB a pass; steps of \
+        "chain: {layers} layers of E4B's {ty} products ({n} of them), {:.2} GB a pass; steps of \
          {passes} passes",
         bytes / 1e9
     );
@@ -532,7 +533,11 @@ fn main() {
         moe_bandwidth(&be, tokens);
     }
     if args.iter().any(|a| a == "--chain") {
-        chain_bandwidth(&be, bw);
+        let ty = match arg(&args, "--chain").as_deref() {
+            Some("q4_k") => GgmlType::Q4_K,
+            _ => GgmlType::BF16,
+        };
+        chain_bandwidth(&be, bw, ty);
     }
     let nothing = |_: u64, _: u64| {};
     let t = Instant::now();

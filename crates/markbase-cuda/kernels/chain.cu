@@ -1,5 +1,6 @@
-// A chain of one-token bf16 products in one persistent launch: an experiment towards a decode
-// step in one kernel (docs/perf.md, session 44). Product j of the chain computes
+// A chain of one-token products in one persistent launch, of bf16 (`chain_bf16`) or Q4_K
+// (`chain_q4_k`) weights: an experiment towards a decode step in one kernel (docs/perf.md,
+// session 44). Product j of the chain computes
 // out_j[r] = Σ_i W_j[r, i] · x_j[i], where x_j is an input vector — in the chain, an earlier
 // product's outputs — taken as it is, or as gelu_tanh(a) · b of its two halves (`pair`), and
 // RMS-normed with weights (`norm`) where the product asks.
@@ -7,9 +8,9 @@
 // Why: a decode step of one token is ≈ 500 dependent kernels whose boundaries leave the memory
 // idle (each kernel's tail, the next one's ramp; docs/perf.md sessions 17–30). Here every block
 // of the launch (one a multiprocessor, all resident) takes an equal contiguous share of every
-// product's units — 8 weight rows × 1 024 values, 16 KB — and streams its units' weights
-// through a ring of CHAIN_STAGES shared-memory stages by cp.async, across the products'
-// boundaries: while a block waits for the product its next product reads, the weights of its
+// product's units — 8 weight rows × ChainUnit::K values (bf16: 1 024, 16 KB; Q4_K: 2 048, 9 KB)
+// — and streams its units' weights through a ring of ChainUnit::STAGES shared-memory stages by
+// cp.async, across the products' boundaries: while a block waits for the product its next product reads, the weights of its
 // next units are already on their way. A block waits on a count of the tiles (8 rows) that
 // product has finished (`done`, in global memory; the waiting thread spins with acquire loads),
 // which each block raises once at the end of its share by the tiles whose outputs it stored
@@ -22,15 +23,18 @@
 // comes from outside the range reads it without waiting (the stream ordered its producer
 // first). The block that exits last (a count in `exits`) sets the range's counts and `exits`
 // back to 0, so the arguments of every pass are the same and a captured graph replays them.
-// Blocks of 256 threads (a warp a row of the unit), CHAIN_STAGES · 16 KB + (x_floats + 32) · 4
-// bytes of dynamic shared memory, and a grid whose blocks are all resident at once.
+// Blocks of 256 threads (a warp a row of the unit), dynamic shared memory for the ring, x
+// (x_floats floats), 32 floats of reductions and (Q4_K) x's 16-bit tiles (chain.rs
+// `chain_shared_bytes`), and a grid whose blocks are all resident at once.
 
+// Stages of the ring: bf16 units (16 KB) and Q4_K units (9 KB).
 #ifndef CHAIN_STAGES
 #define CHAIN_STAGES 11
 #endif
+#ifndef CHAIN_Q4K_STAGES
+#define CHAIN_Q4K_STAGES 16
+#endif
 #define CHAIN_ROWS 8
-#define CHAIN_K 1024
-#define CHAIN_STAGE_BYTES (CHAIN_ROWS * CHAIN_K * 2)
 
 // One product of the chain, as the host lays it out (chain.rs `ChainOp`, 80 bytes).
 struct ChainOp {
@@ -41,7 +45,7 @@ struct ChainOp {
     u64 parts;    // f32 [tiles · chunks][8]: run sums of tiles cut between blocks
     u64 tickets;  // u32 [tiles]: units of the tile done so far (0 between launches)
     int rows, k, pair, dep;  // dep: the product whose outputs `in` holds (-1: none)
-    int tiles, chunks;       // ⌈rows / 8⌉, ⌈k / 1 024⌉
+    int tiles, chunks;       // ⌈rows / 8⌉, ⌈k / ChainUnit::K⌉
     float eps;
     int pad;
 };
@@ -121,15 +125,18 @@ __device__ __forceinline__ void chain_spin() {
 #endif
 }
 
-// Queues unit u of product o (its tile's 8 rows, values 1 024 · chunk ..) into the stage at s:
-// row r's values at 2 048 · r, zeros past the rows and past k.
+// Queues unit u of product o (its tile's 8 rows, the row bytes of chunk `chunk` ..) into the
+// stage at s: row r's at U::CHUNK_BYTES · r, zeros past the rows and past the row's bytes.
+template <class U>
 __device__ __forceinline__ void chain_issue(const ChainOp& o, int u, u32 s) {
     const int tile = u / o.chunks, chunk = u - tile * o.chunks;
-    constexpr int PIECES = CHAIN_K / 8;  // 16-byte pieces a row
+    constexpr int PIECES = U::CHUNK_BYTES / 16;  // 16-byte pieces of a row's chunk
+    const u64 row_bytes = U::row_bytes(o.k);
     for (int p = threadIdx.x; p < CHAIN_ROWS * PIECES; p += blockDim.x) {
-        const int row = tile * CHAIN_ROWS + p / PIECES, col = chunk * CHAIN_K + 8 * (p % PIECES);
-        const bool in = row < o.rows && col < o.k;
-        const u16* g = (const u16*)o.w + (in ? (u64)row * o.k + col : 0);
+        const int row = tile * CHAIN_ROWS + p / PIECES;
+        const u64 at = (u64)chunk * U::CHUNK_BYTES + 16 * (p % PIECES);
+        const bool in = row < o.rows && at < row_bytes;
+        const u8* g = (const u8*)o.w + (in ? (u64)row * row_bytes + at : 0);
         chain_cp16(s + 16 * p, g, in ? 16 : 0);
     }
 }
@@ -170,11 +177,12 @@ __device__ __forceinline__ void chain_x4(const ChainOp& o, int i0, float4* x) {
 }
 
 // Waits until product o's input is done (a product of the launch's range, from `first`), then
-// stages x (chunks · 1 024 floats, zeros past k).
+// stages x (chunks · U::K floats, zeros past k) and what U's dot reads of it (U::prepare).
 // A thread takes 16-value spans of x (4 float4s, their loads in flight together) where the
 // input lies on 16 bytes and k is a multiple of 4, else single values.
+template <class U>
 __device__ void chain_stage_x(const ChainOp* ops, const ChainOp& o, const u32* done, int first,
-                              float* xs, float* red) {
+                              float* xs, float* red, u8* tiles) {
     if (o.dep >= first) {
         if (threadIdx.x == 0) {
             const u32 tiles = (u32)ops[o.dep].tiles;
@@ -182,7 +190,7 @@ __device__ void chain_stage_x(const ChainOp* ops, const ChainOp& o, const u32* d
         }
         __syncthreads();
     }
-    const int kx = o.chunks * CHAIN_K;
+    const int kx = o.chunks * U::K;
     float ss = 0.f;
     if ((o.in & 15) == 0 && (o.k & 3) == 0) {
         for (int i0 = 16 * threadIdx.x; i0 < kx; i0 += 16 * blockDim.x) {
@@ -212,26 +220,83 @@ __device__ void chain_stage_x(const ChainOp* ops, const ChainOp& o, const u32* d
         for (int i = threadIdx.x; i < o.k; i += blockDim.x) xs[i] *= scale * __ldg(nw + i);
     }
     __syncthreads();
+    U::prepare(xs, kx, tiles);
 }
 
-// Row w's dot over the unit in the stage at `stage` (its 1 024 values) with x's values at xc,
-// complete in every lane.
-__device__ __forceinline__ float chain_dot(const u8* stage, const float* xc, int w, int lane) {
-    float acc = 0.f;
+// How a format's units are laid out, staged and multiplied: K values a row (CHUNK_BYTES of
+// it), STAGES stages in the ring; row_bytes(k), a row's bytes; prepare(xs, kx, tiles), what
+// its dot reads besides x, after x is staged; dot(row, xs, tiles, kx, chunk, lane), a row's dot
+// over a unit (the row's CHUNK_BYTES in the stage) with x (kx values staged), complete in every
+// lane of the warp.
+template <int FMT>
+struct ChainUnit;
+
+// bf16 rows: a lane takes 4 spans of 8 values (16 bytes), x as f32.
+template <>
+struct ChainUnit<F_BF16> {
+    static constexpr int K = 1024, CHUNK_BYTES = 2 * K, STAGES = CHAIN_STAGES;
+
+    static __device__ __forceinline__ u64 row_bytes(int k) { return 2 * (u64)k; }
+
+    static __device__ __forceinline__ void prepare(const float*, int, u8*) {}
+
+    static __device__ __forceinline__ float dot(const u8* row, const float* xs, const u8*, int,
+                                                int chunk, int lane) {
+        const float* xc = xs + chunk * K;
+        float acc = 0.f;
 #pragma unroll
-    for (int m = 0; m < CHAIN_K / 256; m++) {
-        const int v0 = 256 * m + 8 * lane;
-        const uint4 q = *(const uint4*)(stage + 2 * (CHAIN_K * w + v0));
-        const float4 a = *(const float4*)(xc + v0), b = *(const float4*)(xc + v0 + 4);
-        acc += bf16_to_f32((u16)(q.x & 0xffff)) * a.x + bf16_to_f32((u16)(q.x >> 16)) * a.y;
-        acc += bf16_to_f32((u16)(q.y & 0xffff)) * a.z + bf16_to_f32((u16)(q.y >> 16)) * a.w;
-        acc += bf16_to_f32((u16)(q.z & 0xffff)) * b.x + bf16_to_f32((u16)(q.z >> 16)) * b.y;
-        acc += bf16_to_f32((u16)(q.w & 0xffff)) * b.z + bf16_to_f32((u16)(q.w >> 16)) * b.w;
+        for (int m = 0; m < K / 256; m++) {
+            const int v0 = 256 * m + 8 * lane;
+            const uint4 q = *(const uint4*)(row + 2 * v0);
+            const float4 a = *(const float4*)(xc + v0), b = *(const float4*)(xc + v0 + 4);
+            acc += bf16_to_f32((u16)(q.x & 0xffff)) * a.x + bf16_to_f32((u16)(q.x >> 16)) * a.y;
+            acc += bf16_to_f32((u16)(q.y & 0xffff)) * a.z + bf16_to_f32((u16)(q.y >> 16)) * a.w;
+            acc += bf16_to_f32((u16)(q.z & 0xffff)) * b.x + bf16_to_f32((u16)(q.z >> 16)) * b.y;
+            acc += bf16_to_f32((u16)(q.w & 0xffff)) * b.z + bf16_to_f32((u16)(q.w >> 16)) * b.w;
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+        return acc;
     }
+};
+
+// Q4_K rows (super-blocks of 256 values, 144 bytes, as stored): x as the one-token GEMVs take
+// it, 16-bit integers a 32-value chunk in Q4_K tiles (store_q4k_tiles), and a lane's 16-byte
+// slice of a super-block times them by dp2a (i16_block), 8 lanes a super-block, two passes of
+// 4 over the unit's 8.
+template <>
+struct ChainUnit<F_Q4_K> {
+    static constexpr int K = 2048, CHUNK_BYTES = 8 * 144, STAGES = CHAIN_Q4K_STAGES;
+
+    static __device__ __forceinline__ u64 row_bytes(int k) { return 144 * (u64)(k >> 8); }
+
+    static __device__ __forceinline__ void prepare(const float* xs, int kx, u8* tiles) {
+        store_q4k_tiles(xs, kx, tiles);
+        __syncthreads();
+    }
+
+    static __device__ __forceinline__ float dot(const u8* row, const float*, const u8* tiles,
+                                                int kx, int chunk, int lane) {
+        // x's tiles: 16-bit values (2 bytes a value) for the kx values of the staged x, then
+        // their (d, d·Σq) pairs; this unit's super-blocks from 8 · chunk on.
+        const uint4* xq = (const uint4*)tiles;
+        const float2* xm = (const float2*)(tiles + 2 * (u64)kx);
+        const int sub = lane & 7;
+        float acc[1][1] = {{0.f}};
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-    return acc;
-}
+        for (int pass = 0; pass < 2; pass++) {
+            const int b = (lane >> 3) + 4 * pass;
+            I16Slice<F_Q4_K> s;
+            s.h = *(const uint4*)(row + 144 * b);
+            s.q = *(const uint4*)(row + 144 * b + 16 + 16 * sub);
+            i16_block<F_Q4_K, 1, 1>(&s, xq, xm, 8 * chunk + b, sub, 1, acc);
+        }
+        float v = acc[0][0];
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+        return v;
+    }
+};
 
 // Whether unit v of a product of `units` starts a block's share.
 __device__ __forceinline__ bool chain_starts_share(int v, int units) {
@@ -288,23 +353,28 @@ __device__ __forceinline__ void chain_end_share(u32* done, int op, int stored) {
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256, 1)
-    chain_bf16(const ChainOp* ops, int first, int count, u32* done, u32* exits, int x_floats) {
+// The chain's launch over products first .. first + count − 1 (chain.cu's header); U: the
+// units' format.
+template <class U>
+__device__ void chain_impl(const ChainOp* ops, int first, int count, u32* done, u32* exits,
+                           int x_floats) {
+    constexpr int STAGE_BYTES = CHAIN_ROWS * U::CHUNK_BYTES;
     extern __shared__ __align__(16) u8 chain_smem[];
     const int last = first + count, w = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const u32 ring = shared_address(chain_smem);
-    float* xs = (float*)(chain_smem + CHAIN_STAGES * CHAIN_STAGE_BYTES);
+    float* xs = (float*)(chain_smem + U::STAGES * STAGE_BYTES);
     float* red = xs + x_floats;
     int* flag = (int*)(red + 8);
+    u8* tiles = (u8*)(red + 32);
 
     ChainCursor load{first, 0, 0};
     chain_seek(ops, last, load);
     ChainCursor use = load;
     // The first stages before the wait for the kernel ahead: weights only.
 #pragma unroll 1
-    for (int s = 0; s < CHAIN_STAGES - 1; s++) {
+    for (int s = 0; s < U::STAGES - 1; s++) {
         if (load.op < last) {
-            chain_issue(ops[load.op], load.u, ring + s * CHAIN_STAGE_BYTES);
+            chain_issue<U>(ops[load.op], load.u, ring + s * STAGE_BYTES);
             chain_next(ops, last, load);
         }
         chain_commit();
@@ -314,26 +384,26 @@ extern "C" __global__ void __launch_bounds__(256, 1)
     int staged = -1, first_chunk = 0, stored = 0;
     float run = 0.f;
     for (int i = 0; use.op < last; i++) {
-        chain_wait<CHAIN_STAGES - 2>();
-        __syncthreads();  // unit i landed for every thread; stage (i - 1) % CHAIN_STAGES is free
+        chain_wait<U::STAGES - 2>();
+        __syncthreads();  // unit i landed for every thread; stage (i - 1) % STAGES is free
         if (load.op < last) {
-            chain_issue(ops[load.op], load.u,
-                        ring + (i + CHAIN_STAGES - 1) % CHAIN_STAGES * CHAIN_STAGE_BYTES);
+            chain_issue<U>(ops[load.op], load.u,
+                           ring + (i + U::STAGES - 1) % U::STAGES * STAGE_BYTES);
             chain_next(ops, last, load);
         }
         chain_commit();
         const ChainOp& o = ops[use.op];
         if (use.op != staged) {
             staged = use.op;
-            chain_stage_x(ops, o, done, first, xs, red);
+            chain_stage_x<U>(ops, o, done, first, xs, red, tiles);
         }
         const int tile = use.u / o.chunks, chunk = use.u - tile * o.chunks;
         if (chunk == 0 || use.u == chain_share(o.tiles * o.chunks, blockIdx.x)) {
             first_chunk = chunk;
             run = 0.f;
         }
-        run += chain_dot(chain_smem + i % CHAIN_STAGES * CHAIN_STAGE_BYTES, xs + chunk * CHAIN_K,
-                         w, lane);
+        const u8* row = chain_smem + i % U::STAGES * STAGE_BYTES + w * U::CHUNK_BYTES;
+        run += U::dot(row, xs, tiles, o.chunks * U::K, chunk, lane);
         if (chunk == o.chunks - 1 || use.u + 1 == use.end)
             stored += chain_end_run(o, tile, first_chunk, chunk, run, w, lane, flag);
         if (use.u + 1 == use.end) {
@@ -354,3 +424,13 @@ extern "C" __global__ void __launch_bounds__(256, 1)
         }
     }
 }
+
+// chain_<format>: the chain of products of that format's weights.
+#define CHAIN_KERNEL(SUFFIX, FMT)                                                              \
+    extern "C" __global__ void __launch_bounds__(256, 1)                                       \
+        chain_##SUFFIX(const ChainOp* ops, int first, int count, u32* done, u32* exits,        \
+                       int x_floats) {                                                         \
+        chain_impl<ChainUnit<FMT>>(ops, first, count, done, exits, x_floats);                  \
+    }
+CHAIN_KERNEL(bf16, F_BF16)
+CHAIN_KERNEL(q4_k, F_Q4_K)

@@ -1,5 +1,5 @@
-//! A chain of one-token bf16 products in one persistent launch (kernels/chain.cu): an
-//! experiment towards a decode step in one kernel, timed by `cuda_bench --chain` against the
+//! A chain of one-token products of bf16 or Q4_K weights in one persistent launch
+//! (kernels/chain.cu): an experiment towards a decode step in one kernel, timed by `cuda_bench --chain` against the
 //! same chain launched a product at a time (docs/perf.md, session 44). Each block of the launch
 //! (one a multiprocessor) streams its share of every product's weights through a ring of
 //! shared-memory stages across the products' boundaries, and waits for a product's inputs on
@@ -18,19 +18,93 @@ use crate::sources::{define_value, defines_from_env, Module};
 
 /// Weight rows of a unit (a warp each) and of a tile.
 pub const CHAIN_ROWS: usize = 8;
-/// Values of a unit's rows: a unit is 16 KB of bf16 weights, a stage of the ring.
-pub const CHAIN_K: usize = 1024;
-/// Stages of a block's ring unless `CHAIN_STAGES` is defined (chain.cu's default).
-pub const CHAIN_STAGES: usize = 11;
 /// Threads of a block: a warp a row of the unit.
 pub const CHAIN_THREADS: u32 = 256;
-/// Bytes of a stage.
-const STAGE_BYTES: usize = CHAIN_ROWS * CHAIN_K * 2;
+
+/// How chain.cu's `ChainUnit` of a weight format lays out a unit: values a row, a row's bytes
+/// of it, its kernel, and the define and default of its ring's stages.
+#[derive(Clone, Copy, Debug)]
+pub struct ChainFormat {
+    /// Values of a unit's rows.
+    pub k: usize,
+    /// Bytes of a unit's row.
+    pub chunk_bytes: usize,
+    /// The kernel.
+    pub kernel: &'static str,
+    /// `MARKBASE_CUDA_DEFINES`' name for the ring's stages.
+    pub stages_define: &'static str,
+    /// The ring's stages unless defined.
+    pub stages: usize,
+    /// Whether its dot reads x as 16-bit tiles besides the floats (Q4_K).
+    pub x_tiles: bool,
+}
+
+/// The chain's unit of weights stored as `ty` (bf16: 1 024 values, 16 KB a unit; Q4_K: 2 048,
+/// 9 KB), or None for a format the chain does not take.
+pub fn chain_format(ty: GgmlType) -> Option<ChainFormat> {
+    match ty {
+        GgmlType::BF16 => Some(ChainFormat {
+            k: 1024,
+            chunk_bytes: 2048,
+            kernel: "chain_bf16",
+            stages_define: "CHAIN_STAGES",
+            stages: 11,
+            x_tiles: false,
+        }),
+        GgmlType::Q4_K => Some(ChainFormat {
+            k: 2048,
+            chunk_bytes: 8 * 144,
+            kernel: "chain_q4_k",
+            stages_define: "CHAIN_Q4K_STAGES",
+            stages: 16,
+            x_tiles: true,
+        }),
+        _ => None,
+    }
+}
+
+impl ChainFormat {
+    /// Bytes of a stage of the ring: a unit.
+    pub fn stage_bytes(&self) -> usize {
+        CHAIN_ROWS * self.chunk_bytes
+    }
+
+    /// Floats of x a block stages for products of up to `k` values (whole units).
+    pub fn x_floats(&self, k: usize) -> usize {
+        k.div_ceil(self.k) * self.k
+    }
+
+    /// Dynamic shared memory of a block with `stages` stages for products of up to `k` values:
+    /// the ring, x, 32 floats of reductions and flags, and (Q4_K) x's 16-bit tiles (2.5 bytes
+    /// a value).
+    pub fn shared_bytes(&self, stages: usize, k: usize) -> usize {
+        let x = self.x_floats(k);
+        let tiles = if self.x_tiles { x * 5 / 2 } else { 0 };
+        stages * self.stage_bytes() + 4 * (x + 32) + tiles
+    }
+
+    /// The ring's stages: its define in `MARKBASE_CUDA_DEFINES`, else the default.
+    pub fn stages_from_env(&self) -> Result<usize> {
+        let defines = defines_from_env()?;
+        match define_value(&defines, self.stages_define) {
+            None => Ok(self.stages),
+            Some(v) => match v.parse::<usize>() {
+                Ok(s) if (2..=32).contains(&s) => Ok(s),
+                _ => Err(Error::Invalid(format!(
+                    "{}={v}: stages of the chain's ring are 2 to 32",
+                    self.stages_define
+                ))),
+            },
+        }
+    }
+}
 
 /// A product as chain.cu's `ChainOp` holds it: device addresses and sizes.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug)]
 pub struct ChainOp {
-    /// bf16 weights, `[rows, k]`.
+    /// The unit of the weights' format.
+    pub format: ChainFormat,
+    /// The weights, `[rows, k]` (Q4_K: super-blocks as stored).
     pub weights: u64,
     /// f32 input: `k` values, or with `pair` 2k (x = gelu_tanh(a) · b of the two halves).
     pub input: u64,
@@ -44,7 +118,7 @@ pub struct ChainOp {
     pub tickets: u64,
     /// Output rows.
     pub rows: usize,
-    /// Values of x (a multiple of 8).
+    /// Values of x (bf16: a multiple of 8; Q4_K: of 256).
     pub k: usize,
     /// Whether x is gelu_tanh(a) · b of the input's halves.
     pub pair: bool,
@@ -60,9 +134,9 @@ impl ChainOp {
         self.rows.div_ceil(CHAIN_ROWS)
     }
 
-    /// Units a row: 1 024 values each.
+    /// Units a row.
     pub fn chunks(&self) -> usize {
-        self.k.div_ceil(CHAIN_K)
+        self.k.div_ceil(self.format.k)
     }
 
     /// The 20 words of chain.cu's `ChainOp` (its C layout: six addresses, six ints, the
@@ -101,12 +175,6 @@ impl ChainOp {
     }
 }
 
-/// Dynamic shared memory of a block with `stages` stages for products of up to `k` values: the
-/// ring, x (whole units of it) and 32 floats of reductions and flags.
-pub fn chain_shared_bytes(stages: usize, k: usize) -> usize {
-    stages * STAGE_BYTES + 4 * (k.div_ceil(CHAIN_K) * CHAIN_K + 32)
-}
-
 /// Where a link of a chain reads its input.
 #[derive(Clone, Copy)]
 pub enum LinkInput<'a> {
@@ -121,7 +189,7 @@ pub enum LinkInput<'a> {
     },
 }
 
-/// One product of a chain: `weights` (bf16, `[rows, k]`) times x, its input's first k values
+/// One product of a chain: `weights` (bf16 or Q4_K, `[rows, k]`) times x, its input's first k values
 /// (with `pair`, gelu_tanh(a) · b of its first 2k), RMS-normed with `norm` (k weights and an
 /// epsilon) where given.
 pub struct ChainLink<'a> {
@@ -138,6 +206,8 @@ pub struct ChainLink<'a> {
 /// A chain laid out on the device: the kernel's table, each link's outputs and scratch, the
 /// counts of finished tiles and of exited blocks (0 between launches).
 pub struct Chain {
+    format: ChainFormat,
+    x_floats: usize,
     table: CudaBuffer,
     outputs: Vec<CudaBuffer>,
     _scratch: Vec<CudaBuffer>,
@@ -174,25 +244,20 @@ impl Chain {
     }
 }
 
-/// The ring's stages: `CHAIN_STAGES` of `MARKBASE_CUDA_DEFINES`, else chain.cu's default.
-fn stages() -> Result<usize> {
-    let defines = defines_from_env()?;
-    match define_value(&defines, "CHAIN_STAGES") {
-        None => Ok(CHAIN_STAGES),
-        Some(v) => match v.parse::<usize>() {
-            Ok(s) if (2..=14).contains(&s) => Ok(s),
-            _ => Err(Error::Invalid(format!(
-                "CHAIN_STAGES={v}: stages of the chain's ring are 2 to 14"
-            ))),
-        },
-    }
-}
-
 impl CudaBackend {
     /// Lays out `links` on the device: outputs, scratch and the kernel's table. Errors name the
-    /// link that is not a bf16 product of a multiple of 8 values, reads a later link or past
-    /// its input, or whose norm is not k long.
+    /// link whose weights are not of the first link's format (bf16, or Q4_K), whose k is not
+    /// a multiple of 8 (Q4_K: 256), that reads a later link or past its input, or whose norm
+    /// is not k long.
     pub fn chain(&self, links: &[ChainLink<'_>]) -> Result<Chain> {
+        let Some(first) = links.first() else {
+            return Err(Error::Invalid("chain: no links".into()));
+        };
+        let ty = first.weights.ty;
+        let format = chain_format(ty).ok_or_else(|| {
+            Error::Unsupported(format!("chain of {ty} weights (bf16 and Q4_K are taken)"))
+        })?;
+        let multiple = if ty == GgmlType::Q4_K { 256 } else { 8 };
         let mut ops = Vec::with_capacity(links.len());
         let mut outputs: Vec<CudaBuffer> = Vec::with_capacity(links.len());
         let mut scratch = Vec::new();
@@ -201,9 +266,10 @@ impl CudaBackend {
         for (j, l) in links.iter().enumerate() {
             let m = l.weights;
             let bad = |why: String| Error::Invalid(format!("chain link {j} ('{}'): {why}", m.name));
-            if m.ty != GgmlType::BF16 || m.cols % 8 != 0 || m.rows == 0 {
+            if m.ty != ty || m.cols % multiple != 0 || m.rows == 0 {
                 return Err(bad(format!(
-                    "{} weights of {} × {}; the chain takes bf16 rows of a multiple of 8 values",
+                    "{} weights of {} × {}; this chain takes {ty} rows of a multiple of \
+                     {multiple} values",
                     m.ty, m.rows, m.cols
                 )));
             }
@@ -233,6 +299,7 @@ impl CudaBackend {
             };
             let out = self.alloc(m.rows)?;
             let mut op = ChainOp {
+                format,
                 weights: m.ptr,
                 input,
                 norm,
@@ -242,7 +309,8 @@ impl CudaBackend {
                 pair: l.pair,
                 dep,
                 eps,
-                ..ChainOp::default()
+                parts: 0,
+                tickets: 0,
             };
             let parts = self.alloc(op.tiles() * op.chunks() * CHAIN_ROWS)?;
             let tickets = self.alloc(op.tiles())?;
@@ -260,7 +328,8 @@ impl CudaBackend {
         }
         let mut table = self.alloc(words.len())?;
         self.write(&words, &mut table)?;
-        let shared = chain_shared_bytes(stages()?, max_k);
+        let stages = format.stages_from_env()?;
+        let shared = format.shared_bytes(stages, max_k);
         let limit = self.device().max_block_shared() as usize;
         if shared > limit {
             return Err(Error::Invalid(format!(
@@ -269,6 +338,8 @@ impl CudaBackend {
             )));
         }
         Ok(Chain {
+            format,
+            x_floats: format.x_floats(max_k),
             table,
             outputs,
             _scratch: scratch,
@@ -291,11 +362,10 @@ impl CudaBackend {
         }
         let f = self
             .kernels
-            .func_with_shared(Module::Chain, "chain_bf16", chain.shared)?;
+            .func_with_shared(Module::Chain, chain.format.kernel, chain.shared)?;
         let blocks = self.device().multiprocessors() as u32;
         let mut grid = Grid::new((blocks, 1), CHAIN_THREADS);
         grid.shared = chain.shared;
-        let x_floats = (chain.shared as usize - stages()? * STAGE_BYTES) / 4 - 32;
         self.launch_fn(
             &f,
             grid,
@@ -305,7 +375,7 @@ impl CudaBackend {
                 Arg::I32(int("chain links", links.len())?),
                 Arg::U64(chain.done.ptr),
                 Arg::U64(chain.exits.ptr),
-                Arg::I32(int("chain x", x_floats)?),
+                Arg::I32(int("chain x", chain.x_floats)?),
             ],
         )
     }

@@ -44,8 +44,7 @@ pub use attention_flash::ATTN_FLASH_MIN_ROWS;
 pub use backend::CudaBackend;
 pub use buffer::{CudaBuffer, CudaMatrix};
 pub use chain::{
-    chain_shared_bytes, Chain, ChainLink, ChainOp, LinkInput, CHAIN_K, CHAIN_ROWS, CHAIN_STAGES,
-    CHAIN_THREADS,
+    chain_format, Chain, ChainFormat, ChainLink, ChainOp, LinkInput, CHAIN_ROWS, CHAIN_THREADS,
 };
 pub use kernels::unit_images;
 pub use layout::device_bytes;

@@ -153,7 +153,8 @@ fn assemble(m: Module, defines: &str, part: Part) -> String {
         Module::Sample => include_str!("../kernels/sample.cu"),
         Module::Chain => include_str!("../kernels/chain.cu"),
     };
-    // quant.cuh (formats, FOR_EACH_FORMAT) is what the per-format modules need.
+    // quant.cuh (formats, FOR_EACH_FORMAT) is what the per-format modules need; the chain
+    // takes its Q4_K products.
     let quant = m.per_format();
     let mut s = String::with_capacity(
         defines.len() + COMMON.len() + QUANT.len() + MMA.len() + body.len() + 512,
@@ -168,7 +169,7 @@ fn assemble(m: Module, defines: &str, part: Part) -> String {
         s.push_str(&format!("#define SHARED_KERNELS {}\n", u8::from(shared)));
     }
     s.push_str(COMMON);
-    if quant {
+    if quant || m == Module::Chain {
         s.push_str(QUANT);
     }
     if matches!(m, Module::Gemv | Module::Moe) {

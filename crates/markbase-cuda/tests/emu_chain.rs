@@ -1,26 +1,27 @@
-//! The chain of one-token bf16 products in one persistent launch (chain.cu) on the CPU
+//! The chain of one-token bf16 and Q4_K products in one persistent launch (chain.cu) on the CPU
 //! emulator, its blocks all resident and waiting for each other through global memory, against
 //! the f64 products (tests/common/chain.rs) on fresh random inputs (seed printed,
 //! `MARKBASE_TEST_SEED` replays it): the whole chain in one launch, again in a second pass
 //! (the launch left its counts and tickets at 0), a link a launch, in descending order, and
 //! with the first or the last blocks running ahead of the others (a count raised before its
 //! outputs were written shows as poisoned inputs) give the same bits; with 3 and 5 blocks and
-//! rings of 11 and 3 stages.
+//! rings of their default and of 3 stages.
 //!
 //! Without a C++ compiler every test prints why and passes.
 
 #[path = "common/chain.rs"]
 mod chain;
+#[path = "common/matrices.rs"]
+mod matrices;
 
 use chain::*;
+use markbase_core::quant::GgmlType;
 use markbase_cuda::sources::{define_lines, Module, Unit};
-use markbase_cuda::{
-    chain_shared_bytes, ChainOp, CHAIN_K, CHAIN_ROWS, CHAIN_STAGES, CHAIN_THREADS,
-};
+use markbase_cuda::{chain_format, device_bytes, ChainFormat, ChainOp, CHAIN_ROWS, CHAIN_THREADS};
 use markbase_kernel_emu::{compiler_available, EmuModule, Order};
 use markbase_test_support::rng;
 
-/// `chain_bf16` (chain.cu).
+/// `chain_bf16` and `chain_q4_k` (chain.cu).
 type ChainKernel = unsafe extern "C" fn(
     ops: *const u32,
     first: i32,
@@ -32,6 +33,8 @@ type ChainKernel = unsafe extern "C" fn(
 
 /// A chain laid out in host memory as the kernel reads it (the emulator runs in-process).
 struct HostChain {
+    format: ChainFormat,
+    _weights: Vec<Vec<u8>>,
     table: Vec<u32>,
     outputs: Vec<Vec<f32>>,
     scratch: Vec<(Vec<f32>, Vec<u32>)>,
@@ -42,6 +45,13 @@ struct HostChain {
 
 impl HostChain {
     fn new(spec: &[LinkSpec], inputs: &ChainInputs) -> HostChain {
+        let ty = inputs.weights[0].ty;
+        let format = chain_format(ty).unwrap();
+        let weights: Vec<Vec<u8>> = inputs
+            .weights
+            .iter()
+            .map(|m| device_bytes(ty, m.bytes.as_slice(), m.rows).into_owned())
+            .collect();
         let mut outputs: Vec<Vec<f32>> = spec.iter().map(|l| vec![f32::NAN; l.rows]).collect();
         let mut scratch = Vec::new();
         let mut table = Vec::new();
@@ -53,7 +63,8 @@ impl HostChain {
                 }
             };
             let mut op = ChainOp {
-                weights: inputs.weights[j].as_ptr() as u64,
+                format,
+                weights: weights[j].as_ptr() as u64,
                 input,
                 norm: if l.norm {
                     inputs.norms[j].as_ptr() as u64
@@ -66,7 +77,8 @@ impl HostChain {
                 pair: l.pair,
                 dep,
                 eps: EPS,
-                ..ChainOp::default()
+                parts: 0,
+                tickets: 0,
             };
             let mut parts = vec![f32::NAN; op.tiles() * op.chunks() * CHAIN_ROWS];
             let mut tickets = vec![0u32; op.tiles()];
@@ -76,6 +88,8 @@ impl HostChain {
             scratch.push((parts, tickets));
         }
         HostChain {
+            format,
+            _weights: weights,
             table,
             outputs,
             scratch,
@@ -95,10 +109,10 @@ impl HostChain {
             true => vec![(0, links)],
             false => (0..links).map(|j| (j, 1)).collect(),
         };
-        let shared = chain_shared_bytes(stages, self.max_k);
-        let x_floats = self.max_k.div_ceil(CHAIN_K) * CHAIN_K;
-        // SAFETY: chain_bf16's signature in chain.cu.
-        let kernel: ChainKernel = unsafe { unit.kernel("chain_bf16") }.unwrap();
+        let shared = self.format.shared_bytes(stages, self.max_k);
+        let x_floats = self.format.x_floats(self.max_k);
+        // SAFETY: the chain kernels' signature in chain.cu.
+        let kernel: ChainKernel = unsafe { unit.kernel(self.format.kernel) }.unwrap();
         let (table, done, exits) = (
             self.table.as_ptr(),
             self.done.as_mut_ptr(),
@@ -140,18 +154,30 @@ fn chain_unit(defines: &str) -> Option<EmuModule> {
     Some(EmuModule::compile(&name, &unit.source(&lines)).unwrap_or_else(|e| panic!("{e}")))
 }
 
-fn check(defines: &str, stages: usize) {
+/// Runs `spec` of `ty` weights on the chain unit compiled with `defines` (a ring of `stages`
+/// stages) with 3 and 5 blocks, every pass in every order bit-equal to the first.
+fn check(ty: GgmlType, spec: &[LinkSpec], defines: &str, stages: usize) {
     let Some(unit) = chain_unit(defines) else {
         return;
     };
-    let spec = test_chain();
-    let mut r = rng(&format!("chain {defines}"));
-    let inputs = chain_inputs(&mut r, &spec);
+    let mut r = rng(&format!("chain {ty} {defines}"));
+    let inputs = chain_inputs(&mut r, spec, ty);
+    let same = |x: &[f32]| x.to_vec();
+    let seen = match ty {
+        GgmlType::Q4_K => Seen {
+            x: &matrices::as_16_bit,
+            tol: 1e-4,
+        },
+        _ => Seen {
+            x: &same,
+            tol: 2e-5,
+        },
+    };
     for blocks in [3, 5] {
-        let mut chain = HostChain::new(&spec, &inputs);
+        let mut chain = HostChain::new(spec, &inputs);
         chain.pass(&unit, Order::Ascending, blocks, stages, true);
-        let what = format!("chain {defines}, {blocks} blocks");
-        check_chain(&what, &spec, &inputs, &chain.outputs);
+        let what = format!("chain {ty} {defines}, {blocks} blocks");
+        check_chain(&what, spec, &inputs, &chain.outputs, &seen);
         let first = chain.outputs.clone();
         for (order, whole) in [
             (Order::Ascending, true),
@@ -174,11 +200,21 @@ fn check(defines: &str, stages: usize) {
 }
 
 #[test]
-fn chain_matches_reference_and_repeats_bit_for_bit() {
-    check("", CHAIN_STAGES);
+fn bf16_chain_matches_reference_and_repeats_bit_for_bit() {
+    check(GgmlType::BF16, &test_chain(), "", 11);
 }
 
 #[test]
-fn chain_with_a_short_ring_matches_reference() {
-    check("CHAIN_STAGES=3", 3);
+fn bf16_chain_with_a_short_ring_matches_reference() {
+    check(GgmlType::BF16, &test_chain(), "CHAIN_STAGES=3", 3);
+}
+
+#[test]
+fn q4_k_chain_matches_reference_and_repeats_bit_for_bit() {
+    check(GgmlType::Q4_K, &test_chain_q4k(), "", 16);
+}
+
+#[test]
+fn q4_k_chain_with_a_short_ring_matches_reference() {
+    check(GgmlType::Q4_K, &test_chain_q4k(), "CHAIN_Q4K_STAGES=3", 3);
 }

@@ -1,8 +1,10 @@
-//! The chain of one-token bf16 products (chain.cu) in f64, and the chains the emulator and GPU
+//! The chain of one-token products (chain.cu) in f64, and the chains the emulator and GPU
 //! tests run: shared by emu_chain and gpu_ops.
 #![allow(dead_code)]
 
-use half::bf16;
+use markbase_core::backend::HostMatrix;
+use markbase_core::quant::GgmlType;
+use markbase_cpu::reference;
 use rand::rngs::StdRng;
 use rand::Rng;
 
@@ -60,6 +62,19 @@ pub fn test_chain() -> Vec<LinkSpec> {
     ]
 }
 
+/// `test_chain`'s paths for Q4_K weights (k a multiple of 256): a unit's 8 super-blocks cut
+/// short, several units a row, a pair, norms, links reading ones not just before them.
+pub fn test_chain_q4k() -> Vec<LinkSpec> {
+    vec![
+        link(2600, 512, Source::Outside, false, true),
+        link(37, 2560, from(0, 0), false, true),
+        link(1030, 256, from(0, 8), true, false),
+        link(19, 1024, from(2, 6), false, true),
+        link(64, 2304, from(0, 200), false, false),
+        link(8, 256, from(2, 0), false, true),
+    ]
+}
+
 /// Gemma 4 E4B's products of a layer in the order a step runs them (q, k, v as one; o reading
 /// q; gate and up as one; down reading their gelu pair; the per-layer-input gate and
 /// projection), twice, the second layer reading the first's projection.
@@ -84,9 +99,11 @@ pub fn e4b_layers() -> Vec<LinkSpec> {
     links
 }
 
-/// Random bf16 weights for `spec` (bits), the outside input and each normed link's weights.
+/// A chain's random weights (their format), the weights as the kernel multiplies them, the
+/// outside input and each link's norm weights.
 pub struct ChainInputs {
-    pub weights: Vec<Vec<u16>>,
+    pub weights: Vec<HostMatrix>,
+    pub dequant: Vec<Vec<f32>>,
     pub outside: Vec<f32>,
     pub norms: Vec<Vec<f32>>,
 }
@@ -100,15 +117,15 @@ pub fn outside_len(spec: &[LinkSpec]) -> usize {
         .unwrap_or(0)
 }
 
-/// Random inputs of a chain.
-pub fn chain_inputs(r: &mut StdRng, spec: &[LinkSpec]) -> ChainInputs {
-    let weights = spec
+/// Random inputs of a chain of `ty` weights.
+pub fn chain_inputs(r: &mut StdRng, spec: &[LinkSpec], ty: GgmlType) -> ChainInputs {
+    let weights: Vec<HostMatrix> = spec
         .iter()
-        .map(|l| {
-            (0..l.rows * l.k)
-                .map(|_| bf16::from_f32(r.random_range(-0.5..0.5)).to_bits())
-                .collect()
-        })
+        .map(|l| markbase_test_support::random_matrix(r, ty, l.rows, l.k))
+        .collect();
+    let dequant = weights
+        .iter()
+        .map(|m| reference::dequantize_matrix(m).unwrap())
         .collect();
     let outside = (0..outside_len(spec))
         .map(|_| r.random_range(-1.0..1.0))
@@ -119,6 +136,7 @@ pub fn chain_inputs(r: &mut StdRng, spec: &[LinkSpec]) -> ChainInputs {
         .collect();
     ChainInputs {
         weights,
+        dequant,
         outside,
         norms,
     }
@@ -147,40 +165,59 @@ pub fn link_x(l: &LinkSpec, v: &[f32], norm: &[f32]) -> Vec<f64> {
 }
 
 /// Link j's outputs in f64, its input taken from `outputs` (the kernel's outputs of the links
-/// before it) or the outside input: each link checked on its own, so errors do not compound.
+/// before it) or the outside input, x as the kernel's products see it (`seen`, of x rounded to
+/// f32): each link checked on its own, so errors do not compound.
 pub fn link_want(
     spec: &[LinkSpec],
     inputs: &ChainInputs,
     outputs: &[Vec<f32>],
     j: usize,
+    seen: &dyn Fn(&[f32]) -> Vec<f32>,
 ) -> Vec<f32> {
     let l = &spec[j];
     let v: &[f32] = match l.source {
         Source::Outside => &inputs.outside,
         Source::Link { link, offset } => &outputs[link][offset..],
     };
-    let x = link_x(l, v, &inputs.norms[j]);
-    let w = &inputs.weights[j];
+    let x32: Vec<f32> = link_x(l, v, &inputs.norms[j])
+        .iter()
+        .map(|&a| a as f32)
+        .collect();
+    let x = seen(&x32);
+    let w = &inputs.dequant[j];
     (0..l.rows)
         .map(|r| {
             let row = &w[r * l.k..(r + 1) * l.k];
             row.iter()
                 .zip(&x)
-                .map(|(&b, &a)| bf16::from_bits(b).to_f64() * a)
+                .map(|(&b, &a)| b as f64 * a as f64)
                 .sum::<f64>() as f32
         })
         .collect()
 }
 
+/// How a chain of `ty` weights' products see x (Q4_K: 16-bit integers a 32-value chunk, as
+/// `as_16_bit` rounds them), and the relative error its outputs may have.
+pub struct Seen<'a> {
+    pub x: &'a dyn Fn(&[f32]) -> Vec<f32>,
+    pub tol: f32,
+}
+
 /// Checks every link's outputs against `link_want`.
-pub fn check_chain(what: &str, spec: &[LinkSpec], inputs: &ChainInputs, outputs: &[Vec<f32>]) {
+pub fn check_chain(
+    what: &str,
+    spec: &[LinkSpec],
+    inputs: &ChainInputs,
+    outputs: &[Vec<f32>],
+    seen: &Seen<'_>,
+) {
     for j in 0..spec.len() {
-        let want = link_want(spec, inputs, outputs, j);
+        let want = link_want(spec, inputs, outputs, j, seen.x);
         markbase_test_support::assert_close(
             &format!("{what}: link {j} ({:?})", spec[j]),
             &outputs[j],
             &want,
-            2e-5,
+            seen.tol,
         );
     }
 }

@@ -1,27 +1,19 @@
-//! The chain of one-token bf16 products in one persistent launch (chain.cu) against the f64
-//! products (tests/common/chain.rs): a chain over the kernel's paths and two of E4B's layers,
-//! the whole chain in one launch, then a launch a link and a second whole pass bit for bit.
+//! The chain of one-token products in one persistent launch (chain.cu), of bf16 and Q4_K
+//! weights, against the f64 products (tests/common/chain.rs): a chain over the kernel's paths
+//! and two of E4B's layers, the whole chain in one launch, then a launch a link and a second
+//! whole pass bit for bit.
 
 use super::*;
 use chain_ref::*;
 use markbase_cuda::{ChainLink, LinkInput};
 
-/// Runs `spec` on the device: returns each pass's outputs (whole, a link a launch, whole).
+/// Runs `spec` on the device: returns each pass's outputs (whole, a link a launch, whole), the
+/// outputs poisoned before each.
 fn run_chain(g: &CudaBackend, spec: &[LinkSpec], inputs: &ChainInputs) -> Vec<Vec<Vec<f32>>> {
-    let weights: Vec<CudaMatrix> = spec
+    let weights: Vec<CudaMatrix> = inputs
+        .weights
         .iter()
-        .zip(&inputs.weights)
-        .map(|(l, w)| {
-            let bytes: Vec<u8> = w.iter().flat_map(|b| b.to_le_bytes()).collect();
-            g.load_matrix(&HostMatrix {
-                name: format!("chain {}x{}", l.rows, l.k),
-                ty: GgmlType::BF16,
-                rows: l.rows,
-                cols: l.k,
-                bytes: HostBytes::Owned(Arc::from(bytes)),
-            })
-            .unwrap()
-        })
+        .map(|m| g.load_matrix(m).unwrap())
         .collect();
     let outside = up(g, &inputs.outside);
     let norms: Vec<CudaBuffer> = inputs.norms.iter().map(|n| up(g, n)).collect();
@@ -59,11 +51,22 @@ fn run_chain(g: &CudaBackend, spec: &[LinkSpec], inputs: &ChainInputs) -> Vec<Ve
     passes
 }
 
-fn check_on_gpu(g: &CudaBackend, what: &str, spec: &[LinkSpec]) {
+fn check_on_gpu(g: &CudaBackend, ty: GgmlType, what: &str, spec: &[LinkSpec]) {
     let mut r = rng(what);
-    let inputs = chain_inputs(&mut r, spec);
+    let inputs = chain_inputs(&mut r, spec, ty);
     let passes = run_chain(g, spec, &inputs);
-    check_chain(what, spec, &inputs, &passes[0]);
+    let same = |x: &[f32]| x.to_vec();
+    let seen = match ty {
+        GgmlType::Q4_K => Seen {
+            x: &as_16_bit,
+            tol: 1e-4,
+        },
+        _ => Seen {
+            x: &same,
+            tol: 2e-5,
+        },
+    };
+    check_chain(what, spec, &inputs, &passes[0], &seen);
     for (p, pass) in passes.iter().enumerate().skip(1) {
         for (j, (a, b)) in passes[0].iter().zip(pass).enumerate() {
             let same = a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
@@ -75,6 +78,18 @@ fn check_on_gpu(g: &CudaBackend, what: &str, spec: &[LinkSpec]) {
 #[test]
 fn chain_matches_reference_and_repeats_bit_for_bit() {
     let g = gpu_or_skip!();
-    check_on_gpu(g, "chain", &test_chain());
-    check_on_gpu(g, "chain of two E4B layers", &e4b_layers());
+    check_on_gpu(g, GgmlType::BF16, "bf16 chain", &test_chain());
+    check_on_gpu(g, GgmlType::Q4_K, "Q4_K chain", &test_chain_q4k());
+    check_on_gpu(
+        g,
+        GgmlType::BF16,
+        "bf16 chain of two E4B layers",
+        &e4b_layers(),
+    );
+    check_on_gpu(
+        g,
+        GgmlType::Q4_K,
+        "Q4_K chain of two E4B layers",
+        &e4b_layers(),
+    );
 }
