@@ -19,7 +19,7 @@ use markbase_core::backend::{Backend, HostBytes, HostMatrix, NormOut};
 use markbase_core::config::Gemma3Config;
 use markbase_core::gguf::GgufFile;
 use markbase_core::quant::GgmlType;
-use markbase_cuda::{ChainLink, CudaBackend, LinkInput};
+use markbase_cuda::{ChainLink, CudaBackend, CudaMatrix, LinkInput};
 use markbase_models::gemma3::Gemma3;
 use markbase_models::gemma4::Gemma4;
 use markbase_models::synthetic::{SyntheticSpec, SyntheticWeights};
@@ -181,6 +181,36 @@ const B31_LAYER: LayerShapes = LayerShapes {
     copies: 2,
 };
 
+/// A layer's matrices of random `ty` weights at `shapes`: q, k, v, o, gate, up, down, and the
+/// per-layer-input gate and projection where the layer has them.
+fn layer_matrices(
+    be: &CudaBackend,
+    shapes: &LayerShapes,
+    ty: GgmlType,
+    seed: &mut u64,
+) -> Vec<CudaMatrix> {
+    let LayerShapes {
+        d, ff, q, kv, ple, ..
+    } = *shapes;
+    let mut load = |rows, cols| {
+        be.load_matrix(&random_matrix(ty, rows, cols, seed))
+            .unwrap()
+    };
+    let mut m = vec![
+        load(q, d),
+        load(kv, d),
+        load(kv, d),
+        load(d, q),
+        load(ff, d),
+        load(ff, d),
+        load(d, ff),
+    ];
+    if ple > 0 {
+        m.extend([load(ple, d), load(d, ple)]);
+    }
+    m
+}
+
 /// Decode products of `n` token rows at a layer's shapes, per weight format: µs a product and
 /// GB/s of weight bytes (back-to-back launches, as in a step without the kernels between).
 fn gemv_bandwidth(be: &CudaBackend, shapes: &LayerShapes, n: usize) {
@@ -211,26 +241,8 @@ fn gemv_bandwidth(be: &CudaBackend, shapes: &LayerShapes, n: usize) {
         GgmlType::Q5_0,
         GgmlType::Q5_K,
     ] {
-        let mut load = |rows, cols| {
-            be.load_matrix(&random_matrix(ty, rows, cols, &mut seed))
-                .unwrap()
-        };
         let layers: Vec<_> = (0..copies)
-            .map(|_| {
-                let mut m = vec![
-                    load(q, d),
-                    load(kv, d),
-                    load(kv, d),
-                    load(d, q),
-                    load(ff, d),
-                    load(ff, d),
-                    load(d, ff),
-                ];
-                if ple > 0 {
-                    m.extend([load(ple, d), load(d, ple)]);
-                }
-                m
-            })
+            .map(|_| layer_matrices(be, shapes, ty, &mut seed))
             .collect();
         let bytes = |rows: usize, cols: usize| (ty.bytes_for(cols).unwrap() * rows) as f64;
         // (name, weight bytes, product): q alone is the q/k/v launch's largest matrix through
@@ -317,19 +329,7 @@ fn chain_bandwidth(be: &CudaBackend, bw: f64, ty: GgmlType) {
         .collect();
     // The backend's: q, k, v, o, gate, up, down, PLE gate, PLE projection.
     let apart: Vec<Vec<_>> = (0..copies)
-        .map(|_| {
-            vec![
-                load(q, d),
-                load(kv, d),
-                load(kv, d),
-                load(d, q),
-                load(ff, d),
-                load(ff, d),
-                load(d, ff),
-                load(ple, d),
-                load(d, ple),
-            ]
-        })
+        .map(|_| layer_matrices(be, &E4B_LAYER, ty, &mut seed))
         .collect();
     let norm_d = be.load_vector(&vec![1.0; d]).unwrap();
     let x = be.load_vector(&vec![0.01; d]).unwrap();
