@@ -48,18 +48,19 @@
 #ifndef MMQ_LEGACY_UNITS_AHEAD
 #define MMQ_LEGACY_UNITS_AHEAD 1
 #endif
-// Units loaded ahead by a warp of a launch of 8 n-tiles (every format; a block a
-// multiprocessor, up to 255 registers a thread). 2 fits Q4_0, Q5_0, Q5_K and Q6_K without a
-// spill but ran E4B Q4_K_M's 64-sequence step 2–4 % slower (docs/perf.md session 39).
+// Units loaded ahead by a warp of a launch of 8 n-tiles (every format). With one block a
+// multiprocessor (MMQ_WIDE_BLOCKS=1) 2 fits every format without a spill; it ran E4B Q4_K_M's
+// 64-sequence step 2–4 % slower than 1 in session 39, and as fast as 1 in session 44.
 #ifndef MMQ_WIDE_UNITS_AHEAD
 #define MMQ_WIDE_UNITS_AHEAD 1
 #endif
-// Blocks of a launch of 8 n-tiles resident on a multiprocessor: 1 (up to 255 registers a
-// thread) or 2 (up to 128: 88–172 bytes of each format's item-end addresses spill, none in
-// the units' loop), under evaluation with the host plan's other `MMQ_WIDE_*` settings
-// (mmq.rs `Tuning`; docs/perf.md, session 43).
+// Blocks of a launch of 8 n-tiles resident on a multiprocessor: 2 (up to 128 registers a
+// thread; 16–32 bytes of each format's item-end addresses spill, none in the units' loop), or
+// 1 (up to 255), with the host plan's `MMQ_WIDE_*` settings (mmq.rs `Tuning`): two blocks, the
+// split length balanced and up to 24 splits ran E4B Q4_K_M's 64-sequence step 6 % faster than
+// one block (docs/perf.md, session 44).
 #ifndef MMQ_WIDE_BLOCKS
-#define MMQ_WIDE_BLOCKS 1
+#define MMQ_WIDE_BLOCKS 2
 #endif
 // Accumulator sets of a warp for up to 16 tokens (one for more): a unit's products go to two
 // chains of dependent mma instructions, not one.
@@ -91,34 +92,18 @@ __device__ __forceinline__ void mmq_wait_all() {
 #endif
 }
 
-// 1: an item's ends with fewer instructions and round trips, under evaluation (docs/perf.md,
-// session 43): the block stages its activations a lane a 16-byte piece and a warp a token
-// (12 SASS instructions a copy, from 40), and a split stores its part in the sums' fragment order
-// (a float4 a lane and n-tile: parts[split][tile][n-tile][lane]), which the tile's last warp
-// adds back split by split with all of a split's loads in flight (from one load and its wait
-// at a time) before storing the outputs as one split would.
-#ifndef MMQ_LEAN_ENDS
-#define MMQ_LEAN_ENDS 0
-#endif
-
-// 1: a split's warp takes its tile's ticket with one acquire-release atomic after a warp
-// barrier, in place of two sequentially consistent fences (__threadfence, MEMBAR.SC.GPU) around
-// a relaxed one (mmq_store); under evaluation (docs/perf.md, session 42).
-#ifndef MMQ_TICKET_ACQ_REL
-#define MMQ_TICKET_ACQ_REL 0
-#endif
-
-// The old value of *t, incremented by one atomically: relaxed (the caller fences around it),
-// or with MMQ_TICKET_ACQ_REL acquire-release at GPU scope — the caller's writes (and those
-// ordered before them) are visible to whichever thread takes a later ticket, and every write
-// released with an earlier ticket is visible to the caller.
+// The old value of *t, incremented by one atomically with acquire-release order at GPU scope:
+// the caller's writes (and those ordered before them) are visible to whichever thread takes a
+// later ticket, and every write released with an earlier ticket is visible to the caller (in
+// place of two sequentially consistent fences around a relaxed atomic: E4B Q4_K_M's 8- and
+// 32-sequence steps 2–4 % faster, docs/perf.md session 44).
 __device__ __forceinline__ u32 mmq_ticket(u32* t) {
-#if MMQ_TICKET_ACQ_REL && !defined(MB_EMU)
+#ifdef MB_EMU
+    return atomicAdd(t, 1u);
+#else
     u32 old;
     asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(t) : "memory");
     return old;
-#else
-    return atomicAdd(t, 1u);
 #endif
 }
 
@@ -134,15 +119,6 @@ __device__ __forceinline__ float4 mmq_ld4(const float* p) {
                  : "l"(p));
 #endif
     return v;
-}
-
-// s += the 4 floats at p (mmq_ld4).
-__device__ __forceinline__ void mmq_add4(float4& s, const float* p) {
-    const float4 v = mmq_ld4(p);
-    s.x += v.x;
-    s.y += v.y;
-    s.z += v.z;
-    s.w += v.w;
 }
 
 // Word i (0..7) of a lane's 32 quant bytes of one row.
@@ -582,13 +558,6 @@ __device__ __forceinline__ void mmq_put(const MmqCursor& u, int gated, int t, in
         ((float*)u.out)[(u64)t * u.rows + r] = a;
 }
 
-// The token and float4 of 4 rows that fix-up index i of a tile's parts stands for: 4 a token,
-// or (gated) 2, the gate rows' (the up rows 8 on go with them).
-__device__ __forceinline__ void mmq_quad(int i, int gated, int& t, int& quad) {
-    t = gated ? i >> 1 : i >> 2;
-    quad = gated ? i & 1 : i & 3;
-}
-
 // Stores the warp's sums of item u as outputs (lane (g, c): the tile's rows g, g + 8 — v 0, 1
 // and 2, 3 — for tokens 8j + 2c + (v & 1)). The gated tile's rows 0..7 are gate rows, 8..15
 // the up rows of the same outputs.
@@ -615,24 +584,16 @@ __device__ __forceinline__ void mmq_outputs(const MmqCursor& u, int gated, float
 // (a ticket a tile, which that warp resets); if so every split's part is visible to all its
 // lanes.
 __device__ __forceinline__ bool mmq_last_split(u32* tickets, int tile, int splits) {
-#if !MMQ_TICKET_ACQ_REL
-    __threadfence();
-#endif
     __syncwarp();  // every lane's part written before lane 0 takes the ticket
     u32 ticket = 0;
     if ((threadIdx.x & 31) == 0) ticket = mmq_ticket(&tickets[tile]);
     ticket = __shfl_sync(0xffffffffu, ticket, 0);
     if (ticket != (u32)splits - 1) return false;
     if ((threadIdx.x & 31) == 0) tickets[tile] = 0;
-#if MMQ_TICKET_ACQ_REL
     __syncwarp();  // the other splits' parts, acquired by lane 0's ticket, for every lane
-#else
-    __threadfence();
-#endif
     return true;
 }
 
-#if MMQ_LEAN_ENDS
 // Stores the warp's sums of item u as its split's part in fragment order (a float4 a lane and
 // n-tile: parts[split][tile][n-tile][lane], 8 · NT token slots a tile whatever n is) and
 // returns whether it was the tile's last split; if so acc holds the sum of every split's part,
@@ -664,81 +625,15 @@ __device__ __forceinline__ bool mmq_gather(const MmqCursor& u, float (*acc)[4], 
     }
     return true;
 }
-#else
-// Stores the warp's sums of item u (as mmq_outputs) as its split's part
-// (parts[split][token][tile][16]); the item's last warp adds the parts in split order and
-// stores the outputs.
-template <class F, int NT>
-__device__ __forceinline__ void mmq_store_parts(const MmqCursor& u, int gated, float (*acc)[4],
-                                                int n, int tiles, float* parts, u32* tickets,
-                                                int splits, int g, int c) {
-    const int rows = u.rows;
-    const u64 ld = 16 * (u64)tiles;
-    float* part = parts + (u64)blockIdx.y * n * ld + 16 * u.tile;
-#pragma unroll
-    for (int j = 0; j < NT; j++)
-#pragma unroll
-        for (int v = 0; v < 4; v++) {
-            int t = 8 * j + 2 * c + (v & 1);
-            if (t < n) part[t * ld + g + 8 * (v >> 1)] = acc[j][v];
-        }
-    if (!mmq_last_split(tickets, u.tile, splits)) return;
-    // The parts as float4s of 4 rows: 4 a token (gated: the gate's first 2, each with the up
-    // rows 8 on), NT a lane at most.
-    const int quads = gated ? 2 * n : 4 * n;
-    constexpr int NB = NT > 1 ? NT / 2 : 1;  // a lane's gated quads (n ≤ 8 · NT)
-    float4 a[NT], b[NB];
-#pragma unroll
-    for (int j = 0; j < NT; j++) a[j] = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-    for (int j = 0; j < NB; j++) b[j] = make_float4(0.f, 0.f, 0.f, 0.f);
-    const float* base = parts + 16 * u.tile;
-    for (int q = 0; q < splits; q++) {
-#pragma unroll
-        for (int j = 0; j < NT; j++) {
-            const int i = (threadIdx.x & 31) + 32 * j;
-            int t, quad;
-            mmq_quad(i, gated, t, quad);
-            if (i < quads) {
-                const float* at = base + ((u64)q * n + t) * ld + 4 * quad;
-                mmq_add4(a[j], at);
-                if (gated && j < NB) mmq_add4(b[j < NB ? j : 0], at + 8);
-            }
-        }
-    }
-#pragma unroll
-    for (int j = 0; j < NT; j++) {
-        const int i = (threadIdx.x & 31) + 32 * j;
-        int t, quad;
-        mmq_quad(i, gated, t, quad);
-        if (i >= quads) continue;
-        const float4 bj = b[j < NB ? j : 0];
-        const float av[4] = {a[j].x, a[j].y, a[j].z, a[j].w}, bv[4] = {bj.x, bj.y, bj.z, bj.w};
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-            const int r = u.r0 + 4 * quad + e;
-            if (r < rows) mmq_put<F>(u, gated, t, r, av[e], bv[e]);
-        }
-    }
-}
-#endif
 
 // Stores the warp's sums of item u: as outputs (mmq_outputs), or with several splits as this
-// split's part, the item's last warp adding the parts in split order.
+// split's part, the item's last warp adding the parts in split order (mmq_gather).
 template <class F, int NT>
 __device__ __forceinline__ void mmq_store(const MmqCursor& u, int gated, float (*acc)[4], int n,
                                           int tiles, float* parts, u32* tickets, int splits,
                                           int g, int c) {
-#if MMQ_LEAN_ENDS
     if (splits > 1 && !mmq_gather<NT>(u, acc, tiles, parts, tickets, splits)) return;
     mmq_outputs<F, NT>(u, gated, acc, n, g, c);
-#else
-    if (splits == 1) {
-        mmq_outputs<F, NT>(u, gated, acc, n, g, c);
-        return;
-    }
-    mmq_store_parts<F, NT>(u, gated, acc, n, tiles, parts, tickets, splits, g, c);
-#endif
 }
 
 // The warps of the launch walk the row tiles of `p`'s matrices grid-stride over the blocks of
@@ -777,7 +672,7 @@ __device__ void mmq_impl(const Products& p, u64 row_bytes, int k, const u16* xh,
         }
     wait_prior_grid();
     const u32 smem = shared_address(mmq_smem);
-#if MMQ_LEAN_ENDS
+    // A lane stages a 16-byte piece and a warp a token (12 SASS instructions a copy).
     static_assert(F::PIECES == 32, "a lane a piece");
     {
         const int piece = lane, warps = blockDim.x >> 5, t0 = threadIdx.x >> 5;
@@ -789,15 +684,6 @@ __device__ void mmq_impl(const Products& p, u64 row_bytes, int k, const u16* xh,
                 mmq_cp16(to, from);
         }
     }
-#else
-    for (int q = threadIdx.x; q < count * 8 * NT * F::PIECES; q += blockDim.x) {
-        int piece = q % F::PIECES, slice = q / F::PIECES, t = slice % (8 * NT),
-            i = slice / (8 * NT);
-        if (t < n)
-            mmq_cp16(smem + slice * F::TOKEN_BYTES + F::piece_at(piece),
-                     xh + (u64)t * k + (sb0 + i) * F::K + 8 * piece);
-    }
-#endif
     mmq_commit();
     mmq_wait_all();
     __syncthreads();
@@ -841,8 +727,7 @@ __device__ void mmq_impl(const Products& p, u64 row_bytes, int k, const u16* xh,
 
 // The kernels mmq_<format>_<NT> for NT n-tiles (up to 8 · NT token rows); blocks of 256
 // threads with 8·NT · per_split · F::TOKEN_BYTES of dynamic shared memory, two a
-// multiprocessor (8 n-tiles: MMQ_WIDE_BLOCKS, one by default, whose 64 tokens' sums take up
-// to 255 registers a thread).
+// multiprocessor (8 n-tiles: MMQ_WIDE_BLOCKS).
 #define MMQ_KERNEL(SUFFIX, F, NT)                                                              \
     extern "C" __global__ void __launch_bounds__(256, NT > 4 ? MMQ_WIDE_BLOCKS : 2)            \
         mmq_##SUFFIX##_##NT(Products p, u64 row_bytes, int k, const u16* xh, int n, int gated, \

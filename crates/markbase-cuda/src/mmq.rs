@@ -43,8 +43,9 @@ const LAUNCH_TOKENS: usize = 32;
 /// 9.0 (1), but down 52.0 → 70.3 (8) and the PLE gate 22.8 → 29.0 (10); 48 tokens: q/k/v 24.3
 /// → 19.8, gate + up 67.9 → 58.1. `bench -p 0 -n 32`, E4B Q4_K_M: 40 / 48 / 64 sequences
 /// 4 529 / 4 977 / 6 334 → 4 829 / 5 371 / 7 236 t/s, Q4_0 at 64 6 890 → 7 714 (docs/perf.md
-/// session 39).
-const WIDE_SPLITS: usize = 8;
+/// session 39). With the item ends lean, two blocks a multiprocessor and the split length
+/// balanced (`Tuning::DEFAULT`), 24: down and the PLE gate then run here too (session 44).
+const WIDE_SPLITS: usize = 24;
 /// Warps of a block.
 const BLOCK_WARPS: usize = 8;
 /// Most dynamic shared memory of a block of 4 n-tiles or fewer (a split's activations): two
@@ -92,13 +93,16 @@ pub(crate) struct Tuning {
 }
 
 impl Tuning {
-    /// The measured shape rules (docs/perf.md sessions 31–39).
+    /// The measured shape rules (docs/perf.md sessions 31–44): two blocks a multiprocessor for
+    /// 33–64 rows and the split length balanced ran E4B Q4_K_M's 64-sequence step at 8 721 /
+    /// 8 773 t/s on the H100, against 8 169 / 8 337 with one block and the items rule, and
+    /// 6 732 / 6 958 before the item ends were lean (session 44).
     pub(crate) const DEFAULT: Tuning = Tuning {
         items: ITEMS_PER_SM,
-        wide_blocks: 1,
+        wide_blocks: 2,
         wide_items: ITEMS_PER_SM,
         wide_splits: WIDE_SPLITS,
-        balance: false,
+        balance: true,
     };
 
     /// The defaults with what `MARKBASE_CUDA_DEFINES` sets; an error names a value out of
@@ -421,7 +425,7 @@ impl CudaBackend {
             };
             let parts = if sh.splits > 1 {
                 // 16 floats a tile, token slot (8 · nt, at least `len`) and split, in f16
-                // slots (MMQ_LEAN_ENDS keeps every slot's).
+                // slots (the parts keep every slot's, mmq.cu `mmq_gather`).
                 s.tiles
                     .get(&self.dev.stream, 32 * sh.splits * 8 * sh.nt * tiles)?
             } else {
@@ -470,14 +474,17 @@ mod tests {
         Tuning::from_defines(&define_lines(spec).unwrap()).unwrap()
     }
 
+    /// Session 39's rules: a block a multiprocessor, the items rule, declined from 8 splits.
+    const ITEMS_RULE: &str = "MMQ_WIDE_BLOCKS=1 MMQ_WIDE_BALANCE=0 MMQ_WIDE_SPLITS=8";
+
     /// The measured tuning and those of a sweep (`Tuning::from_defines`).
     fn tunings() -> impl Iterator<Item = Tuning> {
         [
             "",
-            "MMQ_WIDE_BLOCKS=2",
-            "MMQ_WIDE_BLOCKS=2 MMQ_WIDE_ITEMS=16 MMQ_WIDE_SPLITS=12",
-            "MMQ_WIDE_BALANCE=1",
-            "MMQ_WIDE_BLOCKS=2 MMQ_WIDE_BALANCE=1 MMQ_WIDE_SPLITS=24",
+            ITEMS_RULE,
+            "MMQ_WIDE_BALANCE=0 MMQ_WIDE_ITEMS=16 MMQ_WIDE_SPLITS=12",
+            "MMQ_WIDE_BLOCKS=1",
+            "MMQ_WIDE_BALANCE=0 MMQ_WIDE_SPLITS=8",
         ]
         .into_iter()
         .map(tuning)
@@ -488,14 +495,18 @@ mod tests {
         let t: Vec<Tuning> = tunings().collect();
         assert_eq!(t[0], Tuning::DEFAULT);
         assert_eq!(
-            (t[1].wide_blocks, t[1].max_shared(8), t[1].blocks_per_sm(8)),
+            (t[0].wide_blocks, t[0].max_shared(8), t[0].blocks_per_sm(8)),
             (2, WIDE_SHARED_TWO, 2)
+        );
+        assert_eq!(
+            (t[1].wide_blocks, t[1].max_shared(8), t[1].blocks_per_sm(8)),
+            (1, WIDE_SHARED, 1)
         );
         assert_eq!(
             (t[2].wide_items, t[2].wide_splits, t[2].balance),
             (16, 12, false)
         );
-        assert!(t[3].balance && t[3].wide_blocks == 1);
+        assert!(t[3].balance && t[3].wide_blocks == 1 && t[3].wide_splits == 24);
         let more = tuning("MMQ_ITEMS=16");
         assert_eq!(
             more,
@@ -515,7 +526,7 @@ mod tests {
         );
         // Launches of 4 n-tiles or fewer keep their rules.
         assert_eq!(
-            (t[1].max_shared(4), t[1].blocks_per_sm(4)),
+            (t[0].max_shared(4), t[0].blocks_per_sm(4)),
             (MAX_SHARED, BLOCKS_PER_SM)
         );
         for bad in [
@@ -535,7 +546,8 @@ mod tests {
     fn e4b_launches_at_64_tokens_under_each_setting() {
         // (splits, units a split, blocks a split, units on the busiest warp) of E4B's q/k/v,
         // o, gate + up, down, PLE gate and PLE projection at 64 tokens on an H200, or None
-        // (launches of 32 rows, or cuBLAS): the table of docs/perf.md session 43.
+        // (launches of 32 rows, or cuBLAS): the table of docs/perf.md session 43, whose last
+        // row is the default since session 44.
         type Cell = Option<(usize, usize, usize, usize)>;
         let cell = |t: &Tuning, cols: usize, rows: &[usize], gated: bool| -> Cell {
             let mut e = Extent::products(GgmlType::Q4_K, cols, rows.iter().copied());
@@ -549,11 +561,11 @@ mod tests {
             Some((sh.splits, sh.per_split, sh.blocks, busiest))
         };
         let specs = [
+            ITEMS_RULE,
+            "MMQ_WIDE_BALANCE=0 MMQ_WIDE_SPLITS=8",
+            "MMQ_WIDE_BALANCE=0 MMQ_WIDE_ITEMS=16 MMQ_WIDE_SPLITS=16",
+            "MMQ_WIDE_BLOCKS=1",
             "",
-            "MMQ_WIDE_BLOCKS=2",
-            "MMQ_WIDE_BLOCKS=2 MMQ_WIDE_ITEMS=16 MMQ_WIDE_SPLITS=16",
-            "MMQ_WIDE_BALANCE=1 MMQ_WIDE_SPLITS=24",
-            "MMQ_WIDE_BLOCKS=2 MMQ_WIDE_BALANCE=1 MMQ_WIDE_SPLITS=24",
         ];
         let want: [[Cell; 6]; 5] = [
             [
@@ -619,18 +631,18 @@ mod tests {
         // of 2 (2 · 3) beats 14 of 3 (2 · 4). Gate + up (1 280 tiles of 10 units): 2 of 5
         // (3 · 6) beats 10 of 1 (13 · 2), though its busiest warp has more units (15 to 13).
         let q4k = format(GgmlType::Q4_K).unwrap();
-        let t: Vec<Tuning> = tunings().collect();
         let work =
             |tiles: usize, sh: &Shape| busiest_work(items_a_warp(tiles, sh.blocks), sh.per_split);
-        let one = tuning("MMQ_WIDE_BALANCE=1 MMQ_WIDE_SPLITS=24");
+        let one = tuning("MMQ_WIDE_BLOCKS=1");
         let down = shape(&one, &q4k, 160, 10_240, 64, 132).unwrap();
         assert_eq!((down.splits, down.per_split, work(160, &down)), (10, 4, 10));
-        let down = shape(&t[4], &q4k, 160, 10_240, 64, 132).unwrap();
+        let down = shape(&Tuning::DEFAULT, &q4k, 160, 10_240, 64, 132).unwrap();
         assert_eq!((down.splits, down.per_split, work(160, &down)), (20, 2, 6));
         let gate_up = shape(&one, &q4k, 1280, 2560, 64, 132).unwrap();
         assert_eq!((gate_up.splits, work(1280, &gate_up)), (2, 18));
         // Here the balance and the items rule agree.
-        assert_eq!(shape(&t[0], &q4k, 1280, 2560, 64, 132), Some(gate_up));
+        let items_rule = tuning(ITEMS_RULE);
+        assert_eq!(shape(&items_rule, &q4k, 1280, 2560, 64, 132), Some(gate_up));
     }
 
     #[test]
@@ -691,9 +703,11 @@ mod tests {
 
     #[test]
     fn launches_of_33_to_64_rows_take_8_n_tiles_unless_they_split_8_ways() {
+        // Under session 39's rules (declined from 8 splits; the default declines from 24).
+        let items_rule = tuning(ITEMS_RULE);
         let h200 = |ty, cols, rows: &[usize], n| {
             let e = Extent::products(ty, cols, rows.iter().copied());
-            plan(&Tuning::DEFAULT, &e, n, 132, 227 << 10).map(|p| {
+            plan(&items_rule, &e, n, 132, 227 << 10).map(|p| {
                 p.iter()
                     .map(|(t0, len, sh, _)| (*t0, *len, sh.nt, sh.splits))
                     .collect::<Vec<_>>()

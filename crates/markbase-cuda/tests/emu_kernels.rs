@@ -171,7 +171,7 @@ fn check_mmq(unit: &EmuModule, format: &str, case: &MmqCase, shape: &MmqShape, s
     let units = k / 256;
     let per_split = units.div_ceil(shape.splits);
     assert_eq!(units.div_ceil(per_split), shape.splits, "no empty split");
-    // 16 floats a tile, token slot (8 · nt of them: MMQ_LEAN_ENDS keeps every slot's) and split.
+    // 16 floats a tile, token slot (8 · nt of them: the parts keep every slot's) and split.
     let mut parts = vec![f32::NAN; shape.splits * 8 * shape.nt * tiles * 16];
     let mut tickets = vec![0u32; tiles];
 

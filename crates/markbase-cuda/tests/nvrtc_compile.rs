@@ -58,24 +58,16 @@ const VARIANTS: &[(Unit, &str, &str)] = &[
             module: Module::Gemv,
             part: Part::Format("q4_k"),
         },
-        "MMQ_TICKET_ACQ_REL=1",
-        "atom.acq_rel.gpu.global.add.u32",
+        // mmq_q4_k_8's `.minnctapersm 2` becomes 1.
+        "MMQ_WIDE_BLOCKS=1",
+        ".minnctapersm 1",
     ),
     (
         Unit {
-            module: Module::Gemv,
-            part: Part::Format("q4_k"),
+            module: Module::Chain,
+            part: Part::Whole,
         },
-        // mmq_q4_k_8's `.minnctapersm 1` becomes 2 (other kernels of the unit have 2 already).
-        "MMQ_WIDE_BLOCKS=2",
-        "",
-    ),
-    (
-        Unit {
-            module: Module::Gemv,
-            part: Part::Format("q4_k"),
-        },
-        "MMQ_LEAN_ENDS=1",
+        "CHAIN_STAGES=4 CHAIN_Q4K_STAGES=6",
         "",
     ),
 ];
