@@ -295,15 +295,16 @@ fn gemv_bandwidth(be: &CudaBackend, shapes: &LayerShapes, n: usize) {
     }
 }
 
-/// E4B's one-token products of 42 layers (weights stored as `ty`: bf16 or Q4_K) in a step's order — q/k/v, o (reading q), gate
-/// and up, down (reading gelu(gate) · up), the per-layer-input gate and projection, each
-/// reading the one before and the ones a norm precedes normed — three ways: through
-/// `run_chain` as one persistent launch and as a launch a product, and as the backend's own
-/// operations (`rms_norm`, `matmul_many`, `matmul`, `gated_ffn`: 9 launches a layer, as a
-/// step queues them). Steps of 5 passes end in a host wait, so the steps after the first two
-/// replay as CUDA graphs, as decode steps do. Layers cycle through 4 copies of the weights
-/// (183 MB each in bf16, 51 MB in Q4_K), so no product runs from L2. Prints ms a pass, µs a layer and GB/s of weight
-/// bytes beside the copy bandwidth `bw`.
+/// E4B's one-token products of 42 layers (weights stored as `ty`: bf16 or Q4_K) in a step's
+/// order — q/k/v, o (reading q), gate and up, down (reading gelu(gate) · up), the
+/// per-layer-input gate and projection, each reading the one before and the ones a norm
+/// precedes normed — three ways: through `run_chain` as one persistent launch and as a launch
+/// a product, and as the backend's own operations (`rms_norm`, `matmul_many`, `matmul`,
+/// `gated_ffn`: 9 launches a layer, as a step queues them). Steps of 5 passes end in a host
+/// wait, so the steps after the first two replay as CUDA graphs, as decode steps do. Layers
+/// cycle through 4 copies of the weights (183 MB each in bf16, 51 MB in Q4_K), so no product
+/// runs from L2. Prints ms a pass, µs a layer and GB/s of weight bytes beside the copy
+/// bandwidth `bw`.
 fn chain_bandwidth(be: &CudaBackend, bw: f64, ty: GgmlType) {
     let LayerShapes {
         d, ff, q, kv, ple, ..
@@ -509,6 +510,19 @@ fn main() {
     let steps = count_arg(&args, "--steps", 32, 0);
     let prompt = count_arg(&args, "--prompt", 128, 0);
     let tokens = count_arg(&args, "--tokens", 1, 1);
+    // `--chain [bf16 | q4_k]`: the chain's weight format.
+    let chain =
+        args.iter()
+            .any(|a| a == "--chain")
+            .then(|| match arg(&args, "--chain").as_deref() {
+                Some("q4_k") => GgmlType::Q4_K,
+                Some("bf16") => GgmlType::BF16,
+                Some(a) if !a.starts_with("--") => {
+                    eprintln!("error: --chain {a}: the chain takes bf16 or q4_k weights");
+                    std::process::exit(1)
+                }
+                _ => GgmlType::BF16,
+            });
     let t = Instant::now();
     let be = CudaBackend::new(0).unwrap_or_else(|e| {
         eprintln!("error: {e}");
@@ -532,11 +546,7 @@ fn main() {
     if args.iter().any(|a| a == "--moe") {
         moe_bandwidth(&be, tokens);
     }
-    if args.iter().any(|a| a == "--chain") {
-        let ty = match arg(&args, "--chain").as_deref() {
-            Some("q4_k") => GgmlType::Q4_K,
-            _ => GgmlType::BF16,
-        };
+    if let Some(ty) = chain {
         chain_bandwidth(&be, bw, ty);
     }
     let nothing = |_: u64, _: u64| {};

@@ -13,8 +13,8 @@
 // of the launch (one a multiprocessor, all resident) takes an equal contiguous share of every
 // product's units — 8 weight rows × ChainUnit::K values (bf16: 1 024, 16 KB; Q4_K: 2 048, 9 KB)
 // — and streams its units' weights through a ring of ChainUnit::STAGES shared-memory stages by
-// cp.async, across the products' boundaries: while a block waits for the product its next product reads, the weights of its
-// next units are already on their way. A block waits on a count of the tiles (8 rows) that
+// cp.async, across the products' boundaries: while a block waits for the product its next
+// product reads, the weights of its next units are already on their way. A block waits on a count of the tiles (8 rows) that
 // product has finished (`done`, in global memory; the waiting thread spins with acquire loads),
 // which each block raises once at the end of its share by the tiles whose outputs it stored
 // (one fence and atomic a product, not one a tile). A tile whose units fall to more than one block

@@ -1,6 +1,7 @@
 //! A chain of one-token products of bf16 or Q4_K weights in one persistent launch
-//! (kernels/chain.cu): an experiment towards a decode step in one kernel, timed by `cuda_bench --chain` against the
-//! same chain launched a product at a time (docs/perf.md, session 44). Each block of the launch
+//! (kernels/chain.cu): an experiment towards a decode step in one kernel, timed by
+//! `cuda_bench --chain` against the same chain launched a product at a time and against the
+//! backend's own operations (docs/perf.md, session 44: it lost to them). Each block of the launch
 //! (one a multiprocessor) streams its share of every product's weights through a ring of
 //! shared-memory stages across the products' boundaries, and waits for a product's inputs on
 //! a count of its finished tiles in global memory instead of a kernel boundary.
@@ -27,6 +28,8 @@ pub const CHAIN_THREADS: u32 = 256;
 pub struct ChainFormat {
     /// Values of a unit's rows.
     pub k: usize,
+    /// What a product's k must be a multiple of (bf16: a 16-byte piece; Q4_K: a super-block).
+    pub k_multiple: usize,
     /// Bytes of a unit's row.
     pub chunk_bytes: usize,
     /// The kernel.
@@ -45,6 +48,7 @@ pub fn chain_format(ty: GgmlType) -> Option<ChainFormat> {
     match ty {
         GgmlType::BF16 => Some(ChainFormat {
             k: 1024,
+            k_multiple: 8,
             chunk_bytes: 2048,
             kernel: "chain_bf16",
             stages_define: "CHAIN_STAGES",
@@ -53,6 +57,7 @@ pub fn chain_format(ty: GgmlType) -> Option<ChainFormat> {
         }),
         GgmlType::Q4_K => Some(ChainFormat {
             k: 2048,
+            k_multiple: 256,
             chunk_bytes: 8 * 144,
             kernel: "chain_q4_k",
             stages_define: "CHAIN_Q4K_STAGES",
@@ -189,9 +194,9 @@ pub enum LinkInput<'a> {
     },
 }
 
-/// One product of a chain: `weights` (bf16 or Q4_K, `[rows, k]`) times x, its input's first k values
-/// (with `pair`, gelu_tanh(a) · b of its first 2k), RMS-normed with `norm` (k weights and an
-/// epsilon) where given.
+/// One product of a chain: `weights` (bf16 or Q4_K, `[rows, k]`) times x, its input's first k
+/// values (with `pair`, gelu_tanh(a) · b of its first 2k), RMS-normed with `norm` (k weights
+/// and an epsilon) where given.
 pub struct ChainLink<'a> {
     /// The weights.
     pub weights: &'a CudaMatrix,
@@ -257,7 +262,7 @@ impl CudaBackend {
         let format = chain_format(ty).ok_or_else(|| {
             Error::Unsupported(format!("chain of {ty} weights (bf16 and Q4_K are taken)"))
         })?;
-        let multiple = if ty == GgmlType::Q4_K { 256 } else { 8 };
+        let multiple = format.k_multiple;
         let mut ops = Vec::with_capacity(links.len());
         let mut outputs: Vec<CudaBuffer> = Vec::with_capacity(links.len());
         let mut scratch = Vec::new();

@@ -153,8 +153,7 @@ fn assemble(m: Module, defines: &str, part: Part) -> String {
         Module::Sample => include_str!("../kernels/sample.cu"),
         Module::Chain => include_str!("../kernels/chain.cu"),
     };
-    // quant.cuh (formats, FOR_EACH_FORMAT) is what the per-format modules need; the chain
-    // takes its Q4_K products.
+    // The per-format modules' switches and headers (formats, FOR_EACH_FORMAT).
     let quant = m.per_format();
     let mut s = String::with_capacity(
         defines.len() + COMMON.len() + QUANT.len() + MMA.len() + body.len() + 512,
@@ -169,6 +168,7 @@ fn assemble(m: Module, defines: &str, part: Part) -> String {
         s.push_str(&format!("#define SHARED_KERNELS {}\n", u8::from(shared)));
     }
     s.push_str(COMMON);
+    // quant.cuh: what the per-format modules need; the chain takes its Q4_K products.
     if quant || m == Module::Chain {
         s.push_str(QUANT);
     }

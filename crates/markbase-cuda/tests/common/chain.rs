@@ -196,28 +196,22 @@ pub fn link_want(
         .collect()
 }
 
-/// How a chain of `ty` weights' products see x (Q4_K: 16-bit integers a 32-value chunk, as
-/// `as_16_bit` rounds them), and the relative error its outputs may have.
-pub struct Seen<'a> {
-    pub x: &'a dyn Fn(&[f32]) -> Vec<f32>,
-    pub tol: f32,
-}
-
-/// Checks every link's outputs against `link_want`.
-pub fn check_chain(
-    what: &str,
-    spec: &[LinkSpec],
-    inputs: &ChainInputs,
-    outputs: &[Vec<f32>],
-    seen: &Seen<'_>,
-) {
+/// Checks every link's outputs against `link_want`, x as the products of the chain's weights
+/// see it (Q4_K: 16-bit integers a 32-value chunk, `as_16_bit`), within the relative error
+/// their sums may have.
+pub fn check_chain(what: &str, spec: &[LinkSpec], inputs: &ChainInputs, outputs: &[Vec<f32>]) {
+    type Seen = fn(&[f32]) -> Vec<f32>;
+    let (seen, tol): (Seen, f32) = match inputs.weights[0].ty {
+        GgmlType::Q4_K => (crate::matrices::as_16_bit, 1e-4),
+        _ => (|x| x.to_vec(), 2e-5),
+    };
     for j in 0..spec.len() {
-        let want = link_want(spec, inputs, outputs, j, seen.x);
+        let want = link_want(spec, inputs, outputs, j, &seen);
         markbase_test_support::assert_close(
             &format!("{what}: link {j} ({:?})", spec[j]),
             &outputs[j],
             &want,
-            seen.tol,
+            tol,
         );
     }
 }

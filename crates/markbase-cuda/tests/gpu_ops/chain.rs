@@ -55,18 +55,7 @@ fn check_on_gpu(g: &CudaBackend, ty: GgmlType, what: &str, spec: &[LinkSpec]) {
     let mut r = rng(what);
     let inputs = chain_inputs(&mut r, spec, ty);
     let passes = run_chain(g, spec, &inputs);
-    let same = |x: &[f32]| x.to_vec();
-    let seen = match ty {
-        GgmlType::Q4_K => Seen {
-            x: &as_16_bit,
-            tol: 1e-4,
-        },
-        _ => Seen {
-            x: &same,
-            tol: 2e-5,
-        },
-    };
-    check_chain(what, spec, &inputs, &passes[0], &seen);
+    check_chain(what, spec, &inputs, &passes[0]);
     for (p, pass) in passes.iter().enumerate().skip(1) {
         for (j, (a, b)) in passes[0].iter().zip(pass).enumerate() {
             let same = a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
