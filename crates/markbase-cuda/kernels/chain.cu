@@ -80,34 +80,6 @@ __device__ __forceinline__ void chain_next(const ChainOp* ops, int last, ChainCu
     }
 }
 
-// 16 bytes from g to shared address s, or `bytes` 0: zeros.
-__device__ __forceinline__ void chain_cp16(u32 s, const void* g, int bytes) {
-#ifdef MB_EMU
-    mb_emu::cp_async16(s, g, bytes);
-#else
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(g), "r"(bytes)
-                 : "memory");
-#endif
-}
-
-__device__ __forceinline__ void chain_commit() {
-#ifdef MB_EMU
-    mb_emu::cp_async_commit();
-#else
-    asm volatile("cp.async.commit_group;" ::: "memory");
-#endif
-}
-
-// Every committed group of this thread's copies but the newest N has landed.
-template <int N>
-__device__ __forceinline__ void chain_wait() {
-#ifdef MB_EMU
-    mb_emu::cp_async_wait(N);
-#else
-    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-#endif
-}
-
 // *p, ordered before every later load of the thread (acquire, GPU scope).
 __device__ __forceinline__ u32 chain_acquire(const u32* p) {
 #ifdef MB_EMU
@@ -140,7 +112,7 @@ __device__ __forceinline__ void chain_issue(const ChainOp& o, int u, u32 s) {
         const u64 at = (u64)chunk * U::CHUNK_BYTES + 16 * (p % PIECES);
         const bool in = row < o.rows && at < row_bytes;
         const u8* g = (const u8*)o.w + (in ? (u64)row * row_bytes + at : 0);
-        chain_cp16(s + 16 * p, g, in ? 16 : 0);
+        cp_async16_fill(s + 16 * p, g, in ? 16 : 0);
     }
 }
 
@@ -380,21 +352,21 @@ __device__ void chain_impl(const ChainOp* ops, int first, int count, u32* done, 
             chain_issue<U>(ops[load.op], load.u, ring + s * STAGE_BYTES);
             chain_next(ops, last, load);
         }
-        chain_commit();
+        cp_async_commit();
     }
     wait_prior_grid();
 
     int staged = -1, first_chunk = 0, stored = 0;
     float run = 0.f;
     for (int i = 0; use.op < last; i++) {
-        chain_wait<U::STAGES - 2>();
+        cp_async_wait<U::STAGES - 2>();
         __syncthreads();  // unit i landed for every thread; stage (i - 1) % STAGES is free
         if (load.op < last) {
             chain_issue<U>(ops[load.op], load.u,
                            ring + (i + U::STAGES - 1) % U::STAGES * STAGE_BYTES);
             chain_next(ops, last, load);
         }
-        chain_commit();
+        cp_async_commit();
         const ChainOp& o = ops[use.op];
         if (use.op != staged) {
             staged = use.op;
@@ -415,7 +387,7 @@ __device__ void chain_impl(const ChainOp* ops, int first, int count, u32* done, 
         }
         chain_next(ops, last, use);
     }
-    chain_wait<0>();
+    cp_async_wait<0>();
     // The last block out resets the counts: every block is past its waits by then.
     __syncthreads();
     if (threadIdx.x == 0) {

@@ -66,6 +66,47 @@ __device__ __forceinline__ u32 shared_address(const void* p) {
 #endif
 }
 
+// cp.async (compute capability 8.0 and newer): 16 bytes from global memory (16-byte aligned,
+// through L2 only) to shared address `dst` (shared_address), landing once a later
+// cp_async_wait covers the copy's group.
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src) {
+#ifdef MB_EMU
+    mb_emu::cp_async16(dst, src, 16);
+#else
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+#endif
+}
+
+// As cp_async16, but only the first `bytes` (0 or 16) come from src; the rest are zeros.
+__device__ __forceinline__ void cp_async16_fill(u32 dst, const void* src, int bytes) {
+#ifdef MB_EMU
+    mb_emu::cp_async16(dst, src, bytes);
+#else
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes)
+                 : "memory");
+#endif
+}
+
+// Closes the thread's copies issued since the last commit into a group.
+__device__ __forceinline__ void cp_async_commit() {
+#ifdef MB_EMU
+    mb_emu::cp_async_commit();
+#else
+    asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+
+// Waits until every committed group of the thread's copies but the newest N has landed (in
+// the thread's view; a barrier makes them every thread's).
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#ifdef MB_EMU
+    mb_emu::cp_async_wait(N);
+#else
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+#endif
+}
+
 __device__ __forceinline__ float bf16_to_f32(u16 h) { return __uint_as_float(((u32)h) << 16); }
 
 __device__ __forceinline__ float f16_to_f32(u16 h) {

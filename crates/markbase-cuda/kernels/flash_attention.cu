@@ -66,15 +66,6 @@ extern "C" __global__ void kv_gather_f16(const float* k_cache, const float* v_ca
 
 #if __CUDA_ARCH__ >= 800
 
-// 16 bytes from global to shared memory, asynchronously; `bytes` = 0 fills zeros.
-__device__ __forceinline__ void cp_async16(u32 dst, const void* src, int bytes) {
-#ifdef MB_EMU
-    mb_emu::cp_async16(dst, src, bytes);
-#else
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes));
-#endif
-}
-
 __device__ __forceinline__ void ldsm_x4(u32 a, u32* r) {
 #ifdef MB_EMU
     mb_emu::ldsm(a, r, false);
@@ -137,14 +128,10 @@ __device__ __forceinline__ void flash_load_tile(const FlashArgs& a, int g, int i
         int i = i0 + kr;
         bool in = i < a.n_keys;
         u64 off = in ? (u64)i * row + (u64)g * D + piece * 8 : 0;
-        cp_async16(shared_address(ks + kr * LD + piece * 8), a.kg + off, in ? 16 : 0);
-        cp_async16(shared_address(vs + kr * LD + piece * 8), a.vg + off, in ? 16 : 0);
+        cp_async16_fill(shared_address(ks + kr * LD + piece * 8), a.kg + off, in ? 16 : 0);
+        cp_async16_fill(shared_address(vs + kr * LD + piece * 8), a.vg + off, in ? 16 : 0);
     }
-#ifdef MB_EMU
-    mb_emu::cp_async_commit();
-#else
-    asm volatile("cp.async.commit_group;");
-#endif
+    cp_async_commit();
 #endif
 }
 
@@ -241,17 +228,9 @@ __device__ __forceinline__ void attn_flash_impl(const FlashArgs& a) {
         if (kt < kt1) {
             flash_load_tile<D, LD, THREADS, SK>(a, g, (kt + 1) * SK, ks + (stage ^ 1) * SK * LD,
                                                 vs + (stage ^ 1) * SK * LD);
-#ifdef MB_EMU
-            mb_emu::cp_async_wait(1);
-#else
-            asm volatile("cp.async.wait_group 1;" ::: "memory");
-#endif
+            cp_async_wait<1>();
         } else {
-#ifdef MB_EMU
-            mb_emu::cp_async_wait(0);
-#else
-            asm volatile("cp.async.wait_group 0;" ::: "memory");
-#endif
+            cp_async_wait<0>();
         }
         __syncthreads();
         const u32 kst = k_addr + stage * SK * LD * 2, vst = v_addr + stage * SK * LD * 2;

@@ -68,30 +68,6 @@
 #define MMQ_CHAINS 2
 #endif
 
-__device__ __forceinline__ void mmq_cp16(u32 smem, const void* g) {
-#ifdef MB_EMU
-    mb_emu::cp_async16(smem, g, 16);
-#else
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem), "l"(g) : "memory");
-#endif
-}
-
-__device__ __forceinline__ void mmq_commit() {
-#ifdef MB_EMU
-    mb_emu::cp_async_commit();
-#else
-    asm volatile("cp.async.commit_group;" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void mmq_wait_all() {
-#ifdef MB_EMU
-    mb_emu::cp_async_wait(0);
-#else
-    asm volatile("cp.async.wait_group 0;" ::: "memory");
-#endif
-}
-
 // The old value of *t, incremented by one atomically with acquire-release order at GPU scope:
 // the caller's writes (and those ordered before them) are visible to whichever thread takes a
 // later ticket, and every write released with an earlier ticket is visible to the caller (in
@@ -681,11 +657,11 @@ __device__ void mmq_impl(const Products& p, u64 row_bytes, int k, const u16* xh,
             u32 to = smem + (i * 8 * NT + t0) * F::TOKEN_BYTES + F::piece_at(piece);
             const u16* from = xh + (u64)t0 * k + (sb0 + i) * F::K + 8 * piece;
             for (int t = t0; t < n; t += warps, to += warps * F::TOKEN_BYTES, from += step)
-                mmq_cp16(to, from);
+                cp_async16(to, from);
         }
     }
-    mmq_commit();
-    mmq_wait_all();
+    cp_async_commit();
+    cp_async_wait<0>();
     __syncthreads();
 
     constexpr int CH = NT <= 2 ? MMQ_CHAINS : 1;
