@@ -143,12 +143,12 @@ struct Fiber {
     uint3 tid;
     int lane, warp;  // warp: of the launch (the block's slot times its warps, plus its own)
     bool done;
-    int waits;  // 0: runs; WAIT_BLOCK, WAIT_WARP, or WAIT_NAMED + id
+    int waits;  // 0: runs; WAIT_BLOCK, WAIT_WARP, WAIT_NAMED + id or WAIT_GROUP + warpgroup
     std::vector<Copy> copies;
     int commits;
 };
 
-enum { WAIT_BLOCK = 1, WAIT_WARP = 2, WAIT_NAMED = 3 };
+enum { WAIT_BLOCK = 1, WAIT_WARP = 2, WAIT_NAMED = 3, WAIT_GROUP = 19 };
 
 // A live block: its index, dynamic shared memory, threads, and barriers.
 struct Block {
@@ -158,6 +158,8 @@ struct Block {
     int live;        // its threads that have not left
     int at_barrier;  // those waiting at __syncthreads
     int named_arrived[16];
+    int group_arrived[8];        // threads of each warpgroup at its wgmma
+    void* group_records[8][128];  // their records
 };
 
 // A warp collective some lanes have reached: its lanes, those arrived, their records, and the
@@ -587,6 +589,78 @@ inline void mma(float* c, const unsigned* a, unsigned b0, unsigned b1, bool bf16
     warp_meet(0xffffffffu, &rec, mma_work);
 }
 
+// One thread's part of wgmma.mma_async m64nNk16 (f32 += f16 · f16) with A from registers: its
+// four f16 pairs of A (as mma.sync m16n8k16's A, of its warp's 16 of the 64 rows), its N / 2
+// accumulators (mma.sync's C layout, one n-tile of 8 columns after another), and B: core
+// matrices of 8 columns (N) × 8 k values (16 bytes a column) from `b`, `lbo` bytes apart along
+// K and `sbo` along N (K-major, no swizzle: the descriptor's fields).
+struct GroupMma {
+    float* d;
+    unsigned a[4];
+    const unsigned char* b;
+    unsigned lbo, sbo;
+    int n;
+};
+
+inline void group_mma_work(void** r) {
+    const auto* first = (const GroupMma*)r[0];
+    const int n = first->n;
+    float A[64][16];
+    for (int t = 0; t < 128; t++) {
+        const auto* m = (const GroupMma*)r[t];
+        if (m->b != first->b || m->lbo != first->lbo || m->sbo != first->sbo || m->n != n)
+            fail("threads of a warpgroup issue different wgmma operands (thread %d of the group)",
+                 t);
+        const int row = 16 * (t >> 5) + ((t & 31) >> 2), c = t & 3;
+        for (int h = 0; h < 2; h++) {
+            A[row][2 * c + h] = emu_f16_to_f32((unsigned short)(m->a[0] >> (16 * h)));
+            A[row + 8][2 * c + h] = emu_f16_to_f32((unsigned short)(m->a[1] >> (16 * h)));
+            A[row][2 * c + 8 + h] = emu_f16_to_f32((unsigned short)(m->a[2] >> (16 * h)));
+            A[row + 8][2 * c + 8 + h] = emu_f16_to_f32((unsigned short)(m->a[3] >> (16 * h)));
+        }
+    }
+    auto B = [&](int k, int col) {
+        unsigned short h;
+        std::memcpy(&h, first->b + (col >> 3) * first->sbo + (k >> 3) * first->lbo + (col & 7) * 16 +
+                            (k & 7) * 2, 2);
+        return emu_f16_to_f32(h);
+    };
+    for (int t = 0; t < 128; t++) {
+        auto* m = (GroupMma*)r[t];
+        const int row = 16 * (t >> 5) + ((t & 31) >> 2), c = t & 3;
+        for (int j = 0; j < n / 8; j++)
+            for (int i = 0; i < 4; i++) {
+                const int rr = row + 8 * (i >> 1), col = 8 * j + 2 * c + (i & 1);
+                double s = m->d[4 * j + i];
+                for (int k = 0; k < 16; k++) s += (double)A[rr][k] * B(k, col);
+                m->d[4 * j + i] = (float)s;
+            }
+    }
+}
+
+// wgmma.mma_async (GroupMma's operands): the warpgroup's 128 threads meet; the last to arrive
+// multiplies for all, at once (so wgmma.fence, commit_group and wait_group do nothing here).
+inline void wgmma_f16(float* d, const unsigned* a, const void* b, unsigned lbo, unsigned sbo,
+                      int n) {
+    Fiber& f = self();
+    Block* B = f.block;
+    progress();
+    const int group = (int)(f.tid.x >> 7), t = (int)(f.tid.x & 127);
+    if (launch->block.y != 1 || launch->block.z != 1 || launch->threads < 128 * (group + 1))
+        fail("a wgmma in a block of %d threads (whole warpgroups of a 1-D block only)",
+             launch->threads);
+    if (n % 8 || n < 8 || n > 256) fail("a wgmma of N %d", n);
+    GroupMma rec{d, {a[0], a[1], a[2], a[3]}, (const unsigned char*)b, lbo, sbo, n};
+    B->group_records[group][t] = &rec;
+    if (++B->group_arrived[group] < 128) {
+        wait_here(WAIT_GROUP + group);
+        return;
+    }
+    group_mma_work(B->group_records[group]);
+    B->group_arrived[group] = 0;
+    wake(WAIT_GROUP + group);
+}
+
 // ldmatrix m8n8.x4 (b16): lanes 8i .. 8i + 7 give the row addresses of matrix i; lane l gets
 // in r[i] matrix i's row l / 4, columns 2(l % 4), +1 (trans: column l / 4, rows 2(l % 4), +1).
 struct Ldsm {
@@ -679,6 +753,7 @@ inline void start_block(Launch* L, int slot, unsigned index) {
     B.live = L->threads;
     B.at_barrier = 0;
     for (int& a : B.named_arrived) a = 0;
+    for (int& a : B.group_arrived) a = 0;
     for (int t = 0; t < L->threads; t++) {
         Fiber& f = B.fibers[t];
         f.block = &B;

@@ -1,7 +1,7 @@
 //! The emulator's own pieces on small kernels written here: block barriers and shared memory,
-//! shuffles, `mma.sync`'s fragment layout against a plain matrix product, the errors of a
-//! barrier that never fills and of a collective a lane has left, and resident launches, whose
-//! blocks wait for each other through global memory.
+//! shuffles, `mma.sync`'s and `wgmma`'s operand layouts against plain matrix products, the
+//! errors of a barrier that never fills and of a collective a lane has left, and resident
+//! launches, whose blocks wait for each other through global memory.
 
 use markbase_kernel_emu::{compiler_available, EmuError, EmuModule, Order};
 use rand::{Rng, SeedableRng};
@@ -40,6 +40,37 @@ extern "C" __global__ void mma_tile(const unsigned short* a, const unsigned shor
     d[g * 8 + 2 * c + 1] = acc[1];
     d[(g + 8) * 8 + 2 * c] = acc[2];
     d[(g + 8) * 8 + 2 * c + 1] = acc[3];
+}
+
+// Each warpgroup w of the block: d_w = a_w (64 x 16, f16, row-major) times b (16 x 32, f16,
+// k-major) as wgmma m64n32k16 operands built here by the PTX layouts: A fragments as mma.sync's
+// of the warp's 16 rows, B as core matrices of 8 columns x 8 k values (16 bytes a column) at
+// 512 bytes apart along K and 128 along N in dynamic shared memory, d as mma.sync's C, n-tile
+// after n-tile. Accumulates onto d's values.
+extern "C" __global__ void wgmma_tile(const unsigned short* a, const unsigned short* b, float* d) {
+    extern __shared__ unsigned char wg_smem[];
+    const int t = threadIdx.x & 127, wg = threadIdx.x >> 7;
+    const int row = 16 * (t >> 5) + ((t & 31) >> 2), c = t & 3;
+    for (int i = threadIdx.x; i < 16 * 32; i += blockDim.x) {
+        const int k = i / 32, col = i % 32;
+        unsigned short* at = (unsigned short*)(wg_smem + (k >> 3) * 512 + (col >> 3) * 128 +
+                                               (col & 7) * 16 + (k & 7) * 2);
+        *at = b[k * 32 + col];
+    }
+    __syncthreads();
+    const unsigned short* aw = a + wg * 64 * 16;
+    auto pair = [](unsigned short lo, unsigned short hi) { return (u32)lo | (u32)hi << 16; };
+    u32 fa[4] = {pair(aw[row * 16 + 2 * c], aw[row * 16 + 2 * c + 1]),
+                 pair(aw[(row + 8) * 16 + 2 * c], aw[(row + 8) * 16 + 2 * c + 1]),
+                 pair(aw[row * 16 + 2 * c + 8], aw[row * 16 + 2 * c + 9]),
+                 pair(aw[(row + 8) * 16 + 2 * c + 8], aw[(row + 8) * 16 + 2 * c + 9])};
+    float* dw = d + wg * 64 * 32;
+    float acc[16];
+    for (int j = 0; j < 4; j++)
+        for (int i = 0; i < 4; i++) acc[4 * j + i] = dw[(row + 8 * (i >> 1)) * 32 + 8 * j + 2 * c + (i & 1)];
+    mb_emu::wgmma_f16(acc, fa, wg_smem, 512, 128, 32);
+    for (int j = 0; j < 4; j++)
+        for (int i = 0; i < 4; i++) dw[(row + 8 * (i >> 1)) * 32 + 8 * j + 2 * c + (i & 1)] = acc[4 * j + i];
 }
 
 // Half the warp waits at a shuffle of the whole warp, the other half at a block barrier.
@@ -211,6 +242,43 @@ fn mma_fragments_multiply_as_the_ptx_layout_says() {
                 .map(|k| a[i * 16 + k].to_f64() * b[k * 8 + j].to_f64())
                 .sum();
             assert!((d[i * 8 + j] as f64 - want).abs() < 1e-5, "d[{i}][{j}]");
+        }
+    }
+}
+
+#[test]
+fn wgmma_operands_multiply_as_the_ptx_layouts_say() {
+    let Some(m) = module() else { return };
+    type Kernel = unsafe extern "C" fn(*const u16, *const u16, *mut f32);
+    // SAFETY: the signature of wgmma_tile.
+    let k: Kernel = unsafe { m.kernel("wgmma_tile") }.unwrap();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+    let mut value = || half::f16::from_f32(rng.random_range(-2.0..2.0));
+    // Two warpgroups, each its own 64 rows of A and of d; one B.
+    let a: Vec<half::f16> = (0..2 * 64 * 16).map(|_| value()).collect();
+    let b: Vec<half::f16> = (0..16 * 32).map(|_| value()).collect();
+    let d0: Vec<f32> = (0..2 * 64 * 32).map(|i| (i % 7) as f32 - 3.0).collect();
+    let mut d = d0.clone();
+    let (ap, bp, dp) = (
+        a.as_ptr() as usize,
+        b.as_ptr() as usize,
+        d.as_mut_ptr() as usize,
+    );
+    // SAFETY: the buffers outlive the launch.
+    m.launch([1, 1, 1], [256, 1, 1], 1024, &|| unsafe {
+        k(ap as *const u16, bp as *const u16, dp as *mut f32)
+    })
+    .unwrap();
+    for w in 0..2 {
+        for i in 0..64 {
+            for j in 0..32 {
+                let at = (w * 64 + i) * 32 + j;
+                let want: f64 = d0[at] as f64
+                    + (0..16)
+                        .map(|k| a[(w * 64 + i) * 16 + k].to_f64() * b[k * 32 + j].to_f64())
+                        .sum::<f64>();
+                assert!((d[at] as f64 - want).abs() < 1e-4, "group {w} d[{i}][{j}]");
+            }
         }
     }
 }
