@@ -123,4 +123,85 @@ __device__ __forceinline__ u32 q8_pair_f16(u32 w, u32 sel, u32 s) {
     return byte_pair_f16(w, sel, 0x64806480u, s);
 }
 
+// Hopper's warpgroup products (wgmma, compiled for sm_90a, and in the CPU emulator): the 4
+// warps of a warpgroup (threads 128w .. 128w + 127 of a 1-D block) multiply a 64 × 16 f16 A —
+// from registers, each warp's 16 rows as mma_f16's A fragments — by a 16 × N f16 B in shared
+// memory, adding into f32 accumulators laid out as mma_f16's C, N / 8 n-tiles one after
+// another. Asynchronous on the GPU: wgmma_fence before a batch whose A or accumulators other
+// instructions wrote, wgmma_commit after it, wgmma_wait<N> before touching them again.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL) || defined(MB_EMU)
+#define MB_HAS_WGMMA 1
+
+// B of a wgmma: core matrices of 8 columns (N) × 8 k values, 16 bytes a column, `lbo` bytes
+// apart along K and `sbo` along N (K-major, no swizzle), from shared address `at` (16-byte
+// aligned): the matrix descriptor (address, leading and stride byte offsets, each / 16).
+struct WgmmaB {
+#ifdef MB_EMU
+    u32 at, lbo, sbo;
+#else
+    u64 desc;
+#endif
+};
+
+__device__ __forceinline__ WgmmaB wgmma_b(u32 at, u32 lbo, u32 sbo) {
+#ifdef MB_EMU
+    return WgmmaB{at, lbo, sbo};
+#else
+    return WgmmaB{(u64)((at & 0x3FFFF) >> 4) | (u64)(lbo >> 4) << 16 | (u64)(sbo >> 4) << 32};
+#endif
+}
+
+// B moved `bytes` on (a multiple of 16, within the descriptor's 18-bit address).
+__device__ __forceinline__ WgmmaB wgmma_b_at(WgmmaB b, u32 bytes) {
+#ifdef MB_EMU
+    b.at += bytes;
+#else
+    b.desc += bytes >> 4;
+#endif
+    return b;
+}
+
+__device__ __forceinline__ void wgmma_fence() {
+#ifndef MB_EMU
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void wgmma_commit() {
+#ifndef MB_EMU
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+#endif
+}
+
+// Waits until at most N committed batches of the warpgroup are still running.
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+#ifndef MB_EMU
+    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+#endif
+}
+
+// d[0..31] += A (a, this thread's fragment) · B (16 × 64).
+__device__ __forceinline__ void wgmma_m64n64k16(float* d, const u32* a, WgmmaB b) {
+#ifdef MB_EMU
+    mb_emu::wgmma_f16(d, a, mb_emu::shared_pointer(b.at), b.lbo, b.sbo, 64);
+#else
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "
+        "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]),
+          "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]),
+          "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
+          "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]),
+          "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b.desc), "r"(1));
+#endif
+}
+
+#endif  // sm_90a or the emulator
+
 #endif  // __CUDA_ARCH__ >= 800

@@ -128,9 +128,20 @@ pub enum Target {
 impl Target {
     fn option(self) -> String {
         match self {
-            Target::Cubin(cc) => format!("--gpu-architecture=sm_{cc}"),
-            Target::Ptx(cc) => format!("--gpu-architecture=compute_{cc}"),
+            Target::Cubin(cc) => format!("--gpu-architecture=sm_{}", arch(cc)),
+            Target::Ptx(cc) => format!("--gpu-architecture=compute_{}", arch(cc)),
         }
+    }
+}
+
+/// The architecture compiled for compute capability `cc`: Hopper's (9.0) with its
+/// architecture-specific features (`90a`: `wgmma`, defining `__CUDA_ARCH_FEAT_SM90_ALL`), whose
+/// code runs on 9.0 devices only — the device it is compiled for; others as they are.
+fn arch(cc: u32) -> String {
+    if cc == 90 {
+        "90a".into()
+    } else {
+        cc.to_string()
     }
 }
 
@@ -232,7 +243,15 @@ pub fn cache_dir() -> Option<PathBuf> {
 pub fn cache_key(src: &str, target: Target, nvrtc: (i32, i32)) -> String {
     let mut h = Sha256::new();
     h.update(src.as_bytes());
-    h.update(format!("{target:?} nvrtc {}.{} {OPTIONS:?}", nvrtc.0, nvrtc.1).as_bytes());
+    h.update(
+        format!(
+            "{} nvrtc {}.{} {OPTIONS:?}",
+            target.option(),
+            nvrtc.0,
+            nvrtc.1
+        )
+        .as_bytes(),
+    );
     h.finalize()
         .iter()
         .take(12)

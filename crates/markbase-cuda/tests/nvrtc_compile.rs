@@ -1,8 +1,9 @@
 //! CI compile-check, no GPU needed: NVRTC 13 (from the `nvidia-cuda-nvrtc` wheel, pip-installed
 //! under target/ on first use, or the library named by `MARKBASE_NVRTC`) compiles every kernel
-//! module to PTX for compute_90, whole and in the units the backend compiles (each of a
-//! module's kernels in exactly one unit; a per-format unit only its format's), and assembles
-//! each unit for sm_90 as the backend does (a cubin naming every kernel). A compile or assembly
+//! module to PTX for compute_90a (Hopper with its architecture-specific features, as the
+//! backend compiles for it), whole and in the units the backend compiles (each of a module's
+//! kernels in exactly one unit; a per-format unit only its format's), and assembles each unit
+//! and each variant for sm_90a as the backend does (a cubin naming every kernel). A compile or assembly
 //! error fails this test; so does a missing NVRTC — it is never skipped. With
 //! `MARKBASE_PTX_DIR` set (not empty), each module's PTX is written there.
 
@@ -70,6 +71,15 @@ const VARIANTS: &[(Unit, &str, &str)] = &[
         "CHAIN_STAGES=4 CHAIN_Q4K_STAGES=6",
         "",
     ),
+    (
+        Unit {
+            module: Module::Gemv,
+            part: Part::Format("q4_k"),
+        },
+        // mmq_q4_k_8 on the warpgroup products (sm_90a).
+        "MMQ_WGMMA=1",
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16",
+    ),
 ];
 
 /// One compilation of the check: a whole module (every kernel, for comparison), one of the
@@ -90,7 +100,8 @@ impl Job {
         }
     }
 
-    /// The job's PTX for compute_90, and (a unit as the backend compiles it) its sm_90 cubin.
+    /// The job's PTX for compute_90a, and (a unit or a variant, as the backend compiles it)
+    /// its sm_90a cubin.
     fn compile(&self) -> Result<(Vec<u8>, Option<Vec<u8>>), String> {
         let src = match self {
             Job::Module(m) => m.source(""),
@@ -98,7 +109,7 @@ impl Job {
             Job::Variant(u, defines, _) => u.source(&sources::define_lines(defines).unwrap()),
         };
         let r = match self {
-            Job::Unit(_) => {
+            Job::Unit(_) | Job::Variant(..) => {
                 nvrtc::compile_ptx_and_cubin("check", &src, 90).map(|(p, c)| (p, Some(c)))
             }
             _ => nvrtc::compile("check", &src, Target::Ptx(90)).map(|p| (p, None)),
