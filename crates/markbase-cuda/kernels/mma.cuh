@@ -181,6 +181,16 @@ __device__ __forceinline__ void wgmma_wait() {
 #endif
 }
 
+// Keeps the compiler from moving d's 32 accumulators, or instructions that read them, into
+// or across a wgmma batch (which would make it wait for each wgmma): a fence for the
+// registers, placed before a batch's wgmma_fence and after each wgmma_wait.
+__device__ __forceinline__ void wgmma_hold(float* d) {
+#ifndef MB_EMU
+#pragma unroll
+    for (int i = 0; i < 32; i++) asm volatile("" : "+f"(d[i])::"memory");
+#endif
+}
+
 // d[0..31] += A (a, this thread's fragment) · B (16 × 64).
 __device__ __forceinline__ void wgmma_m64n64k16(float* d, const u32* a, WgmmaB b) {
 #ifdef MB_EMU

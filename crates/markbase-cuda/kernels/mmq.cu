@@ -62,8 +62,9 @@
 #ifndef MMQ_WIDE_BLOCKS
 #define MMQ_WIDE_BLOCKS 2
 #endif
-// 1: launches of 8 n-tiles run on Hopper's warpgroup products (mmq_group_impl), where the
-// unit is compiled for sm_90a; an experiment (docs/perf.md, session 45).
+// 1 or 2: launches of 8 n-tiles run on Hopper's warpgroup products (mmq_group_impl; 2 with
+// two sets of A registers, mmq_group_mul), where the unit is compiled for sm_90a; an
+// experiment (docs/perf.md, session 45).
 #ifndef MMQ_WGMMA
 #define MMQ_WGMMA 0
 #endif
@@ -655,24 +656,33 @@ __device__ __forceinline__ void mmq_group_stage(const u16* xh, int k, int n, int
 }
 
 // acc (the warp's 16 rows of the quad × 64 token slots) += unit a's dequantized weights times
-// the unit's staged slabs at xs.
+// the unit's staged slabs at xs, in 4 batches of 4 wgmmas. MMQ_WGMMA=1 waits for each batch
+// before dequantizing the next one's weights; 2 dequantizes the next batch's into a second
+// set of registers while the batch runs (the caller waits for the last before it reads acc).
 template <class F>
 __device__ __forceinline__ void mmq_group_mul(const typename F::Unit& a, u32 xs, int c,
                                               float* acc) {
     const typename F::Scales sc = F::scales(a, c);
     const WgmmaB b = wgmma_b(xs, GROUP_KC, GROUP_NG);
+    u32 A[2][2][2][4];
 #pragma unroll
     for (int ip = 0; ip < 4; ip++) {
-        u32 A[2][2][4];
-        F::fragments(a, sc, ip, A);
+        u32 (*Ai)[2][4] = A[MMQ_WGMMA == 2 ? ip & 1 : 0];
+        F::fragments(a, sc, ip, Ai);
+        wgmma_hold(acc);
         wgmma_fence();
 #pragma unroll
         for (int wi = 0; wi < 2; wi++)
 #pragma unroll
             for (int hi = 0; hi < 2; hi++)
-                wgmma_m64n64k16(acc, A[wi][hi], wgmma_b_at(b, ((2 * ip + wi) * 2 + hi) * GROUP_SLAB));
+                wgmma_m64n64k16(acc, Ai[wi][hi],
+                                wgmma_b_at(b, ((2 * ip + wi) * 2 + hi) * GROUP_SLAB));
         wgmma_commit();
-        wgmma_wait<0>();
+        if (MMQ_WGMMA == 2)
+            wgmma_wait<1>();
+        else
+            wgmma_wait<0>();
+        wgmma_hold(acc);
     }
 }
 
@@ -684,7 +694,10 @@ __device__ void mmq_group_impl(const Products& p, u64 row_bytes, int k, const u1
                                int per_split) {
     constexpr int D = MMQ_WIDE_UNITS_AHEAD;
     extern __shared__ uint4 mmq_smem[];
-    const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3, warp = threadIdx.x >> 5;
+    // The warp's index by a shuffle, so the compiler sees every value derived from it — the
+    // warpgroup's walk — as uniform over the warp, and keeps the wgmmas asynchronous.
+    const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+    const int warp = __shfl_sync(0xffffffffu, threadIdx.x >> 5, 0);
     const int sb0 = blockIdx.y * per_split, count = min(k / F::K, sb0 + per_split) - sb0;
     const int groups = blockDim.x >> 7;
     const int quad_stride = gridDim.x * groups, first = blockIdx.x * groups + (warp >> 2);
@@ -724,6 +737,8 @@ __device__ void mmq_group_impl(const Products& p, u64 row_bytes, int k, const u1
             if (q + j < mine) {
                 mmq_group_mul<F>(a[j], xs + use.i * GROUP_UNIT, c, &acc[0][0]);
                 if (use.i == count - 1) {
+                    wgmma_wait<0>();
+                    wgmma_hold(&acc[0][0]);
                     if (use.tile < tiles)
                         mmq_store<F, 8>(use, gated, acc, n, tiles, parts, tickets, splits, g, c);
 #pragma unroll

@@ -80,6 +80,15 @@ const VARIANTS: &[(Unit, &str, &str)] = &[
         "MMQ_WGMMA=1",
         "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16",
     ),
+    (
+        Unit {
+            module: Module::Gemv,
+            part: Part::Format("q4_k"),
+        },
+        // … with two sets of A registers.
+        "MMQ_WGMMA=2",
+        "wgmma.wait_group.sync.aligned 1",
+    ),
 ];
 
 /// One compilation of the check: a whole module (every kernel, for comparison), one of the
