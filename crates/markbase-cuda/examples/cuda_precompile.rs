@@ -47,8 +47,9 @@ fn main() -> ExitCode {
         }
     }
     println!(
-        "{} units for sm_{cc} in {} (NVRTC {version}), {:.1} s, {failed} failed",
+        "{} units for sm_{} in {} (NVRTC {version}), {:.1} s, {failed} failed",
         images.len(),
+        nvrtc::arch(cc),
         dir.display(),
         t.elapsed().as_secs_f64()
     );

@@ -137,7 +137,7 @@ impl Target {
 /// The architecture compiled for compute capability `cc`: Hopper's (9.0) with its
 /// architecture-specific features (`90a`: `wgmma`, defining `__CUDA_ARCH_FEAT_SM90_ALL`), whose
 /// code runs on 9.0 devices only — the device it is compiled for; others as they are.
-fn arch(cc: u32) -> String {
+pub fn arch(cc: u32) -> String {
     if cc == 90 {
         "90a".into()
     } else {
