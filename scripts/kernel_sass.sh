@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Without a GPU: what one kernel compiles to on sm_90. Writes every kernel unit's PTX (the
+# Without a GPU: what one kernel compiles to on sm_90a. Writes every kernel unit's PTX (the
 # nvrtc_compile test with MARKBASE_PTX_DIR), assembles UNIT's with ptxas and disassembles it
 # with cuobjdump (ptxas, cuobjdump and nvdisasm from NVIDIA's PyPI wheels, installed under
 # $TOOLS on first use), then prints KERNEL's registers, spills and shared memory, its
@@ -29,8 +29,8 @@ ptx=$ptx_dir/unit_$unit.ptx
 bin=$tools/nvidia/cu13/bin
 cubin=$(mktemp --suffix .cubin)
 trap 'rm -f "$cubin"' EXIT
-"$bin/ptxas" -arch=sm_90 -O3 -v "$ptx" -o "$cubin" 2>&1 |
-    grep -A3 "entry function '$kernel'" | grep -E "Used|spill" || true
+"$bin/ptxas" -arch=sm_90a -O3 -v "$ptx" -o "$cubin" 2>&1 |
+    grep -A3 "entry function '$kernel'" | grep -E "Used|spill|C75" || true
 PATH=$bin:$PATH "$bin/cuobjdump" -sass "$cubin" | python3 -c '
 import re, sys
 from collections import Counter
