@@ -62,12 +62,6 @@
 #ifndef MMQ_WIDE_BLOCKS
 #define MMQ_WIDE_BLOCKS 2
 #endif
-// 1 or 2: launches of 8 n-tiles run on Hopper's warpgroup products (mmq_group_impl; 2 with
-// two sets of A registers, mmq_group_mul), where the unit is compiled for sm_90a; an
-// experiment (docs/perf.md, session 45).
-#ifndef MMQ_WGMMA
-#define MMQ_WGMMA 0
-#endif
 // Accumulator sets of a warp for up to 16 tokens (one for more): a unit's products go to two
 // chains of dependent mma instructions, not one.
 #ifndef MMQ_CHAINS
@@ -618,144 +612,6 @@ __device__ __forceinline__ void mmq_store(const MmqCursor& u, int gated, float (
     mmq_outputs<F, NT>(u, gated, acc, n, g, c);
 }
 
-#ifdef MB_HAS_WGMMA
-// Launches of 8 n-tiles on the warpgroup products (MMQ_WGMMA=1). The 4 warps of a warpgroup
-// take 4 consecutive row tiles (a quad; past the last tile a warp repeats the last row's loads
-// and stores nothing) and walk their units in step: each dequantizes its tile's unit into A
-// fragments as mmq_mul does, and one wgmma of the warpgroup multiplies the 64 rows by a k16
-// slab of all 64 token slots, read from shared memory by the tensor cores (no LDS, one
-// instruction in place of a warp's 8 mma.sync). A unit's activations are staged as its 16 slabs
-// (MmqK's order: slab (2ip + wi)·2 + hi holds, for k 2c' + e and 8 + 2c' + e, the values
-// 4(2ip + wi) + e and + 2 of chunk 2c' + hi), each slab as core matrices of 8 token slots ×
-// 8 values: GROUP_SLAB bytes a slab, GROUP_KC between the two along k, GROUP_NG between the 8
-// along the tokens, GROUP_UNIT a unit (within the host's 8·NT · TOKEN_BYTES a unit).
-constexpr int GROUP_KC = 128, GROUP_NG = 256, GROUP_SLAB = 2048, GROUP_UNIT = 16 * GROUP_SLAB;
-static_assert(GROUP_UNIT <= 64 * MmqSlots::TOKEN_BYTES, "a unit's slabs fit its staging");
-
-// Stages units [sb0, sb0 + count) of the n token rows of xh (k values each) as slabs at xs
-// (shared memory), zeros past row n: each warp a (unit, 8-slot group, 8-value piece, chunk
-// parity) at a time, lane (r, c') token slot 8ng + r's piece of chunk 2c' + hi, its 4 words to
-// 4 (slab, k half) places (32 different banks a store).
-__device__ __forceinline__ void mmq_group_stage(const u16* xh, int k, int n, int sb0, int count,
-                                                u8* xs) {
-    const int lane = threadIdx.x & 31, r = lane & 7, cq = lane >> 3;
-    const int warps = blockDim.x >> 5;
-    for (int job = threadIdx.x >> 5; job < count * 64; job += warps) {
-        const int i = job >> 6, ng = (job >> 3) & 7, m = (job >> 1) & 3, hi = job & 1;
-        const int t = 8 * ng + r, chunk = 2 * cq + hi;
-        uint4 v = make_uint4(0, 0, 0, 0);
-        if (t < n) v = *(const uint4*)(xh + (u64)t * k + (u64)(sb0 + i) * 256 + 32 * chunk + 8 * m);
-        u8* at = xs + i * GROUP_UNIT + ng * GROUP_NG + r * 16 + cq * 4;
-        const u32 w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-        for (int q = 0; q < 4; q++) {
-            const int slab = (2 * m + (q >> 1)) * 2 + hi;
-            *(u32*)(at + slab * GROUP_SLAB + (q & 1) * GROUP_KC) = w[q];
-        }
-    }
-}
-
-// acc (the warp's 16 rows of the quad × 64 token slots) += unit a's dequantized weights times
-// the unit's staged slabs at xs, in 4 batches of 4 wgmmas. MMQ_WGMMA=1 waits for each batch
-// before dequantizing the next one's weights; 2 dequantizes the next batch's into a second
-// set of registers while the batch runs (the caller waits for the last before it reads acc).
-template <class F>
-__device__ __forceinline__ void mmq_group_mul(const typename F::Unit& a, u32 xs, int c,
-                                              float* acc) {
-    const typename F::Scales sc = F::scales(a, c);
-    const WgmmaB b = wgmma_b(xs, GROUP_KC, GROUP_NG);
-    u32 A[2][2][2][4];
-#pragma unroll
-    for (int ip = 0; ip < 4; ip++) {
-        u32 (*Ai)[2][4] = A[MMQ_WGMMA == 2 ? ip & 1 : 0];
-        F::fragments(a, sc, ip, Ai);
-        wgmma_hold(acc);
-        wgmma_fence();
-#pragma unroll
-        for (int wi = 0; wi < 2; wi++)
-#pragma unroll
-            for (int hi = 0; hi < 2; hi++)
-                wgmma_m64n64k16(acc, Ai[wi][hi],
-                                wgmma_b_at(b, ((2 * ip + wi) * 2 + hi) * GROUP_SLAB));
-        wgmma_commit();
-        if (MMQ_WGMMA == 2)
-            wgmma_wait<1>();
-        else
-            wgmma_wait<0>();
-        wgmma_hold(acc);
-    }
-}
-
-// mmq_impl's walk for 8 n-tiles on the warpgroup products: the block's warpgroups take the
-// quads grid-stride (each warp its quad's tile), the units of each as mmq_impl's warps do.
-template <class F>
-__device__ void mmq_group_impl(const Products& p, u64 row_bytes, int k, const u16* xh, int n,
-                               int gated, float* parts, u32* tickets, int splits,
-                               int per_split) {
-    constexpr int D = MMQ_WIDE_UNITS_AHEAD;
-    extern __shared__ uint4 mmq_smem[];
-    // The warp's index by a shuffle, so the compiler sees every value derived from it — the
-    // warpgroup's walk — as uniform over the warp, and keeps the wgmmas asynchronous.
-    const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
-    const int warp = __shfl_sync(0xffffffffu, threadIdx.x >> 5, 0);
-    const int sb0 = blockIdx.y * per_split, count = min(k / F::K, sb0 + per_split) - sb0;
-    const int groups = blockDim.x >> 7;
-    const int quad_stride = gridDim.x * groups, first = blockIdx.x * groups + (warp >> 2);
-    int tiles = 0;
-    if (gated) {
-        tiles = (p.rows[0] + 7) >> 3;
-    } else {
-#pragma unroll
-        for (int i = 0; i < 4; i++)
-            if (i < p.count) tiles += (p.rows[i] + 15) >> 4;
-    }
-    const int quads = (tiles + 3) >> 2;
-    const int mine = first < quads ? (quads - first + quad_stride - 1) / quad_stride * count : 0;
-
-    MmqCursor load, use;
-    mmq_seek(p, gated, row_bytes, g, 4 * first + (warp & 3), load);
-    use = load;
-    typename F::Unit a[D];
-#pragma unroll
-    for (int j = 0; j < D; j++)
-        if (j < mine) {
-            const u64 at = (u64)(sb0 + load.i) * F::UNIT_BYTES;
-            F::load(load.lo + at, load.hi + at, c, a[j]);
-            mmq_next(p, gated, row_bytes, g, count, 4 * quad_stride, load);
-        }
-    wait_prior_grid();
-    mmq_group_stage(xh, k, n, sb0, count, (u8*)mmq_smem);
-    const u32 xs = shared_address(mmq_smem);
-    __syncthreads();
-
-    float acc[8][4];
-#pragma unroll
-    for (int j = 0; j < 8; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-    for (int q = 0; q < mine; q += D) {
-#pragma unroll
-        for (int j = 0; j < D; j++) {
-            if (q + j < mine) {
-                mmq_group_mul<F>(a[j], xs + use.i * GROUP_UNIT, c, &acc[0][0]);
-                if (use.i == count - 1) {
-                    wgmma_wait<0>();
-                    wgmma_hold(&acc[0][0]);
-                    if (use.tile < tiles)
-                        mmq_store<F, 8>(use, gated, acc, n, tiles, parts, tickets, splits, g, c);
-#pragma unroll
-                    for (int t = 0; t < 8; t++) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
-                }
-                mmq_next(p, gated, row_bytes, g, count, 4 * quad_stride, use);
-                if (q + j + D < mine) {
-                    const u64 at = (u64)(sb0 + load.i) * F::UNIT_BYTES;
-                    F::load(load.lo + at, load.hi + at, c, a[j]);
-                    mmq_next(p, gated, row_bytes, g, count, 4 * quad_stride, load);
-                }
-            }
-        }
-    }
-}
-#endif
-
 // The warps of the launch walk the row tiles of `p`'s matrices grid-stride over the blocks of
 // their split (blockIdx.y: units blockIdx.y · per_split ..), each through its units with
 // F::AHEAD of them loaded ahead. The block stages its split's activations once: token t's
@@ -763,12 +619,6 @@ __device__ void mmq_group_impl(const Products& p, u64 row_bytes, int k, const u1
 template <class F, int NT>
 __device__ void mmq_impl(const Products& p, u64 row_bytes, int k, const u16* xh, int n,
                          int gated, float* parts, u32* tickets, int splits, int per_split) {
-#ifdef MB_HAS_WGMMA
-    if constexpr (NT == 8 && MMQ_WGMMA) {
-        mmq_group_impl<F>(p, row_bytes, k, xh, n, gated, parts, tickets, splits, per_split);
-        return;
-    }
-#endif
     constexpr int D = NT > 4 ? MMQ_WIDE_UNITS_AHEAD : F::AHEAD;
     extern __shared__ uint4 mmq_smem[];
     const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;

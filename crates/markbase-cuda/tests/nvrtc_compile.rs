@@ -71,24 +71,6 @@ const VARIANTS: &[(Unit, &str, &str)] = &[
         "CHAIN_STAGES=4 CHAIN_Q4K_STAGES=6",
         "",
     ),
-    (
-        Unit {
-            module: Module::Gemv,
-            part: Part::Format("q4_k"),
-        },
-        // mmq_q4_k_8 on the warpgroup products (sm_90a).
-        "MMQ_WGMMA=1",
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16",
-    ),
-    (
-        Unit {
-            module: Module::Gemv,
-            part: Part::Format("q4_k"),
-        },
-        // … with two sets of A registers.
-        "MMQ_WGMMA=2",
-        "wgmma.wait_group.sync.aligned 1",
-    ),
 ];
 
 /// One compilation of the check: a whole module (every kernel, for comparison), one of the
