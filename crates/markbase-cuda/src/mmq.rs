@@ -90,6 +90,9 @@ pub(crate) struct Tuning {
     /// busiest warp the least work (`busiest_work`; fewer splits on a tie) of those splitting
     /// fewer than `wide_splits` ways (`MMQ_WIDE_BALANCE` 1).
     balance: bool,
+    /// What an item's end costs the balance, in tenths of a unit (`MMQ_WIDE_ITEM_END`;
+    /// `busiest_work`).
+    item_end: usize,
 }
 
 impl Tuning {
@@ -103,6 +106,7 @@ impl Tuning {
         wide_items: ITEMS_PER_SM,
         wide_splits: WIDE_SPLITS,
         balance: true,
+        item_end: 10,
     };
 
     /// The defaults with what `MARKBASE_CUDA_DEFINES` sets; an error names a value out of
@@ -133,6 +137,7 @@ impl Tuning {
             wide_items: get("MMQ_WIDE_ITEMS", 1, 64, d.wide_items)?,
             wide_splits: get("MMQ_WIDE_SPLITS", 2, 64, d.wide_splits)?,
             balance: get("MMQ_WIDE_BALANCE", 0, 1, d.balance.into())? == 1,
+            item_end: get("MMQ_WIDE_ITEM_END", 0, 40, d.item_end)?,
         })
     }
 
@@ -227,7 +232,8 @@ fn shape(t: &Tuning, f: &Format, tiles: usize, k: usize, n: usize, sms: usize) -
     let per_split = if nt > 4 && t.balance {
         let busiest = |p: usize| {
             let splits = units.div_ceil(p);
-            (busiest_work(items_a_warp(tiles, blocks(splits)), p), splits)
+            let items = items_a_warp(tiles, blocks(splits));
+            (busiest_work(items, p, t.item_end), splits)
         };
         (1..=most_per_split)
             .filter(|&p| units.div_ceil(p) < t.wide_splits || p == most_per_split)
@@ -257,12 +263,13 @@ fn items_a_warp(tiles: usize, blocks: usize) -> usize {
     tiles.div_ceil(BLOCK_WARPS * blocks)
 }
 
-/// The work of a warp with `items` items of `per_split` units, in units: an item's end (the
-/// staging's share, the part's stores and the last split's fix-up, with their round trips)
-/// counted as one more — a guess for `Tuning::balance` to be measured against (docs/perf.md
-/// session 43): at 64 tokens a split's part is 4 KB a tile, a Q4_K unit's weights 2.3 KB.
-fn busiest_work(items: usize, per_split: usize) -> usize {
-    items * (per_split + 1)
+/// The work of a warp with `items` items of `per_split` units, in tenths of a unit: an item's
+/// end (the staging's share, the part's stores and the last split's fix-up, with their round
+/// trips) counted as `end` tenths — by default one unit, a guess for `Tuning::balance` to be
+/// measured against (docs/perf.md session 43): at 64 tokens a split's part is 4 KB a tile, a
+/// Q4_K unit's weights 2.3 KB.
+fn busiest_work(items: usize, per_split: usize, end: usize) -> usize {
+    items * (10 * per_split + end)
 }
 
 /// What one launch computes: products of matrices of one width, or a gated pair.
@@ -534,6 +541,7 @@ mod tests {
             "MMQ_WIDE_SPLITS=1",
             "MMQ_WIDE_BALANCE=2",
             "MMQ_WIDE_ITEMS=x",
+            "MMQ_WIDE_ITEM_END=41",
         ] {
             let e = Tuning::from_defines(&define_lines(bad).unwrap())
                 .unwrap_err()
@@ -631,8 +639,9 @@ mod tests {
         // of 2 (2 · 3) beats 14 of 3 (2 · 4). Gate + up (1 280 tiles of 10 units): 2 of 5
         // (3 · 6) beats 10 of 1 (13 · 2), though its busiest warp has more units (15 to 13).
         let q4k = format(GgmlType::Q4_K).unwrap();
-        let work =
-            |tiles: usize, sh: &Shape| busiest_work(items_a_warp(tiles, sh.blocks), sh.per_split);
+        let work = |tiles: usize, sh: &Shape| {
+            busiest_work(items_a_warp(tiles, sh.blocks), sh.per_split, 10) / 10
+        };
         let one = tuning("MMQ_WIDE_BLOCKS=1");
         let down = shape(&one, &q4k, 160, 10_240, 64, 132).unwrap();
         assert_eq!((down.splits, down.per_split, work(160, &down)), (10, 4, 10));
@@ -643,6 +652,17 @@ mod tests {
         // Here the balance and the items rule agree.
         let items_rule = tuning(ITEMS_RULE);
         assert_eq!(shape(&items_rule, &q4k, 1280, 2560, 64, 132), Some(gate_up));
+        // Two blocks a multiprocessor: gate + up in 4 splits of 3 units (3 items on the
+        // busiest warp: 3 · 4) ties 5 of 2 (4 · 3) and takes fewer splits; with items' ends
+        // free, 10 of 1 (7 · 1) beats 5 of 2 (4 · 2) and 4 of 3 (3 · 3).
+        let gate_up = shape(&Tuning::DEFAULT, &q4k, 1280, 2560, 64, 132).unwrap();
+        assert_eq!((gate_up.splits, work(1280, &gate_up)), (4, 12));
+        let free_ends = tuning("MMQ_WIDE_ITEM_END=0");
+        let gate_up = shape(&free_ends, &q4k, 1280, 2560, 64, 132).unwrap();
+        assert_eq!(
+            (gate_up.splits, gate_up.per_split, gate_up.blocks),
+            (10, 1, 26)
+        );
     }
 
     #[test]
