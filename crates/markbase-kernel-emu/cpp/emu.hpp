@@ -552,6 +552,22 @@ struct Mma {
 
 inline float emu_bf16(unsigned short h) { return __uint_as_float((unsigned)h << 16); }
 
+// Lane `l`'s A fragment `a` (mma.sync m16n8k16's: rows g, g + 8 at k 2c, 2c + 1 and 2c + 8,
+// 2c + 9) into A's rows `row0` .. row0 + 15, as floats.
+inline void fragment_a(float (*A)[16], int row0, int l, const unsigned* a, bool bf16) {
+    const int g = row0 + (l >> 2), c = l & 3;
+    for (int h = 0; h < 2; h++) {
+        auto val = [&](unsigned w) {
+            const unsigned short v = (unsigned short)(w >> (16 * h));
+            return bf16 ? emu_bf16(v) : emu_f16_to_f32(v);
+        };
+        A[g][2 * c + h] = val(a[0]);
+        A[g + 8][2 * c + h] = val(a[1]);
+        A[g][2 * c + 8 + h] = val(a[2]);
+        A[g + 8][2 * c + 8 + h] = val(a[3]);
+    }
+}
+
 inline void mma_work(void** r, unsigned) {
     float A[16][16], B[16][8], C[16][8];
     for (int l = 0; l < 32; l++) {
@@ -561,11 +577,8 @@ inline void mma_work(void** r, unsigned) {
             unsigned short h = (unsigned short)(w >> (16 * half));
             return m->bf16 ? emu_bf16(h) : emu_f16_to_f32(h);
         };
+        fragment_a(A, 0, l, m->a, m->bf16);
         for (int h = 0; h < 2; h++) {
-            A[g][2 * c + h] = val(m->a[0], h);
-            A[g + 8][2 * c + h] = val(m->a[1], h);
-            A[g][2 * c + 8 + h] = val(m->a[2], h);
-            A[g + 8][2 * c + 8 + h] = val(m->a[3], h);
             B[2 * c + h][g] = val(m->b[0], h);
             B[2 * c + 8 + h][g] = val(m->b[1], h);
             C[g][2 * c + h] = m->c[h];
@@ -605,26 +618,21 @@ struct GroupMma {
 inline void group_mma_work(void** r) {
     const auto* first = (const GroupMma*)r[0];
     const int n = first->n;
-    float A[64][16];
+    float A[64][16], B[16][256];
     for (int t = 0; t < 128; t++) {
         const auto* m = (const GroupMma*)r[t];
         if (m->b != first->b || m->lbo != first->lbo || m->sbo != first->sbo || m->n != n)
             fail("threads of a warpgroup issue different wgmma operands (thread %d of the group)",
                  t);
-        const int row = 16 * (t >> 5) + ((t & 31) >> 2), c = t & 3;
-        for (int h = 0; h < 2; h++) {
-            A[row][2 * c + h] = emu_f16_to_f32((unsigned short)(m->a[0] >> (16 * h)));
-            A[row + 8][2 * c + h] = emu_f16_to_f32((unsigned short)(m->a[1] >> (16 * h)));
-            A[row][2 * c + 8 + h] = emu_f16_to_f32((unsigned short)(m->a[2] >> (16 * h)));
-            A[row + 8][2 * c + 8 + h] = emu_f16_to_f32((unsigned short)(m->a[3] >> (16 * h)));
-        }
+        fragment_a(A, 16 * (t >> 5), t & 31, m->a, false);
     }
-    auto B = [&](int k, int col) {
-        unsigned short h;
-        std::memcpy(&h, first->b + (col >> 3) * first->sbo + (k >> 3) * first->lbo + (col & 7) * 16 +
-                            (k & 7) * 2, 2);
-        return emu_f16_to_f32(h);
-    };
+    for (int k = 0; k < 16; k++)
+        for (int col = 0; col < n; col++) {
+            unsigned short h;
+            std::memcpy(&h, first->b + (col >> 3) * first->sbo + (k >> 3) * first->lbo +
+                                (col & 7) * 16 + (k & 7) * 2, 2);
+            B[k][col] = emu_f16_to_f32(h);
+        }
     for (int t = 0; t < 128; t++) {
         auto* m = (GroupMma*)r[t];
         const int row = 16 * (t >> 5) + ((t & 31) >> 2), c = t & 3;
@@ -632,7 +640,7 @@ inline void group_mma_work(void** r) {
             for (int i = 0; i < 4; i++) {
                 const int rr = row + 8 * (i >> 1), col = 8 * j + 2 * c + (i & 1);
                 double s = m->d[4 * j + i];
-                for (int k = 0; k < 16; k++) s += (double)A[rr][k] * B(k, col);
+                for (int k = 0; k < 16; k++) s += (double)A[rr][k] * B[k][col];
                 m->d[4 * j + i] = (float)s;
             }
     }
