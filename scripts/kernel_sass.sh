@@ -29,8 +29,10 @@ ptx=$ptx_dir/unit_$unit.ptx
 bin=$tools/nvidia/cu13/bin
 cubin=$(mktemp --suffix .cubin)
 trap 'rm -f "$cubin"' EXIT
-"$bin/ptxas" -arch=sm_90a -O3 -v "$ptx" -o "$cubin" 2>&1 |
-    grep -A3 "entry function '$kernel'" | grep -E "Used|spill|C75" || true
+info=$("$bin/ptxas" -arch=sm_90a -O3 -v "$ptx" -o "$cubin" 2>&1)
+grep -A3 "entry function '$kernel'" <<< "$info" | grep -E "Used|spill" || true
+# ptxas's performance notes on the kernel (e.g. C7514: wgmma serialized), each naming it.
+grep -E "\(C[0-9]+\).*'$kernel'" <<< "$info" || true
 PATH=$bin:$PATH "$bin/cuobjdump" -sass "$cubin" | python3 -c '
 import re, sys
 from collections import Counter

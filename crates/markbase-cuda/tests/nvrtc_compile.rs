@@ -3,8 +3,8 @@
 //! module to PTX for compute_90a (Hopper with its architecture-specific features, as the
 //! backend compiles for it), whole and in the units the backend compiles (each of a module's
 //! kernels in exactly one unit; a per-format unit only its format's), and assembles each unit
-//! and each variant for sm_90a as the backend does (a cubin naming every kernel). A compile or assembly
-//! error fails this test; so does a missing NVRTC — it is never skipped. With
+//! and each variant for sm_90a as the backend does (a cubin naming every kernel). A compile or
+//! assembly error fails this test; so does a missing NVRTC — it is never skipped. With
 //! `MARKBASE_PTX_DIR` set (not empty), each module's PTX is written there.
 
 use std::collections::{BTreeSet, HashMap};
