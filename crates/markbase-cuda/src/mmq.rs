@@ -99,14 +99,16 @@ impl Tuning {
     /// The measured shape rules (docs/perf.md sessions 31–44): two blocks a multiprocessor for
     /// 33–64 rows and the split length balanced ran E4B Q4_K_M's 64-sequence step at 8 721 /
     /// 8 773 t/s on the H100, against 8 169 / 8 337 with one block and the items rule, and
-    /// 6 732 / 6 958 before the item ends were lean (session 44).
+    /// 6 732 / 6 958 before the item ends were lean (session 44); an item's end counted as
+    /// half a unit, not a whole one, 9 006 / 9 013 against 8 887 / 8 799 (gate + up in 5
+    /// splits of 2 units, not 4 of 3; session 46).
     pub(crate) const DEFAULT: Tuning = Tuning {
         items: ITEMS_PER_SM,
         wide_blocks: 2,
         wide_items: ITEMS_PER_SM,
         wide_splits: WIDE_SPLITS,
         balance: true,
-        item_end: 10,
+        item_end: 5,
     };
 
     /// The defaults with what `MARKBASE_CUDA_DEFINES` sets; an error names a value out of
@@ -265,9 +267,9 @@ fn items_a_warp(tiles: usize, blocks: usize) -> usize {
 
 /// The work of a warp with `items` items of `per_split` units, in tenths of a unit: an item's
 /// end (the staging's share, the part's stores and the last split's fix-up, with their round
-/// trips) counted as `end` tenths — by default one unit, a guess for `Tuning::balance` to be
-/// measured against (docs/perf.md session 43): at 64 tokens a split's part is 4 KB a tile, a
-/// Q4_K unit's weights 2.3 KB.
+/// trips) counted as `end` tenths — by default half a unit, the best of 0, 5 and 10 measured
+/// (docs/perf.md session 46: 0 gave gate + up 10 splits of 1 unit and ran the 64-sequence
+/// step 22 % slower).
 fn busiest_work(items: usize, per_split: usize, end: usize) -> usize {
     items * (10 * per_split + end)
 }
@@ -554,8 +556,8 @@ mod tests {
     fn e4b_launches_at_64_tokens_under_each_setting() {
         // (splits, units a split, blocks a split, units on the busiest warp) of E4B's q/k/v,
         // o, gate + up, down, PLE gate and PLE projection at 64 tokens on an H200, or None
-        // (launches of 32 rows, or cuBLAS): the table of docs/perf.md session 43, whose last
-        // row is the default since session 44.
+        // (launches of 32 rows, or cuBLAS): the table of docs/perf.md session 43, and the
+        // defaults of sessions 44–45 and of session 46 on (the last row).
         type Cell = Option<(usize, usize, usize, usize)>;
         let cell = |t: &Tuning, cols: usize, rows: &[usize], gated: bool| -> Cell {
             let mut e = Extent::products(GgmlType::Q4_K, cols, rows.iter().copied());
@@ -573,9 +575,10 @@ mod tests {
             "MMQ_WIDE_BALANCE=0 MMQ_WIDE_SPLITS=8",
             "MMQ_WIDE_BALANCE=0 MMQ_WIDE_ITEMS=16 MMQ_WIDE_SPLITS=16",
             "MMQ_WIDE_BLOCKS=1",
+            "MMQ_WIDE_ITEM_END=10",
             "",
         ];
-        let want: [[Cell; 6]; 5] = [
+        let want: [[Cell; 6]; 6] = [
             [
                 Some((5, 2, 24, 2)),
                 Some((4, 2, 20, 2)),
@@ -616,6 +619,14 @@ mod tests {
                 Some((10, 1, 2, 1)),
                 Some((1, 1, 20, 1)),
             ],
+            [
+                Some((10, 1, 24, 1)),
+                Some((8, 1, 20, 1)),
+                Some((5, 2, 52, 8)),
+                Some((20, 2, 13, 4)),
+                Some((10, 1, 2, 1)),
+                Some((1, 1, 20, 1)),
+            ],
         ];
         for (spec, want) in specs.iter().zip(want) {
             let t = tuning(spec);
@@ -652,10 +663,18 @@ mod tests {
         // Here the balance and the items rule agree.
         let items_rule = tuning(ITEMS_RULE);
         assert_eq!(shape(&items_rule, &q4k, 1280, 2560, 64, 132), Some(gate_up));
-        // Two blocks a multiprocessor: gate + up in 4 splits of 3 units (3 items on the
-        // busiest warp: 3 · 4) ties 5 of 2 (4 · 3) and takes fewer splits; with items' ends
-        // free, 10 of 1 (7 · 1) beats 5 of 2 (4 · 2) and 4 of 3 (3 · 3).
+        // Two blocks a multiprocessor, an item's end counted as half a unit (the default):
+        // gate + up in 5 splits of 2 units (4 items on the busiest warp: 4 · 2.5) beats 4 of
+        // 3 (3 · 3.5); counted as a whole unit (sessions 44–45), 4 of 3 (3 · 4) ties 5 of 2
+        // (4 · 3) and takes fewer splits; with items' ends free, 10 of 1 (7 · 1) beats 5 of 2
+        // (4 · 2) and 4 of 3 (3 · 3).
         let gate_up = shape(&Tuning::DEFAULT, &q4k, 1280, 2560, 64, 132).unwrap();
+        assert_eq!(
+            (gate_up.splits, gate_up.per_split, gate_up.blocks),
+            (5, 2, 52)
+        );
+        let whole_ends = tuning("MMQ_WIDE_ITEM_END=10");
+        let gate_up = shape(&whole_ends, &q4k, 1280, 2560, 64, 132).unwrap();
         assert_eq!((gate_up.splits, work(1280, &gate_up)), (4, 12));
         let free_ends = tuning("MMQ_WIDE_ITEM_END=0");
         let gate_up = shape(&free_ends, &q4k, 1280, 2560, 64, 132).unwrap();
