@@ -649,6 +649,9 @@ mod tests {
         // items on the busiest warp: 2 · 5) beats 8 of 5 (2 · 6) and 20 of 2 (4 · 3); two, 20
         // of 2 (2 · 3) beats 14 of 3 (2 · 4). Gate + up (1 280 tiles of 10 units): 2 of 5
         // (3 · 6) beats 10 of 1 (13 · 2), though its busiest warp has more units (15 to 13).
+        // (These counts, as `work`'s, take an item's end as a whole unit; at the default's
+        // half unit the same shapes win: 2 · 4.5 against 2 · 5.5 and 4 · 2.5; 2 · 2.5 against
+        // 2 · 3.5; 3 · 5.5 against 13 · 1.5.)
         let q4k = format(GgmlType::Q4_K).unwrap();
         let work = |tiles: usize, sh: &Shape| {
             busiest_work(items_a_warp(tiles, sh.blocks), sh.per_split, 10) / 10
