@@ -215,27 +215,47 @@ fn block_sums_see_every_thread_through_shuffles_and_a_barrier() {
     }
 }
 
-#[test]
-fn mma_fragments_multiply_as_the_ptx_layout_says() {
-    let Some(m) = module() else { return };
+/// `n` f16 values uniform in [-2, 2) from seed `seed`.
+fn random_f16(seed: u64, n: usize) -> Vec<half::f16> {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    (0..n)
+        .map(|_| half::f16::from_f32(rng.random_range(-2.0..2.0)))
+        .collect()
+}
+
+/// Runs the tile product kernel `name` (mma_tile, wgmma_tile: A and B in, the product into d)
+/// on one block of `threads` threads with `shared` bytes of dynamic shared memory.
+fn run_tile(
+    m: &EmuModule,
+    name: &str,
+    threads: u32,
+    shared: usize,
+    a: &[half::f16],
+    b: &[half::f16],
+    d: &mut [f32],
+) {
     type Kernel = unsafe extern "C" fn(*const u16, *const u16, *mut f32);
-    // SAFETY: the signature of mma_tile.
-    let k: Kernel = unsafe { m.kernel("mma_tile") }.unwrap();
-    let mut rng = rand::rngs::StdRng::seed_from_u64(2);
-    let mut value = || half::f16::from_f32(rng.random_range(-2.0..2.0));
-    let a: Vec<half::f16> = (0..256).map(|_| value()).collect();
-    let b: Vec<half::f16> = (0..128).map(|_| value()).collect();
-    let mut d = vec![0f32; 128];
+    // SAFETY: the signature of the tile kernels (mma_tile, wgmma_tile).
+    let k: Kernel = unsafe { m.kernel(name) }.unwrap();
     let (ap, bp, dp) = (
         a.as_ptr() as usize,
         b.as_ptr() as usize,
         d.as_mut_ptr() as usize,
     );
     // SAFETY: the buffers outlive the launch.
-    m.launch([1, 1, 1], [32, 1, 1], 0, &|| unsafe {
+    m.launch([1, 1, 1], [threads, 1, 1], shared, &|| unsafe {
         k(ap as *const u16, bp as *const u16, dp as *mut f32)
     })
     .unwrap();
+}
+
+#[test]
+fn mma_fragments_multiply_as_the_ptx_layout_says() {
+    let Some(m) = module() else { return };
+    let a = random_f16(2, 256);
+    let b = random_f16(3, 128);
+    let mut d = vec![0f32; 128];
+    run_tile(&m, "mma_tile", 32, 0, &a, &b, &mut d);
     for i in 0..16 {
         for j in 0..8 {
             let want: f64 = (0..16)
@@ -249,26 +269,12 @@ fn mma_fragments_multiply_as_the_ptx_layout_says() {
 #[test]
 fn wgmma_operands_multiply_as_the_ptx_layouts_say() {
     let Some(m) = module() else { return };
-    type Kernel = unsafe extern "C" fn(*const u16, *const u16, *mut f32);
-    // SAFETY: the signature of wgmma_tile.
-    let k: Kernel = unsafe { m.kernel("wgmma_tile") }.unwrap();
-    let mut rng = rand::rngs::StdRng::seed_from_u64(3);
-    let mut value = || half::f16::from_f32(rng.random_range(-2.0..2.0));
     // Two warpgroups, each its own 64 rows of A and of d; one B.
-    let a: Vec<half::f16> = (0..2 * 64 * 16).map(|_| value()).collect();
-    let b: Vec<half::f16> = (0..16 * 32).map(|_| value()).collect();
+    let a = random_f16(4, 2 * 64 * 16);
+    let b = random_f16(5, 16 * 32);
     let d0: Vec<f32> = (0..2 * 64 * 32).map(|i| (i % 7) as f32 - 3.0).collect();
     let mut d = d0.clone();
-    let (ap, bp, dp) = (
-        a.as_ptr() as usize,
-        b.as_ptr() as usize,
-        d.as_mut_ptr() as usize,
-    );
-    // SAFETY: the buffers outlive the launch.
-    m.launch([1, 1, 1], [256, 1, 1], 1024, &|| unsafe {
-        k(ap as *const u16, bp as *const u16, dp as *mut f32)
-    })
-    .unwrap();
+    run_tile(&m, "wgmma_tile", 256, 1024, &a, &b, &mut d);
     for w in 0..2 {
         for i in 0..64 {
             for j in 0..32 {
