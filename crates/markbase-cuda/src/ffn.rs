@@ -21,7 +21,7 @@ use crate::backend::{blocks, need, CudaBackend};
 use crate::blas::{Blas, GemmInput, GemmOutput};
 use crate::buffer::{CudaBuffer, CudaMatrix};
 use crate::kernels::{Arg, Grid};
-use crate::mmq::Job;
+use crate::mmq::{mma_suits, Job};
 use crate::products::{product_inputs, rounded_form, ProductInputs};
 use crate::rounded::CopyForm;
 use crate::sources::Module;
@@ -29,9 +29,11 @@ use crate::sources::Module;
 impl CudaBackend {
     /// [`markbase_core::backend::Backend::gated_ffn`] as two tensor-core launches (mmq.rs): the
     /// gated pair, storing gelu_tanh(gate) · up rounded into `gate_out`, then the down product
-    /// on them (on cuBLAS where the kernels decline it). False (nothing queued) where the three
-    /// matrices are not of one format, the kernels do not take the gated pair for `n` rows, or
-    /// they decline the down product and cuBLAS is absent.
+    /// on them (on cuBLAS where the kernels decline it). False (nothing queued) where gate and
+    /// up are not of one format, down is not of a format the kernels take (which all read the
+    /// f16 activations the pair stores; llama.cpp's Q4_K_M and Q5_K_M keep some layers' down
+    /// in Q6_K), the kernels do not take the gated pair for `n` rows, or they decline the down
+    /// product and cuBLAS is absent.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn gated_ffn_mma(
         &self,
@@ -43,7 +45,7 @@ impl CudaBackend {
         out: &mut CudaBuffer,
     ) -> Result<bool> {
         let (k, d) = (gate.cols, down.rows);
-        let one_format = gate.ty == up.ty && up.ty == down.ty;
+        let formats = gate.ty == up.ty && mma_suits(down.ty, down.cols, n);
         let shapes = (gate.rows, up.rows, up.cols, down.cols) == (ff, ff, k, ff);
         let fused = Job::Gated {
             gate,
@@ -52,7 +54,7 @@ impl CudaBackend {
         };
         let downs = [(down, out.ptr)];
         let down_job = Job::Products(&downs);
-        if !(one_format && shapes && self.mmq_takes(&fused, n)) {
+        if !(formats && shapes && self.mmq_takes(&fused, n)) {
             return Ok(false);
         }
         // Where the kernels decline the down product (one matrix of 49–64 rows, `mmq::plan`),

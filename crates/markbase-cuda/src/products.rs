@@ -299,6 +299,7 @@ impl CudaBackend {
                 let xh =
                     self.round_inputs(&mut s, rounded_form(w0.ty, w0.cols, n, inputs), x, n * k)?;
                 if self.mmq(&mut s, xh, n, Job::Products(products))? {
+                    s.rounded.renew(&self.queue);
                     return Ok(true);
                 }
                 let mut rest = products;

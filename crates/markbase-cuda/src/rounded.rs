@@ -103,6 +103,8 @@ pub(crate) struct RoundedCopy {
     /// The form the last product that takes copies wanted (what a producer writes).
     last: Option<CopyForm>,
     held: Option<Held>,
+    /// The copy the last `take` handed out, until `renew` holds it again.
+    lent: Option<Held>,
     mem: Growable<u16>,
     /// Products that took a held copy.
     used: u64,
@@ -114,6 +116,7 @@ impl RoundedCopy {
         RoundedCopy {
             last: None,
             held: None,
+            lent: None,
             mem: Growable::new(steps),
             used: 0,
         }
@@ -136,6 +139,7 @@ impl RoundedCopy {
         reads: impl Fn(CopyForm, usize) -> bool,
     ) -> Result<RoundTarget> {
         self.held = None;
+        self.lent = None;
         let Some(form) = self.last.filter(|&f| reads(f, rows)) else {
             return Ok(RoundTarget::NONE);
         };
@@ -180,14 +184,24 @@ impl RoundedCopy {
         queue: &QueueCount,
     ) -> Option<u64> {
         self.last = Some(form);
-        let at = self
-            .held
-            .take()
-            .filter(|h| {
-                (h.src, h.len, h.form.kind(), h.queued) == (src, len, form.kind(), queue.now())
-            })
-            .map(|h| h.at);
-        self.used += at.is_some() as u64;
-        at
+        self.lent = self.held.take().filter(|h| {
+            (h.src, h.len, h.form.kind(), h.queued) == (src, len, form.kind(), queue.now())
+        });
+        self.used += self.lent.is_some() as u64;
+        self.lent.as_ref().map(|h| h.at)
+    }
+
+    /// Holds again the copy the last `take` handed out, once the product that took it is
+    /// queued: that product read the copy and wrote neither it nor its source, so the next
+    /// product of the same activations may take it too if nothing else is queued first
+    /// (llama.cpp's Q4_K_M keeps some layers' v in Q6_K: its launch reads the copy that q and
+    /// k's launch took instead of rounding the values again).
+    pub(crate) fn renew(&mut self, queue: &QueueCount) {
+        if let Some(h) = self.lent.take() {
+            self.held = Some(Held {
+                queued: queue.now(),
+                ..h
+            });
+        }
     }
 }

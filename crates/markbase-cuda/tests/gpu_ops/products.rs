@@ -260,10 +260,10 @@ fn tensor_core_products_match_reference_and_repeat_exactly() {
     }
 }
 
-/// The gated feed-forward of a few token rows over Q4_K and Q8_0 weights as the tensor-core
+/// The gated feed-forward of a few token rows over quantized weights as the tensor-core
 /// launches (mmq.cu): gate and up in one launch storing gelu_tanh(gate) · up as f16, then
-/// down; tiles split over several blocks and not, part-filled n-tiles. A second run gives the
-/// same bits.
+/// down, of the same format or (llama.cpp's Q4_K_M and Q5_K_M layers) Q6_K; tiles split over
+/// several blocks and not, part-filled n-tiles. A second run gives the same bits.
 #[test]
 fn gated_ffn_on_tensor_cores_matches_reference_and_repeats_exactly() {
     let g = gpu_with_cublas_or_skip!();
@@ -273,18 +273,21 @@ fn gated_ffn_on_tensor_cores_matches_reference_and_repeats_exactly() {
             .map(|x| f16::from_f32(x.clamp(-65_504.0, 65_504.0)).to_f32())
             .collect()
     };
-    for (ty, k, ff, d) in [
-        (GgmlType::Q4_K, 512, 1_024, 512),
-        (GgmlType::Q4_K, 2_560, 10_240, 2_560),
-        (GgmlType::Q8_0, 768, 1_280, 512),
-        (GgmlType::Q6_K, 2_560, 1_280, 2_560),
-        (GgmlType::Q5_K, 768, 1_280, 512),
-        (GgmlType::Q4_0, 512, 1_024, 512),
+    use GgmlType::{Q4_0, Q4_K, Q5_K, Q6_K, Q8_0};
+    for (ty, down_ty, k, ff, d) in [
+        (Q4_K, Q4_K, 512, 1_024, 512),
+        (Q4_K, Q4_K, 2_560, 10_240, 2_560),
+        (Q4_K, Q6_K, 2_560, 10_240, 2_560),
+        (Q8_0, Q8_0, 768, 1_280, 512),
+        (Q6_K, Q6_K, 2_560, 1_280, 2_560),
+        (Q5_K, Q5_K, 768, 1_280, 512),
+        (Q5_K, Q6_K, 768, 1_280, 512),
+        (Q4_0, Q4_0, 512, 1_024, 512),
     ] {
         let (gm, um, dm) = (
             random_matrix(&mut r, ty, ff, k),
             random_matrix(&mut r, ty, ff, k),
-            random_matrix(&mut r, ty, d, ff),
+            random_matrix(&mut r, down_ty, d, ff),
         );
         let [gw, uw, dw] = [&gm, &um, &dm].map(|m| g.load_matrix(m).unwrap());
         for n in [2, 8, 29, 45] {
@@ -304,7 +307,7 @@ fn gated_ffn_on_tensor_cores_matches_reference_and_repeats_exactly() {
                     .unwrap();
                 got.push(down(g, &out, n * d));
             }
-            let what = format!("gated ffn {ty} [{k}, {ff}, {d}] n={n}");
+            let what = format!("gated ffn {ty} / {down_ty} [{k}, {ff}, {d}] n={n}");
             assert_close(&what, &got[0], &want, 2e-3);
             let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&got[1]), bits(&got[0]), "{what} rerun");

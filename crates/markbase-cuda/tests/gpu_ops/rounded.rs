@@ -89,6 +89,58 @@ fn rounded_copies_feed_the_next_product_exactly_and_only_while_fresh() {
     }
 }
 
+/// A norm's copy feeds each launch of a `matmul_many` over two formats (llama.cpp's Q4_K_M
+/// keeps some layers' v in Q6_K beside Q4_K q and k): the second launch takes the copy the
+/// first took instead of rounding the values again, and both give the bits of products that
+/// round the values themselves.
+#[test]
+fn a_rounded_copy_feeds_each_format_of_one_matmul_many() {
+    let g = gpu_with_cublas_or_skip!();
+    let mut r = rng("rounded copy, two formats");
+    let (d, n) = (512, 8);
+    let shapes = [
+        (GgmlType::Q4_K, 256),
+        (GgmlType::Q4_K, 64),
+        (GgmlType::Q6_K, 64),
+    ];
+    let mats: Vec<CudaMatrix> = shapes
+        .iter()
+        .map(|&(ty, rows)| g.load_matrix(&random_matrix(&mut r, ty, rows, d)).unwrap())
+        .collect();
+    let y = up(g, &uniform(&mut r, n * d, 3.0));
+    let w = g.load_vector(&vec![1.5; d]).unwrap();
+    let mut x = g.alloc(n * d).unwrap();
+    let mut outs: Vec<CudaBuffer> = shapes
+        .iter()
+        .map(|&(_, rows)| g.alloc(n * rows).unwrap())
+        .collect();
+    let mut run = |src: &CudaBuffer| -> Vec<f32> {
+        let [a, b, c] = &mut outs[..] else {
+            unreachable!("three outputs")
+        };
+        let mut products = [(&mats[0], a), (&mats[1], b), (&mats[2], c)];
+        g.matmul_many(src, n, &mut products).unwrap();
+        outs.iter()
+            .zip(shapes)
+            .flat_map(|(o, (_, rows))| down(g, o, n * rows))
+            .collect()
+    };
+    // Products of this kind first, so the norm knows how they round.
+    run(&y);
+    // Other tests queue work on the shared backend in between at times: retried until both
+    // launches took the copy.
+    let taken = (0..50)
+        .find_map(|_| {
+            let before = g.rounded_copies_used().unwrap();
+            g.rms_norm(&y, Some(&w), 1e-6, n, d, &mut x, NormOut::Write)
+                .unwrap();
+            let got = run(&x);
+            (g.rounded_copies_used().unwrap() >= before + 2).then_some(got)
+        })
+        .expect("both launches take the norm's rounded copy");
+    assert_eq!(taken, run(&x), "the launches that took the copy");
+}
+
 /// Q4_K or Q8_0 weights for the one-token products a decode step runs on one activation row:
 /// `matmul` (gemv), `matmul_many` (q, k, v-like), `gelu_gated_matmul` and `gelu_matmul_mul`,
 /// with their CPU references on 16-bit activations. The outputs are allocated once: a
