@@ -54,13 +54,14 @@
 #ifndef MMQ_WIDE_UNITS_AHEAD
 #define MMQ_WIDE_UNITS_AHEAD 1
 #endif
-// Blocks of a launch of 8 n-tiles resident on a multiprocessor: 2 (up to 128 registers a
-// thread; 16–32 bytes of each format's item-end addresses spill, none in the units' loop), or
-// 1 (up to 255), with the host plan's `MMQ_WIDE_*` settings (mmq.rs `Tuning`): two blocks, the
-// split length balanced and up to 24 splits ran E4B Q4_K_M's 64-sequence step 6 % faster than
-// one block (docs/perf.md, session 44).
+// Blocks of a launch of 8 n-tiles resident on a multiprocessor: 1 (up to 255 registers a
+// thread, 5 units of activations a block) or 2 (up to 128; 16–32 bytes of each format's
+// item-end addresses spill, none in the units' loop; 3 units a block), with the host plan's
+// `MMQ_WIDE_*` settings (mmq.rs `Tuning`). One block ran E4B Q4_K_M's 64-sequence step 10 %
+// faster than two on the H100 in session 47 (fewer splits: the Q6_K LM head's split parts
+// 335 → 134 MB), though two had won session 44's sweep by 6 % (docs/perf.md).
 #ifndef MMQ_WIDE_BLOCKS
-#define MMQ_WIDE_BLOCKS 2
+#define MMQ_WIDE_BLOCKS 1
 #endif
 // Accumulator sets of a warp for up to 16 tokens (one for more): a unit's products go to two
 // chains of dependent mma instructions, not one.

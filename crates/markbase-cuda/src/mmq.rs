@@ -43,8 +43,8 @@ const LAUNCH_TOKENS: usize = 32;
 /// 9.0 (1), but down 52.0 → 70.3 (8) and the PLE gate 22.8 → 29.0 (10); 48 tokens: q/k/v 24.3
 /// → 19.8, gate + up 67.9 → 58.1. `bench -p 0 -n 32`, E4B Q4_K_M: 40 / 48 / 64 sequences
 /// 4 529 / 4 977 / 6 334 → 4 829 / 5 371 / 7 236 t/s, Q4_0 at 64 6 890 → 7 714 (docs/perf.md
-/// session 39). With the item ends lean, two blocks a multiprocessor and the split length
-/// balanced (`Tuning::DEFAULT`), 24: down and the PLE gate then run here too (session 44).
+/// session 39). With the item ends lean and the split length balanced (`Tuning::DEFAULT`),
+/// 24: down and the PLE gate then run here too (session 44).
 const WIDE_SPLITS: usize = 24;
 /// Warps of a block.
 const BLOCK_WARPS: usize = 8;
@@ -96,15 +96,15 @@ pub(crate) struct Tuning {
 }
 
 impl Tuning {
-    /// The measured shape rules (docs/perf.md sessions 31–44): two blocks a multiprocessor for
-    /// 33–64 rows and the split length balanced ran E4B Q4_K_M's 64-sequence step at 8 721 /
-    /// 8 773 t/s on the H100, against 8 169 / 8 337 with one block and the items rule, and
-    /// 6 732 / 6 958 before the item ends were lean (session 44); an item's end counted as
-    /// half a unit, not a whole one, 9 006 / 9 013 against 8 887 / 8 799 (gate + up in 5
-    /// splits of 2 units, not 4 of 3; session 46).
+    /// The measured shape rules (docs/perf.md sessions 31–47): the split length balanced ran
+    /// E4B Q4_K_M's 64-sequence step at 8 721 / 8 773 t/s on the H100, against 8 169 / 8 337
+    /// with the items rule, and 6 732 / 6 958 before the item ends were lean (session 44); an
+    /// item's end counted as half a unit, not a whole one, 9 006 / 9 013 against 8 887 /
+    /// 8 799 (session 46); one block a multiprocessor for 33–64 rows, not two, 9 934 / 10 049
+    /// against 8 624 / 9 051 (fewer splits and parts; session 47).
     pub(crate) const DEFAULT: Tuning = Tuning {
         items: ITEMS_PER_SM,
-        wide_blocks: 2,
+        wide_blocks: 1,
         wide_items: ITEMS_PER_SM,
         wide_splits: WIDE_SPLITS,
         balance: true,
@@ -492,7 +492,7 @@ mod tests {
             "",
             ITEMS_RULE,
             "MMQ_WIDE_BALANCE=0 MMQ_WIDE_ITEMS=16 MMQ_WIDE_SPLITS=12",
-            "MMQ_WIDE_BLOCKS=1",
+            "MMQ_WIDE_BLOCKS=2",
             "MMQ_WIDE_BALANCE=0 MMQ_WIDE_SPLITS=8",
         ]
         .into_iter()
@@ -505,17 +505,18 @@ mod tests {
         assert_eq!(t[0], Tuning::DEFAULT);
         assert_eq!(
             (t[0].wide_blocks, t[0].max_shared(8), t[0].blocks_per_sm(8)),
-            (2, WIDE_SHARED_TWO, 2)
+            (1, WIDE_SHARED, 1)
         );
         assert_eq!(
-            (t[1].wide_blocks, t[1].max_shared(8), t[1].blocks_per_sm(8)),
-            (1, WIDE_SHARED, 1)
+            (t[3].wide_blocks, t[3].max_shared(8), t[3].blocks_per_sm(8)),
+            (2, WIDE_SHARED_TWO, 2)
         );
         assert_eq!(
             (t[2].wide_items, t[2].wide_splits, t[2].balance),
             (16, 12, false)
         );
-        assert!(t[3].balance && t[3].wide_blocks == 1 && t[3].wide_splits == 24);
+        assert!(t[1].wide_blocks == 1 && !t[1].balance && t[1].wide_splits == 8);
+        assert!(t[3].balance && t[3].wide_splits == 24);
         let more = tuning("MMQ_ITEMS=16");
         assert_eq!(
             more,
@@ -556,8 +557,9 @@ mod tests {
     fn e4b_launches_at_64_tokens_under_each_setting() {
         // (splits, units a split, blocks a split, units on the busiest warp) of E4B's q/k/v,
         // o, gate + up, down, PLE gate and PLE projection at 64 tokens on an H200, or None
-        // (launches of 32 rows, or cuBLAS): the table of docs/perf.md session 43, and the
-        // defaults of sessions 44–45 and of session 46 on (the last row).
+        // (launches of 32 rows, or cuBLAS): the table of docs/perf.md session 43, the defaults
+        // of sessions 44–45 and 46, and of session 47 on (the last row: one block a
+        // multiprocessor, as the fourth).
         type Cell = Option<(usize, usize, usize, usize)>;
         let cell = |t: &Tuning, cols: usize, rows: &[usize], gated: bool| -> Cell {
             let mut e = Extent::products(GgmlType::Q4_K, cols, rows.iter().copied());
@@ -572,13 +574,14 @@ mod tests {
         };
         let specs = [
             ITEMS_RULE,
-            "MMQ_WIDE_BALANCE=0 MMQ_WIDE_SPLITS=8",
-            "MMQ_WIDE_BALANCE=0 MMQ_WIDE_ITEMS=16 MMQ_WIDE_SPLITS=16",
+            "MMQ_WIDE_BLOCKS=2 MMQ_WIDE_BALANCE=0 MMQ_WIDE_SPLITS=8",
+            "MMQ_WIDE_BLOCKS=2 MMQ_WIDE_BALANCE=0 MMQ_WIDE_ITEMS=16 MMQ_WIDE_SPLITS=16",
             "MMQ_WIDE_BLOCKS=1",
-            "MMQ_WIDE_ITEM_END=10",
+            "MMQ_WIDE_BLOCKS=2 MMQ_WIDE_ITEM_END=10",
+            "MMQ_WIDE_BLOCKS=2",
             "",
         ];
-        let want: [[Cell; 6]; 6] = [
+        let want: [[Cell; 6]; 7] = [
             [
                 Some((5, 2, 24, 2)),
                 Some((4, 2, 20, 2)),
@@ -627,6 +630,14 @@ mod tests {
                 Some((10, 1, 2, 1)),
                 Some((1, 1, 20, 1)),
             ],
+            [
+                Some((5, 2, 24, 2)),
+                Some((4, 2, 20, 2)),
+                Some((2, 5, 66, 15)),
+                Some((10, 4, 13, 8)),
+                Some((10, 1, 2, 1)),
+                Some((1, 1, 20, 1)),
+            ],
         ];
         for (spec, want) in specs.iter().zip(want) {
             let t = tuning(spec);
@@ -656,30 +667,30 @@ mod tests {
         let work = |tiles: usize, sh: &Shape| {
             busiest_work(items_a_warp(tiles, sh.blocks), sh.per_split, 10) / 10
         };
-        let one = tuning("MMQ_WIDE_BLOCKS=1");
+        let (one, two) = (Tuning::DEFAULT, tuning("MMQ_WIDE_BLOCKS=2"));
         let down = shape(&one, &q4k, 160, 10_240, 64, 132).unwrap();
         assert_eq!((down.splits, down.per_split, work(160, &down)), (10, 4, 10));
-        let down = shape(&Tuning::DEFAULT, &q4k, 160, 10_240, 64, 132).unwrap();
+        let down = shape(&two, &q4k, 160, 10_240, 64, 132).unwrap();
         assert_eq!((down.splits, down.per_split, work(160, &down)), (20, 2, 6));
         let gate_up = shape(&one, &q4k, 1280, 2560, 64, 132).unwrap();
         assert_eq!((gate_up.splits, work(1280, &gate_up)), (2, 18));
         // Here the balance and the items rule agree.
         let items_rule = tuning(ITEMS_RULE);
         assert_eq!(shape(&items_rule, &q4k, 1280, 2560, 64, 132), Some(gate_up));
-        // Two blocks a multiprocessor, an item's end counted as half a unit (the default):
+        // Two blocks a multiprocessor, an item's end counted as half a unit (session 46):
         // gate + up in 5 splits of 2 units (4 items on the busiest warp: 4 · 2.5) beats 4 of
         // 3 (3 · 3.5); counted as a whole unit (sessions 44–45), 4 of 3 (3 · 4) ties 5 of 2
         // (4 · 3) and takes fewer splits; with items' ends free, 10 of 1 (7 · 1) beats 5 of 2
         // (4 · 2) and 4 of 3 (3 · 3).
-        let gate_up = shape(&Tuning::DEFAULT, &q4k, 1280, 2560, 64, 132).unwrap();
+        let gate_up = shape(&two, &q4k, 1280, 2560, 64, 132).unwrap();
         assert_eq!(
             (gate_up.splits, gate_up.per_split, gate_up.blocks),
             (5, 2, 52)
         );
-        let whole_ends = tuning("MMQ_WIDE_ITEM_END=10");
+        let whole_ends = tuning("MMQ_WIDE_BLOCKS=2 MMQ_WIDE_ITEM_END=10");
         let gate_up = shape(&whole_ends, &q4k, 1280, 2560, 64, 132).unwrap();
         assert_eq!((gate_up.splits, work(1280, &gate_up)), (4, 12));
-        let free_ends = tuning("MMQ_WIDE_ITEM_END=0");
+        let free_ends = tuning("MMQ_WIDE_BLOCKS=2 MMQ_WIDE_ITEM_END=0");
         let gate_up = shape(&free_ends, &q4k, 1280, 2560, 64, 132).unwrap();
         assert_eq!(
             (gate_up.splits, gate_up.per_split, gate_up.blocks),

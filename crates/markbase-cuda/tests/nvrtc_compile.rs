@@ -59,9 +59,9 @@ const VARIANTS: &[(Unit, &str, &str)] = &[
             module: Module::Gemv,
             part: Part::Format("q4_k"),
         },
-        // mmq_q4_k_8's `.minnctapersm 2` becomes 1.
-        "MMQ_WIDE_BLOCKS=1",
-        ".minnctapersm 1",
+        // mmq_q4_k_8's `.minnctapersm 1` becomes 2.
+        "MMQ_WIDE_BLOCKS=2",
+        ".minnctapersm 2",
     ),
     (
         Unit {
