@@ -552,19 +552,21 @@ struct Mma {
 
 inline float emu_bf16(unsigned short h) { return __uint_as_float((unsigned)h << 16); }
 
+// Half `h` (0: the low 16 bits) of a fragment register `w`, an f16 or (bf16) a bf16 value.
+inline float fragment_half(unsigned w, int h, bool bf16) {
+    const unsigned short v = (unsigned short)(w >> (16 * h));
+    return bf16 ? emu_bf16(v) : emu_f16_to_f32(v);
+}
+
 // Lane `l`'s A fragment `a` (mma.sync m16n8k16's: rows g, g + 8 at k 2c, 2c + 1 and 2c + 8,
 // 2c + 9) into A's rows `row0` .. row0 + 15, as floats.
 inline void fragment_a(float (*A)[16], int row0, int l, const unsigned* a, bool bf16) {
     const int g = row0 + (l >> 2), c = l & 3;
     for (int h = 0; h < 2; h++) {
-        auto val = [&](unsigned w) {
-            const unsigned short v = (unsigned short)(w >> (16 * h));
-            return bf16 ? emu_bf16(v) : emu_f16_to_f32(v);
-        };
-        A[g][2 * c + h] = val(a[0]);
-        A[g + 8][2 * c + h] = val(a[1]);
-        A[g][2 * c + 8 + h] = val(a[2]);
-        A[g + 8][2 * c + 8 + h] = val(a[3]);
+        A[g][2 * c + h] = fragment_half(a[0], h, bf16);
+        A[g + 8][2 * c + h] = fragment_half(a[1], h, bf16);
+        A[g][2 * c + 8 + h] = fragment_half(a[2], h, bf16);
+        A[g + 8][2 * c + 8 + h] = fragment_half(a[3], h, bf16);
     }
 }
 
@@ -573,14 +575,10 @@ inline void mma_work(void** r, unsigned) {
     for (int l = 0; l < 32; l++) {
         auto* m = (Mma*)r[l];
         int g = l >> 2, c = l & 3;
-        auto val = [&](unsigned w, int half) {
-            unsigned short h = (unsigned short)(w >> (16 * half));
-            return m->bf16 ? emu_bf16(h) : emu_f16_to_f32(h);
-        };
         fragment_a(A, 0, l, m->a, m->bf16);
         for (int h = 0; h < 2; h++) {
-            B[2 * c + h][g] = val(m->b[0], h);
-            B[2 * c + 8 + h][g] = val(m->b[1], h);
+            B[2 * c + h][g] = fragment_half(m->b[0], h, m->bf16);
+            B[2 * c + 8 + h][g] = fragment_half(m->b[1], h, m->bf16);
             C[g][2 * c + h] = m->c[h];
             C[g + 8][2 * c + h] = m->c[2 + h];
         }
