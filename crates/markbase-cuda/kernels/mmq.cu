@@ -8,7 +8,7 @@
 //
 // The work is items — a row tile of one of the launch's matrices (up to 4 of one width: q, k,
 // v or gate, up) over one split of the rows' units (blockIdx.y of the launch's `splits`) —
-// and an item's units of F::K values (a Q4_K super-block). A block's 8
+// and an item's units of F::K values (a Q4_K super-block). A block's 8 (to 16)
 // warps walk the tiles grid-stride over the split's blocks, one item at a time, each warp a
 // stream of units with F::AHEAD of them loaded into registers ahead of the one it
 // multiplies (the first before waiting for the kernel ahead). The block first stages its
@@ -62,6 +62,17 @@
 // 335 → 134 MB), though two had won session 44's sweep by 6 % (docs/perf.md).
 #ifndef MMQ_WIDE_BLOCKS
 #define MMQ_WIDE_BLOCKS 1
+#endif
+// Warps of a block of a launch of 8 n-tiles: 8, or with one block a multiprocessor 12 (up to
+// 168 registers a thread, no spills) or 16 (up to 128; 16–136 bytes of item-end values
+// spill) — more warps a scheduler sharing one block's staged activations (mmq.rs
+// `Tuning::wide_warps`).
+#ifndef MMQ_WIDE_WARPS
+#define MMQ_WIDE_WARPS 8
+#endif
+#if (MMQ_WIDE_WARPS != 8 && MMQ_WIDE_WARPS != 12 && MMQ_WIDE_WARPS != 16) || \
+    (MMQ_WIDE_WARPS > 8 && MMQ_WIDE_BLOCKS > 1)
+#error "MMQ_WIDE_WARPS is 8, or 12 or 16 with MMQ_WIDE_BLOCKS 1"
 #endif
 // Accumulator sets of a warp for up to 16 tokens (one for more): a unit's products go to two
 // chains of dependent mma instructions, not one.
@@ -703,10 +714,11 @@ __device__ void mmq_impl(const Products& p, u64 row_bytes, int k, const u16* xh,
 }
 
 // The kernels mmq_<format>_<NT> for NT n-tiles (up to 8 · NT token rows); blocks of 256
-// threads with 8·NT · per_split · F::TOKEN_BYTES of dynamic shared memory, two a
-// multiprocessor (8 n-tiles: MMQ_WIDE_BLOCKS).
+// threads (8 n-tiles: 32 · MMQ_WIDE_WARPS) with 8·NT · per_split · F::TOKEN_BYTES of dynamic
+// shared memory, two a multiprocessor (8 n-tiles: MMQ_WIDE_BLOCKS).
 #define MMQ_KERNEL(SUFFIX, F, NT)                                                              \
-    extern "C" __global__ void __launch_bounds__(256, NT > 4 ? MMQ_WIDE_BLOCKS : 2)            \
+    extern "C" __global__ void __launch_bounds__(NT > 4 ? 32 * MMQ_WIDE_WARPS : 256,           \
+                                                 NT > 4 ? MMQ_WIDE_BLOCKS : 2)                 \
         mmq_##SUFFIX##_##NT(Products p, u64 row_bytes, int k, const u16* xh, int n, int gated, \
                             float* parts, u32* tickets, int splits, int per_split) {           \
         mmq_impl<F, NT>(p, row_bytes, k, xh, n, gated, parts, tickets, splits, per_split);     \

@@ -81,6 +81,10 @@ pub(crate) struct Tuning {
     /// Blocks resident on a multiprocessor (`MMQ_WIDE_BLOCKS`): 1 (up to 255 registers a
     /// thread, `WIDE_SHARED`) or 2 (up to 128, `WIDE_SHARED_TWO`).
     wide_blocks: usize,
+    /// Warps of a block (`MMQ_WIDE_WARPS`): `BLOCK_WARPS`, or with one block a
+    /// multiprocessor 12 or 16 (up to 168 or 128 registers a thread, the block's activations
+    /// shared by more warps).
+    wide_warps: usize,
     /// Items a launch aims for a multiprocessor where it splits by `ITEMS_PER_SM`'s rule
     /// (`MMQ_WIDE_ITEMS`).
     wide_items: usize,
@@ -105,6 +109,7 @@ impl Tuning {
     pub(crate) const DEFAULT: Tuning = Tuning {
         items: ITEMS_PER_SM,
         wide_blocks: 1,
+        wide_warps: BLOCK_WARPS,
         wide_items: ITEMS_PER_SM,
         wide_splits: WIDE_SPLITS,
         balance: true,
@@ -133,9 +138,18 @@ impl Tuning {
                 })
         };
         let d = Tuning::DEFAULT;
+        let wide_blocks = get("MMQ_WIDE_BLOCKS", 1, 2, d.wide_blocks)?;
+        let wide_warps = get("MMQ_WIDE_WARPS", BLOCK_WARPS, 16, d.wide_warps)?;
+        if !wide_warps.is_multiple_of(4) || (wide_warps > BLOCK_WARPS && wide_blocks > 1) {
+            return Err(Error::Invalid(format!(
+                "{DEFINES_VAR}: MMQ_WIDE_WARPS={wide_warps} MMQ_WIDE_BLOCKS={wide_blocks}: a \
+                 block's warps are {BLOCK_WARPS}, or 12 or 16 with one block a multiprocessor"
+            )));
+        }
         Ok(Tuning {
             items: get("MMQ_ITEMS", 1, 64, d.items)?,
-            wide_blocks: get("MMQ_WIDE_BLOCKS", 1, 2, d.wide_blocks)?,
+            wide_blocks,
+            wide_warps,
             wide_items: get("MMQ_WIDE_ITEMS", 1, 64, d.wide_items)?,
             wide_splits: get("MMQ_WIDE_SPLITS", 2, 64, d.wide_splits)?,
             balance: get("MMQ_WIDE_BALANCE", 0, 1, d.balance.into())? == 1,
@@ -149,6 +163,15 @@ impl Tuning {
             self.wide_blocks
         } else {
             BLOCKS_PER_SM
+        }
+    }
+
+    /// Warps of a block of a launch of `nt` n-tiles.
+    fn block_warps(&self, nt: usize) -> usize {
+        if nt > 4 {
+            self.wide_warps
+        } else {
+            BLOCK_WARPS
         }
     }
 
@@ -206,13 +229,14 @@ pub(crate) fn mmq_rows(n: usize) -> bool {
 }
 
 /// How a launch covers its matrices' `tiles` row tiles: `nt` n-tiles of 8 tokens, each tile's
-/// units in `splits` runs of `per_split`, `blocks` blocks a split.
+/// units in `splits` runs of `per_split`, `blocks` blocks of `warps` warps a split.
 #[derive(Debug, PartialEq, Eq)]
 struct Shape {
     nt: usize,
     splits: usize,
     per_split: usize,
     blocks: usize,
+    warps: usize,
 }
 
 impl Shape {
@@ -224,17 +248,36 @@ impl Shape {
 
 /// The launch shape for `n` tokens (at most 8 · `f.most_nt`) and `tiles` row tiles of `k`
 /// values (a multiple of `f.unit`) on `sms` multiprocessors; None where the tiles are too many
-/// to split.
+/// to split. Blocks of more warps than `BLOCK_WARPS` (`Tuning::wide_warps`) only where their
+/// launch fills every multiprocessor: else its work would crowd onto fewer of them.
 fn shape(t: &Tuning, f: &Format, tiles: usize, k: usize, n: usize, sms: usize) -> Option<Shape> {
     let nt = n.div_ceil(8).next_power_of_two().min(f.most_nt);
+    let warps = t.block_warps(nt);
+    let sh = shape_of_warps(t, f, tiles, k, nt, sms, warps)?;
+    if warps > BLOCK_WARPS && sh.blocks * sh.splits < sms {
+        return shape_of_warps(t, f, tiles, k, nt, sms, BLOCK_WARPS);
+    }
+    Some(sh)
+}
+
+/// `shape` with blocks of `warps` warps and `nt` n-tiles.
+fn shape_of_warps(
+    t: &Tuning,
+    f: &Format,
+    tiles: usize,
+    k: usize,
+    nt: usize,
+    sms: usize,
+    warps: usize,
+) -> Option<Shape> {
     let units = k / f.unit;
     let most_per_split = (t.max_shared(nt) / (8 * nt * f.token_bytes)).min(units);
     let resident = |splits: usize| (t.blocks_per_sm(nt) * sms / splits).max(1);
-    let blocks = |splits: usize| tiles.div_ceil(BLOCK_WARPS).min(resident(splits));
+    let blocks = |splits: usize| tiles.div_ceil(warps).min(resident(splits));
     let per_split = if nt > 4 && t.balance {
         let busiest = |p: usize| {
             let splits = units.div_ceil(p);
-            let items = items_a_warp(tiles, blocks(splits));
+            let items = items_a_warp(tiles, blocks(splits), warps);
             (busiest_work(items, p, t.item_end), splits)
         };
         (1..=most_per_split)
@@ -256,13 +299,14 @@ fn shape(t: &Tuning, f: &Format, tiles: usize, k: usize, n: usize, sms: usize) -
         splits,
         per_split,
         blocks: blocks(splits),
+        warps,
     })
 }
 
-/// Items on the busiest warp of a split of `blocks` blocks walking `tiles` row tiles
-/// grid-stride.
-fn items_a_warp(tiles: usize, blocks: usize) -> usize {
-    tiles.div_ceil(BLOCK_WARPS * blocks)
+/// Items on the busiest warp of a split of `blocks` blocks of `warps` warps walking `tiles`
+/// row tiles grid-stride.
+fn items_a_warp(tiles: usize, blocks: usize, warps: usize) -> usize {
+    tiles.div_ceil(warps * blocks)
 }
 
 /// The work of a warp with `items` items of `per_split` units, in tenths of a unit: an item's
@@ -447,10 +491,7 @@ impl CudaBackend {
                 sh.nt as u32,
                 shared as u32,
             )?;
-            let mut grid = Grid::new(
-                (sh.blocks as u32, sh.splits as u32),
-                32 * BLOCK_WARPS as u32,
-            );
+            let mut grid = Grid::new((sh.blocks as u32, sh.splits as u32), 32 * sh.warps as u32);
             grid.shared = shared as u32;
             self.launch_fn(
                 &kernel,
@@ -494,6 +535,8 @@ mod tests {
             "MMQ_WIDE_BALANCE=0 MMQ_WIDE_ITEMS=16 MMQ_WIDE_SPLITS=12",
             "MMQ_WIDE_BLOCKS=2",
             "MMQ_WIDE_BALANCE=0 MMQ_WIDE_SPLITS=8",
+            "MMQ_WIDE_WARPS=16",
+            "MMQ_WIDE_WARPS=12",
         ]
         .into_iter()
         .map(tuning)
@@ -517,6 +560,14 @@ mod tests {
         );
         assert!(t[1].wide_blocks == 1 && !t[1].balance && t[1].wide_splits == 8);
         assert!(t[3].balance && t[3].wide_splits == 24);
+        assert_eq!(
+            (
+                t[0].block_warps(8),
+                t[5].block_warps(8),
+                t[5].block_warps(4)
+            ),
+            (BLOCK_WARPS, 16, BLOCK_WARPS)
+        );
         let more = tuning("MMQ_ITEMS=16");
         assert_eq!(
             more,
@@ -545,6 +596,9 @@ mod tests {
             "MMQ_WIDE_BALANCE=2",
             "MMQ_WIDE_ITEMS=x",
             "MMQ_WIDE_ITEM_END=41",
+            "MMQ_WIDE_WARPS=10",
+            "MMQ_WIDE_WARPS=20",
+            "MMQ_WIDE_WARPS=12 MMQ_WIDE_BLOCKS=2",
         ] {
             let e = Tuning::from_defines(&define_lines(bad).unwrap())
                 .unwrap_err()
@@ -559,7 +613,9 @@ mod tests {
         // o, gate + up, down, PLE gate and PLE projection at 64 tokens on an H200, or None
         // (launches of 32 rows, or cuBLAS): the table of docs/perf.md session 43 (its one
         // block a multiprocessor is now the default), the defaults of sessions 44–45 and 46,
-        // and of session 47 on (the last row).
+        // of session 47 on, and blocks of 16 and 12 warps (only gate + up fills every
+        // multiprocessor with them: 3 splits of 4 units, 8 units on the busiest warp, and 2
+        // splits of 5, 10 units, where 8 warps have 15; the rest keep 8 warps).
         type Cell = Option<(usize, usize, usize, usize)>;
         let cell = |t: &Tuning, cols: usize, rows: &[usize], gated: bool| -> Cell {
             let mut e = Extent::products(GgmlType::Q4_K, cols, rows.iter().copied());
@@ -569,7 +625,7 @@ mod tests {
             let p = plan(t, &e, 64, 132, 227 << 10)?;
             assert_eq!(p.len(), 1);
             let sh = &p[0].2;
-            let busiest = items_a_warp(e.tiles, sh.blocks) * sh.per_split;
+            let busiest = items_a_warp(e.tiles, sh.blocks, sh.warps) * sh.per_split;
             Some((sh.splits, sh.per_split, sh.blocks, busiest))
         };
         let specs = [
@@ -579,8 +635,10 @@ mod tests {
             "MMQ_WIDE_BLOCKS=2 MMQ_WIDE_ITEM_END=10",
             "MMQ_WIDE_BLOCKS=2",
             "",
+            "MMQ_WIDE_WARPS=16",
+            "MMQ_WIDE_WARPS=12",
         ];
-        let want: [[Cell; 6]; 6] = [
+        let want: [[Cell; 6]; 8] = [
             [
                 Some((5, 2, 24, 2)),
                 Some((4, 2, 20, 2)),
@@ -629,6 +687,22 @@ mod tests {
                 Some((10, 1, 2, 1)),
                 Some((1, 1, 20, 1)),
             ],
+            [
+                Some((5, 2, 24, 2)),
+                Some((4, 2, 20, 2)),
+                Some((3, 4, 44, 8)),
+                Some((10, 4, 13, 8)),
+                Some((10, 1, 2, 1)),
+                Some((1, 1, 20, 1)),
+            ],
+            [
+                Some((5, 2, 24, 2)),
+                Some((4, 2, 20, 2)),
+                Some((2, 5, 66, 10)),
+                Some((10, 4, 13, 8)),
+                Some((10, 1, 2, 1)),
+                Some((1, 1, 20, 1)),
+            ],
         ];
         for (spec, want) in specs.iter().zip(want) {
             let t = tuning(spec);
@@ -656,7 +730,7 @@ mod tests {
         // 2 · 3.5; 3 · 5.5 against 13 · 1.5.)
         let q4k = format(GgmlType::Q4_K).unwrap();
         let work = |tiles: usize, sh: &Shape| {
-            busiest_work(items_a_warp(tiles, sh.blocks), sh.per_split, 10) / 10
+            busiest_work(items_a_warp(tiles, sh.blocks, sh.warps), sh.per_split, 10) / 10
         };
         let (one, two) = (Tuning::DEFAULT, tuning("MMQ_WIDE_BLOCKS=2"));
         let down = shape(&one, &q4k, 160, 10_240, 64, 132).unwrap();
@@ -721,7 +795,7 @@ mod tests {
                 );
                 let resident = t.blocks_per_sm(sh.nt) * 132;
                 assert!(sh.blocks * sh.splits <= resident || sh.blocks == 1);
-                assert!(sh.blocks >= 1 && sh.blocks <= tiles.div_ceil(8));
+                assert!(sh.blocks >= 1 && sh.blocks <= tiles.div_ceil(sh.warps));
                 // Enough items, or one super-block a split, or shared memory full.
                 assert!(
                     2 * tiles * sh.splits >= 8 * 132
@@ -739,7 +813,8 @@ mod tests {
                 nt: 1,
                 splits: 7,
                 per_split: 6,
-                blocks: 20
+                blocks: 20,
+                warps: 8,
             })
         );
         assert_eq!(shape(&d, &q4k, TICKETS + 1, 12_800, 32, 132), None);

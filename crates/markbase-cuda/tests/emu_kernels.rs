@@ -17,7 +17,7 @@ use half::f16;
 use markbase_core::backend::{first_visible_key, AttnSpec, HostMatrix, KvLayout, Rope};
 use markbase_core::quant::GgmlType;
 use markbase_cpu::reference;
-use markbase_cuda::sources::{defines_from_env, Module, Unit, FORMATS};
+use markbase_cuda::sources::{define_value, defines_from_env, Module, Unit, FORMATS};
 use markbase_cuda::{device_bytes, gemv_takes_16_bit_activations};
 use markbase_kernel_emu::{compiler_available, EmuModule};
 use matrices::*;
@@ -47,8 +47,15 @@ type MmqKernel = unsafe extern "C" fn(
     per_split: i32,
 );
 
-/// Threads of an mmq block (8 warps).
-const MMQ_THREADS: u32 = 256;
+/// Threads of an mmq block of `nt` n-tiles: 8 warps, or for 8 n-tiles `MMQ_WIDE_WARPS` of
+/// `MARKBASE_CUDA_DEFINES` (mmq.cu).
+fn mmq_threads(nt: usize) -> u32 {
+    let defines = defines_from_env().unwrap();
+    match define_value(&defines, "MMQ_WIDE_WARPS") {
+        Some(w) if nt > 4 => 32 * w.parse::<u32>().unwrap(),
+        _ => 256,
+    }
+}
 /// Shared memory a token's 256-value unit of activations takes in an mmq block (MmqSlots).
 const MMQ_TOKEN_BYTES: usize = 576;
 
@@ -196,7 +203,7 @@ fn check_mmq(unit: &EmuModule, format: &str, case: &MmqCase, shape: &MmqShape, s
     let (gated, splits) = (i32::from(case.gated), shape.splits as i32);
     unit.launch(
         [shape.blocks, shape.splits as u32, 1],
-        [MMQ_THREADS, 1, 1],
+        [mmq_threads(shape.nt), 1, 1],
         shared,
         // SAFETY: every buffer outlives the launch and has the size the kernel indexes.
         &|| unsafe {
@@ -262,15 +269,23 @@ fn gelu_tanh(x: f64) -> f64 {
 }
 
 /// Every n-tile count of one format's mmq kernels: products of two matrices (partial row
-/// tiles), one launch unsplit and one split, and the gated pair, split.
+/// tiles), one launch unsplit and one split, more tiles than a block has warps, and the gated
+/// pair, split.
 fn mmq_format(ty: GgmlType, format: &'static str) {
     let Some(unit) = gemv_unit(format) else {
         return;
     };
-    for (n, nt, splits) in [(3, 1, 1), (13, 2, 3), (27, 4, 1), (64, 8, 2)] {
+    for (n, nt, splits, rows) in [
+        (3, 1, 1, [40, 24]),
+        (13, 2, 3, [40, 24]),
+        (27, 4, 1, [40, 24]),
+        (64, 8, 2, [40, 24]),
+        // 22 row tiles: every warp of a block of 16 has one, some walk a second.
+        (64, 8, 2, [200, 136]),
+    ] {
         let case = MmqCase {
             ty,
-            rows: vec![40, 24],
+            rows: rows.to_vec(),
             k: 768,
             n,
             gated: false,
@@ -280,7 +295,8 @@ fn mmq_format(ty: GgmlType, format: &'static str) {
             blocks: 1,
             splits,
         };
-        check_mmq(&unit, format, &case, &shape, &format!("mmq {format} n={n}"));
+        let seed = format!("mmq {format} n={n} rows {rows:?}");
+        check_mmq(&unit, format, &case, &shape, &seed);
     }
     for (n, nt, splits) in [(9, 2, 3), (40, 8, 1), (40, 8, 3)] {
         let case = MmqCase {

@@ -65,6 +65,15 @@ const VARIANTS: &[(Unit, &str, &str)] = &[
     ),
     (
         Unit {
+            module: Module::Gemv,
+            part: Part::Format("q4_k"),
+        },
+        // mmq_q4_k_8's blocks of 8 warps become 16.
+        "MMQ_WIDE_WARPS=16",
+        ".maxntid 512, 1, 1",
+    ),
+    (
+        Unit {
             module: Module::Chain,
             part: Part::Whole,
         },
