@@ -178,8 +178,10 @@ fn check_mmq(unit: &EmuModule, format: &str, case: &MmqCase, shape: &MmqShape, s
     let units = k / 256;
     let per_split = units.div_ceil(shape.splits);
     assert_eq!(units.div_ceil(per_split), shape.splits, "no empty split");
-    // 16 floats a tile, token slot (8 · nt of them: the parts keep every slot's) and split.
-    let mut parts = vec![f32::NAN; shape.splits * 8 * shape.nt * tiles * 16];
+    // 16 floats a tile, token slot (8 · nt of them: the parts keep every slot's) and split,
+    // and a tile's more past the end that no part may touch (a warp's tile past the last).
+    let part_floats = shape.splits * 8 * shape.nt * tiles * 16;
+    let mut parts = vec![f32::NAN; part_floats + 8 * shape.nt * 16];
     let mut tickets = vec![0u32; tiles];
 
     let mut p = Products {
@@ -223,6 +225,10 @@ fn check_mmq(unit: &EmuModule, format: &str, case: &MmqCase, shape: &MmqShape, s
     )
     .unwrap_or_else(|e| panic!("{name}: {e}"));
     assert!(tickets.iter().all(|&t| t == 0), "{name}: tickets left set");
+    assert!(
+        parts[part_floats..].iter().all(|v| v.is_nan()),
+        "{name}: a part stored past the last tile's"
+    );
 
     let what = format!(
         "{name} {} rows {:?} k={k} n={n} splits={}",
