@@ -131,6 +131,8 @@ struct MmqShape {
     nt: usize,
     blocks: u32,
     splits: usize,
+    /// Threads of a block: `mmq_threads` where None.
+    threads: Option<u32>,
 }
 
 /// What a launch covers: `mats` matrices of `rows` rows each (a gated pair: gate, up), `k`
@@ -205,7 +207,7 @@ fn check_mmq(unit: &EmuModule, format: &str, case: &MmqCase, shape: &MmqShape, s
     let (gated, splits) = (i32::from(case.gated), shape.splits as i32);
     unit.launch(
         [shape.blocks, shape.splits as u32, 1],
-        [mmq_threads(shape.nt), 1, 1],
+        [shape.threads.unwrap_or_else(|| mmq_threads(shape.nt)), 1, 1],
         shared,
         // SAFETY: every buffer outlives the launch and has the size the kernel indexes.
         &|| unsafe {
@@ -281,13 +283,15 @@ fn mmq_format(ty: GgmlType, format: &'static str) {
     let Some(unit) = gemv_unit(format) else {
         return;
     };
-    for (n, nt, splits, rows) in [
-        (3, 1, 1, [40, 24]),
-        (13, 2, 3, [40, 24]),
-        (27, 4, 1, [40, 24]),
-        (64, 8, 2, [40, 24]),
+    for (n, nt, splits, rows, threads) in [
+        (3, 1, 1, [40, 24], None),
+        (13, 2, 3, [40, 24], None),
+        (27, 4, 1, [40, 24], None),
+        (64, 8, 2, [40, 24], None),
         // 22 row tiles: every warp of a block of 16 has one, some walk a second.
-        (64, 8, 2, [200, 136]),
+        (64, 8, 2, [200, 136], None),
+        // Blocks of 4 warps (two row tiles a warp where a launch does not fill the GPU).
+        (64, 8, 2, [200, 136], Some(128)),
     ] {
         let case = MmqCase {
             ty,
@@ -300,8 +304,9 @@ fn mmq_format(ty: GgmlType, format: &'static str) {
             nt,
             blocks: 1,
             splits,
+            threads,
         };
-        let seed = format!("mmq {format} n={n} rows {rows:?}");
+        let seed = format!("mmq {format} n={n} rows {rows:?} threads {threads:?}");
         check_mmq(&unit, format, &case, &shape, &seed);
     }
     for (n, nt, splits) in [(9, 2, 3), (40, 8, 1), (40, 8, 3)] {
@@ -316,6 +321,7 @@ fn mmq_format(ty: GgmlType, format: &'static str) {
             nt,
             blocks: 2,
             splits,
+            threads: None,
         };
         let seed = format!("mmq gated {format} n={n}");
         check_mmq(&unit, format, &case, &shape, &seed);
