@@ -647,16 +647,16 @@ mod tests {
 
     #[test]
     fn e4b_launches_at_64_tokens_under_each_setting() {
-        // (splits, units a split, blocks a split, units on the busiest warp) of E4B's q/k/v,
-        // o, gate + up, down, PLE gate and PLE projection at 64 tokens on an H200, or None
-        // (launches of 32 rows, or cuBLAS): the table of docs/perf.md session 43 (its one
-        // block a multiprocessor is now the default), the defaults of sessions 44–45 and 46,
-        // of session 47 on, blocks of 16 and 12 warps (only gate + up fills every
-        // multiprocessor with them: 3 splits of 4 units, 8 units on the busiest warp, and 2
-        // splits of 5, 10 units, where 8 warps have 15; the rest keep 8 warps), and two row
-        // tiles a warp (gate + up as 16 warps of one; the rest in blocks of 4 warps, 8 tiles
-        // a block as by default; a busiest warp's units count both its tiles' as one).
-        type Cell = Option<(usize, usize, usize, usize)>;
+        // (splits, units a split, blocks a split, units on the busiest warp, warps a block) of
+        // E4B's q/k/v, o, gate + up, down, PLE gate and PLE projection at 64 tokens on an
+        // H200, or None (launches of 32 rows, or cuBLAS): the table of docs/perf.md session
+        // 43 (its one block a multiprocessor is now the default), the defaults of sessions
+        // 44–45 and 46, of session 47 on, blocks of 16 and 12 warps (only gate + up fills
+        // every multiprocessor with them: 3 splits of 4 units, 8 units on the busiest warp,
+        // and 2 splits of 5, 10 units, where 8 warps have 15; the rest keep 8 warps), and two
+        // row tiles a warp (gate + up as 16 warps of one; the rest in blocks of 4 warps, 8
+        // tiles a block as by default; a busiest warp's units count both its tiles' as one).
+        type Cell = Option<(usize, usize, usize, usize, usize)>;
         let cell = |t: &Tuning, cols: usize, rows: &[usize], gated: bool| -> Cell {
             let mut e = Extent::products(GgmlType::Q4_K, cols, rows.iter().copied());
             if gated {
@@ -666,7 +666,7 @@ mod tests {
             assert_eq!(p.len(), 1);
             let sh = &p[0].2;
             let busiest = busiest_items(sh, e.tiles) * sh.per_split;
-            Some((sh.splits, sh.per_split, sh.blocks, busiest))
+            Some((sh.splits, sh.per_split, sh.blocks, busiest, sh.warps))
         };
         let specs = [
             ITEMS_RULE,
@@ -681,76 +681,76 @@ mod tests {
         ];
         let want: [[Cell; 6]; 9] = [
             [
-                Some((5, 2, 24, 2)),
-                Some((4, 2, 20, 2)),
-                Some((2, 5, 66, 15)),
+                Some((5, 2, 24, 2, 8)),
+                Some((4, 2, 20, 2, 8)),
+                Some((2, 5, 66, 15, 8)),
                 None,
                 None,
-                Some((1, 1, 20, 1)),
+                Some((1, 1, 20, 1, 8)),
             ],
             [
-                Some((5, 2, 24, 2)),
-                Some((4, 2, 20, 2)),
-                Some((4, 3, 66, 9)),
+                Some((5, 2, 24, 2, 8)),
+                Some((4, 2, 20, 2, 8)),
+                Some((4, 3, 66, 9, 8)),
                 None,
                 None,
-                Some((1, 1, 20, 1)),
+                Some((1, 1, 20, 1, 8)),
             ],
             [
-                Some((10, 1, 24, 1)),
-                Some((8, 1, 20, 1)),
-                Some((4, 3, 66, 9)),
-                Some((14, 3, 18, 6)),
-                Some((10, 1, 2, 1)),
-                Some((1, 1, 20, 1)),
+                Some((10, 1, 24, 1, 8)),
+                Some((8, 1, 20, 1, 8)),
+                Some((4, 3, 66, 9, 8)),
+                Some((14, 3, 18, 6, 8)),
+                Some((10, 1, 2, 1, 8)),
+                Some((1, 1, 20, 1, 8)),
             ],
             [
-                Some((10, 1, 24, 1)),
-                Some((8, 1, 20, 1)),
-                Some((4, 3, 66, 9)),
-                Some((20, 2, 13, 4)),
-                Some((10, 1, 2, 1)),
-                Some((1, 1, 20, 1)),
+                Some((10, 1, 24, 1, 8)),
+                Some((8, 1, 20, 1, 8)),
+                Some((4, 3, 66, 9, 8)),
+                Some((20, 2, 13, 4, 8)),
+                Some((10, 1, 2, 1, 8)),
+                Some((1, 1, 20, 1, 8)),
             ],
             [
-                Some((10, 1, 24, 1)),
-                Some((8, 1, 20, 1)),
-                Some((5, 2, 52, 8)),
-                Some((20, 2, 13, 4)),
-                Some((10, 1, 2, 1)),
-                Some((1, 1, 20, 1)),
+                Some((10, 1, 24, 1, 8)),
+                Some((8, 1, 20, 1, 8)),
+                Some((5, 2, 52, 8, 8)),
+                Some((20, 2, 13, 4, 8)),
+                Some((10, 1, 2, 1, 8)),
+                Some((1, 1, 20, 1, 8)),
             ],
             [
-                Some((5, 2, 24, 2)),
-                Some((4, 2, 20, 2)),
-                Some((2, 5, 66, 15)),
-                Some((10, 4, 13, 8)),
-                Some((10, 1, 2, 1)),
-                Some((1, 1, 20, 1)),
+                Some((5, 2, 24, 2, 8)),
+                Some((4, 2, 20, 2, 8)),
+                Some((2, 5, 66, 15, 8)),
+                Some((10, 4, 13, 8, 8)),
+                Some((10, 1, 2, 1, 8)),
+                Some((1, 1, 20, 1, 8)),
             ],
             [
-                Some((5, 2, 24, 2)),
-                Some((4, 2, 20, 2)),
-                Some((3, 4, 44, 8)),
-                Some((10, 4, 13, 8)),
-                Some((10, 1, 2, 1)),
-                Some((1, 1, 20, 1)),
+                Some((5, 2, 24, 2, 8)),
+                Some((4, 2, 20, 2, 8)),
+                Some((3, 4, 44, 8, 16)),
+                Some((10, 4, 13, 8, 8)),
+                Some((10, 1, 2, 1, 8)),
+                Some((1, 1, 20, 1, 8)),
             ],
             [
-                Some((5, 2, 24, 2)),
-                Some((4, 2, 20, 2)),
-                Some((2, 5, 66, 10)),
-                Some((10, 4, 13, 8)),
-                Some((10, 1, 2, 1)),
-                Some((1, 1, 20, 1)),
+                Some((5, 2, 24, 2, 8)),
+                Some((4, 2, 20, 2, 8)),
+                Some((2, 5, 66, 10, 12)),
+                Some((10, 4, 13, 8, 8)),
+                Some((10, 1, 2, 1, 8)),
+                Some((1, 1, 20, 1, 8)),
             ],
             [
-                Some((5, 2, 24, 2)),
-                Some((4, 2, 20, 2)),
-                Some((3, 4, 44, 8)),
-                Some((10, 4, 13, 8)),
-                Some((10, 1, 2, 1)),
-                Some((1, 1, 20, 1)),
+                Some((5, 2, 24, 2, 4)),
+                Some((4, 2, 20, 2, 4)),
+                Some((3, 4, 44, 8, 8)),
+                Some((10, 4, 13, 8, 4)),
+                Some((10, 1, 2, 1, 4)),
+                Some((1, 1, 20, 1, 4)),
             ],
         ];
         for (spec, want) in specs.iter().zip(want) {
