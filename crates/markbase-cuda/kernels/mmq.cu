@@ -63,26 +63,21 @@
 #ifndef MMQ_WIDE_BLOCKS
 #define MMQ_WIDE_BLOCKS 1
 #endif
-// Warps of a block of a launch of 8 n-tiles: 8, or with one block a multiprocessor 12 (up to
-// 168 registers a thread, no spills) or 16 (up to 128; 16–136 bytes of item-end values
-// spill) — more warps a scheduler sharing one block's staged activations (mmq.rs
-// `Tuning::wide_warps`).
+// Warps of a block of a launch of 8 n-tiles (mmq.rs `Tuning::wide_warps`): with one block a
+// multiprocessor 12, more warps a scheduler sharing the block's staged activations (up to 168
+// registers a thread, no spills; E4B Q4_K_M's 64-sequence step 6 % faster than with 8 on the
+// H100, gate + up 50.6 → 44.7 µs, docs/perf.md session 49), 8, or 16 (up to 128; 16–136
+// bytes of item-end values spill; 2–6 % slower than 8); with two blocks 8.
 #ifndef MMQ_WIDE_WARPS
+#if MMQ_WIDE_BLOCKS == 1
+#define MMQ_WIDE_WARPS 12
+#else
 #define MMQ_WIDE_WARPS 8
+#endif
 #endif
 #if (MMQ_WIDE_WARPS != 8 && MMQ_WIDE_WARPS != 12 && MMQ_WIDE_WARPS != 16) || \
     (MMQ_WIDE_WARPS > 8 && MMQ_WIDE_BLOCKS > 1)
 #error "MMQ_WIDE_WARPS is 8, or 12 or 16 with MMQ_WIDE_BLOCKS 1"
-#endif
-// Row tiles a warp of a launch of 8 n-tiles multiplies at once: 1, or 2 — tiles 2i and 2i + 1
-// through the same units, each activation fragment loaded from shared memory once for both
-// (half the shared-memory loads a product, twice the independent mma a warp; mmq.rs
-// `Tuning::wide_mtiles`).
-#ifndef MMQ_WIDE_MTILES
-#define MMQ_WIDE_MTILES 1
-#endif
-#if (MMQ_WIDE_MTILES != 1 && MMQ_WIDE_MTILES != 2) || (MMQ_WIDE_MTILES > 1 && MMQ_WIDE_WARPS > 8)
-#error "MMQ_WIDE_MTILES is 1, or 2 with MMQ_WIDE_WARPS 8"
 #endif
 // Accumulator sets of a warp for up to 16 tokens (one for more): a unit's products go to two
 // chains of dependent mma instructions, not one.
@@ -145,25 +140,21 @@ struct MmqSlots {
     // A gated output as the activations' type (f16).
     static __device__ __forceinline__ u16 round(float v) { return to_f16(v); }
 
-    // For each of M row tiles m: acc[m][h % CH][j] (n-tile j) += the A fragments of words
-    // 2ip and 2ip + 1 of a lane's two chunks — A[m][word][chunk] = {row g first pair, row
-    // g + 8 first pair, row g second pair, row g + 8 second pair}, word i holding the chunk's
-    // values 4i .. 4i + 3 — times the activations of its group `xl` (lane (g, c): token
-    // 8j + g's group c), loaded once for all M.
-    template <int NT, int CH, int M>
-    static __device__ __forceinline__ void mma(const u32 (*A)[2][2][4], const u8* xl, int ip,
-                                               float (*acc)[CH][NT][4]) {
+    // acc[h % CH][j] (n-tile j) += the A fragments of words 2ip and 2ip + 1 of a lane's two
+    // chunks — A[word][chunk] = {row g first pair, row g + 8 first pair, row g second pair,
+    // row g + 8 second pair}, word i holding the chunk's values 4i .. 4i + 3 — times the
+    // activations of its group `xl` (lane (g, c): token 8j + g's group c).
+    template <int NT, int CH>
+    static __device__ __forceinline__ void mma(const u32 (*A)[2][4], const u8* xl, int ip,
+                                               float (*acc)[NT][4]) {
 #pragma unroll
         for (int j = 0; j < NT; j++) {
             const u8* xt = xl + 8 * j * TOKEN_BYTES + 16 * ip;
             uint4 lo = *(const uint4*)xt, hi = *(const uint4*)(xt + 64);
-#pragma unroll
-            for (int m = 0; m < M; m++) {
-                mma_f16(acc[m][0][j], A[m][0][0], lo.x, lo.y);
-                mma_f16(acc[m][0][j], A[m][1][0], lo.z, lo.w);
-                mma_f16(acc[m][1 % CH][j], A[m][0][1], hi.x, hi.y);
-                mma_f16(acc[m][1 % CH][j], A[m][1][1], hi.z, hi.w);
-            }
+            mma_f16(acc[0][j], A[0][0], lo.x, lo.y);
+            mma_f16(acc[0][j], A[1][0], lo.z, lo.w);
+            mma_f16(acc[1 % CH][j], A[0][1], hi.x, hi.y);
+            mma_f16(acc[1 % CH][j], A[1][1], hi.z, hi.w);
         }
     }
 };
@@ -485,21 +476,18 @@ struct MmqLegacy : MmqSlots {
     }
 };
 
-// For each of M row tiles m: acc[m][h % CH][j] (n-tile j) += unit a[m]'s chunk 2c + h (lane
-// (g, c)) times the staged activations of its 256 values `xs` (token 8j + g's group c).
-template <class F, int NT, int CH, int M>
-__device__ __forceinline__ void mmq_mul(const typename F::Unit* a, const u8* xs, int g, int c,
-                                        float (*acc)[CH][NT][4]) {
-    typename F::Scales sc[M];
-#pragma unroll
-    for (int m = 0; m < M; m++) sc[m] = F::scales(a[m], c);
+// acc[h % CH][j] (n-tile j) += unit a's chunk 2c + h (lane (g, c)) times the staged activations
+// of its 256 values `xs` (token 8j + g's group c).
+template <class F, int NT, int CH>
+__device__ __forceinline__ void mmq_mul(const typename F::Unit& a, const u8* xs, int g, int c,
+                                        float (*acc)[NT][4]) {
+    const typename F::Scales sc = F::scales(a, c);
     const u8* xl = xs + g * F::TOKEN_BYTES + c * F::GROUP_BYTES;
 #pragma unroll
     for (int ip = 0; ip < 4; ip++) {
-        u32 A[M][2][2][4];
-#pragma unroll
-        for (int m = 0; m < M; m++) F::fragments(a[m], sc[m], ip, A[m]);
-        MmqSlots::mma<NT, CH, M>(A, xl, ip, acc);
+        u32 A[2][2][4];
+        F::fragments(a, sc, ip, A);
+        MmqSlots::mma<NT, CH>(A, xl, ip, acc);
     }
 }
 
@@ -642,15 +630,13 @@ __device__ __forceinline__ void mmq_store(const MmqCursor& u, int gated, float (
 }
 
 // The warps of the launch walk the row tiles of `p`'s matrices grid-stride over the blocks of
-// their split (blockIdx.y: units blockIdx.y · per_split ..), M at a time (tiles Mi .. Mi + M −
-// 1: an item of each, a tile past the last one loaded but not stored), each through its units
-// with F::AHEAD of them loaded ahead. The block stages its split's activations once: token
-// t's unit i at (i · 8NT + t) · F::TOKEN_BYTES.
+// their split (blockIdx.y: units blockIdx.y · per_split ..), each through its units with
+// F::AHEAD of them loaded ahead. The block stages its split's activations once: token t's
+// unit i at (i · 8NT + t) · F::TOKEN_BYTES.
 template <class F, int NT>
 __device__ void mmq_impl(const Products& p, u64 row_bytes, int k, const u16* xh, int n,
                          int gated, float* parts, u32* tickets, int splits, int per_split) {
     constexpr int D = NT > 4 ? MMQ_WIDE_UNITS_AHEAD : F::AHEAD;
-    constexpr int M = NT > 4 ? MMQ_WIDE_MTILES : 1;
     extern __shared__ uint4 mmq_smem[];
     const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
     const int sb0 = blockIdx.y * per_split, count = min(k / F::K, sb0 + per_split) - sb0;
@@ -664,25 +650,18 @@ __device__ void mmq_impl(const Products& p, u64 row_bytes, int k, const u16* xh,
         for (int i = 0; i < 4; i++)
             if (i < p.count) tiles += (p.rows[i] + 15) >> 4;
     }
-    const int groups = (tiles + M - 1) / M;
-    const int mine = first < groups ? (groups - first + stride - 1) / stride * count : 0;
+    const int mine = first < tiles ? (tiles - first + stride - 1) / stride * count : 0;
 
-    MmqCursor load[M], use[M];
-#pragma unroll
-    for (int m = 0; m < M; m++) {
-        mmq_seek(p, gated, row_bytes, g, M * first + m, load[m]);
-        use[m] = load[m];
-    }
-    typename F::Unit a[D][M];
+    MmqCursor load, use;
+    mmq_seek(p, gated, row_bytes, g, first, load);
+    use = load;
+    typename F::Unit a[D];
 #pragma unroll
     for (int j = 0; j < D; j++)
         if (j < mine) {
-#pragma unroll
-            for (int m = 0; m < M; m++) {
-                const u64 at = (u64)(sb0 + load[m].i) * F::UNIT_BYTES;
-                F::load(load[m].lo + at, load[m].hi + at, c, a[j][m]);
-                mmq_next(p, gated, row_bytes, g, count, M * stride, load[m]);
-            }
+            const u64 at = (u64)(sb0 + load.i) * F::UNIT_BYTES;
+            F::load(load.lo + at, load.hi + at, c, a[j]);
+            mmq_next(p, gated, row_bytes, g, count, stride, load);
         }
     wait_prior_grid();
     const u32 smem = shared_address(mmq_smem);
@@ -703,50 +682,36 @@ __device__ void mmq_impl(const Products& p, u64 row_bytes, int k, const u16* xh,
     __syncthreads();
 
     constexpr int CH = NT <= 2 ? MMQ_CHAINS : 1;
-    float acc[M][CH][NT][4];
+    float acc[CH][NT][4];
 #pragma unroll
-    for (int m = 0; m < M; m++)
+    for (int h = 0; h < CH; h++)
 #pragma unroll
-        for (int h = 0; h < CH; h++)
-#pragma unroll
-            for (int j = 0; j < NT; j++)
-                acc[m][h][j][0] = acc[m][h][j][1] = acc[m][h][j][2] = acc[m][h][j][3] = 0.f;
+        for (int j = 0; j < NT; j++) acc[h][j][0] = acc[h][j][1] = acc[h][j][2] = acc[h][j][3] = 0.f;
     for (int q = 0; q < mine; q += D) {
 #pragma unroll
         for (int j = 0; j < D; j++) {
             if (q + j < mine) {
-                mmq_mul<F, NT, CH, M>(
-                    a[j], (const u8*)mmq_smem + use[0].i * 8 * NT * F::TOKEN_BYTES, g, c, acc);
-                if (use[0].i == count - 1) {
+                mmq_mul<F, NT, CH>(a[j], (const u8*)mmq_smem + use.i * 8 * NT * F::TOKEN_BYTES,
+                                   g, c, acc);
+                if (use.i == count - 1) {
 #pragma unroll
-                    for (int m = 0; m < M; m++) {
+                    for (int h = 1; h < CH; h++)
 #pragma unroll
-                        for (int h = 1; h < CH; h++)
+                        for (int t = 0; t < NT; t++)
 #pragma unroll
-                            for (int t = 0; t < NT; t++)
+                            for (int v = 0; v < 4; v++) acc[0][t][v] += acc[h][t][v];
+                    mmq_store<F, NT>(use, gated, acc[0], n, tiles, parts, tickets, splits, g, c);
 #pragma unroll
-                                for (int v = 0; v < 4; v++) acc[m][0][t][v] += acc[m][h][t][v];
-                        if (M == 1 || use[m].tile < tiles)
-                            mmq_store<F, NT>(use[m], gated, acc[m][0], n, tiles, parts, tickets,
-                                             splits, g, c);
+                    for (int h = 0; h < CH; h++)
 #pragma unroll
-                        for (int h = 0; h < CH; h++)
-#pragma unroll
-                            for (int t = 0; t < NT; t++)
-                                acc[m][h][t][0] = acc[m][h][t][1] = acc[m][h][t][2] =
-                                    acc[m][h][t][3] = 0.f;
-                    }
+                        for (int t = 0; t < NT; t++)
+                            acc[h][t][0] = acc[h][t][1] = acc[h][t][2] = acc[h][t][3] = 0.f;
                 }
-#pragma unroll
-                for (int m = 0; m < M; m++)
-                    mmq_next(p, gated, row_bytes, g, count, M * stride, use[m]);
+                mmq_next(p, gated, row_bytes, g, count, stride, use);
                 if (q + j + D < mine) {
-#pragma unroll
-                    for (int m = 0; m < M; m++) {
-                        const u64 at = (u64)(sb0 + load[m].i) * F::UNIT_BYTES;
-                        F::load(load[m].lo + at, load[m].hi + at, c, a[j][m]);
-                        mmq_next(p, gated, row_bytes, g, count, M * stride, load[m]);
-                    }
+                    const u64 at = (u64)(sb0 + load.i) * F::UNIT_BYTES;
+                    F::load(load.lo + at, load.hi + at, c, a[j]);
+                    mmq_next(p, gated, row_bytes, g, count, stride, load);
                 }
             }
         }

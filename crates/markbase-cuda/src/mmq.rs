@@ -81,14 +81,10 @@ pub(crate) struct Tuning {
     /// Blocks resident on a multiprocessor (`MMQ_WIDE_BLOCKS`): 1 (up to 255 registers a
     /// thread, `WIDE_SHARED`) or 2 (up to 128, `WIDE_SHARED_TWO`).
     wide_blocks: usize,
-    /// Warps of a block (`MMQ_WIDE_WARPS`): `BLOCK_WARPS`, or with one block a
-    /// multiprocessor 12 or 16 (up to 168 or 128 registers a thread, the block's activations
-    /// shared by more warps).
+    /// Warps of a block where it fills every multiprocessor (`MMQ_WIDE_WARPS`; `shape`): with
+    /// one block a multiprocessor 12, 8 or 16 (up to 168, 255 or 128 registers a thread, the
+    /// block's activations shared by its warps); with two, `BLOCK_WARPS`.
     wide_warps: usize,
-    /// Row tiles a warp multiplies at once (`MMQ_WIDE_MTILES`): 1, or with blocks of
-    /// `BLOCK_WARPS` warps 2 (each activation fragment loaded once for both; 234–255
-    /// registers, no spills).
-    wide_mtiles: usize,
     /// Items a launch aims for a multiprocessor where it splits by `ITEMS_PER_SM`'s rule
     /// (`MMQ_WIDE_ITEMS`).
     wide_items: usize,
@@ -109,12 +105,12 @@ impl Tuning {
     /// with the items rule, and 6 732 / 6 958 before the item ends were lean (session 44); an
     /// item's end counted as half a unit, not a whole one, 9 006 / 9 013 against 8 887 /
     /// 8 799 (session 46); one block a multiprocessor for 33–64 rows, not two, 9 934 / 10 049
-    /// against 8 624 / 9 051 (fewer splits and parts; session 47).
+    /// against 8 624 / 9 051 (fewer splits and parts; session 47); blocks of 12 warps where
+    /// they fill every multiprocessor, not 8, 10 762–10 777 against 10 139–10 147 (session 49).
     pub(crate) const DEFAULT: Tuning = Tuning {
         items: ITEMS_PER_SM,
         wide_blocks: 1,
-        wide_warps: BLOCK_WARPS,
-        wide_mtiles: 1,
+        wide_warps: 12,
         wide_items: ITEMS_PER_SM,
         wide_splits: WIDE_SPLITS,
         balance: true,
@@ -144,25 +140,22 @@ impl Tuning {
         };
         let d = Tuning::DEFAULT;
         let wide_blocks = get("MMQ_WIDE_BLOCKS", 1, 2, d.wide_blocks)?;
-        let wide_warps = get("MMQ_WIDE_WARPS", BLOCK_WARPS, 16, d.wide_warps)?;
+        let warps_by_default = if wide_blocks == 1 {
+            d.wide_warps
+        } else {
+            BLOCK_WARPS
+        };
+        let wide_warps = get("MMQ_WIDE_WARPS", BLOCK_WARPS, 16, warps_by_default)?;
         if !wide_warps.is_multiple_of(4) || (wide_warps > BLOCK_WARPS && wide_blocks > 1) {
             return Err(Error::Invalid(format!(
                 "{DEFINES_VAR}: MMQ_WIDE_WARPS={wide_warps} MMQ_WIDE_BLOCKS={wide_blocks}: a \
                  block's warps are {BLOCK_WARPS}, or 12 or 16 with one block a multiprocessor"
             )));
         }
-        let wide_mtiles = get("MMQ_WIDE_MTILES", 1, 2, d.wide_mtiles)?;
-        if wide_mtiles > 1 && wide_warps > BLOCK_WARPS {
-            return Err(Error::Invalid(format!(
-                "{DEFINES_VAR}: MMQ_WIDE_MTILES={wide_mtiles} MMQ_WIDE_WARPS={wide_warps}: two \
-                 row tiles a warp need the registers of blocks of {BLOCK_WARPS} warps"
-            )));
-        }
         Ok(Tuning {
             items: get("MMQ_ITEMS", 1, 64, d.items)?,
             wide_blocks,
             wide_warps,
-            wide_mtiles,
             wide_items: get("MMQ_WIDE_ITEMS", 1, 64, d.wide_items)?,
             wide_splits: get("MMQ_WIDE_SPLITS", 2, 64, d.wide_splits)?,
             balance: get("MMQ_WIDE_BALANCE", 0, 1, d.balance.into())? == 1,
@@ -185,15 +178,6 @@ impl Tuning {
             self.wide_warps
         } else {
             BLOCK_WARPS
-        }
-    }
-
-    /// Row tiles a warp of a launch of `nt` n-tiles multiplies at once.
-    fn mtiles(&self, nt: usize) -> usize {
-        if nt > 4 {
-            self.wide_mtiles
-        } else {
-            1
         }
     }
 
@@ -251,8 +235,7 @@ pub(crate) fn mmq_rows(n: usize) -> bool {
 }
 
 /// How a launch covers its matrices' `tiles` row tiles: `nt` n-tiles of 8 tokens, each tile's
-/// units in `splits` runs of `per_split`, `blocks` blocks of `warps` warps a split, each warp
-/// `mtiles` tiles at once.
+/// units in `splits` runs of `per_split`, `blocks` blocks of `warps` warps a split.
 #[derive(Debug, PartialEq, Eq)]
 struct Shape {
     nt: usize,
@@ -260,7 +243,6 @@ struct Shape {
     per_split: usize,
     blocks: usize,
     warps: usize,
-    mtiles: usize,
 }
 
 impl Shape {
@@ -272,16 +254,14 @@ impl Shape {
 
 /// The launch shape for `n` tokens (at most 8 · `f.most_nt`) and `tiles` row tiles of `k`
 /// values (a multiple of `f.unit`) on `sms` multiprocessors; None where the tiles are too many
-/// to split. Blocks covering more row tiles than `BLOCK_WARPS` warps of one tile each
-/// (`Tuning::wide_warps`, `Tuning::wide_mtiles`) only where their launch fills every
-/// multiprocessor: else its work would crowd onto fewer of them, and its blocks take
-/// `BLOCK_WARPS` tiles (of `mtiles` a warp) as the default's do.
+/// to split. Blocks of more warps than `BLOCK_WARPS` (`Tuning::wide_warps`) only where their
+/// launch fills every multiprocessor: else its work would crowd onto fewer of them.
 fn shape(t: &Tuning, f: &Format, tiles: usize, k: usize, n: usize, sms: usize) -> Option<Shape> {
     let nt = n.div_ceil(8).next_power_of_two().min(f.most_nt);
-    let (warps, mtiles) = (t.block_warps(nt), t.mtiles(nt));
+    let warps = t.block_warps(nt);
     let sh = shape_of_warps(t, f, tiles, k, nt, sms, warps)?;
-    if warps * mtiles > BLOCK_WARPS && sh.blocks * sh.splits < sms {
-        return shape_of_warps(t, f, tiles, k, nt, sms, BLOCK_WARPS / mtiles);
+    if warps > BLOCK_WARPS && sh.blocks * sh.splits < sms {
+        return shape_of_warps(t, f, tiles, k, nt, sms, BLOCK_WARPS);
     }
     Some(sh)
 }
@@ -298,14 +278,12 @@ fn shape_of_warps(
 ) -> Option<Shape> {
     let units = k / f.unit;
     let most_per_split = (t.max_shared(nt) / (8 * nt * f.token_bytes)).min(units);
-    let mtiles = t.mtiles(nt);
-    let groups = tiles.div_ceil(mtiles);
     let resident = |splits: usize| (t.blocks_per_sm(nt) * sms / splits).max(1);
-    let blocks = |splits: usize| groups.div_ceil(warps).min(resident(splits));
+    let blocks = |splits: usize| tiles.div_ceil(warps).min(resident(splits));
     let per_split = if nt > 4 && t.balance {
         let busiest = |p: usize| {
             let splits = units.div_ceil(p);
-            let items = items_a_warp(groups, blocks(splits), warps);
+            let items = items_a_warp(tiles, blocks(splits), warps);
             (busiest_work(items, p, t.item_end), splits)
         };
         (1..=most_per_split)
@@ -328,14 +306,13 @@ fn shape_of_warps(
         per_split,
         blocks: blocks(splits),
         warps,
-        mtiles,
     })
 }
 
-/// Items on the busiest warp of a split of `blocks` blocks of `warps` warps walking `items`
-/// items grid-stride.
-fn items_a_warp(items: usize, blocks: usize, warps: usize) -> usize {
-    items.div_ceil(warps * blocks)
+/// Items on the busiest warp of a split of `blocks` blocks of `warps` warps walking `tiles`
+/// row tiles grid-stride.
+fn items_a_warp(tiles: usize, blocks: usize, warps: usize) -> usize {
+    tiles.div_ceil(warps * blocks)
 }
 
 /// The work of a warp with `items` items of `per_split` units, in tenths of a unit: an item's
@@ -548,19 +525,15 @@ mod tests {
     use super::*;
     use crate::sources::define_lines;
 
-    /// Items (each of `sh.mtiles` tiles) on the busiest warp of a split of `sh`, a launch of
-    /// `tiles` row tiles.
-    fn busiest_items(sh: &Shape, tiles: usize) -> usize {
-        items_a_warp(tiles.div_ceil(sh.mtiles), sh.blocks, sh.warps)
-    }
-
     /// The tuning of the `MARKBASE_CUDA_DEFINES` value `spec`.
     fn tuning(spec: &str) -> Tuning {
         Tuning::from_defines(&define_lines(spec).unwrap()).unwrap()
     }
 
-    /// Session 39's rules: a block a multiprocessor, the items rule, declined from 8 splits.
-    const ITEMS_RULE: &str = "MMQ_WIDE_BLOCKS=1 MMQ_WIDE_BALANCE=0 MMQ_WIDE_SPLITS=8";
+    /// Session 39's rules: a block of 8 warps a multiprocessor, the items rule, declined from 8
+    /// splits.
+    const ITEMS_RULE: &str =
+        "MMQ_WIDE_BLOCKS=1 MMQ_WIDE_WARPS=8 MMQ_WIDE_BALANCE=0 MMQ_WIDE_SPLITS=8";
 
     /// The measured tuning and those of a sweep (`Tuning::from_defines`).
     fn tunings() -> impl Iterator<Item = Tuning> {
@@ -572,7 +545,6 @@ mod tests {
             "MMQ_WIDE_BALANCE=0 MMQ_WIDE_SPLITS=8",
             "MMQ_WIDE_WARPS=16",
             "MMQ_WIDE_WARPS=12",
-            "MMQ_WIDE_MTILES=2",
         ]
         .into_iter()
         .map(tuning)
@@ -602,7 +574,7 @@ mod tests {
                 t[5].block_warps(8),
                 t[5].block_warps(4)
             ),
-            (BLOCK_WARPS, 16, BLOCK_WARPS)
+            (12, 16, BLOCK_WARPS)
         );
         let more = tuning("MMQ_ITEMS=16");
         assert_eq!(
@@ -635,8 +607,6 @@ mod tests {
             "MMQ_WIDE_WARPS=10",
             "MMQ_WIDE_WARPS=20",
             "MMQ_WIDE_WARPS=12 MMQ_WIDE_BLOCKS=2",
-            "MMQ_WIDE_MTILES=3",
-            "MMQ_WIDE_MTILES=2 MMQ_WIDE_WARPS=16",
         ] {
             let e = Tuning::from_defines(&define_lines(bad).unwrap())
                 .unwrap_err()
@@ -648,14 +618,14 @@ mod tests {
     #[test]
     fn e4b_launches_at_64_tokens_under_each_setting() {
         // (splits, units a split, blocks a split, units on the busiest warp, warps a block) of
-        // E4B's q/k/v, o, gate + up, down, PLE gate and PLE projection at 64 tokens on an
-        // H200, or None (launches of 32 rows, or cuBLAS): the table of docs/perf.md session
-        // 43 (its one block a multiprocessor is now the default), the defaults of sessions
-        // 44–45 and 46, of session 47 on, blocks of 16 and 12 warps (only gate + up fills
-        // every multiprocessor with them: 3 splits of 4 units, 8 units on the busiest warp,
-        // and 2 splits of 5, 10 units, where 8 warps have 15; the rest keep 8 warps), and two
-        // row tiles a warp (gate + up as 16 warps of one; the rest in blocks of 4 warps, 8
-        // tiles a block as by default; a busiest warp's units count both its tiles' as one).
+        // E4B's q/k/v,
+        // o, gate + up, down, PLE gate and PLE projection at 64 tokens on an H200, or None
+        // (launches of 32 rows, or cuBLAS): the table of docs/perf.md session 43 (its one
+        // block a multiprocessor is now the default), the defaults of sessions 44–45 and 46,
+        // of sessions 47–48, blocks of 16 warps and the default from session 49, 12 (only
+        // gate + up fills every multiprocessor with them: 3 splits of 4 units, 8 units on the
+        // busiest warp, and 2 splits of 5, 10 units, where 8 warps have 15; the rest keep 8
+        // warps).
         type Cell = Option<(usize, usize, usize, usize, usize)>;
         let cell = |t: &Tuning, cols: usize, rows: &[usize], gated: bool| -> Cell {
             let mut e = Extent::products(GgmlType::Q4_K, cols, rows.iter().copied());
@@ -665,7 +635,7 @@ mod tests {
             let p = plan(t, &e, 64, 132, 227 << 10)?;
             assert_eq!(p.len(), 1);
             let sh = &p[0].2;
-            let busiest = busiest_items(sh, e.tiles) * sh.per_split;
+            let busiest = items_a_warp(e.tiles, sh.blocks, sh.warps) * sh.per_split;
             Some((sh.splits, sh.per_split, sh.blocks, busiest, sh.warps))
         };
         let specs = [
@@ -674,12 +644,11 @@ mod tests {
             "MMQ_WIDE_BLOCKS=2 MMQ_WIDE_BALANCE=0 MMQ_WIDE_ITEMS=16 MMQ_WIDE_SPLITS=16",
             "MMQ_WIDE_BLOCKS=2 MMQ_WIDE_ITEM_END=10",
             "MMQ_WIDE_BLOCKS=2",
-            "",
+            "MMQ_WIDE_WARPS=8",
             "MMQ_WIDE_WARPS=16",
-            "MMQ_WIDE_WARPS=12",
-            "MMQ_WIDE_MTILES=2",
+            "",
         ];
-        let want: [[Cell; 6]; 9] = [
+        let want: [[Cell; 6]; 8] = [
             [
                 Some((5, 2, 24, 2, 8)),
                 Some((4, 2, 20, 2, 8)),
@@ -744,14 +713,6 @@ mod tests {
                 Some((10, 1, 2, 1, 8)),
                 Some((1, 1, 20, 1, 8)),
             ],
-            [
-                Some((5, 2, 24, 2, 4)),
-                Some((4, 2, 20, 2, 4)),
-                Some((3, 4, 44, 8, 8)),
-                Some((10, 4, 13, 8, 4)),
-                Some((10, 1, 2, 1, 4)),
-                Some((1, 1, 20, 1, 4)),
-            ],
         ];
         for (spec, want) in specs.iter().zip(want) {
             let t = tuning(spec);
@@ -779,9 +740,9 @@ mod tests {
         // 2 · 3.5; 3 · 5.5 against 13 · 1.5.)
         let q4k = format(GgmlType::Q4_K).unwrap();
         let work = |tiles: usize, sh: &Shape| {
-            busiest_work(busiest_items(sh, tiles), sh.per_split, 10) / 10
+            busiest_work(items_a_warp(tiles, sh.blocks, sh.warps), sh.per_split, 10) / 10
         };
-        let (one, two) = (Tuning::DEFAULT, tuning("MMQ_WIDE_BLOCKS=2"));
+        let (one, two) = (tuning("MMQ_WIDE_WARPS=8"), tuning("MMQ_WIDE_BLOCKS=2"));
         let down = shape(&one, &q4k, 160, 10_240, 64, 132).unwrap();
         assert_eq!((down.splits, down.per_split, work(160, &down)), (10, 4, 10));
         let down = shape(&two, &q4k, 160, 10_240, 64, 132).unwrap();
@@ -844,9 +805,7 @@ mod tests {
                 );
                 let resident = t.blocks_per_sm(sh.nt) * 132;
                 assert!(sh.blocks * sh.splits <= resident || sh.blocks == 1);
-                assert!(
-                    sh.blocks >= 1 && sh.blocks <= tiles.div_ceil(sh.mtiles).div_ceil(sh.warps)
-                );
+                assert!(sh.blocks >= 1 && sh.blocks <= tiles.div_ceil(sh.warps));
                 // Enough items, or one super-block a split, or shared memory full.
                 assert!(
                     2 * tiles * sh.splits >= 8 * 132
@@ -866,7 +825,6 @@ mod tests {
                 per_split: 6,
                 blocks: 20,
                 warps: 8,
-                mtiles: 1,
             })
         );
         assert_eq!(shape(&d, &q4k, TICKETS + 1, 12_800, 32, 132), None);

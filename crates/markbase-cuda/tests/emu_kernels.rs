@@ -48,13 +48,15 @@ type MmqKernel = unsafe extern "C" fn(
 );
 
 /// Threads of an mmq block of `nt` n-tiles: 8 warps, or for 8 n-tiles `MMQ_WIDE_WARPS` of
-/// `MARKBASE_CUDA_DEFINES` (mmq.cu).
+/// `MARKBASE_CUDA_DEFINES` (mmq.cu's default: 12 with one block a multiprocessor, 8 with two).
 fn mmq_threads(nt: usize) -> u32 {
     let defines = defines_from_env().unwrap();
-    match define_value(&defines, "MMQ_WIDE_WARPS") {
-        Some(w) if nt > 4 => 32 * w.parse::<u32>().unwrap(),
-        _ => 256,
-    }
+    let warps = match define_value(&defines, "MMQ_WIDE_WARPS") {
+        Some(w) => w.parse::<u32>().unwrap(),
+        None if define_value(&defines, "MMQ_WIDE_BLOCKS") == Some("2") => 8,
+        None => 12,
+    };
+    32 * if nt > 4 { warps } else { 8 }
 }
 /// Shared memory a token's 256-value unit of activations takes in an mmq block (MmqSlots).
 const MMQ_TOKEN_BYTES: usize = 576;
@@ -131,8 +133,6 @@ struct MmqShape {
     nt: usize,
     blocks: u32,
     splits: usize,
-    /// Threads of a block: `mmq_threads` where None.
-    threads: Option<u32>,
 }
 
 /// What a launch covers: `mats` matrices of `rows` rows each (a gated pair: gate, up), `k`
@@ -181,7 +181,7 @@ fn check_mmq(unit: &EmuModule, format: &str, case: &MmqCase, shape: &MmqShape, s
     let per_split = units.div_ceil(shape.splits);
     assert_eq!(units.div_ceil(per_split), shape.splits, "no empty split");
     // 16 floats a tile, token slot (8 · nt of them: the parts keep every slot's) and split,
-    // and a tile's more past the end that no part may touch (a warp's tile past the last).
+    // and a tile's more past the end, which no part may touch.
     let part_floats = shape.splits * 8 * shape.nt * tiles * 16;
     let mut parts = vec![f32::NAN; part_floats + 8 * shape.nt * 16];
     let mut tickets = vec![0u32; tiles];
@@ -207,7 +207,7 @@ fn check_mmq(unit: &EmuModule, format: &str, case: &MmqCase, shape: &MmqShape, s
     let (gated, splits) = (i32::from(case.gated), shape.splits as i32);
     unit.launch(
         [shape.blocks, shape.splits as u32, 1],
-        [shape.threads.unwrap_or_else(|| mmq_threads(shape.nt)), 1, 1],
+        [mmq_threads(shape.nt), 1, 1],
         shared,
         // SAFETY: every buffer outlives the launch and has the size the kernel indexes.
         &|| unsafe {
@@ -283,15 +283,13 @@ fn mmq_format(ty: GgmlType, format: &'static str) {
     let Some(unit) = gemv_unit(format) else {
         return;
     };
-    for (n, nt, splits, rows, threads) in [
-        (3, 1, 1, [40, 24], None),
-        (13, 2, 3, [40, 24], None),
-        (27, 4, 1, [40, 24], None),
-        (64, 8, 2, [40, 24], None),
+    for (n, nt, splits, rows) in [
+        (3, 1, 1, [40, 24]),
+        (13, 2, 3, [40, 24]),
+        (27, 4, 1, [40, 24]),
+        (64, 8, 2, [40, 24]),
         // 22 row tiles: every warp of a block of 16 has one, some walk a second.
-        (64, 8, 2, [200, 136], None),
-        // Blocks of 4 warps (two row tiles a warp where a launch does not fill the GPU).
-        (64, 8, 2, [200, 136], Some(128)),
+        (64, 8, 2, [200, 136]),
     ] {
         let case = MmqCase {
             ty,
@@ -304,9 +302,8 @@ fn mmq_format(ty: GgmlType, format: &'static str) {
             nt,
             blocks: 1,
             splits,
-            threads,
         };
-        let seed = format!("mmq {format} n={n} rows {rows:?} threads {threads:?}");
+        let seed = format!("mmq {format} n={n} rows {rows:?}");
         check_mmq(&unit, format, &case, &shape, &seed);
     }
     for (n, nt, splits) in [(9, 2, 3), (40, 8, 1), (40, 8, 3)] {
@@ -321,7 +318,6 @@ fn mmq_format(ty: GgmlType, format: &'static str) {
             nt,
             blocks: 2,
             splits,
-            threads: None,
         };
         let seed = format!("mmq gated {format} n={n}");
         check_mmq(&unit, format, &case, &shape, &seed);

@@ -74,15 +74,6 @@ const VARIANTS: &[(Unit, &str, &str)] = &[
     ),
     (
         Unit {
-            module: Module::Gemv,
-            part: Part::Format("q4_k"),
-        },
-        // mmq_q4_k_8's warps take two row tiles at once.
-        "MMQ_WIDE_MTILES=2",
-        "",
-    ),
-    (
-        Unit {
             module: Module::Chain,
             part: Part::Whole,
         },
