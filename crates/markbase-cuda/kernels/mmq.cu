@@ -48,9 +48,10 @@
 #ifndef MMQ_LEGACY_UNITS_AHEAD
 #define MMQ_LEGACY_UNITS_AHEAD 1
 #endif
-// Units loaded ahead by a warp of a launch of 8 n-tiles (every format). With one block a
-// multiprocessor (MMQ_WIDE_BLOCKS=1) 2 fits every format without a spill; it ran E4B Q4_K_M's
-// 64-sequence step 2–4 % slower than 1 in session 39, and as fast as 1 in session 44.
+// Units loaded ahead by a warp of a launch of 8 n-tiles (every format). With one block of 8
+// warps a multiprocessor (MMQ_WIDE_BLOCKS=1 MMQ_WIDE_WARPS=8) 2 fits every format without a
+// spill; it ran E4B Q4_K_M's 64-sequence step 2–4 % slower than 1 in session 39, as fast as 1
+// in session 44 and 4 % slower in session 48.
 #ifndef MMQ_WIDE_UNITS_AHEAD
 #define MMQ_WIDE_UNITS_AHEAD 1
 #endif
