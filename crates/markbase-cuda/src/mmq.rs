@@ -78,8 +78,8 @@ pub(crate) struct Tuning {
     /// Items a launch of 4 n-tiles or fewer aims for a multiprocessor (`MMQ_ITEMS`,
     /// `ITEMS_PER_SM`).
     items: usize,
-    /// Blocks resident on a multiprocessor (`MMQ_WIDE_BLOCKS`): 1 (up to 255 registers a
-    /// thread, `WIDE_SHARED`) or 2 (up to 128, `WIDE_SHARED_TWO`).
+    /// Blocks resident on a multiprocessor (`MMQ_WIDE_BLOCKS`): 1 (`WIDE_SHARED`; registers
+    /// as `wide_warps` allow) or 2 (up to 128 registers a thread, `WIDE_SHARED_TWO`).
     wide_blocks: usize,
     /// Warps of a block where it fills every multiprocessor (`MMQ_WIDE_WARPS`; `shape`): with
     /// one block a multiprocessor 12, 8 or 16 (up to 168, 255 or 128 registers a thread, the
@@ -544,7 +544,7 @@ mod tests {
             "MMQ_WIDE_BLOCKS=2",
             "MMQ_WIDE_BALANCE=0 MMQ_WIDE_SPLITS=8",
             "MMQ_WIDE_WARPS=16",
-            "MMQ_WIDE_WARPS=12",
+            "MMQ_WIDE_WARPS=8",
         ]
         .into_iter()
         .map(tuning)
@@ -618,14 +618,13 @@ mod tests {
     #[test]
     fn e4b_launches_at_64_tokens_under_each_setting() {
         // (splits, units a split, blocks a split, units on the busiest warp, warps a block) of
-        // E4B's q/k/v,
-        // o, gate + up, down, PLE gate and PLE projection at 64 tokens on an H200, or None
-        // (launches of 32 rows, or cuBLAS): the table of docs/perf.md session 43 (its one
-        // block a multiprocessor is now the default), the defaults of sessions 44–45 and 46,
-        // of sessions 47–48, blocks of 16 warps and the default from session 49, 12 (only
-        // gate + up fills every multiprocessor with them: 3 splits of 4 units, 8 units on the
-        // busiest warp, and 2 splits of 5, 10 units, where 8 warps have 15; the rest keep 8
-        // warps).
+        // E4B's q/k/v, o, gate + up, down, PLE gate and PLE projection at 64 tokens on an
+        // H200, or None (launches of 32 rows, or cuBLAS): the table of docs/perf.md session
+        // 43 (its one block a multiprocessor is now the default), the defaults of sessions
+        // 44–45 and 46, of sessions 47–48, blocks of 16 warps and the default from session
+        // 49, 12 (only gate + up fills every multiprocessor with them: 3 splits of 4 units, 8
+        // units on the busiest warp, and 2 splits of 5, 10 units, where 8 warps have 15; the
+        // rest keep 8 warps).
         type Cell = Option<(usize, usize, usize, usize, usize)>;
         let cell = |t: &Tuning, cols: usize, rows: &[usize], gated: bool| -> Cell {
             let mut e = Extent::products(GgmlType::Q4_K, cols, rows.iter().copied());
