@@ -81,10 +81,14 @@ pub(crate) struct Tuning {
     /// Blocks resident on a multiprocessor (`MMQ_WIDE_BLOCKS`): 1 (`WIDE_SHARED`; registers
     /// as `wide_warps` allow) or 2 (up to 128 registers a thread, `WIDE_SHARED_TWO`).
     wide_blocks: usize,
-    /// Warps of a block where it fills every multiprocessor (`MMQ_WIDE_WARPS`; `shape`): with
-    /// one block a multiprocessor 12, 8 or 16 (up to 168, 255 or 128 registers a thread, the
-    /// block's activations shared by its warps); with two, `BLOCK_WARPS`.
+    /// Warps of a block where `shape` takes them (`MMQ_WIDE_WARPS`): with one block a
+    /// multiprocessor 12, 8 or 16 (up to 168, 255 or 128 registers a thread, the block's
+    /// activations shared by its warps); with two, `BLOCK_WARPS`.
     wide_warps: usize,
+    /// Whether blocks of `wide_warps` warps go wherever `wide_pays` estimates them the
+    /// faster (`MMQ_WIDE_PAYS` 1, not yet timed on a GPU) rather than only to launches they
+    /// spread over every multiprocessor (0, session 49's rule).
+    wide_when_faster: bool,
     /// Items a launch aims for a multiprocessor where it splits by `ITEMS_PER_SM`'s rule
     /// (`MMQ_WIDE_ITEMS`).
     wide_items: usize,
@@ -111,6 +115,7 @@ impl Tuning {
         items: ITEMS_PER_SM,
         wide_blocks: 1,
         wide_warps: 12,
+        wide_when_faster: false,
         wide_items: ITEMS_PER_SM,
         wide_splits: WIDE_SPLITS,
         balance: true,
@@ -156,6 +161,7 @@ impl Tuning {
             items: get("MMQ_ITEMS", 1, 64, d.items)?,
             wide_blocks,
             wide_warps,
+            wide_when_faster: get("MMQ_WIDE_PAYS", 0, 1, d.wide_when_faster.into())? == 1,
             wide_items: get("MMQ_WIDE_ITEMS", 1, 64, d.wide_items)?,
             wide_splits: get("MMQ_WIDE_SPLITS", 2, 64, d.wide_splits)?,
             balance: get("MMQ_WIDE_BALANCE", 0, 1, d.balance.into())? == 1,
@@ -254,16 +260,47 @@ impl Shape {
 
 /// The launch shape for `n` tokens (at most 8 · `f.most_nt`) and `tiles` row tiles of `k`
 /// values (a multiple of `f.unit`) on `sms` multiprocessors; None where the tiles are too many
-/// to split. Blocks of more warps than `BLOCK_WARPS` (`Tuning::wide_warps`) only where their
-/// launch fills every multiprocessor: else its work would crowd onto fewer of them.
+/// to split. Blocks of more warps than `BLOCK_WARPS` (`Tuning::wide_warps`) where they are the
+/// faster (`wide_pays`) under `Tuning::wide_when_faster`, else where their launch fills
+/// every multiprocessor.
 fn shape(t: &Tuning, f: &Format, tiles: usize, k: usize, n: usize, sms: usize) -> Option<Shape> {
     let nt = n.div_ceil(8).next_power_of_two().min(f.most_nt);
+    let narrow = shape_of_warps(t, f, tiles, k, nt, sms, BLOCK_WARPS);
     let warps = t.block_warps(nt);
-    let sh = shape_of_warps(t, f, tiles, k, nt, sms, warps)?;
-    if warps > BLOCK_WARPS && sh.blocks * sh.splits < sms {
-        return shape_of_warps(t, f, tiles, k, nt, sms, BLOCK_WARPS);
+    if warps == BLOCK_WARPS {
+        return narrow;
     }
-    Some(sh)
+    let wide = shape_of_warps(t, f, tiles, k, nt, sms, warps)?;
+    let takes_wide = match &narrow {
+        None => true,
+        Some(narrow) if t.wide_when_faster => wide_pays(t, tiles, &wide, narrow),
+        Some(_) => wide.blocks * wide.splits >= sms,
+    };
+    if takes_wide {
+        Some(wide)
+    } else {
+        narrow
+    }
+}
+
+/// A multiprocessor's rate of units with a block of 12 warps, in eighths of its rate with one
+/// of `BLOCK_WARPS`: E4B Q4_K gate + up at 64 tokens on the H100 ran 10 units on its busiest
+/// warp in 44.7 µs against 15 in 50.6 (docs/perf.md session 49), 12 / 4.47 against 8 / 3.37
+/// units a µs, 1.13 times.
+const WIDE_RATE_EIGHTHS: usize = 9;
+
+/// Whether a launch of `tiles` row tiles shaped `wide` (blocks of more than `BLOCK_WARPS`
+/// warps) ends sooner than shaped `narrow`: its busiest warp's work (`busiest_work`) over a
+/// warp's rate, which is `WIDE_RATE_EIGHTHS` / 8 of the multiprocessor's over its warps.
+fn wide_pays(t: &Tuning, tiles: usize, wide: &Shape, narrow: &Shape) -> bool {
+    let work = |sh: &Shape| {
+        busiest_work(
+            items_a_warp(tiles, sh.blocks, sh.warps),
+            sh.per_split,
+            t.item_end,
+        )
+    };
+    work(wide) * wide.warps * 8 < work(narrow) * narrow.warps * WIDE_RATE_EIGHTHS
 }
 
 /// `shape` with blocks of `warps` warps and `nt` n-tiles.
@@ -545,6 +582,7 @@ mod tests {
             "MMQ_WIDE_BALANCE=0 MMQ_WIDE_SPLITS=8",
             "MMQ_WIDE_WARPS=16",
             "MMQ_WIDE_WARPS=8",
+            "MMQ_WIDE_PAYS=1",
         ]
         .into_iter()
         .map(tuning)
@@ -607,6 +645,7 @@ mod tests {
             "MMQ_WIDE_WARPS=10",
             "MMQ_WIDE_WARPS=20",
             "MMQ_WIDE_WARPS=12 MMQ_WIDE_BLOCKS=2",
+            "MMQ_WIDE_PAYS=2",
         ] {
             let e = Tuning::from_defines(&define_lines(bad).unwrap())
                 .unwrap_err()
@@ -624,7 +663,9 @@ mod tests {
         // 44–45 and 46, of sessions 47–48, blocks of 16 warps and the default from session
         // 49, 12 (only gate + up fills every multiprocessor with them: 3 splits of 4 units, 8
         // units on the busiest warp, and 2 splits of 5, 10 units, where 8 warps have 15; the
-        // rest keep 8 warps).
+        // rest keep 8 warps), and blocks of 12 warps where `wide_pays` estimates them the
+        // faster: o too (8 splits of 1 unit, 1 on the busiest warp against 2) and down (8 of
+        // 5, 5 units against 8; 14 blocks a split, 112 of 132 multiprocessors).
         type Cell = Option<(usize, usize, usize, usize, usize)>;
         let cell = |t: &Tuning, cols: usize, rows: &[usize], gated: bool| -> Cell {
             let mut e = Extent::products(GgmlType::Q4_K, cols, rows.iter().copied());
@@ -646,8 +687,9 @@ mod tests {
             "MMQ_WIDE_WARPS=8",
             "MMQ_WIDE_WARPS=16",
             "",
+            "MMQ_WIDE_PAYS=1",
         ];
-        let want: [[Cell; 6]; 8] = [
+        let want: [[Cell; 6]; 9] = [
             [
                 Some((5, 2, 24, 2, 8)),
                 Some((4, 2, 20, 2, 8)),
@@ -709,6 +751,14 @@ mod tests {
                 Some((4, 2, 20, 2, 8)),
                 Some((2, 5, 66, 10, 12)),
                 Some((10, 4, 13, 8, 8)),
+                Some((10, 1, 2, 1, 8)),
+                Some((1, 1, 20, 1, 8)),
+            ],
+            [
+                Some((5, 2, 24, 2, 8)),
+                Some((8, 1, 14, 1, 12)),
+                Some((2, 5, 66, 10, 12)),
+                Some((8, 5, 14, 5, 12)),
                 Some((10, 1, 2, 1, 8)),
                 Some((1, 1, 20, 1, 8)),
             ],
