@@ -86,8 +86,9 @@ pub(crate) struct Tuning {
     /// activations shared by its warps); with two, `BLOCK_WARPS`.
     wide_warps: usize,
     /// Whether blocks of `wide_warps` warps go wherever `wide_pays` estimates them the
-    /// faster (`MMQ_WIDE_PAYS` 1, not yet timed on a GPU) rather than only to launches they
-    /// spread over every multiprocessor (0, session 49's rule).
+    /// faster and they split a tile's units no more ways than blocks of `BLOCK_WARPS`
+    /// (`MMQ_WIDE_PAYS` 1) rather than only to launches they spread over every multiprocessor
+    /// (0, session 49's rule).
     wide_when_faster: bool,
     /// Items a launch aims for a multiprocessor where it splits by `ITEMS_PER_SM`'s rule
     /// (`MMQ_WIDE_ITEMS`).
@@ -110,12 +111,15 @@ impl Tuning {
     /// item's end counted as half a unit, not a whole one, 9 006 / 9 013 against 8 887 /
     /// 8 799 (session 46); one block a multiprocessor for 33–64 rows, not two, 9 934 / 10 049
     /// against 8 624 / 9 051 (fewer splits and parts; session 47); blocks of 12 warps where
-    /// they fill every multiprocessor, not 8, 10 762–10 777 against 10 139–10 147 (session 49).
+    /// they fill every multiprocessor, not 8, 10 762–10 777 against 10 139–10 147 (session 49);
+    /// and where `wide_pays` estimates them the faster (down too), on the H200 11 327 / 11 474
+    /// against 10 973 / 10 941 (session 50, o then taking them too in 8 splits, its product
+    /// 10.6 → 11.8 µs: no more splits than 8 warps' since).
     pub(crate) const DEFAULT: Tuning = Tuning {
         items: ITEMS_PER_SM,
         wide_blocks: 1,
         wide_warps: 12,
-        wide_when_faster: false,
+        wide_when_faster: true,
         wide_items: ITEMS_PER_SM,
         wide_splits: WIDE_SPLITS,
         balance: true,
@@ -261,8 +265,10 @@ impl Shape {
 /// The launch shape for `n` tokens (at most 8 · `f.most_nt`) and `tiles` row tiles of `k`
 /// values (a multiple of `f.unit`) on `sms` multiprocessors; None where the tiles are too many
 /// to split. Blocks of more warps than `BLOCK_WARPS` (`Tuning::wide_warps`) where they are the
-/// faster (`wide_pays`) under `Tuning::wide_when_faster`, else where their launch fills
-/// every multiprocessor.
+/// faster (`wide_pays`) in no more splits (a split's parts and their fix-up, which the estimate
+/// leaves out, made E4B's o 8 splits of 1 unit slower than 4 of 2 under 8 warps: 11.8 against
+/// 10.6 µs, docs/perf.md session 50), under `Tuning::wide_when_faster`; else where their
+/// launch fills every multiprocessor.
 fn shape(t: &Tuning, f: &Format, tiles: usize, k: usize, n: usize, sms: usize) -> Option<Shape> {
     let nt = n.div_ceil(8).next_power_of_two().min(f.most_nt);
     let narrow = shape_of_warps(t, f, tiles, k, nt, sms, BLOCK_WARPS);
@@ -273,7 +279,9 @@ fn shape(t: &Tuning, f: &Format, tiles: usize, k: usize, n: usize, sms: usize) -
     let wide = shape_of_warps(t, f, tiles, k, nt, sms, warps)?;
     let takes_wide = match &narrow {
         None => true,
-        Some(narrow) if t.wide_when_faster => wide_pays(t, tiles, &wide, narrow),
+        Some(narrow) if t.wide_when_faster => {
+            wide.splits <= narrow.splits && wide_pays(t, tiles, &wide, narrow)
+        }
         Some(_) => wide.blocks * wide.splits >= sms,
     };
     if takes_wide {
@@ -582,7 +590,7 @@ mod tests {
             "MMQ_WIDE_BALANCE=0 MMQ_WIDE_SPLITS=8",
             "MMQ_WIDE_WARPS=16",
             "MMQ_WIDE_WARPS=8",
-            "MMQ_WIDE_PAYS=1",
+            "MMQ_WIDE_PAYS=0",
         ]
         .into_iter()
         .map(tuning)
@@ -663,9 +671,10 @@ mod tests {
         // 44–45 and 46, of sessions 47–48, blocks of 16 warps and the default from session
         // 49, 12 (only gate + up fills every multiprocessor with them: 3 splits of 4 units, 8
         // units on the busiest warp, and 2 splits of 5, 10 units, where 8 warps have 15; the
-        // rest keep 8 warps), and blocks of 12 warps where `wide_pays` estimates them the
-        // faster: o too (8 splits of 1 unit, 1 on the busiest warp against 2) and down (8 of
-        // 5, 5 units against 8; 14 blocks a split, 112 of 132 multiprocessors).
+        // rest keep 8 warps), and the default from session 50: blocks of 12 warps where
+        // `wide_pays` estimates them the faster in no more splits — down too (8 splits of 5
+        // units, 5 on the busiest warp against 8; 14 blocks a split, 112 of 132
+        // multiprocessors), not o (8 splits of 1 unit against 4 of 2).
         type Cell = Option<(usize, usize, usize, usize, usize)>;
         let cell = |t: &Tuning, cols: usize, rows: &[usize], gated: bool| -> Cell {
             let mut e = Extent::products(GgmlType::Q4_K, cols, rows.iter().copied());
@@ -685,9 +694,9 @@ mod tests {
             "MMQ_WIDE_BLOCKS=2 MMQ_WIDE_ITEM_END=10",
             "MMQ_WIDE_BLOCKS=2",
             "MMQ_WIDE_WARPS=8",
-            "MMQ_WIDE_WARPS=16",
+            "MMQ_WIDE_WARPS=16 MMQ_WIDE_PAYS=0",
+            "MMQ_WIDE_PAYS=0",
             "",
-            "MMQ_WIDE_PAYS=1",
         ];
         let want: [[Cell; 6]; 9] = [
             [
@@ -756,7 +765,7 @@ mod tests {
             ],
             [
                 Some((5, 2, 24, 2, 8)),
-                Some((8, 1, 14, 1, 12)),
+                Some((4, 2, 20, 2, 8)),
                 Some((2, 5, 66, 10, 12)),
                 Some((8, 5, 14, 5, 12)),
                 Some((10, 1, 2, 1, 8)),
