@@ -260,6 +260,16 @@ impl Shape {
     fn shared(&self, f: &Format) -> usize {
         8 * self.nt * self.per_split * f.token_bytes
     }
+
+    /// The work of the busiest warp of a launch of `tiles` row tiles (`busiest_work`, an item's
+    /// end counted as `end` tenths of a unit).
+    fn busiest(&self, tiles: usize, end: usize) -> usize {
+        busiest_work(
+            items_a_warp(tiles, self.blocks, self.warps),
+            self.per_split,
+            end,
+        )
+    }
 }
 
 /// The launch shape for `n` tokens (at most 8 · `f.most_nt`) and `tiles` row tiles of `k`
@@ -277,12 +287,12 @@ fn shape(t: &Tuning, f: &Format, tiles: usize, k: usize, n: usize, sms: usize) -
         return narrow;
     }
     let wide = shape_of_warps(t, f, tiles, k, nt, sms, warps)?;
-    let takes_wide = match &narrow {
-        None => true,
-        Some(narrow) if t.wide_when_faster => {
-            wide.splits <= narrow.splits && wide_pays(t, tiles, &wide, narrow)
-        }
-        Some(_) => wide.blocks * wide.splits >= sms,
+    let takes_wide = if t.wide_when_faster {
+        narrow
+            .as_ref()
+            .is_none_or(|narrow| wide.splits <= narrow.splits && wide_pays(t, tiles, &wide, narrow))
+    } else {
+        wide.blocks * wide.splits >= sms
     };
     if takes_wide {
         Some(wide)
@@ -294,21 +304,15 @@ fn shape(t: &Tuning, f: &Format, tiles: usize, k: usize, n: usize, sms: usize) -
 /// A multiprocessor's rate of units with a block of 12 warps, in eighths of its rate with one
 /// of `BLOCK_WARPS`: E4B Q4_K gate + up at 64 tokens on the H100 ran 10 units on its busiest
 /// warp in 44.7 µs against 15 in 50.6 (docs/perf.md session 49), 12 / 4.47 against 8 / 3.37
-/// units a µs, 1.13 times.
+/// units a µs, 1.13 times (`wide_pays` takes it for blocks of 16 warps too, unmeasured).
 const WIDE_RATE_EIGHTHS: usize = 9;
 
 /// Whether a launch of `tiles` row tiles shaped `wide` (blocks of more than `BLOCK_WARPS`
 /// warps) ends sooner than shaped `narrow`: its busiest warp's work (`busiest_work`) over a
 /// warp's rate, which is `WIDE_RATE_EIGHTHS` / 8 of the multiprocessor's over its warps.
 fn wide_pays(t: &Tuning, tiles: usize, wide: &Shape, narrow: &Shape) -> bool {
-    let work = |sh: &Shape| {
-        busiest_work(
-            items_a_warp(tiles, sh.blocks, sh.warps),
-            sh.per_split,
-            t.item_end,
-        )
-    };
-    work(wide) * wide.warps * 8 < work(narrow) * narrow.warps * WIDE_RATE_EIGHTHS
+    let work = |sh: &Shape| sh.busiest(tiles, t.item_end) * sh.warps;
+    work(wide) * 8 < work(narrow) * WIDE_RATE_EIGHTHS
 }
 
 /// `shape` with blocks of `warps` warps and `nt` n-tiles.
@@ -684,7 +688,7 @@ mod tests {
             let p = plan(t, &e, 64, 132, 227 << 10)?;
             assert_eq!(p.len(), 1);
             let sh = &p[0].2;
-            let busiest = items_a_warp(e.tiles, sh.blocks, sh.warps) * sh.per_split;
+            let busiest = sh.busiest(e.tiles, 0) / 10;
             Some((sh.splits, sh.per_split, sh.blocks, busiest, sh.warps))
         };
         let specs = [
@@ -797,9 +801,7 @@ mod tests {
         // half unit the same shapes win: 2 · 4.5 against 2 · 5.5 and 4 · 2.5; 2 · 2.5 against
         // 2 · 3.5; 3 · 5.5 against 13 · 1.5.)
         let q4k = format(GgmlType::Q4_K).unwrap();
-        let work = |tiles: usize, sh: &Shape| {
-            busiest_work(items_a_warp(tiles, sh.blocks, sh.warps), sh.per_split, 10) / 10
-        };
+        let work = |tiles: usize, sh: &Shape| sh.busiest(tiles, 10) / 10;
         let (one, two) = (tuning("MMQ_WIDE_WARPS=8"), tuning("MMQ_WIDE_BLOCKS=2"));
         let down = shape(&one, &q4k, 160, 10_240, 64, 132).unwrap();
         assert_eq!((down.splits, down.per_split, work(160, &down)), (10, 4, 10));
