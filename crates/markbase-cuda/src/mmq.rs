@@ -114,7 +114,8 @@ impl Tuning {
     /// they fill every multiprocessor, not 8, 10 762–10 777 against 10 139–10 147 (session 49);
     /// and where `wide_pays` estimates them the faster (down too), on the H200 11 327 / 11 474
     /// against 10 973 / 10 941 (session 50, o then taking them too in 8 splits, its product
-    /// 10.6 → 11.8 µs: no more splits than 8 warps' since).
+    /// 10.6 → 11.8 µs: no more splits than 8 warps' since; so refined, on the H100 11 252 /
+    /// 11 279 against 10 745 / 10 743, session 51).
     pub(crate) const DEFAULT: Tuning = Tuning {
         items: ITEMS_PER_SM,
         wide_blocks: 1,
