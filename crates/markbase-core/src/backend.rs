@@ -20,6 +20,7 @@ use std::sync::Arc;
 use memmap2::Mmap;
 
 use crate::quant::GgmlType;
+use crate::sampling::Draw;
 use crate::{Error, Result};
 
 /// Bytes of a stored tensor on the host: borrowed from a mapped file, or owned.
@@ -685,6 +686,26 @@ pub trait Backend: Send + Sync {
     /// index; NaN never wins), computed where `x` lives: only the indices come back to the host
     /// (a step's one synchronisation, as [`Backend::read`]).
     fn argmax(&self, x: &Self::Buffer, rows: usize, n: usize) -> Result<Vec<u32>>;
+    /// The token each of `rows` rows of `n` values of `x` picks under its draw (`draws[r]`:
+    /// [`crate::sampling::pick`], greedy at temperature 0). A GPU backend picks where `x` lives,
+    /// so only the ids come back (a step's one synchronisation, as [`Backend::read`]); this
+    /// default reads the rows to the host and picks there.
+    fn sample(&self, x: &Self::Buffer, rows: usize, n: usize, draws: &[Draw]) -> Result<Vec<u32>> {
+        if draws.len() != rows {
+            return Err(Error::Invalid(format!(
+                "sample: {} draws for {rows} rows",
+                draws.len()
+            )));
+        }
+        let mut host = vec![0f32; rows * n];
+        self.read(x, &mut host)?;
+        let mut cand = Vec::new();
+        Ok(host
+            .chunks(n.max(1))
+            .zip(draws)
+            .map(|(row, d)| crate::sampling::pick(d, &mut cand, row))
+            .collect())
+    }
     /// Copies the first `dst.len()` values of `x` to the host — the step's one synchronisation.
     fn read(&self, x: &Self::Buffer, dst: &mut [f32]) -> Result<()>;
 }

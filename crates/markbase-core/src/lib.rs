@@ -6,6 +6,7 @@ pub mod error;
 pub mod gguf;
 pub mod quant;
 pub mod safetensors;
+pub mod sampling;
 pub mod tokenizer;
 
 pub use error::{Error, Result};

@@ -75,23 +75,128 @@ extern "C" __global__ void argmax_join(const float* part, int parts, int n, u32*
     if (threadIdx.x == 0) out[blockIdx.x] = bi < n ? (u32)bi : 0u;
 }
 
-// Top-k (k ≤ 256) then top-p (nucleus) sampling at `temperature` with the uniform draw u[row]
-// in [0, 1): the k best logits (value desc, index asc) are taken one block-argmax pass at a
-// time, softmax(logit / temperature) over them, the shortest prefix whose mass reaches top_p
-// is kept, and the token where u · mass falls in that prefix's cumulative sum is chosen.
-extern "C" __global__ void sample_top_k_p(const float* x, int n, int top_k, float top_p,
-                                          float temperature, const float* u, u32* out) {
+// Sum of v over the threads before this one (in thread order); `sv` holds 32 entries.
+__device__ float block_exclusive_sum(float v, float* sv) {
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    float in = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        float up = __shfl_up_sync(0xffffffffu, in, o);
+        if (lane >= o) in += up;
+    }
+    __syncthreads();
+    if (lane == 31) sv[w] = in;
+    __syncthreads();
+    if (w == 0) {
+        float t = lane < nw ? sv[lane] : 0.f;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            float up = __shfl_up_sync(0xffffffffu, t, o);
+            if (lane >= o) t += up;
+        }
+        if (lane < nw) sv[lane] = t;
+    }
+    __syncthreads();
+    return (w > 0 ? sv[w - 1] : 0.f) + in - v;
+}
+
+// A row's draw: temperature t (0: greedy), top-k (0: off), top-p (1: off), min-p (0: off) and
+// the uniform number u in [0, 1), as 5 words (the floats' bits).
+#define SAMPLE_DRAW_WORDS 5
+// A pick the kernel leaves to the host (a nucleus without top-k, or top-k over 256).
+#define SAMPLE_ON_HOST 0xffffffffu
+
+// The token each row of n logits picks under its draw (markbase_core::sampling::pick): one
+// block of 1 024 threads a row, s = logit / t, NaN never kept.
+// - t = 0: the argmax (ties: the lowest index).
+// - No top-k (or k ≥ n) and no top-p: every token in index order, e = exp(s − max), those
+//   under min-p (e < min_p) dropped; the token where u · Σe falls in the running sum. Each
+//   thread sums a contiguous slice; the slice that holds u · Σe walks its values.
+// - Top-k ≤ 256 (k < n): the k best (value desc, index asc), one block-argmax pass each, then
+//   as the host: probabilities over them, the shortest prefix reaching top-p, those under
+//   min-p × the first dropped, the token where u · their sum falls, in rank order.
+// - Anything else: SAMPLE_ON_HOST.
+extern "C" __global__ void sample_rows(const float* x, int n, const u32* draws, u32* out) {
     wait_prior_grid();
     __shared__ float sv[32];
     __shared__ int si[32];
     __shared__ float cand_v[SAMPLE_MAX_K];
     __shared__ int cand_i[SAMPLE_MAX_K];
+    __shared__ int tail;
     const float* r = x + (u64)blockIdx.x * n;
-    int k = min(min(top_k, SAMPLE_MAX_K), n);
+    const u32* d = draws + SAMPLE_DRAW_WORDS * blockIdx.x;
+    const float t = __uint_as_float(d[0]), top_p = __uint_as_float(d[2]);
+    const float min_p = __uint_as_float(d[3]), u = __uint_as_float(d[4]);
+    const int top_k = (int)d[1];
+    if (t == 0.f) {
+        float bv = NEG_INF;
+        int bi = 0x7fffffff;
+        for (int j = threadIdx.x; j < n; j += blockDim.x) {
+            float v = clean(r[j]);
+            if (better(v, j, bv, bi)) { bv = v; bi = j; }
+        }
+        block_best(bv, bi, sv, si);
+        if (threadIdx.x == 0) out[blockIdx.x] = bi < n ? (u32)bi : 0u;
+        return;
+    }
+    const float inv_t = 1.f / t;
+    const bool whole = top_k == 0 || top_k >= n;
+    if (whole && top_p >= 1.f) {
+        const int per = (n + blockDim.x - 1) / blockDim.x;
+        const int lo = min(n, (int)threadIdx.x * per), hi = min(n, lo + per);
+        float mx = NEG_INF;
+        int mi = 0x7fffffff;
+        for (int j = lo; j < hi; j++) {
+            float s = clean(r[j]) * inv_t;
+            if (better(s, j, mx, mi)) { mx = s; mi = j; }
+        }
+        block_best(mx, mi, sv, si);
+        float mine = 0.f;
+        for (int j = lo; j < hi; j++) {
+            float e = expf(clean(r[j]) * inv_t - mx);
+            if (e >= min_p) mine += e;
+        }
+        const float total = block_sum(mine, sv);
+        const float before = block_exclusive_sum(mine, sv);
+        const float target = u * total;
+        // The slice holding the target walks its values to it. Rounding may put the target
+        // at a slice's edge: every slice starting at or below it walks, the lowest pick wins,
+        // and where none reached it the last slice starting at or below it gives its last
+        // kept token.
+        const bool walks = mine > 0.f && before <= target;
+        float fv = NEG_INF;
+        int fi = 0x7fffffff, last = -1;
+        if (walks) {
+            float run = 0.f, want = target - before;
+            for (int j = lo; j < hi; j++) {
+                float e = expf(clean(r[j]) * inv_t - mx);
+                if (e < min_p || e == 0.f) continue;
+                run += e;
+                last = j;
+                if (want < run) { fv = 1.f; fi = j; break; }
+            }
+        }
+        block_best(fv, fi, sv, si);
+        if (fv > 0.f) {
+            if (threadIdx.x == 0) out[blockIdx.x] = (u32)fi;
+            return;
+        }
+        float tv = walks ? 1.f : NEG_INF;
+        int ti = blockDim.x - 1 - threadIdx.x;
+        block_best(tv, ti, sv, si);
+        if (tv > 0.f && threadIdx.x == blockDim.x - 1 - ti) tail = last;
+        __syncthreads();
+        if (threadIdx.x == 0) out[blockIdx.x] = tv > 0.f ? (u32)tail : (u32)mi;
+        return;
+    }
+    if (whole || top_k > SAMPLE_MAX_K) {
+        if (threadIdx.x == 0) out[blockIdx.x] = SAMPLE_ON_HOST;
+        return;
+    }
     // Candidates come out in order: each pass takes the best entry below the previous one.
     float pv = __int_as_float(0x7f800000);
     int pi = -1;
-    for (int c = 0; c < k; c++) {
+    for (int c = 0; c < top_k; c++) {
         float bv = NEG_INF;
         int bi = 0x7fffffff;
         for (int j = threadIdx.x; j < n; j += blockDim.x) {
@@ -100,27 +205,37 @@ extern "C" __global__ void sample_top_k_p(const float* x, int n, int top_k, floa
             if (below && better(v, j, bv, bi)) { bv = v; bi = j; }
         }
         block_best(bv, bi, sv, si);
-        if (threadIdx.x == 0) { cand_v[c] = bv; cand_i[c] = bi; }
+        if (threadIdx.x == 0) { cand_v[c] = bv * inv_t; cand_i[c] = bi; }
         pv = bv;
         pi = bi;
     }
     __syncthreads();
     if (threadIdx.x == 0) {
-        float mx = cand_v[0];
+        // As markbase_core::sampling::distribution, one thread, in rank order.
+        const float mx = cand_v[0];
         float total = 0.f;
-        for (int c = 0; c < k; c++) total += expf((cand_v[c] - mx) / temperature);
-        float mass = 0.f;
-        int keep = k;
-        for (int c = 0; c < k; c++) {
-            mass += expf((cand_v[c] - mx) / temperature) / total;
-            if (mass >= top_p) { keep = c + 1; break; }
+        for (int c = 0; c < top_k; c++) total += expf(cand_v[c] - mx);
+        int keep = top_k;
+        if (top_p < 1.f) {
+            float mass = 0.f;
+            for (int c = 0; c < top_k; c++) {
+                mass += expf(cand_v[c] - mx) / total;
+                if (mass >= top_p) { keep = c + 1; break; }
+            }
+        }
+        if (min_p > 0.f) {
+            const float floor = min_p * (expf(cand_v[0] - mx) / total);
+            int c = 1;
+            while (c < keep && expf(cand_v[c] - mx) / total >= floor) c++;
+            keep = c;
         }
         float kept = 0.f;
-        for (int c = 0; c < keep; c++) kept += expf((cand_v[c] - mx) / temperature);
-        float target = u[blockIdx.x] * kept, run = 0.f;
+        for (int c = 0; c < keep; c++) kept += expf(cand_v[c] - mx) / total;
+        const float target = u * kept;
+        float run = 0.f;
         int pick = cand_i[keep - 1];
         for (int c = 0; c < keep; c++) {
-            run += expf((cand_v[c] - mx) / temperature);
+            run += expf(cand_v[c] - mx) / total;
             if (target < run) { pick = cand_i[c]; break; }
         }
         out[blockIdx.x] = pick < n ? (u32)pick : 0u;

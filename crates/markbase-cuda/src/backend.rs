@@ -20,6 +20,7 @@ use markbase_core::backend::{
     Strided, ValueRows,
 };
 use markbase_core::quant::GgmlType;
+use markbase_core::sampling::Draw;
 use markbase_core::{Error, Result};
 
 use crate::attention::{check_rope, check_slots, value_rows, FusedRope, NewRows};
@@ -339,6 +340,21 @@ impl CudaBackend {
             .lock()
             .map(|g| Uploads { _guard: g })
             .map_err(|_| Error::Invalid("CUDA upload lock poisoned".into()))
+    }
+
+    /// Copies the `dst.len()` values of `x` from `at` on to the host (a host wait).
+    pub(crate) fn read_range(&self, x: &CudaBuffer, at: usize, dst: &mut [f32]) -> Result<()> {
+        need("read", x.len(), at + dst.len())?;
+        self.host_wait(|| {
+            if !dst.is_empty() {
+                let from = x.mem.slice(at..at + dst.len());
+                self.dev
+                    .stream
+                    .memcpy_dtoh(&from, dst)
+                    .map_err(|e| driver_err("device-to-host copy", e))?;
+            }
+            Ok(())
+        })
     }
 
     /// Copies `v` into the step's index arena; returns its device address, valid until the
@@ -1145,17 +1161,11 @@ impl Backend for CudaBackend {
         self.argmax_rows(x, rows, n)
     }
 
+    fn sample(&self, x: &CudaBuffer, rows: usize, n: usize, draws: &[Draw]) -> Result<Vec<u32>> {
+        self.sample_rows(x, rows, n, draws)
+    }
+
     fn read(&self, x: &CudaBuffer, dst: &mut [f32]) -> Result<()> {
-        need("read", x.len(), dst.len())?;
-        self.host_wait(|| {
-            if !dst.is_empty() {
-                let from = x.mem.slice(0..dst.len());
-                self.dev
-                    .stream
-                    .memcpy_dtoh(&from, dst)
-                    .map_err(|e| driver_err("device-to-host copy", e))?;
-            }
-            Ok(())
-        })
+        self.read_range(x, 0, dst)
     }
 }

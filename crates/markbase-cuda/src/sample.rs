@@ -1,6 +1,8 @@
-//! Choosing tokens on the device: greedy argmax and top-k / top-p sampling over rows of
-//! logits, so only the chosen ids (not 262 144 logits) cross to the host.
+//! Choosing tokens on the device: greedy argmax and sampled picks (temperature, top-k, top-p,
+//! min-p and a uniform draw a row) over rows of logits, so only the chosen ids (not 262 144
+//! logits) cross to the host.
 
+use markbase_core::sampling::{pick as pick_on_host, Draw};
 use markbase_core::{Error, Result};
 
 use crate::backend::CudaBackend;
@@ -14,19 +16,12 @@ const ARGMAX_SLICE: usize = 4096;
 /// Most blocks per row of the argmax's first pass.
 const ARGMAX_MAX_PARTS: usize = 64;
 
-/// Most candidates top-k sampling keeps (the kernel's shared-memory table).
+/// Largest top-k `sample_rows` takes on the device (the kernel's shared-memory table).
 pub const MAX_TOP_K: usize = 256;
-
-/// How `sample` picks a token.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct SampleParams {
-    /// Softmax temperature (> 0).
-    pub temperature: f32,
-    /// Candidates kept (1 ..= [`MAX_TOP_K`]).
-    pub top_k: usize,
-    /// Nucleus mass kept (0 < top_p ≤ 1).
-    pub top_p: f32,
-}
+/// Words of a row's draw for `sample_rows` (sample.cu `SAMPLE_DRAW_WORDS`).
+const DRAW_WORDS: usize = 5;
+/// A pick `sample_rows` leaves to the host (sample.cu `SAMPLE_ON_HOST`).
+const ON_HOST: u32 = u32::MAX;
 
 impl CudaBackend {
     fn check_rows(&self, logits: &CudaBuffer, rows: usize, n: usize) -> Result<()> {
@@ -97,54 +92,68 @@ impl CudaBackend {
         out
     }
 
-    /// Top-k then top-p sampling of each row at `params.temperature`, with one uniform draw
-    /// in [0, 1) per row (`draws`, e.g. from a seeded generator on the host).
-    pub fn sample(
+    /// The token each of `rows` rows of `n` logits picks under its draw
+    /// ([`markbase_core::sampling::pick`]): [`Backend::sample`](markbase_core::backend::Backend::sample).
+    /// `sample_rows` picks greedy rows, rows without top-k or top-p and rows of a top-k up to
+    /// [`MAX_TOP_K`] on the device; it leaves the others (a nucleus over the whole row, a
+    /// larger top-k) to the host, which reads their logits after the picks (a second wait,
+    /// only then).
+    pub(crate) fn sample_rows(
         &self,
         logits: &CudaBuffer,
         rows: usize,
         n: usize,
-        params: &SampleParams,
-        draws: &[f32],
+        draws: &[Draw],
     ) -> Result<Vec<u32>> {
         self.check_rows(logits, rows, n)?;
-        if params.temperature.is_nan()
-            || params.temperature <= 0.0
-            || params.top_k == 0
-            || params.top_k > MAX_TOP_K
-            || !(0.0..=1.0).contains(&params.top_p)
-            || params.top_p == 0.0
-            || draws.len() != rows
-            || draws.iter().any(|u| !(0.0..1.0).contains(u))
-        {
+        if draws.len() != rows {
             return Err(Error::Invalid(format!(
-                "cuda sampling: bad parameters {params:?} or {} draws for {rows} rows",
+                "cuda sampling: {} draws for {rows} rows",
                 draws.len()
             )));
+        }
+        let mut words = Vec::with_capacity(DRAW_WORDS * rows);
+        for d in draws {
+            let fine = d.temperature >= 0.0
+                && d.temperature.is_finite()
+                && d.top_p > 0.0
+                && d.top_p <= 1.0
+                && (0.0..=1.0).contains(&d.min_p)
+                && (0.0..1.0).contains(&d.u);
+            if !fine {
+                return Err(Error::Invalid(format!("cuda sampling: bad draw {d:?}")));
+            }
+            let k = u32::try_from(d.top_k).unwrap_or(u32::MAX);
+            words.extend([d.temperature.to_bits(), k, d.top_p.to_bits()]);
+            words.extend([d.min_p.to_bits(), d.u.to_bits()]);
         }
         // The scratch stays locked until the picks are back (another thread may sample too).
         let mut s = self.scratch()?;
         let picks = s.picks.get(&self.dev.stream, rows)?;
-        let bits: Vec<u32> = draws.iter().map(|u| u.to_bits()).collect();
         let held = self.uploads()?;
-        let u = self.upload_idx(&held, &bits)?;
+        let at = self.upload_idx(&held, &words)?;
         self.run(
             Module::Sample,
-            "sample_top_k_p",
+            "sample_rows",
             Grid::new((rows as u32, 1), 1024),
             &[
                 Arg::U64(logits.ptr),
                 Arg::I32(n as i32),
-                Arg::I32(params.top_k as i32),
-                Arg::F32(params.top_p),
-                Arg::F32(params.temperature),
-                Arg::U64(u),
+                Arg::U64(at),
                 Arg::U64(picks),
             ],
         )?;
         drop(held);
-        let out = self.finish_picks(picks, rows);
+        let mut out = self.finish_picks(picks, rows)?;
         drop(s);
-        out
+        let mut cand = Vec::new();
+        for (r, (pick, d)) in out.iter_mut().zip(draws).enumerate() {
+            if *pick == ON_HOST {
+                let mut row = vec![0f32; n];
+                self.read_range(logits, r * n, &mut row)?;
+                *pick = pick_on_host(d, &mut cand, &row);
+            }
+        }
+        Ok(out)
     }
 }

@@ -16,6 +16,7 @@ use std::sync::{Arc, Mutex};
 use half::f16;
 use markbase_core::backend::{first_visible_key, AttnSpec, HostMatrix, KvLayout, Rope};
 use markbase_core::quant::GgmlType;
+use markbase_core::sampling::{distribution, pick, Draw};
 use markbase_cpu::reference;
 use markbase_cuda::sources::{define_value, defines_from_env, Module, Unit, FORMATS};
 use markbase_cuda::{device_bytes, gemv_takes_16_bit_activations};
@@ -1986,83 +1987,104 @@ fn moe_routing_and_per_pair_experts_match_reference() {
     }
 }
 
-/// `sample_top_k_p` (sample.cu).
-type SampleTopKP = unsafe extern "C" fn(
-    x: *const f32,
-    n: i32,
-    top_k: i32,
-    top_p: f32,
-    temperature: f32,
-    u: *const f32,
-    out: *mut u32,
-);
+/// `sample_rows` (sample.cu).
+type SampleRows = unsafe extern "C" fn(x: *const f32, n: i32, draws: *const u32, out: *mut u32);
 
-/// Top-k then top-p sampling on the device against its definition on the CPU (the k best
-/// logits by value then index, softmax at the temperature over them, the shortest prefix
-/// reaching top_p, the token where u · its mass falls), in the kernel's f32 order, for draws
-/// across the range and a row where top_p keeps one token.
+/// Whether `got` is the token `d` picks from `row` (`markbase_core::sampling::pick`, the host
+/// twin) or, where the device sums in another order (a draw over every token: slices, then
+/// their sums), a token whose running-sum interval in the host's order holds u · total to
+/// within 1e-5 of the total.
+fn agrees_with_pick(row: &[f32], d: &Draw, got: u32) -> bool {
+    let mut cand = Vec::new();
+    if pick(d, &mut cand, row) == got {
+        return true;
+    }
+    if d.temperature == 0.0 {
+        return false;
+    }
+    let probs = distribution(d, &mut cand, row);
+    let total: f32 = probs.iter().map(|c| c.1).sum();
+    let (target, slack) = (d.u * total, 1e-5 * total);
+    let mut acc = 0f32;
+    for &(id, p) in probs {
+        let lo = acc;
+        acc += p;
+        if id == got {
+            return target >= lo - slack && target <= acc + slack;
+        }
+    }
+    false
+}
+
+/// Device picks against the host's (`agrees_with_pick`) for each kind of draw: greedy, every
+/// token in index order (with and without min-p, and a top-k as large as the row), top-k with
+/// top-p and min-p in rank order, a top-p keeping one token; and the draws it leaves to the
+/// host (a nucleus over the whole row, a top-k over `MAX_TOP_K`) flagged as such.
 #[test]
-fn top_k_top_p_sampling_matches_its_definition() {
+fn sampled_picks_match_the_host_twin() {
     let Some(unit) = emu_unit(Module::Sample, None) else {
         return;
     };
     let mut r = rng("sampling");
-    let (rows, n) = (4usize, 3000usize);
-    let x = uniform(&mut r, rows * n, 4.0);
-    let u: Vec<f32> = vec![0.0, 0.37, 0.81, 0.9999];
-    // SAFETY: SampleTopKP is sample_top_k_p's signature.
-    let kernel: SampleTopKP = unsafe { unit.kernel("sample_top_k_p") }.unwrap();
-    for (top_k, top_p, temperature) in [(40, 0.9f32, 0.8f32), (5, 1.0, 1.5), (20, 1e-6, 1.0)] {
-        let mut picks = vec![u32::MAX; rows];
-        let (xp, up, pp) = (
-            x.as_ptr() as usize,
-            u.as_ptr() as usize,
-            picks.as_mut_ptr() as usize,
-        );
-        // SAFETY: every buffer outlives the launch and has the size the kernel indexes.
-        let body = || unsafe {
-            kernel(
-                xp as _,
-                n as i32,
-                top_k,
-                top_p,
-                temperature,
-                up as _,
-                pp as _,
-            )
-        };
-        unit.launch([rows as u32, 1, 1], [1024, 1, 1], 0, &body)
-            .unwrap_or_else(|e| panic!("sample_top_k_p: {e}"));
-        for t in 0..rows {
-            let row = &x[t * n..][..n];
-            let mut order: Vec<usize> = (0..n).collect();
-            order.sort_by(|&a, &b| row[b].partial_cmp(&row[a]).unwrap().then(a.cmp(&b)));
-            let cand = &order[..top_k as usize];
-            let e: Vec<f32> = cand
-                .iter()
-                .map(|&i| ((row[i] - row[cand[0]]) / temperature).exp())
-                .collect();
-            let total: f32 = e.iter().sum();
-            let (mut mass, mut keep) = (0f32, cand.len());
-            for (c, &v) in e.iter().enumerate() {
-                mass += v / total;
-                if mass >= top_p {
-                    keep = c + 1;
-                    break;
-                }
-            }
-            let kept: f32 = e[..keep].iter().sum();
-            let (target, mut run) = (u[t] * kept, 0f32);
-            let mut pick = cand[keep - 1];
-            for c in 0..keep {
-                run += e[c];
-                if target < run {
-                    pick = cand[c];
-                    break;
-                }
-            }
-            let what = format!("row {t} top_k={top_k} top_p={top_p}");
-            assert_eq!(picks[t] as usize, pick, "{what}");
+    let n = 3000usize;
+    let draw = |temperature, top_k, top_p, min_p, u| Draw {
+        temperature,
+        top_k,
+        top_p,
+        min_p,
+        u,
+    };
+    let mut draws = Vec::new();
+    for u in [0.0f32, 0.37, 0.81, 0.9999] {
+        draws.extend([
+            draw(0.0, 0, 1.0, 0.0, u),
+            draw(1.0, 0, 1.0, 0.0, u),
+            draw(0.7, 0, 1.0, 0.05, u),
+            draw(1.3, n, 1.0, 0.0, u),
+            draw(0.8, 40, 0.9, 0.0, u),
+            draw(1.5, 5, 1.0, 0.3, u),
+            draw(1.0, 20, 1e-6, 0.0, u),
+        ]);
+    }
+    let on_host = [draw(1.0, 0, 0.9, 0.0, 0.5), draw(1.0, 300, 1.0, 0.0, 0.5)];
+    draws.extend(on_host);
+    let rows = draws.len();
+    let mut x = uniform(&mut r, rows * n, 4.0);
+    x[5] = f32::NAN;
+    let words: Vec<u32> = draws
+        .iter()
+        .flat_map(|d| {
+            [
+                d.temperature.to_bits(),
+                d.top_k as u32,
+                d.top_p.to_bits(),
+                d.min_p.to_bits(),
+                d.u.to_bits(),
+            ]
+        })
+        .collect();
+    // SAFETY: SampleRows is sample_rows' signature.
+    let kernel: SampleRows = unsafe { unit.kernel("sample_rows") }.unwrap();
+    let mut picks = vec![0u32; rows];
+    let (xp, wp, pp) = (
+        x.as_ptr() as usize,
+        words.as_ptr() as usize,
+        picks.as_mut_ptr() as usize,
+    );
+    // SAFETY: every buffer outlives the launch and has the size the kernel indexes.
+    let body = || unsafe { kernel(xp as _, n as i32, wp as _, pp as _) };
+    unit.launch([rows as u32, 1, 1], [1024, 1, 1], 0, &body)
+        .unwrap_or_else(|e| panic!("sample_rows: {e}"));
+    for (t, d) in draws.iter().enumerate() {
+        let row = &x[t * n..][..n];
+        if on_host.contains(d) {
+            assert_eq!(picks[t], u32::MAX, "row {t} {d:?}: left to the host");
+        } else {
+            assert!(
+                agrees_with_pick(row, d, picks[t]),
+                "row {t} {d:?}: {}",
+                picks[t]
+            );
         }
     }
 }

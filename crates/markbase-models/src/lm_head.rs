@@ -9,6 +9,7 @@
 
 use markbase_core::backend::{Backend, HostMatrix, NormOut};
 use markbase_core::quant::GgmlType;
+use markbase_core::sampling::Draw;
 use markbase_core::Result;
 
 use crate::paged::ChunkLayout;
@@ -25,8 +26,14 @@ const LOGIT_ROWS: usize = 64;
 pub(crate) enum HeadOut<'a> {
     /// Logits rows, row-major, copied to the host.
     Logits(&'a mut [f32]),
-    /// The index of each row's largest logit, appended (only the indices leave the device).
-    Ids(&'a mut Vec<u32>),
+    /// Each row's pick under its draw (`draws[r]`, [`Backend::sample`]; the largest logit's
+    /// index where every draw is greedy), appended: only the ids leave the device.
+    Picks {
+        /// Where the picks go.
+        ids: &'a mut Vec<u32>,
+        /// A draw a row.
+        draws: &'a [Draw],
+    },
 }
 
 /// The final RMSNorm before the head and the logit softcap after it.
@@ -124,7 +131,7 @@ impl<B: Backend> LmHead<B> {
     }
 
     /// A step's head work: the logits of `layout.logit_rows` into `logits` (row-major), then
-    /// the greedy picks of `layout.greedy_rows` appended to `ids`.
+    /// the picks of `layout.pick_rows` appended to `ids`.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn run_step(
         &self,
@@ -138,14 +145,21 @@ impl<B: Backend> LmHead<B> {
     ) -> Result<()> {
         let rows = &layout.logit_rows;
         self.run(backend, embed, h, rows, work, HeadOut::Logits(logits))?;
-        let rows = &layout.greedy_rows;
-        self.run(backend, embed, h, rows, work, HeadOut::Ids(ids))
+        let (rows, draws): (Vec<usize>, Vec<Draw>) = layout.pick_rows.iter().copied().unzip();
+        self.run(
+            backend,
+            embed,
+            h,
+            &rows,
+            work,
+            HeadOut::Picks { ids, draws: &draws },
+        )
     }
 
     /// Final norm, head and softcap for the hidden-state rows `rows` of `h` (rows of
     /// `work.d`), [`LOGIT_ROWS`] at a time, into `out`. Greedy picks skip the softcap (it keeps
     /// the order) and, on a screening backend, ask for the picks alone
-    /// ([`Backend::argmax_screened`]).
+    /// ([`Backend::argmax_screened`]); sampled picks draw from the logits as returned.
     pub(crate) fn run(
         &self,
         backend: &B,
@@ -180,7 +194,15 @@ impl<B: Backend> LmHead<B> {
             )?;
             let head = self.own.as_ref().unwrap_or(embed);
             match (&mut out, &self.coarse) {
-                (HeadOut::Ids(ids), Some(coarse)) => ids.extend(backend.argmax_screened(
+                (HeadOut::Picks { ids, draws }, _) if !greedy(draws, g, n) => {
+                    self.matmul(backend, embed, &work.normed, n, &mut work.logits)?;
+                    if let Some(cap) = norm.softcap {
+                        backend.softcap(&mut work.logits, cap, n * nv)?;
+                    }
+                    let group = &draws[g * LOGIT_ROWS..g * LOGIT_ROWS + n];
+                    ids.extend(backend.sample(&work.logits, n, nv, group)?);
+                }
+                (HeadOut::Picks { ids, .. }, Some(coarse)) => ids.extend(backend.argmax_screened(
                     &work.normed,
                     n,
                     coarse,
@@ -189,7 +211,7 @@ impl<B: Backend> LmHead<B> {
                     nv,
                     &mut work.logits,
                 )?),
-                (HeadOut::Ids(ids), None) => {
+                (HeadOut::Picks { ids, .. }, None) => {
                     backend.matmul(&work.normed, n, head, &mut work.logits)?;
                     ids.extend(backend.argmax(&work.logits, n, nv)?);
                 }
@@ -213,4 +235,11 @@ impl<B: Backend> LmHead<B> {
             None => "exact".into(),
         }
     }
+}
+
+/// Whether every draw of group `g` (its `n` rows, [`LOGIT_ROWS`] a group) is greedy.
+fn greedy(draws: &[Draw], g: usize, n: usize) -> bool {
+    draws[g * LOGIT_ROWS..g * LOGIT_ROWS + n]
+        .iter()
+        .all(|d| d.temperature == 0.0)
 }

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use markbase_core::config::{Gemma3Config, LayerKind};
 use markbase_core::gguf::GgufFile;
 use markbase_core::safetensors::SafetensorsDir;
+use markbase_core::sampling::Draw;
 use markbase_core::{Error, Result};
 use markbase_cpu::CpuBackend;
 use markbase_cuda::CudaBackend;
@@ -111,7 +112,7 @@ impl ModelInfo {
 }
 
 /// Which logits [`Model::forward`] returns.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Logits {
     /// Only the last token's (`n_vocab` values).
     Last,
@@ -120,6 +121,10 @@ pub enum Logits {
     /// None: only the id of the last token's largest logit (ties: the lowest id), chosen where
     /// the model runs, so no logits cross to the host ([`StepOutput::ids`]).
     Greedy,
+    /// None: only the id the last token's logits give under the draw
+    /// ([`Backend::sample`](markbase_core::backend::Backend::sample)), chosen where the model
+    /// runs ([`StepOutput::ids`]).
+    Sample(Draw),
 }
 
 /// A loaded model, ready to run on the device it was loaded onto.
@@ -425,7 +430,7 @@ impl Model {
 
     /// One step over several sequences: each runs its tokens at positions `start ..`, writing
     /// their keys and values into the pool blocks its tables name, and attending over its own
-    /// earlier tokens. Returns the logits and the greedy picks the sequences asked for, in
+    /// earlier tokens. Returns the logits and the picks the sequences asked for, in
     /// sequence order ([`StepOutput`]).
     pub fn step(&self, pool: &mut KvPool, seqs: &[SeqStep]) -> Result<StepOutput> {
         self.inner.step(pool, seqs)
@@ -517,7 +522,7 @@ impl Model {
 
     /// Runs one token per sequence of `cache` (`tokens[s]` for sequence `s`), all at position
     /// `cache.len()`, in one step, and returns what `logits` asks for from each sequence:
-    /// its logits row ([`Logits::Last`]; `All` is the same for one token) or its greedy pick.
+    /// its logits row ([`Logits::Last`]; `All` is the same for one token) or its pick.
     pub fn forward_batch(
         &self,
         cache: &mut BatchCache,
@@ -554,15 +559,15 @@ impl Model {
     }
 
     /// Runs `tokens` at positions `cache.len()..`, appends them to the cache, and returns the
-    /// logits of the last token or of every token (row-major tokens × n_vocab); `Greedy` is
-    /// for [`Model::step`] and [`Model::forward_batch`].
+    /// logits of the last token or of every token (row-major tokens × n_vocab); `Greedy` and
+    /// `Sample` are for [`Model::step`] and [`Model::forward_batch`].
     pub fn forward(&self, cache: &mut KvCache, tokens: &[u32], logits: Logits) -> Result<Vec<f32>> {
         if tokens.is_empty() {
             return Err(Error::Invalid("forward called with no tokens".into()));
         }
-        if logits == Logits::Greedy {
+        if matches!(logits, Logits::Greedy | Logits::Sample(_)) {
             return Err(Error::Invalid(
-                "forward returns logits: greedy picks come from Model::step".into(),
+                "forward returns logits: picks come from Model::step".into(),
             ));
         }
         let end = cache.len + tokens.len();

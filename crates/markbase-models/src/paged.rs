@@ -11,6 +11,7 @@
 
 use markbase_core::backend::{Backend, KvLayout};
 use markbase_core::config::LayerKind;
+use markbase_core::sampling::Draw;
 use markbase_core::{Error, Result};
 
 use crate::model::Logits;
@@ -130,8 +131,9 @@ pub(crate) struct ChunkLayout {
     slots: [Vec<u32>; 2],
     /// Rows whose logits are returned, in output order.
     pub logit_rows: Vec<usize>,
-    /// Rows whose greedy pick is returned, in output order.
-    pub greedy_rows: Vec<usize>,
+    /// Rows whose pick is returned, in output order, each with its draw (greedy:
+    /// [`Draw::GREEDY`]).
+    pub pick_rows: Vec<(usize, Draw)>,
     block_size: usize,
 }
 
@@ -175,7 +177,7 @@ pub(crate) trait StepModel {
     /// Logits per token.
     fn n_vocab(&self) -> usize;
     /// Runs a chunk through every layer, writes the logits of `layout.logit_rows` (row-major)
-    /// to `logits` and appends the greedy picks of `layout.greedy_rows` to `ids`.
+    /// to `logits` and appends the picks of `layout.pick_rows` to `ids`.
     fn run_chunk(
         &self,
         kv: &mut PagedKv<Self::Backend>,
@@ -191,12 +193,12 @@ pub struct StepOutput {
     /// The logits rows (`n_vocab` values each) of the sequences that asked for
     /// [`Logits::Last`] (one row) or [`Logits::All`] (a row per token).
     pub logits: Vec<f32>,
-    /// The greedy pick of each sequence that asked for [`Logits::Greedy`].
+    /// The pick of each sequence that asked for [`Logits::Greedy`] or [`Logits::Sample`].
     pub ids: Vec<u32>,
 }
 
-/// Runs a step over `seqs` and returns the logits and greedy picks each asked for, sequence
-/// by sequence.
+/// Runs a step over `seqs` and returns the logits and picks each asked for, sequence by
+/// sequence.
 pub(crate) fn step<M: StepModel>(
     model: &M,
     kv: &mut PagedKv<M::Backend>,
@@ -220,7 +222,7 @@ pub(crate) fn step<M: StepModel>(
             }
         }
         n_out += match s.logits {
-            None | Some(Logits::Greedy) => 0,
+            None | Some(Logits::Greedy | Logits::Sample(_)) => 0,
             Some(Logits::Last) => 1,
             Some(Logits::All) => s.tokens.len(),
         };
@@ -274,7 +276,7 @@ fn layout<B: Backend>(seqs: &[SeqStep], pieces: &[Piece], kv: &PagedKv<B>) -> Re
         width: [0, 0],
         slots: [Vec::new(), Vec::new()],
         logit_rows: Vec::new(),
-        greedy_rows: Vec::new(),
+        pick_rows: Vec::new(),
         block_size: bs,
     };
     let used = [kv.has_kind(0), kv.has_kind(1)];
@@ -317,7 +319,10 @@ fn layout<B: Backend>(seqs: &[SeqStep], pieces: &[Piece], kv: &PagedKv<B>) -> Re
             Some(Logits::All) => l.logit_rows.extend(row0..l.tokens.len()),
             Some(Logits::Last) if p.to == s.tokens.len() => l.logit_rows.push(l.tokens.len() - 1),
             Some(Logits::Greedy) if p.to == s.tokens.len() => {
-                l.greedy_rows.push(l.tokens.len() - 1)
+                l.pick_rows.push((l.tokens.len() - 1, Draw::GREEDY))
+            }
+            Some(Logits::Sample(d)) if p.to == s.tokens.len() => {
+                l.pick_rows.push((l.tokens.len() - 1, d))
             }
             _ => {}
         }

@@ -9,6 +9,7 @@
 use std::path::PathBuf;
 
 use markbase_core::config::LayerKind;
+use markbase_core::sampling::{pick, Draw};
 use markbase_models::{LoadOptions, Logits, Model, ModelSource, SeqStep, NO_BLOCK};
 
 const REL_TOL: f32 = 1e-4;
@@ -251,6 +252,65 @@ fn a_cache_for_small_chunks_runs_long_inputs_in_pieces() {
     let mut pieces = model.new_cache_with_chunk(100, 16).unwrap();
     assert!(model.forward(&mut pieces, &bad, Logits::Last).is_err());
     assert_eq!(pieces.len(), 0);
+}
+
+/// Picks made in a step — greedy and sampled draws side by side, in sequence order — are the
+/// host's picks (`markbase_core::sampling::pick`) of the logits the same step returns; a step
+/// with a sampled draw is refused by `forward`, which returns logits.
+#[test]
+fn sampled_picks_are_the_host_picks_of_the_step_logits() {
+    let model = load("gemma4/e2b_like");
+    let tables = [[0u32, 1], [2, 3], [4, 5]];
+    let prompts: [&[u32]; 3] = [&[5, 6, 7], &[9], &[11, 12]];
+    let steps = |logits: [Logits; 3]| {
+        let mut pool = model.new_kv_pool(4, 6, 6).unwrap();
+        let seqs: Vec<SeqStep> = (0..3)
+            .map(|i| SeqStep {
+                tokens: prompts[i],
+                start: 0,
+                full_blocks: &tables[i],
+                sliding_blocks: &tables[i],
+                logits: Some(logits[i]),
+            })
+            .collect();
+        model.step(&mut pool, &seqs).unwrap()
+    };
+    let rows = steps([Logits::Last; 3]);
+    let nv = model.info().n_vocab;
+    let draws = [
+        Draw {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            u: 0.61,
+        },
+        Draw {
+            temperature: 0.7,
+            top_k: 8,
+            top_p: 0.9,
+            min_p: 0.05,
+            u: 0.23,
+        },
+    ];
+    let picked = steps([
+        Logits::Sample(draws[0]),
+        Logits::Greedy,
+        Logits::Sample(draws[1]),
+    ]);
+    assert!(picked.logits.is_empty());
+    let mut cand = Vec::new();
+    let row = |i: usize| &rows.logits[i * nv..(i + 1) * nv];
+    let want = [
+        pick(&draws[0], &mut cand, row(0)),
+        pick(&Draw::GREEDY, &mut cand, row(1)),
+        pick(&draws[1], &mut cand, row(2)),
+    ];
+    assert_eq!(picked.ids, want);
+    let mut cache = model.new_cache(3).unwrap();
+    assert!(model
+        .forward(&mut cache, &[5], Logits::Sample(draws[0]))
+        .is_err());
 }
 
 #[test]

@@ -2,36 +2,30 @@
 
 use super::*;
 
-/// Host twin of the top-k / top-p sampler.
-fn sample_ref(row: &[f32], p: &SampleParams, u: f32) -> u32 {
-    let mut idx: Vec<usize> = (0..row.len()).collect();
-    idx.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
-    let cand = &idx[..p.top_k.min(row.len())];
-    let mx = row[cand[0]];
-    let e: Vec<f32> = cand
-        .iter()
-        .map(|&i| ((row[i] - mx) / p.temperature).exp())
-        .collect();
-    let total: f32 = e.iter().sum();
-    let mut keep = cand.len();
-    let mut mass = 0f32;
-    for (c, v) in e.iter().enumerate() {
-        mass += v / total;
-        if mass >= p.top_p {
-            keep = c + 1;
-            break;
+/// Whether `got` is the token `d` picks from `row` (`markbase_core::sampling::pick`, the host
+/// twin) or, where the device sums in another order (a draw over every token: slices, then
+/// their sums), a token whose running-sum interval in the host's order holds u · total to
+/// within 1e-5 of the total.
+fn agrees_with_pick(row: &[f32], d: &Draw, got: u32) -> bool {
+    let mut cand = Vec::new();
+    if pick(d, &mut cand, row) == got {
+        return true;
+    }
+    if d.temperature == 0.0 {
+        return false;
+    }
+    let probs = distribution(d, &mut cand, row);
+    let total: f32 = probs.iter().map(|c| c.1).sum();
+    let (target, slack) = (d.u * total, 1e-5 * total);
+    let mut acc = 0f32;
+    for &(id, p) in probs {
+        let lo = acc;
+        acc += p;
+        if id == got {
+            return target >= lo - slack && target <= acc + slack;
         }
     }
-    let kept: f32 = e[..keep].iter().sum();
-    let target = u * kept;
-    let mut run = 0f32;
-    for c in 0..keep {
-        run += e[c];
-        if target < run {
-            return cand[c] as u32;
-        }
-    }
-    cand[keep - 1] as u32
+    false
 }
 
 #[test]
@@ -70,32 +64,92 @@ fn argmax_and_sampling_match_host_twins() {
             .collect();
         assert_eq!(got, want, "argmax of {rows} rows of {n}");
     }
-    let clean: Vec<f32> = logits
-        .iter()
-        .map(|v| if v.is_nan() { -1e30 } else { *v })
-        .collect();
-    let lb = up(g, &clean);
-    for (top_k, top_p, temperature) in [(40, 0.9, 0.8), (1, 1.0, 1.0), (256, 0.5, 2.0)] {
-        let p = SampleParams {
-            temperature,
-            top_k,
-            top_p,
-        };
-        for _ in 0..5 {
-            let draws: Vec<f32> = (0..rows).map(|_| r.random_range(0.0f32..1.0)).collect();
-            let got = g.sample(&lb, rows, n, &p, &draws).unwrap();
-            let want: Vec<u32> = clean
-                .chunks(n)
-                .zip(&draws)
-                .map(|(row, &u)| sample_ref(row, &p, u))
-                .collect();
-            assert_eq!(got, want, "sample {p:?} draws {draws:?}");
+    // Every kind of draw on rows of a 262 144-token vocabulary, NaN included: greedy, every
+    // token (with min-p, and a top-k as large as the row), top-k with top-p and min-p, and
+    // those the host finishes (a nucleus over the whole row, a top-k over MAX_TOP_K).
+    let lb = up(g, &logits);
+    for round in 0..4 {
+        let draws = [
+            Draw {
+                u: r.random_range(0.0f32..1.0),
+                ..Draw::GREEDY
+            },
+            Draw {
+                temperature: 1.0,
+                top_k: 0,
+                top_p: 1.0,
+                min_p: 0.0,
+                u: r.random_range(0.0f32..1.0),
+            },
+            Draw {
+                temperature: 0.7,
+                top_k: 0,
+                top_p: 1.0,
+                min_p: 0.05,
+                u: r.random_range(0.0f32..1.0),
+            },
+        ];
+        let more = [
+            Draw {
+                temperature: 1.3,
+                top_k: n,
+                top_p: 1.0,
+                min_p: 0.0,
+                u: r.random_range(0.0f32..1.0),
+            },
+            Draw {
+                temperature: 0.8,
+                top_k: 40,
+                top_p: 0.9,
+                min_p: 0.05,
+                u: r.random_range(0.0f32..1.0),
+            },
+            Draw {
+                temperature: 2.0,
+                top_k: MAX_TOP_K,
+                top_p: 0.5,
+                min_p: 0.0,
+                u: r.random_range(0.0f32..1.0),
+            },
+        ];
+        let host = [
+            Draw {
+                temperature: 1.0,
+                top_k: 0,
+                top_p: 0.9,
+                min_p: 0.0,
+                u: r.random_range(0.0f32..1.0),
+            },
+            Draw {
+                temperature: 1.0,
+                top_k: MAX_TOP_K + 1,
+                top_p: 1.0,
+                min_p: 0.0,
+                u: r.random_range(0.0f32..1.0),
+            },
+            Draw {
+                temperature: 0.9,
+                top_k: 3,
+                top_p: 1.0,
+                min_p: 0.0,
+                u: r.random_range(0.0f32..1.0),
+            },
+        ];
+        let set = [&draws, &more, &host][round % 3];
+        let got = g.sample(&lb, rows, n, set).unwrap();
+        for (t, d) in set.iter().enumerate() {
+            let row = &logits[t * n..][..n];
+            assert!(
+                agrees_with_pick(row, d, got[t]),
+                "row {t} {d:?}: {}",
+                got[t]
+            );
         }
     }
-    let bad = SampleParams {
-        temperature: 0.0,
-        top_k: 5,
-        top_p: 1.0,
+    let bad = Draw {
+        temperature: -1.0,
+        ..Draw::GREEDY
     };
-    assert!(g.sample(&lb, rows, n, &bad, &[0.5; 3]).is_err());
+    assert!(g.sample(&lb, rows, n, &[bad; 3]).is_err());
+    assert!(g.sample(&lb, rows, n, &[Draw::GREEDY; 2]).is_err());
 }

@@ -1,6 +1,7 @@
 //! One request while it runs: its tokens, sampler and event channel, and what happens when the
 //! model hands it the logits of its next token.
 
+use markbase_models::Logits;
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::api::{Event, Request};
@@ -96,16 +97,23 @@ impl Sequence {
         self.emit(id, logprob, top)
     }
 
-    /// Whether choosing the next token needs the logits on the host: anything but a plain
-    /// greedy choice (no repetition penalty) without log-probabilities. Otherwise the model
-    /// picks the token where it runs and [`Sequence::accept_pick`] takes it.
-    pub fn needs_logits(&self) -> bool {
+    /// What a step asks the model for to choose the next token: the logits on the host
+    /// ([`Logits::Last`], then [`Sequence::accept`]) where a repetition penalty or
+    /// log-probabilities need them; else the pick itself, made where the model runs
+    /// ([`Logits::Greedy`], or [`Logits::Sample`] with the sampler's next draw, taken now so
+    /// the generator runs as on the host), then [`Sequence::accept_pick`].
+    pub fn choice(&mut self) -> Logits {
         let p = self.sampler.params();
-        !(p.temperature == 0.0 && p.repetition_penalty == 1.0 && self.top_logprobs.is_none())
+        if p.repetition_penalty != 1.0 || self.top_logprobs.is_some() {
+            Logits::Last
+        } else if p.temperature == 0.0 {
+            Logits::Greedy
+        } else {
+            Logits::Sample(self.sampler.next_draw())
+        }
     }
 
-    /// [`Sequence::accept`] for a greedy choice made by the model (see
-    /// [`Sequence::needs_logits`]).
+    /// [`Sequence::accept`] for a choice made by the model (see [`Sequence::choice`]).
     pub fn accept_pick(&mut self, id: u32) -> Outcome {
         if self.cancelled() {
             return Outcome::Cancelled;

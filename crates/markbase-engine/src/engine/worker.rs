@@ -162,10 +162,19 @@ impl Worker {
 
     /// Runs the planned tokens in one batched model step and hands out the logits.
     fn step(&mut self, plan: &[(usize, usize)]) -> Result<()> {
+        // What each sequence that reaches its next token asks for (`Sequence::choice`).
+        let choices: Vec<Option<Logits>> = plan
+            .iter()
+            .map(|&(i, n)| {
+                let s = &mut self.sched.running[i];
+                (n == s.pending()).then(|| s.choice())
+            })
+            .collect();
         let running = &self.sched.running;
         let seqs: Vec<SeqStep> = plan
             .iter()
-            .map(|&(i, n)| {
+            .zip(&choices)
+            .map(|(&(i, n), &logits)| {
                 let s = &running[i];
                 let start = s.kv.computed;
                 SeqStep {
@@ -173,12 +182,7 @@ impl Worker {
                     start,
                     full_blocks: &s.kv.full,
                     sliding_blocks: &s.kv.sliding,
-                    // Greedy choices without log-probabilities need no logits on the host.
-                    logits: (n == s.pending()).then_some(if s.needs_logits() {
-                        Logits::Last
-                    } else {
-                        Logits::Greedy
-                    }),
+                    logits,
                 }
             })
             .collect();
@@ -188,15 +192,14 @@ impl Worker {
         let mut rows = out.logits.chunks_mut(nv);
         let mut picks = out.ids.into_iter();
         let mut done = Vec::new();
-        for &(i, n) in plan {
-            let sampled = n == self.sched.running[i].pending();
+        for (&(i, n), choice) in plan.iter().zip(choices) {
             let seq: &mut Sequence = &mut self.sched.running[i];
             self.sched.kv.advance(&mut seq.kv, &seq.tokens, n);
-            if sampled {
-                let outcome = if seq.needs_logits() {
-                    seq.accept(rows.next().expect("one logits row per sampling sequence"))
+            if let Some(choice) = choice {
+                let outcome = if choice == Logits::Last {
+                    seq.accept(rows.next().expect("one logits row per host choice"))
                 } else {
-                    seq.accept_pick(picks.next().expect("one pick per greedy sequence"))
+                    seq.accept_pick(picks.next().expect("one pick per model choice"))
                 };
                 if outcome != Outcome::Continue {
                     done.push(i);
