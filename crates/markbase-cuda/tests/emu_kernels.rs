@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 use half::f16;
 use markbase_core::backend::{first_visible_key, AttnSpec, HostMatrix, KvLayout, Rope};
 use markbase_core::quant::GgmlType;
-use markbase_core::sampling::{distribution, pick, Draw};
+use markbase_core::sampling::Draw;
 use markbase_cpu::reference;
 use markbase_cuda::sources::{define_value, defines_from_env, Module, Unit, FORMATS};
 use markbase_cuda::{device_bytes, gemv_takes_16_bit_activations};
@@ -1989,32 +1989,6 @@ fn moe_routing_and_per_pair_experts_match_reference() {
 
 /// `sample_rows` (sample.cu).
 type SampleRows = unsafe extern "C" fn(x: *const f32, n: i32, draws: *const u32, out: *mut u32);
-
-/// Whether `got` is the token `d` picks from `row` (`markbase_core::sampling::pick`, the host
-/// twin) or, where the device sums in another order (a draw over every token: slices, then
-/// their sums), a token whose running-sum interval in the host's order holds u · total to
-/// within 1e-5 of the total.
-fn agrees_with_pick(row: &[f32], d: &Draw, got: u32) -> bool {
-    let mut cand = Vec::new();
-    if pick(d, &mut cand, row) == got {
-        return true;
-    }
-    if d.temperature == 0.0 {
-        return false;
-    }
-    let probs = distribution(d, &mut cand, row);
-    let total: f32 = probs.iter().map(|c| c.1).sum();
-    let (target, slack) = (d.u * total, 1e-5 * total);
-    let mut acc = 0f32;
-    for &(id, p) in probs {
-        let lo = acc;
-        acc += p;
-        if id == got {
-            return target >= lo - slack && target <= acc + slack;
-        }
-    }
-    false
-}
 
 /// Device picks against the host's (`agrees_with_pick`) for each kind of draw: greedy, every
 /// token in index order (with and without min-p, and a top-k as large as the row), top-k with

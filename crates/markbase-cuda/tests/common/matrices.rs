@@ -10,6 +10,7 @@ use std::sync::Arc;
 use half::{bf16, f16};
 use markbase_core::backend::{HostBytes, HostMatrix};
 use markbase_core::quant::GgmlType;
+use markbase_core::sampling::{distribution, pick, Draw};
 use markbase_cpu::reference;
 // Each binary uses only some of these, as with the functions below (`dead_code` above).
 #[allow(unused_imports)]
@@ -181,4 +182,30 @@ pub fn round_16(ty: GgmlType, x: &[f32]) -> Vec<f32> {
             }
         })
         .collect()
+}
+
+/// Whether `got` is the token `d` picks from `row` (`markbase_core::sampling::pick`, the host
+/// twin) or, where the device sums in another order (a draw over every token: slices, then
+/// their sums), a token whose running-sum interval in the host's order holds u · total to
+/// within 1e-5 of the total.
+pub fn agrees_with_pick(row: &[f32], d: &Draw, got: u32) -> bool {
+    let mut cand = Vec::new();
+    if pick(d, &mut cand, row) == got {
+        return true;
+    }
+    if d.temperature == 0.0 {
+        return false;
+    }
+    let probs = distribution(d, &mut cand, row);
+    let total: f32 = probs.iter().map(|c| c.1).sum();
+    let (target, slack) = (d.u * total, 1e-5 * total);
+    let mut acc = 0f32;
+    for &(id, p) in probs {
+        let lo = acc;
+        acc += p;
+        if id == got {
+            return target >= lo - slack && target <= acc + slack;
+        }
+    }
+    false
 }

@@ -19,7 +19,7 @@ use markbase_core::backend::{
     AttnSpec, Backend, HostBytes, HostMatrix, KvLayout, NewKv, NormOut, Rope, Strided, ValueRows,
 };
 use markbase_core::quant::GgmlType;
-use markbase_core::sampling::{distribution, pick, Draw};
+use markbase_core::sampling::Draw;
 use markbase_cpu::reference;
 use markbase_cuda::{
     gemv_takes_16_bit_activations, moe_groups_pairs, moe_on_tensor_cores, product_inputs,

@@ -2,32 +2,6 @@
 
 use super::*;
 
-/// Whether `got` is the token `d` picks from `row` (`markbase_core::sampling::pick`, the host
-/// twin) or, where the device sums in another order (a draw over every token: slices, then
-/// their sums), a token whose running-sum interval in the host's order holds u · total to
-/// within 1e-5 of the total.
-fn agrees_with_pick(row: &[f32], d: &Draw, got: u32) -> bool {
-    let mut cand = Vec::new();
-    if pick(d, &mut cand, row) == got {
-        return true;
-    }
-    if d.temperature == 0.0 {
-        return false;
-    }
-    let probs = distribution(d, &mut cand, row);
-    let total: f32 = probs.iter().map(|c| c.1).sum();
-    let (target, slack) = (d.u * total, 1e-5 * total);
-    let mut acc = 0f32;
-    for &(id, p) in probs {
-        let lo = acc;
-        acc += p;
-        if id == got {
-            return target >= lo - slack && target <= acc + slack;
-        }
-    }
-    false
-}
-
 #[test]
 fn argmax_and_sampling_match_host_twins() {
     let g = gpu_or_skip!();
