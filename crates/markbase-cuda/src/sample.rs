@@ -93,8 +93,8 @@ impl CudaBackend {
     }
 
     /// The token each of `rows` rows of `n` logits picks under its draw
-    /// ([`markbase_core::sampling::pick`]): [`Backend::sample`](markbase_core::backend::Backend::sample).
-    /// `sample_rows` picks greedy rows, rows without top-k or top-p and rows of a top-k up to
+    /// ([`markbase_core::sampling::pick`];
+    /// [`Backend::sample`](markbase_core::backend::Backend::sample)). `sample_rows` picks greedy rows, rows without top-k or top-p and rows of a top-k up to
     /// [`MAX_TOP_K`] on the device; it leaves the others (a nucleus over the whole row, a
     /// larger top-k) to the host, which reads their logits after the picks (a second wait,
     /// only then).
@@ -123,7 +123,8 @@ impl CudaBackend {
             if !fine {
                 return Err(Error::Invalid(format!("cuda sampling: bad draw {d:?}")));
             }
-            let k = u32::try_from(d.top_k).unwrap_or(u32::MAX);
+            // A top-k of the row or more keeps every token, as none does.
+            let k = d.top_k.min(n) as u32;
             words.extend([d.temperature.to_bits(), k, d.top_p.to_bits()]);
             words.extend([d.min_p.to_bits(), d.u.to_bits()]);
         }

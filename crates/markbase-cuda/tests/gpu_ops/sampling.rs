@@ -39,7 +39,7 @@ fn argmax_and_sampling_match_host_twins() {
         assert_eq!(got, want, "argmax of {rows} rows of {n}");
     }
     // Every kind of draw on rows of a 262 144-token vocabulary, NaN included: greedy, every
-    // token (with min-p, and a top-k as large as the row), top-k with top-p and min-p, and
+    // token (with min-p, and a top-k past the row), top-k with top-p and min-p, and
     // those the host finishes (a nucleus over the whole row, a top-k over MAX_TOP_K).
     let lb = up(g, &logits);
     for round in 0..4 {
@@ -66,7 +66,7 @@ fn argmax_and_sampling_match_host_twins() {
         let more = [
             Draw {
                 temperature: 1.3,
-                top_k: n,
+                top_k: usize::MAX,
                 top_p: 1.0,
                 min_p: 0.0,
                 u: r.random_range(0.0f32..1.0),
