@@ -697,6 +697,7 @@ pub trait Backend: Send + Sync {
                 draws.len()
             )));
         }
+        draws.iter().try_for_each(Draw::check)?;
         let mut host = vec![0f32; rows * n];
         self.read(x, &mut host)?;
         let mut cand = Vec::new();

@@ -3,6 +3,8 @@
 //! min-p. The reference that every backend's [`Backend::sample`](crate::backend::Backend::sample)
 //! matches, and what the engine's seeded sampler runs on the host.
 
+use crate::{Error, Result};
+
 /// How one row's token is chosen: the filters and the uniform draw.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Draw {
@@ -28,6 +30,22 @@ impl Draw {
         min_p: 0.0,
         u: 0.0,
     };
+
+    /// Checks the ranges (temperature finite and ≥ 0, top-p in (0, 1], min-p in [0, 1], u in
+    /// [0, 1)); the error names the draw.
+    pub fn check(&self) -> Result<()> {
+        let fine = self.temperature >= 0.0
+            && self.temperature.is_finite()
+            && self.top_p > 0.0
+            && self.top_p <= 1.0
+            && (0.0..=1.0).contains(&self.min_p)
+            && (0.0..1.0).contains(&self.u);
+        if fine {
+            Ok(())
+        } else {
+            Err(Error::Invalid(format!("sampling: bad draw {self:?}")))
+        }
+    }
 }
 
 /// The token `d` picks from `logits` (`cand` is scratch): the argmax at temperature 0, else
@@ -99,9 +117,7 @@ pub fn distribution<'c>(
         None
     };
     let (max, sum) = sorted.unwrap_or_else(|| softmax_stats(cand));
-    for c in cand.iter_mut() {
-        c.1 = (c.1 - max).exp() / sum;
-    }
+    to_probabilities(cand, max, sum);
     if p.top_p < 1.0 {
         let mut acc = 0.0f32;
         let mut keep = cand.len();
@@ -128,15 +144,20 @@ pub fn distribution<'c>(
 /// (`distribution` without top-k or top-p).
 fn unordered(min_p: f32, cand: &mut Vec<(u32, f32)>) -> &[(u32, f32)] {
     let (max, sum) = softmax_stats(cand);
-    for c in cand.iter_mut() {
-        c.1 = (c.1 - max).exp() / sum;
-    }
+    to_probabilities(cand, max, sum);
     if min_p > 0.0 {
         // The largest candidate's probability is exp(0) / sum, so it always stays.
         let floor = min_p * (1.0 / sum);
         cand.retain(|c| c.1 >= floor);
     }
     cand
+}
+
+/// Each candidate's value x as its probability exp(x − max) / sum.
+fn to_probabilities(cand: &mut [(u32, f32)], max: f32, sum: f32) {
+    for c in cand.iter_mut() {
+        c.1 = (c.1 - max).exp() / sum;
+    }
 }
 
 /// Max and sum of exp(x - max) over the candidates' values.
@@ -268,6 +289,27 @@ mod tests {
         // At T=1, min-p 0.5 keeps 0.5 and 0.3; at T=0.5 the ratio 0.3/0.5 squares to 0.36.
         assert_eq!(kept(params(1.0, 0, 1.0, 0.5), &l), vec![0, 1]);
         assert_eq!(kept(params(0.5, 0, 1.0, 0.5), &l), vec![0]);
+    }
+
+    #[test]
+    fn bad_draws_are_refused() {
+        assert!(Draw::GREEDY.check().is_ok());
+        assert!(params(0.8, 40, 0.95, 0.05).check().is_ok());
+        for bad in [
+            params(-1.0, 0, 1.0, 0.0),
+            params(f32::NAN, 0, 1.0, 0.0),
+            params(1.0, 0, 0.0, 0.0),
+            params(1.0, 0, 1.0, 1.5),
+            Draw {
+                u: 1.0,
+                ..params(1.0, 0, 1.0, 0.0)
+            },
+        ] {
+            assert!(
+                bad.check().unwrap_err().to_string().contains("bad draw"),
+                "{bad:?}"
+            );
+        }
     }
 
     #[test]

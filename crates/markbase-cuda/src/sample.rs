@@ -114,15 +114,7 @@ impl CudaBackend {
         }
         let mut words = Vec::with_capacity(DRAW_WORDS * rows);
         for d in draws {
-            let fine = d.temperature >= 0.0
-                && d.temperature.is_finite()
-                && d.top_p > 0.0
-                && d.top_p <= 1.0
-                && (0.0..=1.0).contains(&d.min_p)
-                && (0.0..1.0).contains(&d.u);
-            if !fine {
-                return Err(Error::Invalid(format!("cuda sampling: bad draw {d:?}")));
-            }
+            d.check()?;
             // A top-k of the row or more keeps every token, as none does.
             let k = d.top_k.min(n) as u32;
             words.extend([d.temperature.to_bits(), k, d.top_p.to_bits()]);

@@ -193,14 +193,13 @@ impl<B: Backend> LmHead<B> {
                 NormOut::Write,
             )?;
             let head = self.own.as_ref().unwrap_or(embed);
+            let r0 = g * LOGIT_ROWS;
             match (&mut out, &self.coarse) {
-                (HeadOut::Picks { ids, draws }, _) if !greedy(draws, g, n) => {
-                    self.matmul(backend, embed, &work.normed, n, &mut work.logits)?;
-                    if let Some(cap) = norm.softcap {
-                        backend.softcap(&mut work.logits, cap, n * nv)?;
-                    }
-                    let group = &draws[g * LOGIT_ROWS..g * LOGIT_ROWS + n];
-                    ids.extend(backend.sample(&work.logits, n, nv, group)?);
+                (HeadOut::Picks { ids, draws }, _)
+                    if draws[r0..r0 + n].iter().any(|d| d.temperature != 0.0) =>
+                {
+                    self.logits(backend, embed, work, n)?;
+                    ids.extend(backend.sample(&work.logits, n, nv, &draws[r0..r0 + n])?);
                 }
                 (HeadOut::Picks { ids, .. }, Some(coarse)) => ids.extend(backend.argmax_screened(
                     &work.normed,
@@ -216,14 +215,26 @@ impl<B: Backend> LmHead<B> {
                     ids.extend(backend.argmax(&work.logits, n, nv)?);
                 }
                 (HeadOut::Logits(logits), _) => {
-                    self.matmul(backend, embed, &work.normed, n, &mut work.logits)?;
-                    if let Some(cap) = norm.softcap {
-                        backend.softcap(&mut work.logits, cap, n * nv)?;
-                    }
-                    let r0 = g * LOGIT_ROWS;
+                    self.logits(backend, embed, work, n)?;
                     backend.read(&work.logits, &mut logits[r0 * nv..(r0 + n) * nv])?;
                 }
             }
+        }
+        Ok(())
+    }
+
+    /// The logits of the `n` normed rows of `work` into `work.logits`, soft-capped where the
+    /// model caps them.
+    fn logits(
+        &self,
+        backend: &B,
+        embed: &B::Matrix,
+        work: &mut HeadWork<B>,
+        n: usize,
+    ) -> Result<()> {
+        self.matmul(backend, embed, &work.normed, n, &mut work.logits)?;
+        if let Some(cap) = self.norm.softcap {
+            backend.softcap(&mut work.logits, cap, n * work.n_vocab)?;
         }
         Ok(())
     }
@@ -235,11 +246,4 @@ impl<B: Backend> LmHead<B> {
             None => "exact".into(),
         }
     }
-}
-
-/// Whether every draw of group `g` (its `n` rows, [`LOGIT_ROWS`] a group) is greedy.
-fn greedy(draws: &[Draw], g: usize, n: usize) -> bool {
-    draws[g * LOGIT_ROWS..g * LOGIT_ROWS + n]
-        .iter()
-        .all(|d| d.temperature == 0.0)
 }
