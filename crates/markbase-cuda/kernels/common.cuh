@@ -146,6 +146,29 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
     return warp_sum(t);
 }
 
+// Exclusive prefix sum of v over the block's threads in thread order, and the block's total in
+// *total (every thread of the block must call it). `red` holds 32 values.
+template <class T>
+__device__ __forceinline__ T block_exclusive_scan(T v, T* red, T* total) {
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+    T incl = v;
+#pragma unroll
+    for (int o = 1; o < WARP; o <<= 1) {
+        T u = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += u;
+    }
+    __syncthreads();
+    if (lane == WARP - 1) red[w] = incl;
+    __syncthreads();
+    T before = 0, all = 0;
+    for (int i = 0; i < nw; i++) {
+        before += i < w ? red[i] : 0;
+        all += red[i];
+    }
+    *total = all;
+    return before + incl - v;
+}
+
 __device__ __forceinline__ float gelu_tanh(float x) {
     const float c = 0.7978845608f;  // sqrt(2/pi)
     return 0.5f * x * (1.f + tanhf(c * (x + 0.044715f * x * x * x)));

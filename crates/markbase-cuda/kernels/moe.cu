@@ -165,28 +165,6 @@ FOR_EACH_FORMAT(MOE_KERNELS)
 #define MOE_MAX_EXPERTS (WARP * MOE_MAX_PER_LANE)
 #define MOE_GROUP_WARPS (MOE_MAX_EXPERTS / WARP)  // moe_group's block: a thread per expert
 
-// Exclusive prefix sum of v over the block's threads in thread order, and the block's total in
-// *total (every thread of the block must call it). `red` holds 32 ints.
-__device__ __forceinline__ int block_exclusive_scan(int v, int* red, int* total) {
-    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
-    int incl = v;
-#pragma unroll
-    for (int o = 1; o < WARP; o <<= 1) {
-        int u = __shfl_up_sync(0xffffffffu, incl, o);
-        if (lane >= o) incl += u;
-    }
-    __syncthreads();
-    if (lane == WARP - 1) red[w] = incl;
-    __syncthreads();
-    int before = 0, all = 0;
-    for (int i = 0; i < nw; i++) {
-        before += i < w ? red[i] : 0;
-        all += red[i];
-    }
-    *total = all;
-    return before + incl - v;
-}
-
 #if SHARED_KERNELS  // format-independent (quant.cuh)
 // Groups the pairs by expert (the index arrays above). One block of MOE_MAX_EXPERTS threads:
 // warp w takes the pairs of a contiguous range (ranges in warp order), and counts each

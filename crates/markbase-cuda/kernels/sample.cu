@@ -75,31 +75,6 @@ extern "C" __global__ void argmax_join(const float* part, int parts, int n, u32*
     if (threadIdx.x == 0) out[blockIdx.x] = bi < n ? (u32)bi : 0u;
 }
 
-// Sum of v over the threads before this one (in thread order); `sv` holds 32 entries.
-__device__ float block_exclusive_sum(float v, float* sv) {
-    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    float in = v;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        float up = __shfl_up_sync(0xffffffffu, in, o);
-        if (lane >= o) in += up;
-    }
-    __syncthreads();
-    if (lane == 31) sv[w] = in;
-    __syncthreads();
-    if (w == 0) {
-        float t = lane < nw ? sv[lane] : 0.f;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            float up = __shfl_up_sync(0xffffffffu, t, o);
-            if (lane >= o) t += up;
-        }
-        if (lane < nw) sv[lane] = t;
-    }
-    __syncthreads();
-    return (w > 0 ? sv[w - 1] : 0.f) + in - v;
-}
-
 // A row's draw: temperature t (0: greedy), top-k (0: off), top-p (1: off), min-p (0: off) and
 // the uniform number u in [0, 1), as 5 words (the floats' bits).
 #define SAMPLE_DRAW_WORDS 5
@@ -156,8 +131,8 @@ extern "C" __global__ void sample_rows(const float* x, int n, const u32* draws, 
             float e = expf(clean(r[j]) * inv_t - mx);
             if (e >= min_p) mine += e;
         }
-        const float total = block_sum(mine, sv);
-        const float before = block_exclusive_sum(mine, sv);
+        float total;
+        const float before = block_exclusive_scan(mine, sv, &total);
         const float target = u * total;
         // The slice holding the target walks its values to it. Rounding may put the target
         // at a slice's edge: every slice starting at or below it walks, the lowest pick wins,
@@ -211,31 +186,36 @@ extern "C" __global__ void sample_rows(const float* x, int n, const u32* draws, 
     }
     __syncthreads();
     if (threadIdx.x == 0) {
-        // As markbase_core::sampling::distribution, one thread, in rank order.
+        // As markbase_core::sampling::distribution, one thread, in rank order: each
+        // candidate's value becomes its probability once.
         const float mx = cand_v[0];
         float total = 0.f;
-        for (int c = 0; c < top_k; c++) total += expf(cand_v[c] - mx);
+        for (int c = 0; c < top_k; c++) {
+            cand_v[c] = expf(cand_v[c] - mx);
+            total += cand_v[c];
+        }
+        for (int c = 0; c < top_k; c++) cand_v[c] /= total;
         int keep = top_k;
         if (top_p < 1.f) {
             float mass = 0.f;
             for (int c = 0; c < top_k; c++) {
-                mass += expf(cand_v[c] - mx) / total;
+                mass += cand_v[c];
                 if (mass >= top_p) { keep = c + 1; break; }
             }
         }
         if (min_p > 0.f) {
-            const float floor = min_p * (expf(cand_v[0] - mx) / total);
+            const float floor = min_p * cand_v[0];
             int c = 1;
-            while (c < keep && expf(cand_v[c] - mx) / total >= floor) c++;
+            while (c < keep && cand_v[c] >= floor) c++;
             keep = c;
         }
         float kept = 0.f;
-        for (int c = 0; c < keep; c++) kept += expf(cand_v[c] - mx) / total;
+        for (int c = 0; c < keep; c++) kept += cand_v[c];
         const float target = u * kept;
         float run = 0.f;
         int pick = cand_i[keep - 1];
         for (int c = 0; c < keep; c++) {
-            run += expf(cand_v[c] - mx) / total;
+            run += cand_v[c];
             if (target < run) { pick = cand_i[c]; break; }
         }
         out[blockIdx.x] = pick < n ? (u32)pick : 0u;
