@@ -3,7 +3,8 @@
 //! token row, or `--tokens N`), the routed experts of one 26B-A4B layer (`--moe`, N tokens
 //! routed uniformly at random, as a trained router spreads them), E4B's 42 layers of one-token
 //! bf16 (`--chain`) or Q4_K (`--chain q4_k`) products as one persistent launch, as a launch a
-//! product and as the backend's own operations (chain.rs), and
+//! product and as the backend's own operations (chain.rs), device picks of `--tokens N` rows
+//! of a 262 144-token vocabulary under each kind of draw (`--sample`), and
 //! whole-model decode steps (one host wait each) of a synthetic Gemma 4 (random weights at a
 //! released variant's shapes) or a GGUF.
 //!
@@ -19,6 +20,7 @@ use markbase_core::backend::{Backend, HostBytes, HostMatrix, NormOut};
 use markbase_core::config::Gemma3Config;
 use markbase_core::gguf::GgufFile;
 use markbase_core::quant::GgmlType;
+use markbase_core::sampling::Draw;
 use markbase_cuda::{ChainLink, CudaBackend, CudaMatrix, LinkInput};
 use markbase_models::gemma3::Gemma3;
 use markbase_models::gemma4::Gemma4;
@@ -505,6 +507,57 @@ fn moe_bandwidth(be: &CudaBackend, n: usize) {
     }
 }
 
+/// Microseconds a `Backend::sample` call over `rows` rows of 262 144 logits takes (the kernel,
+/// the picks' copy back and the host wait), for each kind of draw, on logits shaped as a
+/// trained model's (a few tokens far ahead of a Gaussian crowd: a small nucleus) and on flat
+/// ones (random weights: a nucleus of most of the vocabulary).
+fn sample_speed(be: &CudaBackend, rows: usize) {
+    let n = 262_144;
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let mut unit = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        (state >> 40) as f32 / (1u64 << 24) as f32
+    };
+    let draw = |temperature, top_k, top_p, min_p| Draw {
+        temperature,
+        top_k,
+        top_p,
+        min_p,
+        u: 0.5,
+    };
+    let kinds = [
+        ("greedy", Draw::GREEDY),
+        ("t 1 (every token)", draw(1.0, 0, 1.0, 0.0)),
+        ("top-k 40", draw(1.0, 40, 1.0, 0.0)),
+        ("top-p 0.9", draw(1.0, 0, 0.9, 0.0)),
+        ("top-k 40, top-p 0.95", draw(0.8, 40, 0.95, 0.0)),
+        ("top-p 0.95, min-p 0.05", draw(1.0, 0, 0.95, 0.05)),
+    ];
+    println!("| logits | draw | rows | µs a call |\n| --- | --- | ---: | ---: |");
+    for shape in ["trained", "flat"] {
+        let logits: Vec<f32> = (0..rows * n)
+            .map(|i| match shape {
+                // Twelve uniforms make a Gaussian; every 50 000th token stands far ahead.
+                "trained" if i % 50_000 == 7 => 12.0 + 4.0 * unit(),
+                "trained" => 2.0 * ((0..12).map(|_| unit()).sum::<f32>() - 6.0),
+                _ => unit() * 2.0 - 1.0,
+            })
+            .collect();
+        let mut x = be.alloc(logits.len()).unwrap();
+        be.write(&logits, &mut x).unwrap();
+        for (name, d) in kinds {
+            let mut draws = vec![d; rows];
+            let s = seconds_per_call(be, 20, |i| {
+                draws.iter_mut().for_each(|d| d.u = (i % 10) as f32 / 10.0);
+                be.sample(&x, rows, n, &draws).unwrap();
+            });
+            println!("| {shape} | {name} | {rows} | {:.1} |", s * 1e6);
+        }
+    }
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let steps = count_arg(&args, "--steps", 32, 0);
@@ -545,6 +598,9 @@ fn main() {
     }
     if args.iter().any(|a| a == "--moe") {
         moe_bandwidth(&be, tokens);
+    }
+    if args.iter().any(|a| a == "--sample") {
+        sample_speed(&be, tokens);
     }
     if let Some(ty) = chain {
         chain_bandwidth(&be, bw, ty);

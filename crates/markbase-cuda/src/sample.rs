@@ -2,7 +2,7 @@
 //! min-p and a uniform draw a row) over rows of logits, so only the chosen ids (not 262 144
 //! logits) cross to the host.
 
-use markbase_core::sampling::{pick as pick_on_host, Draw};
+use markbase_core::sampling::Draw;
 use markbase_core::{Error, Result};
 
 use crate::backend::CudaBackend;
@@ -16,12 +16,8 @@ const ARGMAX_SLICE: usize = 4096;
 /// Most blocks per row of the argmax's first pass.
 const ARGMAX_MAX_PARTS: usize = 64;
 
-/// Largest top-k `sample_rows` takes on the device (the kernel's shared-memory table).
-pub const MAX_TOP_K: usize = 256;
 /// Words of a row's draw for `sample_rows` (sample.cu `SAMPLE_DRAW_WORDS`).
 const DRAW_WORDS: usize = 5;
-/// A pick `sample_rows` leaves to the host (sample.cu `SAMPLE_ON_HOST`).
-const ON_HOST: u32 = u32::MAX;
 
 impl CudaBackend {
     fn check_rows(&self, logits: &CudaBuffer, rows: usize, n: usize) -> Result<()> {
@@ -94,10 +90,9 @@ impl CudaBackend {
 
     /// The token each of `rows` rows of `n` logits picks under its draw
     /// ([`markbase_core::sampling::pick`];
-    /// [`Backend::sample`](markbase_core::backend::Backend::sample)). `sample_rows` picks greedy rows, rows without top-k or top-p and rows of a top-k up to
-    /// [`MAX_TOP_K`] on the device; it leaves the others (a nucleus over the whole row, a
-    /// larger top-k) to the host, which reads their logits after the picks (a second wait,
-    /// only then).
+    /// [`Backend::sample`](markbase_core::backend::Backend::sample)), every draw on the device
+    /// (`sample_rows`: greedy, every token in index order, or top-k / top-p / min-p in rank
+    /// order by rank searches), so only the picks cross to the host.
     pub(crate) fn sample_rows(
         &self,
         logits: &CudaBuffer,
@@ -137,16 +132,8 @@ impl CudaBackend {
             ],
         )?;
         drop(held);
-        let mut out = self.finish_picks(picks, rows)?;
+        let out = self.finish_picks(picks, rows);
         drop(s);
-        let mut cand = Vec::new();
-        for (r, (pick, d)) in out.iter_mut().zip(draws).enumerate() {
-            if *pick == ON_HOST {
-                let mut row = vec![0f32; n];
-                self.read_range(logits, r * n, &mut row)?;
-                *pick = pick_on_host(d, &mut cand, &row);
-            }
-        }
-        Ok(out)
+        out
     }
 }

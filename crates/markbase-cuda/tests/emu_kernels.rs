@@ -1990,16 +1990,17 @@ fn moe_routing_and_per_pair_experts_match_reference() {
 /// `sample_rows` (sample.cu).
 type SampleRows = unsafe extern "C" fn(x: *const f32, n: i32, draws: *const u32, out: *mut u32);
 
-/// Device picks against the host's (`agrees_with_pick`) for each kind of draw: greedy, every
-/// token in index order (with and without min-p, and a top-k as large as the row), top-k with
-/// top-p and min-p in rank order, a top-p keeping one token; and the draws it leaves to the
-/// host (a nucleus over the whole row, a top-k over `MAX_TOP_K`) flagged as such.
+/// Device picks against the host's (`agrees_with_pick`) for each kind of draw — greedy, every
+/// token in index order (with and without min-p, and a top-k as large as the row), and in rank
+/// order top-k, top-p and min-p alone and together (min-p ending the kept prefix first) (a top-p keeping one token, a nucleus over
+/// the whole row, top-k past the window) — on rows of distinct values, of many ties (values on
+/// a grid of 1/4) and with -inf and NaN entries; with the kernel's window of 2 048 tokens, and
+/// of 64 and 1, where every search narrows pass after pass.
 #[test]
 fn sampled_picks_match_the_host_twin() {
     let Some(unit) = emu_unit(Module::Sample, None) else {
         return;
     };
-    let mut r = rng("sampling");
     let n = 3000usize;
     let draw = |temperature, top_k, top_p, min_p, u| Draw {
         temperature,
@@ -2016,21 +2017,51 @@ fn sampled_picks_match_the_host_twin() {
             draw(0.7, 0, 1.0, 0.05, u),
             draw(1.3, n, 1.0, 0.0, u),
             draw(0.8, 40, 0.9, 0.0, u),
-            draw(1.5, 5, 1.0, 0.3, u),
+            draw(1.0, 1000, 1.0, 0.5, u),
             draw(1.0, 20, 1e-6, 0.0, u),
+            draw(1.0, 0, 0.9, 0.0, u),
+            draw(2.0, 0, 0.999, 0.0, u),
+            draw(1.0, 0, 0.99, 0.2, u),
+            draw(1.0, 2500, 0.95, 0.0, u),
+            draw(1.0, 300, 1.0, 0.0, u),
         ]);
     }
-    let on_host = [draw(1.0, 0, 0.9, 0.0, 0.5), draw(1.0, 300, 1.0, 0.0, 0.5)];
-    draws.extend(on_host);
+    let mut r = rng("sampling");
     let rows = draws.len();
     let mut x = uniform(&mut r, rows * n, 4.0);
-    x[5] = f32::NAN;
+    for (i, row) in x.chunks_mut(n).enumerate() {
+        match i % 3 {
+            // Ties: the lower index comes first in rank order.
+            1 => row.iter_mut().for_each(|v| *v = (*v * 4.0).round() / 4.0),
+            2 => {
+                row[..400].iter_mut().for_each(|v| *v = f32::NEG_INFINITY);
+                row[7] = f32::NAN;
+            }
+            _ => {}
+        }
+    }
+    let small = |window: usize| {
+        let source = Unit::holding(Module::Sample, None)
+            .source(&format!("#define SAMPLE_WINDOW {window}\n"));
+        EmuModule::compile(&format!("sample-window-{window}"), &source)
+            .unwrap_or_else(|e| panic!("{e}"))
+    };
+    check_sample_rows(&unit, n, &x, &draws, "the default window");
+    check_sample_rows(&small(64), n, &x, &draws, "a window of 64");
+    // A window of 1 narrows to single keys: the rank-order draws of one u, on each kind of row.
+    let (x1, d1) = (&x[4 * n..][..8 * n], &draws[4..12]);
+    check_sample_rows(&small(1), n, x1, d1, "a window of 1");
+}
+
+/// Runs `sample_rows` of `unit` over `x` (rows of `n`) with one draw a row and checks each pick
+/// against the host's.
+fn check_sample_rows(unit: &EmuModule, n: usize, x: &[f32], draws: &[Draw], what: &str) {
     let words: Vec<u32> = draws
         .iter()
         .flat_map(|d| {
             [
                 d.temperature.to_bits(),
-                d.top_k as u32,
+                d.top_k.min(n) as u32,
                 d.top_p.to_bits(),
                 d.min_p.to_bits(),
                 d.u.to_bits(),
@@ -2039,6 +2070,7 @@ fn sampled_picks_match_the_host_twin() {
         .collect();
     // SAFETY: SampleRows is sample_rows' signature.
     let kernel: SampleRows = unsafe { unit.kernel("sample_rows") }.unwrap();
+    let rows = draws.len();
     let mut picks = vec![0u32; rows];
     let (xp, wp, pp) = (
         x.as_ptr() as usize,
@@ -2048,18 +2080,14 @@ fn sampled_picks_match_the_host_twin() {
     // SAFETY: every buffer outlives the launch and has the size the kernel indexes.
     let body = || unsafe { kernel(xp as _, n as i32, wp as _, pp as _) };
     unit.launch([rows as u32, 1, 1], [1024, 1, 1], 0, &body)
-        .unwrap_or_else(|e| panic!("sample_rows: {e}"));
+        .unwrap_or_else(|e| panic!("sample_rows ({what}): {e}"));
     for (t, d) in draws.iter().enumerate() {
         let row = &x[t * n..][..n];
-        if on_host.contains(d) {
-            assert_eq!(picks[t], u32::MAX, "row {t} {d:?}: left to the host");
-        } else {
-            assert!(
-                agrees_with_pick(row, d, picks[t]),
-                "row {t} {d:?}: {}",
-                picks[t]
-            );
-        }
+        assert!(
+            agrees_with_pick(row, d, picks[t]),
+            "{what}: row {t} {d:?}: {}",
+            picks[t]
+        );
     }
 }
 

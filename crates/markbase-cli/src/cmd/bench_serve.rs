@@ -33,6 +33,13 @@ pub struct Args {
     /// Sampling temperature (0 = greedy).
     #[arg(long, default_value_t = 0.0)]
     pub temperature: f32,
+    /// Nucleus sampling: keep the most likely tokens up to this probability (sent only when
+    /// given).
+    #[arg(long = "top-p")]
+    pub top_p: Option<f32>,
+    /// Keep only the k most likely tokens (sent only when given).
+    #[arg(long = "top-k")]
+    pub top_k: Option<usize>,
     /// Stop at end-of-turn instead of always generating max-tokens.
     #[arg(long = "allow-eos")]
     pub allow_eos: bool,
@@ -101,7 +108,7 @@ pub fn run(args: Args) -> Result<()> {
     let url: hyper::Uri = format!("{base}/v1/chat/completions")
         .parse()
         .with_context(|| format!("bad URL {base}"))?;
-    let body = json!({
+    let mut body = json!({
         "model": "markbase",
         "messages": [{"role": "user", "content": args.prompt}],
         "max_tokens": args.max_tokens,
@@ -110,6 +117,12 @@ pub fn run(args: Args) -> Result<()> {
         "stream": true,
         "stream_options": {"include_usage": true},
     });
+    if let Some(p) = args.top_p {
+        body["top_p"] = json!(p);
+    }
+    if let Some(k) = args.top_k {
+        body["top_k"] = json!(k);
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

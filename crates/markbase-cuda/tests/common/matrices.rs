@@ -185,9 +185,11 @@ pub fn round_16(ty: GgmlType, x: &[f32]) -> Vec<f32> {
 }
 
 /// Whether `got` is the token `d` picks from `row` (`markbase_core::sampling::pick`, the host
-/// twin) or, where the device sums in another order (a draw over every token: slices, then
-/// their sums), a token whose running-sum interval in the host's order holds u · total to
-/// within 1e-5 of the total.
+/// twin) or, where the device sums in another order or in integers (a draw over every token:
+/// slices, then their sums; rank order: weights in 2^-40 units), a token whose running-sum
+/// interval in the host's order holds u · total to within 1e-5 of the total — under `d`, or
+/// under `d` with top-p or min-p moved by 1e-5 of itself, where a limit that falls on a sum
+/// (equal values) keeps one token more or less after rounding.
 pub fn agrees_with_pick(row: &[f32], d: &Draw, got: u32) -> bool {
     let mut cand = Vec::new();
     if pick(d, &mut cand, row) == got {
@@ -196,7 +198,26 @@ pub fn agrees_with_pick(row: &[f32], d: &Draw, got: u32) -> bool {
     if d.temperature == 0.0 {
         return false;
     }
-    let probs = distribution(d, &mut cand, row);
+    let nudged = |top_p: f32, min_p: f32| Draw {
+        top_p: top_p.min(1.0),
+        min_p: min_p.min(1.0),
+        ..*d
+    };
+    let (p, m) = (d.top_p, d.min_p);
+    let near = [
+        *d,
+        nudged(p * (1.0 - 1e-5), m),
+        nudged(p * (1.0 + 1e-5), m),
+        nudged(p, m * (1.0 - 1e-5)),
+        nudged(p, m * (1.0 + 1e-5)),
+    ];
+    near.iter().any(|d| within_rounding(row, d, got, &mut cand))
+}
+
+/// Whether u · total falls in `got`'s running-sum interval of `d`'s kept tokens, in the host's
+/// order, to within 1e-5 of the total.
+fn within_rounding(row: &[f32], d: &Draw, got: u32, cand: &mut Vec<(u32, f32)>) -> bool {
+    let probs = distribution(d, cand, row);
     let total: f32 = probs.iter().map(|c| c.1).sum();
     let (target, slack) = (d.u * total, 1e-5 * total);
     let mut acc = 0f32;

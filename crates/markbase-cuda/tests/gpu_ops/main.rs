@@ -23,7 +23,7 @@ use markbase_core::sampling::Draw;
 use markbase_cpu::reference;
 use markbase_cuda::{
     gemv_takes_16_bit_activations, moe_groups_pairs, moe_on_tensor_cores, product_inputs,
-    CudaBackend, CudaBuffer, CudaMatrix, ProductInputs, ATTN_FLASH_MIN_ROWS, MAX_TOP_K,
+    CudaBackend, CudaBuffer, CudaMatrix, ProductInputs, ATTN_FLASH_MIN_ROWS,
 };
 use rand::rngs::StdRng;
 use rand::Rng;

@@ -38,79 +38,45 @@ fn argmax_and_sampling_match_host_twins() {
             .collect();
         assert_eq!(got, want, "argmax of {rows} rows of {n}");
     }
-    // Every kind of draw on rows of a 262 144-token vocabulary, NaN included: greedy, every
-    // token (with min-p, and a top-k past the row), top-k with top-p and min-p, and
-    // those the host finishes (a nucleus over the whole row, a top-k over MAX_TOP_K).
+    // Every kind of draw on rows of a 262 144-token vocabulary, NaN and ties included:
+    // greedy, every token (with min-p, and a top-k past the row), and in rank order top-k,
+    // top-p (a nucleus over the whole row) and min-p alone and together.
     let lb = up(g, &logits);
-    for round in 0..4 {
-        let draws = [
-            Draw {
-                u: r.random_range(0.0f32..1.0),
-                ..Draw::GREEDY
-            },
-            Draw {
-                temperature: 1.0,
-                top_k: 0,
-                top_p: 1.0,
-                min_p: 0.0,
-                u: r.random_range(0.0f32..1.0),
-            },
-            Draw {
-                temperature: 0.7,
-                top_k: 0,
-                top_p: 1.0,
-                min_p: 0.05,
-                u: r.random_range(0.0f32..1.0),
-            },
-        ];
-        let more = [
-            Draw {
-                temperature: 1.3,
-                top_k: usize::MAX,
-                top_p: 1.0,
-                min_p: 0.0,
-                u: r.random_range(0.0f32..1.0),
-            },
-            Draw {
-                temperature: 0.8,
-                top_k: 40,
-                top_p: 0.9,
-                min_p: 0.05,
-                u: r.random_range(0.0f32..1.0),
-            },
-            Draw {
-                temperature: 2.0,
-                top_k: MAX_TOP_K,
-                top_p: 0.5,
-                min_p: 0.0,
-                u: r.random_range(0.0f32..1.0),
-            },
-        ];
-        let host = [
-            Draw {
-                temperature: 1.0,
-                top_k: 0,
-                top_p: 0.9,
-                min_p: 0.0,
-                u: r.random_range(0.0f32..1.0),
-            },
-            Draw {
-                temperature: 1.0,
-                top_k: MAX_TOP_K + 1,
-                top_p: 1.0,
-                min_p: 0.0,
-                u: r.random_range(0.0f32..1.0),
-            },
-            Draw {
-                temperature: 0.9,
-                top_k: 3,
-                top_p: 1.0,
-                min_p: 0.0,
-                u: r.random_range(0.0f32..1.0),
-            },
-        ];
-        let set = [&draws, &more, &host][round % 3];
-        let got = g.sample(&lb, rows, n, set).unwrap();
+    let draw = |temperature, top_k, top_p, min_p, u| Draw {
+        temperature,
+        top_k,
+        top_p,
+        min_p,
+        u,
+    };
+    let kinds = [
+        [
+            draw(0.0, 0, 1.0, 0.0, 0.5),
+            draw(1.0, 0, 1.0, 0.0, 0.5),
+            draw(0.7, 0, 1.0, 0.05, 0.5),
+        ],
+        [
+            draw(1.3, usize::MAX, 1.0, 0.0, 0.5),
+            draw(0.8, 40, 0.9, 0.05, 0.5),
+            draw(2.0, 256, 0.5, 0.0, 0.5),
+        ],
+        [
+            draw(1.0, 0, 0.9, 0.0, 0.5),
+            draw(1.0, 5000, 1.0, 0.0, 0.5),
+            draw(0.9, 3, 1.0, 0.0, 0.5),
+        ],
+        [
+            draw(1.0, 0, 0.99, 0.2, 0.5),
+            draw(0.6, 0, 0.5, 0.0, 0.5),
+            draw(1.0, 100_000, 0.95, 0.0, 0.5),
+        ],
+    ];
+    for round in 0..8 {
+        let mut set = kinds[round % kinds.len()];
+        for d in &mut set {
+            d.u = r.random_range(0.0f32..1.0);
+        }
+        let got = g.sample(&lb, rows, n, &set).unwrap();
         for (t, d) in set.iter().enumerate() {
             let row = &logits[t * n..][..n];
             assert!(
