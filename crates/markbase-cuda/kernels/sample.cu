@@ -321,7 +321,7 @@ __device__ void rank_search(RankState& st, const float* r, int n, float inv_t, f
 //   min-p × the best; the token where u · their weight falls. Each limit is a rank search
 //   (rank_search) over integer weights (2^-40 units), and the kept prefix ends at the
 //   shortest.
-extern "C" __global__ void sample_rows(const float* x, int n, const u32* draws, u32* out) {
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 1) sample_rows(const float* x, int n, const u32* draws, u32* out) {
     wait_prior_grid();
     __shared__ float sv[32];
     __shared__ int si[32];
