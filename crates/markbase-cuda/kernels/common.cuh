@@ -12,6 +12,7 @@ typedef unsigned long long u64;
 
 // Error codes a kernel can raise into the backend's error word (checked at the next read).
 #define MB_ERR_EXPERT_ID 1
+#define MB_ERR_SAMPLE_STALL 2
 
 // Programmatic dependent launch (compute capability 9.0 and newer; the backend launches every
 // kernel with it there): a kernel may start while the one ahead of it in the stream is still

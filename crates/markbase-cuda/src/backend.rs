@@ -55,6 +55,9 @@ pub(crate) struct Scratch {
     pub(crate) tiles: Growable<u16>,
     /// Chosen tokens of the samplers.
     pub(crate) picks: Growable<u32>,
+    /// The sampled picks' per-row scratch: barriers, histograms, gathered tokens
+    /// (sample.cu `SAMPLE_ROW_WORDS` a row).
+    pub(crate) sample: Growable<u64>,
     /// The rounded copy of the activations a producer kernel made for the next product.
     pub(crate) rounded: RoundedCopy,
 }
@@ -172,6 +175,7 @@ impl CudaBackend {
                 moe_pairs: Growable::new(&steps),
                 tiles: Growable::new(&steps),
                 picks: Growable::new(&steps),
+                sample: Growable::new(&steps),
                 rounded: RoundedCopy::new(&steps),
             }),
             steps,
@@ -383,6 +387,10 @@ impl CudaBackend {
         })?;
         Err(Error::Invalid(if flag & 1 != 0 {
             "cuda moe_ffn: an expert id was not a whole number below the expert count".into()
+        } else if flag & 2 != 0 {
+            "cuda sample_rows: a row's blocks waited over a second for each other (the GPU did \
+             not hold them all at once: is another process sharing it?)"
+                .into()
         } else {
             format!("cuda kernel error flag {flag:#x}")
         }))

@@ -18,6 +18,17 @@ const ARGMAX_MAX_PARTS: usize = 64;
 
 /// Words of a row's draw for `sample_rows` (sample.cu `SAMPLE_DRAW_WORDS`).
 const DRAW_WORDS: usize = 5;
+/// Dynamic shared bytes of an argmax block (sample.cu: 32 floats and 32 ints).
+const ARGMAX_SHARED: u32 = 256;
+/// Threads of a `sample_rows` block (sample.cu `SAMPLE_THREADS`).
+const SAMPLE_THREADS: u32 = 1024;
+/// Dynamic shared bytes of a `sample_rows` block (sample.cu `SAMPLE_SHARED_BYTES`).
+const SAMPLE_SHARED: u32 = 40960;
+/// Blocks a row of `sample_rows` is spread over, at most (sample.cu `SAMPLE_MAX_PARTS`).
+const SAMPLE_MAX_PARTS: usize = 256;
+/// Scratch words of a row of `sample_rows` (sample.cu `SAMPLE_ROW_WORDS`, with the default
+/// window of 2 048 tokens).
+const SAMPLE_ROW_WORDS: usize = 8 + 6 * 256 + 8 * SAMPLE_MAX_PARTS + 4 * 2048;
 
 impl CudaBackend {
     fn check_rows(&self, logits: &CudaBuffer, rows: usize, n: usize) -> Result<()> {
@@ -61,10 +72,12 @@ impl CudaBackend {
         let picks = s.picks.get(&self.dev.stream, rows)?;
         let parts = n.div_ceil(ARGMAX_SLICE).min(ARGMAX_MAX_PARTS);
         let part = s.floats.get(&self.dev.stream, 2 * rows * parts)?;
+        let mut grid = Grid::new((rows as u32, parts as u32), 256);
+        grid.shared = ARGMAX_SHARED;
         self.run(
             Module::Sample,
             "argmax_part",
-            Grid::new((rows as u32, parts as u32), 256),
+            grid,
             &[
                 Arg::U64(logits.ptr),
                 Arg::I32(n as i32),
@@ -72,10 +85,12 @@ impl CudaBackend {
                 Arg::U64(part),
             ],
         )?;
+        let mut grid = Grid::new((rows as u32, 1), 32);
+        grid.shared = ARGMAX_SHARED;
         self.run(
             Module::Sample,
             "argmax_join",
-            Grid::new((rows as u32, 1), 32),
+            grid,
             &[
                 Arg::U64(part),
                 Arg::I32(parts as i32),
@@ -118,17 +133,33 @@ impl CudaBackend {
         // The scratch stays locked until the picks are back (another thread may sample too).
         let mut s = self.scratch()?;
         let picks = s.picks.get(&self.dev.stream, rows)?;
+        let scratch = s.sample.get(&self.dev.stream, rows * SAMPLE_ROW_WORDS)?;
         let held = self.uploads()?;
         let at = self.upload_idx(&held, &words)?;
         self.run(
             Module::Sample,
+            "sample_reset",
+            Grid::new((rows as u32, 1), 256),
+            &[Arg::U64(scratch)],
+        )?;
+        // A row's blocks wait for each other: with one block a multiprocessor, every block of
+        // the grid is resident at once.
+        let sms = self.dev.multiprocessors().max(1) as usize;
+        let parts = (sms / rows).clamp(1, SAMPLE_MAX_PARTS);
+        let mut grid = Grid::new((parts as u32, rows as u32), SAMPLE_THREADS);
+        grid.shared = SAMPLE_SHARED;
+        self.run(
+            Module::Sample,
             "sample_rows",
-            Grid::new((rows as u32, 1), 1024),
+            grid,
             &[
                 Arg::U64(logits.ptr),
                 Arg::I32(n as i32),
                 Arg::U64(at),
                 Arg::U64(picks),
+                Arg::U64(scratch),
+                Arg::I32(parts as i32),
+                Arg::U64(self.err.ptr),
             ],
         )?;
         drop(held);

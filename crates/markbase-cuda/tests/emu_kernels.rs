@@ -1249,12 +1249,15 @@ fn argmax_picks_the_first_largest_logit() {
     );
     let (ni, pi) = (n as i32, parts as i32);
     // SAFETY: every buffer outlives the launches and has the size the kernels index.
-    unit.launch([rows as u32, parts as u32, 1], [256, 1, 1], 0, &|| unsafe {
-        pk(xp as _, ni, pi, pp as _)
-    })
+    unit.launch(
+        [rows as u32, parts as u32, 1],
+        [256, 1, 1],
+        256,
+        &|| unsafe { pk(xp as _, ni, pi, pp as _) },
+    )
     .unwrap();
     // SAFETY: as above.
-    unit.launch([rows as u32, 1, 1], [32, 1, 1], 0, &|| unsafe {
+    unit.launch([rows as u32, 1, 1], [32, 1, 1], 256, &|| unsafe {
         jk(pp as _, pi, ni, op as _)
     })
     .unwrap();
@@ -1988,14 +1991,26 @@ fn moe_routing_and_per_pair_experts_match_reference() {
 }
 
 /// `sample_rows` (sample.cu).
-type SampleRows = unsafe extern "C" fn(x: *const f32, n: i32, draws: *const u32, out: *mut u32);
+type SampleRows = unsafe extern "C" fn(
+    x: *const f32,
+    n: i32,
+    draws: *const u32,
+    out: *mut u32,
+    scratch: *mut u64,
+    parts: i32,
+    err: *mut u32,
+);
+/// `sample_reset` (sample.cu).
+type SampleReset = unsafe extern "C" fn(scratch: *mut u64);
 
 /// Device picks against the host's (`agrees_with_pick`) for each kind of draw — greedy, every
 /// token in index order (with and without min-p, and a top-k as large as the row), and in rank
-/// order top-k, top-p and min-p alone and together (min-p ending the kept prefix first) (a top-p keeping one token, a nucleus over
-/// the whole row, top-k past the window) — on rows of distinct values, of many ties (values on
-/// a grid of 1/4) and with -inf and NaN entries; with the kernel's window of 2 048 tokens, and
-/// of 64 and 1, where every search narrows pass after pass.
+/// order top-k, top-p and min-p alone and together (min-p ending the kept prefix first; a
+/// top-p keeping one token, a nucleus over the whole row, top-k past the window) — on rows of
+/// distinct values, of many ties (values on a grid of 1/4) and with -inf and NaN entries: each
+/// row in one block, and each in 3 blocks that meet at barriers (all resident at once), with
+/// the kernel's window of 2 048 tokens; and with windows of 64 and 1, where every search
+/// narrows pass after pass.
 #[test]
 fn sampled_picks_match_the_host_twin() {
     let Some(unit) = emu_unit(Module::Sample, None) else {
@@ -2046,16 +2061,29 @@ fn sampled_picks_match_the_host_twin() {
         EmuModule::compile(&format!("sample-window-{window}"), &source)
             .unwrap_or_else(|e| panic!("{e}"))
     };
-    check_sample_rows(&unit, n, &x, &draws, "the default window");
-    check_sample_rows(&small(64), n, &x, &draws, "a window of 64");
+    let w64 = small(64);
+    // Rows 12–23: every kind of draw at u 0.37, on each kind of row.
+    let (x12, d12) = (&x[12 * n..][..12 * n], &draws[12..24]);
+    check_sample_rows(&unit, n, &x, &draws, 1, "one block a row");
+    check_sample_rows(&unit, n, x12, d12, 3, "three blocks a row");
+    check_sample_rows(&w64, n, &x, &draws, 1, "a window of 64");
+    check_sample_rows(&w64, n, x12, d12, 3, "a window of 64, three blocks a row");
     // A window of 1 narrows to single keys: the rank-order draws of one u, on each kind of row.
     let (x1, d1) = (&x[4 * n..][..8 * n], &draws[4..12]);
-    check_sample_rows(&small(1), n, x1, d1, "a window of 1");
+    check_sample_rows(&small(1), n, x1, d1, 2, "a window of 1, two blocks a row");
 }
 
-/// Runs `sample_rows` of `unit` over `x` (rows of `n`) with one draw a row and checks each pick
-/// against the host's.
-fn check_sample_rows(unit: &EmuModule, n: usize, x: &[f32], draws: &[Draw], what: &str) {
+/// Runs `sample_reset` and `sample_rows` of `unit` over `x` (rows of `n`) with one draw a row,
+/// `parts` blocks a row (all resident where more than one), and checks each pick against the
+/// host's.
+fn check_sample_rows(
+    unit: &EmuModule,
+    n: usize,
+    x: &[f32],
+    draws: &[Draw],
+    parts: usize,
+    what: &str,
+) {
     let words: Vec<u32> = draws
         .iter()
         .flat_map(|d| {
@@ -2068,19 +2096,45 @@ fn check_sample_rows(unit: &EmuModule, n: usize, x: &[f32], draws: &[Draw], what
             ]
         })
         .collect();
-    // SAFETY: SampleRows is sample_rows' signature.
-    let kernel: SampleRows = unsafe { unit.kernel("sample_rows") }.unwrap();
+    // SAFETY: the signatures of sample_rows and sample_reset.
+    let (kernel, reset): (SampleRows, SampleReset) = unsafe {
+        (
+            unit.kernel("sample_rows").unwrap(),
+            unit.kernel("sample_reset").unwrap(),
+        )
+    };
     let rows = draws.len();
+    // Room for a row's words with the default window (a smaller window uses fewer).
+    let row_words = 8 + 6 * 256 + 8 * 256 + 4 * 2048;
+    let mut scratch = vec![u64::MAX; rows * row_words];
     let mut picks = vec![0u32; rows];
-    let (xp, wp, pp) = (
+    let mut err = 0u32;
+    let (xp, wp, pp, sp, ep) = (
         x.as_ptr() as usize,
         words.as_ptr() as usize,
         picks.as_mut_ptr() as usize,
+        scratch.as_mut_ptr() as usize,
+        &mut err as *mut u32 as usize,
     );
-    // SAFETY: every buffer outlives the launch and has the size the kernel indexes.
-    let body = || unsafe { kernel(xp as _, n as i32, wp as _, pp as _) };
-    unit.launch([rows as u32, 1, 1], [1024, 1, 1], 0, &body)
-        .unwrap_or_else(|e| panic!("sample_rows ({what}): {e}"));
+    let parts_i = parts as i32;
+    // SAFETY: every buffer outlives the launches and has the size the kernels index.
+    unit.launch([rows as u32, 1, 1], [256, 1, 1], 0, &|| unsafe {
+        reset(sp as _)
+    })
+    .unwrap();
+    let body = || unsafe {
+        kernel(
+            xp as _, n as i32, wp as _, pp as _, sp as _, parts_i, ep as _,
+        )
+    };
+    let (grid, block, shared) = ([parts as u32, rows as u32, 1], [1024, 1, 1], 40960);
+    if parts == 1 {
+        unit.launch(grid, block, shared, &body)
+    } else {
+        unit.launch_resident(grid, block, shared, &body)
+    }
+    .unwrap_or_else(|e| panic!("sample_rows ({what}): {e}"));
+    assert_eq!(err, 0, "{what}: error word");
     for (t, d) in draws.iter().enumerate() {
         let row = &x[t * n..][..n];
         assert!(

@@ -534,6 +534,11 @@ inline unsigned atomicAdd(unsigned* p, unsigned v) { unsigned o = *p; *p = o + v
 inline int atomicAdd(int* p, int v) { int o = *p; *p = o + v; return o; }
 inline float atomicAdd(float* p, float v) { float o = *p; *p = o + v; return o; }
 inline unsigned atomicOr(unsigned* p, unsigned v) { unsigned o = *p; *p = o | v; return o; }
+inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) {
+    unsigned long long o = *p;
+    *p = o + v;
+    return o;
+}
 inline unsigned atomicMax(unsigned* p, unsigned v) { unsigned o = *p; *p = o > v ? o : v; return o; }
 inline int atomicMax(int* p, int v) { int o = *p; *p = o > v ? o : v; return o; }
 

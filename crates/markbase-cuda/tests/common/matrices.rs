@@ -215,15 +215,17 @@ pub fn agrees_with_pick(row: &[f32], d: &Draw, got: u32) -> bool {
 }
 
 /// Whether u · total falls in `got`'s running-sum interval of `d`'s kept tokens, in the host's
-/// order, to within 1e-5 of the total.
+/// order, to within 1e-5 of the total (summed in f64).
 fn within_rounding(row: &[f32], d: &Draw, got: u32, cand: &mut Vec<(u32, f32)>) -> bool {
     let probs = distribution(d, cand, row);
-    let total: f32 = probs.iter().map(|c| c.1).sum();
-    let (target, slack) = (d.u * total, 1e-5 * total);
-    let mut acc = 0f32;
+    // In f64: the host's own f32 running sum drifts by more than the slack over a
+    // 262 144-token row.
+    let total: f64 = probs.iter().map(|c| c.1 as f64).sum();
+    let (target, slack) = (d.u as f64 * total, 1e-5 * total);
+    let mut acc = 0f64;
     for &(id, p) in probs {
         let lo = acc;
-        acc += p;
+        acc += p as f64;
         if id == got {
             return target >= lo - slack && target <= acc + slack;
         }
