@@ -50,16 +50,16 @@ impl Draw {
 
 /// The token `d` picks from `logits` (`cand` is scratch): the argmax at temperature 0, else
 /// the first kept candidate, in [`distribution`]'s order, at which the running sum of the
-/// kept probabilities passes `u` × their total.
+/// kept probabilities passes `u` × their total (sums in f64).
 pub fn pick(d: &Draw, cand: &mut Vec<(u32, f32)>, logits: &[f32]) -> u32 {
     if d.temperature == 0.0 {
         return argmax(logits);
     }
     let probs = distribution(d, cand, logits);
-    let r = d.u * probs.iter().map(|c| c.1).sum::<f32>();
-    let mut acc = 0.0f32;
+    let r = d.u as f64 * probs.iter().map(|c| c.1 as f64).sum::<f64>();
+    let mut acc = 0.0f64;
     for &(id, p) in probs {
-        acc += p;
+        acc += p as f64;
         if r < acc {
             return id;
         }
@@ -101,11 +101,11 @@ pub fn distribution<'c>(
         let (max, sum) = softmax_stats(cand);
         cand.select_nth_unstable_by(TOP_P_PARTIAL - 1, by_value_desc);
         cand[..TOP_P_PARTIAL].sort_unstable_by(by_value_desc);
-        let head: f32 = cand[..TOP_P_PARTIAL]
+        let head: f64 = cand[..TOP_P_PARTIAL]
             .iter()
-            .map(|c| (c.1 - max).exp())
+            .map(|c| (c.1 - max).exp() as f64)
             .sum();
-        if head / sum >= p.top_p {
+        if head / sum >= p.top_p as f64 {
             cand.truncate(TOP_P_PARTIAL);
             Some((max, sum))
         } else {
@@ -119,11 +119,11 @@ pub fn distribution<'c>(
     let (max, sum) = sorted.unwrap_or_else(|| softmax_stats(cand));
     to_probabilities(cand, max, sum);
     if p.top_p < 1.0 {
-        let mut acc = 0.0f32;
+        let mut acc = 0.0f64;
         let mut keep = cand.len();
         for (i, c) in cand.iter().enumerate() {
-            acc += c.1;
-            if acc >= p.top_p {
+            acc += c.1 as f64;
+            if acc >= p.top_p as f64 {
                 keep = i + 1;
                 break;
             }
@@ -147,23 +147,24 @@ fn unordered(min_p: f32, cand: &mut Vec<(u32, f32)>) -> &[(u32, f32)] {
     to_probabilities(cand, max, sum);
     if min_p > 0.0 {
         // The largest candidate's probability is exp(0) / sum, so it always stays.
-        let floor = min_p * (1.0 / sum);
+        let floor = min_p * (1.0 / sum) as f32;
         cand.retain(|c| c.1 >= floor);
     }
     cand
 }
 
 /// Each candidate's value x as its probability exp(x − max) / sum.
-fn to_probabilities(cand: &mut [(u32, f32)], max: f32, sum: f32) {
+fn to_probabilities(cand: &mut [(u32, f32)], max: f32, sum: f64) {
     for c in cand.iter_mut() {
-        c.1 = (c.1 - max).exp() / sum;
+        c.1 = ((c.1 - max).exp() as f64 / sum) as f32;
     }
 }
 
-/// Max and sum of exp(x - max) over the candidates' values.
-fn softmax_stats(cand: &[(u32, f32)]) -> (f32, f32) {
+/// Max and sum of exp(x - max) over the candidates' values (the sum in f64: summed in f32 over
+/// a 262 144-token vocabulary it drifts by 1e-4, and so would top-p's cut).
+fn softmax_stats(cand: &[(u32, f32)]) -> (f32, f64) {
     let max = cand.iter().map(|c| c.1).fold(f32::NEG_INFINITY, f32::max);
-    let sum = cand.iter().map(|c| (c.1 - max).exp()).sum();
+    let sum = cand.iter().map(|c| (c.1 - max).exp() as f64).sum();
     (max, sum)
 }
 

@@ -342,15 +342,40 @@ __device__ void rank_pass(const SampleRow& w, SampleShared& sh, int shift) {
         sh.hw[b] = 0;
     }
     __syncthreads();
-    for (int j = w.c0 + threadIdx.x; j < w.c1; j += blockDim.x) {
-        float v = w.r[j];
-        if (v != v) continue;
-        float s = v * w.inv_t;
-        u64 k = rank_key(s, j);
-        if (k < lo || k > hi) continue;
-        int b = (int)((k - lo) >> shift);
-        atomicAdd(&sh.hcnt[b], 1u);
-        atomicAdd((unsigned long long*)&sh.hw[b], (unsigned long long)fixed_weight(rank_e(s, sh.mx)));
+    // A warp's tokens in one part add once (a warp sum), not a shared atomic each: the
+    // busiest parts hold most of a pass's tokens.
+    const int lane = threadIdx.x & 31;
+    for (int j0 = w.c0 + (threadIdx.x & ~31); j0 < w.c1; j0 += blockDim.x) {
+        const int j = j0 + lane;
+        int b = -1;
+        u64 weight = 0;
+        if (j < w.c1) {
+            float v = w.r[j];
+            float s = v * w.inv_t;
+            u64 k = rank_key(s, j);
+            if (v == v && k >= lo && k <= hi) {
+                b = (int)((k - lo) >> shift);
+                weight = fixed_weight(rank_e(s, sh.mx));
+            }
+        }
+        const unsigned peers = __match_any_sync(0xffffffffu, b);
+        if (b >= 0 && __popc(peers) == 1) {
+            atomicAdd(&sh.hcnt[b], 1u);
+            atomicAdd((unsigned long long*)&sh.hw[b], (unsigned long long)weight);
+        }
+        unsigned shared_parts = __ballot_sync(0xffffffffu, b >= 0 && __popc(peers) > 1);
+        while (shared_parts) {
+            const int first = __ffs(shared_parts) - 1;
+            const unsigned group = __shfl_sync(0xffffffffu, peers, first);
+            u64 sum = (group >> lane) & 1 ? weight : 0;
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+            if (lane == first) {
+                atomicAdd(&sh.hcnt[b], (u32)__popc(group));
+                atomicAdd((unsigned long long*)&sh.hw[b], (unsigned long long)sum);
+            }
+            shared_parts &= ~group;
+        }
     }
     __syncthreads();
     const u32 buf = sh.passes % 3;

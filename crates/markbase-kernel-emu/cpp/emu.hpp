@@ -493,6 +493,15 @@ inline void match_work(void** r, unsigned mask) {
     }
 }
 
+// A ballot: each lane's predicate in `value`; every lane gets the mask of those set.
+inline void ballot_work(void** r, unsigned mask) {
+    unsigned all = 0;
+    for (int o = 0; o < 32; o++)
+        if ((mask >> o & 1) && ((Match*)r[o])->value) all |= 1u << o;
+    for (int l = 0; l < 32; l++)
+        if (mask >> l & 1) ((Match*)r[l])->out = all;
+}
+
 inline void nothing_work(void**, unsigned) {}
 
 }  // namespace mb_emu
@@ -522,6 +531,11 @@ template <class T>
 inline unsigned __match_any_sync(unsigned mask, T v) {
     mb_emu::Match rec{(unsigned long long)v, 0};
     mb_emu::warp_meet(mask, &rec, mb_emu::match_work);
+    return rec.out;
+}
+inline unsigned __ballot_sync(unsigned mask, int predicate) {
+    mb_emu::Match rec{(unsigned long long)(predicate != 0), 0};
+    mb_emu::warp_meet(mask, &rec, mb_emu::ballot_work);
     return rec.out;
 }
 inline void __syncwarp(unsigned mask = 0xffffffffu) {

@@ -1,6 +1,7 @@
 //! Argmax and sampling on the device against their host twins.
 
 use super::*;
+use markbase_core::sampling::{distribution, pick};
 
 #[test]
 fn argmax_and_sampling_match_host_twins() {
@@ -79,10 +80,18 @@ fn argmax_and_sampling_match_host_twins() {
         let got = g.sample(&lb, rows, n, &set).unwrap();
         for (t, d) in set.iter().enumerate() {
             let row = &logits[t * n..][..n];
+            let place = |id: u32| {
+                let mut cand = Vec::new();
+                let kept = distribution(d, &mut cand, row);
+                (kept.iter().position(|c| c.0 == id), kept.len())
+            };
+            let host = pick(d, &mut Vec::new(), row);
             assert!(
                 agrees_with_pick(row, d, got[t]),
-                "row {t} {d:?}: {}",
-                got[t]
+                "row {t} {d:?}: {} at {:?} of the host's kept tokens, the host's pick {host} at {:?}",
+                got[t],
+                place(got[t]),
+                place(host)
             );
         }
     }
