@@ -143,9 +143,7 @@ impl<'m> Session<'m> {
             ..Timings::default()
         };
         let t0 = Instant::now();
-        let mut logits = self
-            .model
-            .forward(&mut self.cache, &prompt[common..], Logits::Last)?;
+        let mut next = self.run(&mut sampler, &prompt[common..])?;
         self.tokens.extend_from_slice(&prompt[common..]);
 
         let mut history = prompt.to_vec();
@@ -164,7 +162,10 @@ impl<'m> Session<'m> {
             if output.len() >= opts.max_tokens {
                 break FinishReason::Length;
             }
-            let id = sampler.sample(&mut logits, &history);
+            let id = match &mut next {
+                Next::Picked(id) => *id,
+                Next::Logits(logits) => sampler.sample(logits, &history),
+            };
             if t_decode.is_none() {
                 timings.prefill_ms = ms(t0);
                 t_decode = Some(Instant::now());
@@ -181,7 +182,7 @@ impl<'m> Session<'m> {
             if output.len() >= opts.max_tokens || self.cache.len() >= capacity {
                 break FinishReason::Length;
             }
-            logits = self.model.forward(&mut self.cache, &[id], Logits::Last)?;
+            next = self.run(&mut sampler, &[id])?;
             self.tokens.push(id);
             timings.decode_tokens += 1;
         };
@@ -202,6 +203,33 @@ impl<'m> Session<'m> {
             timings,
         })
     }
+
+    /// Runs `tokens` after the cache's and returns what the next token comes from: the model's
+    /// pick where the sampler needs no logits (no repetition penalty: on a GPU only the token
+    /// id comes back), its draw taken from the sampler's generator where the host's pick would
+    /// have taken it; else the last token's logits.
+    fn run(&mut self, sampler: &mut Sampler, tokens: &[u32]) -> Result<Next> {
+        let p = sampler.params();
+        if p.repetition_penalty != 1.0 {
+            let logits = self.model.forward(&mut self.cache, tokens, Logits::Last)?;
+            return Ok(Next::Logits(logits));
+        }
+        let choice = if p.temperature == 0.0 {
+            Logits::Greedy
+        } else {
+            Logits::Sample(sampler.next_draw())
+        };
+        let id = self.model.forward_pick(&mut self.cache, tokens, choice)?;
+        Ok(Next::Picked(id))
+    }
+}
+
+/// What a session's next token comes from.
+enum Next {
+    /// The model picked it.
+    Picked(u32),
+    /// The host picks it from these logits.
+    Logits(Vec<f32>),
 }
 
 /// One generation with a fresh cache sized for the prompt plus `max_tokens` (capped at the

@@ -1,12 +1,12 @@
 //! The generation loop on the real default model: cache reuse across turns, stop strings,
-//! stop tokens and limits.
+//! stop tokens and limits; sampled runs picked in the model as the host would pick them.
 
 use markbase_core::tokenizer::ChatMessage;
 use markbase_engine::{
-    default_stop_tokens, generate, load, FinishReason, GenerateOptions, LoadedModel,
+    default_stop_tokens, generate, load, FinishReason, GenerateOptions, LoadedModel, Sampler,
     SamplingParams, Session,
 };
-use markbase_models::LoadOptions;
+use markbase_models::{LoadOptions, Logits};
 
 fn loaded() -> LoadedModel {
     let path = markbase_engine::pull::default_model_path().expect("default model");
@@ -164,4 +164,45 @@ fn stop_token_ends_generation_and_is_not_output() {
     assert_eq!(g.output_token_ids, out[..k]);
     assert_eq!(g.text, m.tokenizer.decode(&out[..k]));
     assert_eq!(default_stop_tokens(&m.tokenizer), vec![1, 106]);
+}
+
+/// A seeded sampled run picks its tokens in the model (`Model::forward_pick`, a draw a token
+/// from the sampler's generator); by hand on the host — the last token's logits, then
+/// `Sampler::sample` — the same seed gives the same tokens. With a repetition penalty the
+/// session takes the logits path and still matches that loop.
+#[test]
+fn sampled_generation_picks_in_the_model_as_the_host_would() {
+    let m = loaded();
+    let prompt = chat_ids(&m, &[ChatMessage::new("user", "Name three colors.")]);
+    for penalty in [1.0, 1.3] {
+        let sampling = SamplingParams {
+            temperature: 0.9,
+            top_k: 40,
+            top_p: 0.95,
+            repetition_penalty: penalty,
+            seed: 7,
+            ..SamplingParams::default()
+        };
+        let opts = GenerateOptions {
+            max_tokens: 16,
+            stop_tokens: Vec::new(),
+            stop_strings: Vec::new(),
+            sampling: sampling.clone(),
+        };
+        let got = generate(&m.model, &m.tokenizer, &prompt, &opts, None, &mut |_| {}).unwrap();
+        let mut cache = m.model.new_cache(prompt.len() + 16).unwrap();
+        let mut sampler = Sampler::new(sampling).unwrap();
+        let mut logits = m.model.forward(&mut cache, &prompt, Logits::Last).unwrap();
+        let mut history = prompt.clone();
+        let mut want = Vec::new();
+        for i in 0..16 {
+            let id = sampler.sample(&mut logits, &history);
+            want.push(id);
+            history.push(id);
+            if i < 15 {
+                logits = m.model.forward(&mut cache, &[id], Logits::Last).unwrap();
+            }
+        }
+        assert_eq!(got.output_token_ids, want, "repetition penalty {penalty}");
+    }
 }

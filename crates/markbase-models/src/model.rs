@@ -560,15 +560,41 @@ impl Model {
 
     /// Runs `tokens` at positions `cache.len()..`, appends them to the cache, and returns the
     /// logits of the last token or of every token (row-major tokens × n_vocab); `Greedy` and
-    /// `Sample` are for [`Model::step`] and [`Model::forward_batch`].
+    /// `Sample` are for [`Model::forward_pick`], [`Model::step`] and [`Model::forward_batch`].
     pub fn forward(&self, cache: &mut KvCache, tokens: &[u32], logits: Logits) -> Result<Vec<f32>> {
-        if tokens.is_empty() {
-            return Err(Error::Invalid("forward called with no tokens".into()));
-        }
         if matches!(logits, Logits::Greedy | Logits::Sample(_)) {
             return Err(Error::Invalid(
-                "forward returns logits: picks come from Model::step".into(),
+                "forward returns logits: picks come from Model::forward_pick or Model::step".into(),
             ));
+        }
+        Ok(self.forward_pieces(cache, tokens, logits)?.logits)
+    }
+
+    /// Runs `tokens` as [`Model::forward`] does and returns the last token's pick under
+    /// `choice` (`Greedy` or `Sample`): on a GPU only the token id comes back.
+    pub fn forward_pick(&self, cache: &mut KvCache, tokens: &[u32], choice: Logits) -> Result<u32> {
+        if !matches!(choice, Logits::Greedy | Logits::Sample(_)) {
+            return Err(Error::Invalid(
+                "forward_pick picks a token: logits come from Model::forward".into(),
+            ));
+        }
+        let out = self.forward_pieces(cache, tokens, choice)?;
+        out.ids
+            .last()
+            .copied()
+            .ok_or_else(|| Error::Invalid("forward_pick: the step made no pick".into()))
+    }
+
+    /// Runs `tokens` in pieces of the cache's chunk; `logits` applies to the last piece only
+    /// where it asks for one row (`Last`, a pick), else to every piece.
+    fn forward_pieces(
+        &self,
+        cache: &mut KvCache,
+        tokens: &[u32],
+        logits: Logits,
+    ) -> Result<StepOutput> {
+        if tokens.is_empty() {
+            return Err(Error::Invalid("forward called with no tokens".into()));
         }
         let end = cache.len + tokens.len();
         if end > cache.capacity {
@@ -578,13 +604,17 @@ impl Model {
             });
         }
         let start = cache.len;
-        let mut out = Vec::new();
+        let mut out = StepOutput {
+            logits: Vec::new(),
+            ids: Vec::new(),
+        };
         let pieces = tokens.chunks(cache.chunk);
         let last = pieces.len() - 1;
         for (i, piece) in pieces.enumerate() {
-            // Earlier pieces of a `Last` request give no logits.
+            // Earlier pieces of a one-row request give no logits and no pick.
             let want = match logits {
-                Logits::Last if i < last => None,
+                Logits::All => Some(logits),
+                _ if i < last => None,
                 l => Some(l),
             };
             let seq = SeqStep {
@@ -595,7 +625,10 @@ impl Model {
                 logits: want,
             };
             match self.step(&mut cache.pool, &[seq]) {
-                Ok(step) => out.extend(step.logits),
+                Ok(step) => {
+                    out.logits.extend(step.logits);
+                    out.ids.extend(step.ids);
+                }
                 Err(e) => {
                     // A failed call keeps none of its tokens, as a one-piece call does.
                     cache.len = start;
