@@ -159,6 +159,8 @@ struct SampleShared {
     u64 red[32];
     u32 hcnt[SAMPLE_BUCKETS];
     u64 hw[SAMPLE_BUCKETS];
+    u32 first_cnt[SAMPLE_BUCKETS];  // the first pass over every key, kept for later searches
+    u64 first_w[SAMPLE_BUCKETS];
     u64 wkey[SAMPLE_WINDOW];
     u64 wpre[SAMPLE_WINDOW];
     u64 lo0, hi0;                  // every token's key lies in [lo0, hi0]
@@ -171,6 +173,7 @@ struct SampleShared {
     int mi, n_valid;               // the largest's token; tokens that are not NaN
     int win_n;                     // tokens in the window (0: none)
     int gather;                    // the part a pass kept fits the window
+    int have_first;                // first_cnt / first_w hold the first pass
     u32 gen, passes, gathers;      // barriers, histogram passes and gathers so far
 };
 static_assert(sizeof(SampleShared) <= SAMPLE_SHARED_BYTES, "SAMPLE_SHARED_BYTES too small");
@@ -358,6 +361,7 @@ __device__ void rank_pass(const SampleRow& w, SampleShared& sh, int shift) {
                 weight = fixed_weight(rank_e(s, sh.mx));
             }
         }
+        if (__ballot_sync(0xffffffffu, b >= 0) == 0) continue;  // none of the warp's is searched
         const unsigned peers = __match_any_sync(0xffffffffu, b);
         if (b >= 0 && __popc(peers) == 1) {
             atomicAdd(&sh.hcnt[b], 1u);
@@ -422,7 +426,23 @@ __device__ void rank_search(const SampleRow& w, SampleShared& sh, bool by_mass, 
         const u64 lo = sh.lo, hi = sh.hi, span = hi - lo;
         const int bits = span ? 64 - __clzll(span) : 0;
         const int shift = bits > 8 ? bits - 8 : 0;  // (span >> shift) < SAMPLE_BUCKETS
-        rank_pass(w, sh, shift);
+        if (first && sh.have_first) {
+            // Every search's first pass covers every key: the row's first one holds its sums.
+            for (int b = threadIdx.x; b < SAMPLE_BUCKETS; b += blockDim.x) {
+                sh.hcnt[b] = sh.first_cnt[b];
+                sh.hw[b] = sh.first_w[b];
+            }
+        } else {
+            rank_pass(w, sh, shift);
+            if (first) {
+                for (int b = threadIdx.x; b < SAMPLE_BUCKETS; b += blockDim.x) {
+                    sh.first_cnt[b] = sh.hcnt[b];
+                    sh.first_w[b] = sh.hw[b];
+                }
+            }
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) sh.have_first = 1;
         if (threadIdx.x == 0) {
             if (first && frac > 0.f) {
                 u64 total = 0;
@@ -509,6 +529,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 1)
         sh.passes = 0;
         sh.gathers = 0;
         sh.win_n = 0;
+        sh.have_first = 0;
     }
     // The best and least s, and the tokens that are not NaN, of the chunk, then of the row.
     float mx = NEG_INF, lo_v = -NEG_INF;
