@@ -204,23 +204,22 @@ impl<'m> Session<'m> {
         })
     }
 
-    /// Runs `tokens` after the cache's and returns what the next token comes from: the model's
-    /// pick where the sampler needs no logits (no repetition penalty: on a GPU only the token
-    /// id comes back), its draw taken from the sampler's generator where the host's pick would
-    /// have taken it; else the last token's logits.
+    /// Runs `tokens` after the cache's and returns what the next token comes from
+    /// ([`Sampler::choice`]): the model's pick (on a GPU only the token id comes back), or the
+    /// last token's logits where the sampler needs them.
     fn run(&mut self, sampler: &mut Sampler, tokens: &[u32]) -> Result<Next> {
-        let p = sampler.params();
-        if p.repetition_penalty != 1.0 {
-            let logits = self.model.forward(&mut self.cache, tokens, Logits::Last)?;
-            return Ok(Next::Logits(logits));
+        match sampler.choice() {
+            Logits::Last => Ok(Next::Logits(self.model.forward(
+                &mut self.cache,
+                tokens,
+                Logits::Last,
+            )?)),
+            choice => Ok(Next::Picked(self.model.forward_pick(
+                &mut self.cache,
+                tokens,
+                choice,
+            )?)),
         }
-        let choice = if p.temperature == 0.0 {
-            Logits::Greedy
-        } else {
-            Logits::Sample(sampler.next_draw())
-        };
-        let id = self.model.forward_pick(&mut self.cache, tokens, choice)?;
-        Ok(Next::Picked(id))
     }
 }
 

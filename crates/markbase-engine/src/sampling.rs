@@ -4,6 +4,7 @@
 pub use markbase_core::sampling::argmax;
 use markbase_core::sampling::{pick, Draw};
 use markbase_core::{Error, Result};
+use markbase_models::Logits;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
@@ -117,6 +118,21 @@ impl Sampler {
         );
         let d = self.next_draw();
         pick(&d, &mut self.cand, logits)
+    }
+
+    /// What a step asks the model for to choose the next token: the last token's logits
+    /// ([`Logits::Last`], then [`Sampler::sample`]) where a repetition penalty needs them; else
+    /// the pick itself, made where the model runs ([`Logits::Greedy`], or [`Logits::Sample`]
+    /// with the next draw, taken now so the generator runs as on the host).
+    pub fn choice(&mut self) -> Logits {
+        let p = &self.params;
+        if p.repetition_penalty != 1.0 {
+            Logits::Last
+        } else if p.temperature == 0.0 {
+            Logits::Greedy
+        } else {
+            Logits::Sample(self.next_draw())
+        }
     }
 
     /// The filters and, above temperature 0, the generator's next uniform number: what

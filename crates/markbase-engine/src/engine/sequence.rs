@@ -103,13 +103,10 @@ impl Sequence {
     /// ([`Logits::Greedy`], or [`Logits::Sample`] with the sampler's next draw, taken now so
     /// the generator runs as on the host), then [`Sequence::accept_pick`].
     pub fn choice(&mut self) -> Logits {
-        let p = self.sampler.params();
-        if p.repetition_penalty != 1.0 || self.top_logprobs.is_some() {
+        if self.top_logprobs.is_some() {
             Logits::Last
-        } else if p.temperature == 0.0 {
-            Logits::Greedy
         } else {
-            Logits::Sample(self.sampler.next_draw())
+            self.sampler.choice()
         }
     }
 
