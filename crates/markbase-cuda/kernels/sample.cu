@@ -150,6 +150,13 @@ __device__ __forceinline__ float rank_e(float s, float m) {
 // however the blocks and threads add them.
 __device__ __forceinline__ u64 fixed_weight(float e) { return (u64)(e * 1099511627776.f); }
 
+// The weight logit v keeps in a draw over every token: 0 for NaN and under min-p.
+__device__ __forceinline__ u64 kept_weight(float v, float inv_t, float m, float min_p) {
+    if (v != v) return 0;
+    float e = rank_e(v * inv_t, m);
+    return e < min_p ? 0 : fixed_weight(e);
+}
+
 // A sample_rows block's shared memory: reduction slots, its share of a pass's histogram, the
 // window (the tokens a search gathered: keys sorted, inclusive prefix weights) and the row's
 // search state, the same in every block of the row (each decides from the same sums).
@@ -182,7 +189,7 @@ static_assert(sizeof(SampleShared) <= SAMPLE_SHARED_BYTES, "SAMPLE_SHARED_BYTES 
 struct SampleRow {
     const float* r;
     u64* rs;
-    int n, parts, part, c0, c1;
+    int parts, part, c0, c1;
     float inv_t;
     u32* err;
 };
@@ -215,12 +222,16 @@ __device__ void row_barrier(const SampleRow& w, SampleShared& sh) {
     __syncthreads();
 }
 
-// The block's u64 `v` summed over the row's blocks through word `slot` of each block's part
-// words (every block gets the sum; `ahead` gets that of the blocks before this one).
-__device__ u64 row_sum(const SampleRow& w, SampleShared& sh, u64 v, int slot, u64* ahead) {
-    if (threadIdx.x == 0) w.rs[SAMPLE_PART + 8 * w.part + slot] = v;
-    row_barrier(w, sh);
-    u64 x = (int)threadIdx.x < w.parts ? ld_row_word(w.rs + SAMPLE_PART + 8 * threadIdx.x + slot) : 0;
+// Word `slot` of block q's part words in thread q (0 past the row's blocks).
+__device__ __forceinline__ u64 part_word(const SampleRow& w, int slot) {
+    return (int)threadIdx.x < w.parts ? ld_row_word(w.rs + SAMPLE_PART + 8 * threadIdx.x + slot)
+                                      : 0;
+}
+
+// Word `slot` of the row's blocks' part words (written before the last barrier) summed: every
+// block gets the sum; `ahead` gets that of the blocks before this one.
+__device__ u64 row_total(const SampleRow& w, SampleShared& sh, int slot, u64* ahead) {
+    u64 x = part_word(w, slot);
     u64 all;
     const u64 before = block_exclusive_scan(x, sh.red, &all);
     if ((int)threadIdx.x == w.part) sh.total = before;
@@ -228,6 +239,13 @@ __device__ u64 row_sum(const SampleRow& w, SampleShared& sh, u64 v, int slot, u6
     *ahead = sh.total;
     __syncthreads();
     return all;
+}
+
+// The block's `v` in word `slot` of its part words, summed over the row's blocks (row_total).
+__device__ u64 row_sum(const SampleRow& w, SampleShared& sh, u64 v, int slot, u64* ahead) {
+    if (threadIdx.x == 0) w.rs[SAMPLE_PART + 8 * w.part + slot] = v;
+    row_barrier(w, sh);
+    return row_total(w, sh, slot, ahead);
 }
 
 // The largest `v` of the block (every thread gets it).
@@ -517,7 +535,6 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 1)
     SampleRow w;
     w.r = x + (u64)row * n;
     w.rs = scratch + (u64)row * SAMPLE_ROW_WORDS;
-    w.n = n;
     w.parts = parts;
     w.part = blockIdx.x;
     w.c0 = min(n, (int)blockIdx.x * span);
@@ -592,12 +609,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 1)
         const int len = w.c1 - w.c0, per = (len + blockDim.x - 1) / blockDim.x;
         const int a = min(w.c1, w.c0 + (int)threadIdx.x * per), b = min(w.c1, a + per);
         u64 mine = 0;
-        for (int j = a; j < b; j++) {
-            float v = w.r[j];
-            if (v != v) continue;
-            float e = rank_e(v * w.inv_t, sh.mx);
-            mine += e < min_p ? 0 : fixed_weight(e);
-        }
+        for (int j = a; j < b; j++) mine += kept_weight(w.r[j], w.inv_t, sh.mx, min_p);
         u64 chunk_total;
         const u64 within = block_exclusive_scan(mine, sh.red, &chunk_total);
         u64 ahead;
@@ -606,10 +618,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 1)
         u64 run = ahead + within;
         if (mine > 0 && run < target && target <= run + mine) {
             for (int j = a; j < b; j++) {
-                float v = w.r[j];
-                if (v != v) continue;
-                float e = rank_e(v * w.inv_t, sh.mx);
-                run += e < min_p ? 0 : fixed_weight(e);
+                run += kept_weight(w.r[j], w.inv_t, sh.mx, min_p);
                 if (run >= target) {
                     out[row] = (u32)j;
                     break;
@@ -659,13 +668,16 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 1)
         u64 chunk_cnt, chunk_mass, ahead;
         block_exclusive_scan(cnt, sh.red, &chunk_cnt);
         block_exclusive_scan(mass, sh.red, &chunk_mass);
-        if (threadIdx.x == 0) w.rs[SAMPLE_PART + 8 * w.part + PART_MIN_P_LAST] = last;
-        const u64 all_cnt = row_sum(w, sh, chunk_cnt, PART_MIN_P_COUNT, &ahead);
-        const u64 all_mass = row_sum(w, sh, chunk_mass, PART_MIN_P_WEIGHT, &ahead);
-        const u64 mine = (int)threadIdx.x < parts
-                             ? ld_row_word(w.rs + SAMPLE_PART + 8 * threadIdx.x + PART_MIN_P_LAST)
-                             : 0;
-        const u64 row_last = block_max_u64(mine, sh.red);
+        if (threadIdx.x == 0) {
+            u64* mine = w.rs + SAMPLE_PART + 8 * w.part;
+            mine[PART_MIN_P_LAST] = last;
+            mine[PART_MIN_P_COUNT] = chunk_cnt;
+            mine[PART_MIN_P_WEIGHT] = chunk_mass;
+        }
+        row_barrier(w, sh);
+        const u64 all_cnt = row_total(w, sh, PART_MIN_P_COUNT, &ahead);
+        const u64 all_mass = row_total(w, sh, PART_MIN_P_WEIGHT, &ahead);
+        const u64 row_last = block_max_u64(part_word(w, PART_MIN_P_LAST), sh.red);
         if (row_last < end_key) {
             end_key = row_last;
             end_cnt = all_cnt;

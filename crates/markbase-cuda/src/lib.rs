@@ -52,3 +52,4 @@ pub use mmq::mma_suits;
 pub use moe::moe_groups_pairs;
 pub use moe_mma::moe_on_tensor_cores;
 pub use products::{gemv_takes_16_bit_activations, product_inputs, ProductInputs, BF16_GEMV_UP_TO};
+pub use sample::{SAMPLE_ROW_WORDS, SAMPLE_SHARED};

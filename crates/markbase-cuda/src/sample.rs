@@ -23,12 +23,12 @@ const ARGMAX_SHARED: u32 = 256;
 /// Threads of a `sample_rows` block (sample.cu `SAMPLE_THREADS`).
 const SAMPLE_THREADS: u32 = 1024;
 /// Dynamic shared bytes of a `sample_rows` block (sample.cu `SAMPLE_SHARED_BYTES`).
-const SAMPLE_SHARED: u32 = 40960;
+pub const SAMPLE_SHARED: u32 = 40960;
 /// Blocks a row of `sample_rows` is spread over, at most (sample.cu `SAMPLE_MAX_PARTS`).
 const SAMPLE_MAX_PARTS: usize = 256;
 /// Scratch words of a row of `sample_rows` (sample.cu `SAMPLE_ROW_WORDS`, with the default
 /// window of 2 048 tokens).
-const SAMPLE_ROW_WORDS: usize = 8 + 6 * 256 + 8 * SAMPLE_MAX_PARTS + 4 * 2048;
+pub const SAMPLE_ROW_WORDS: usize = 8 + 6 * 256 + 8 * SAMPLE_MAX_PARTS + 4 * 2048;
 
 impl CudaBackend {
     fn check_rows(&self, logits: &CudaBuffer, rows: usize, n: usize) -> Result<()> {

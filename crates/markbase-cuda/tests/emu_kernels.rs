@@ -19,7 +19,7 @@ use markbase_core::quant::GgmlType;
 use markbase_core::sampling::Draw;
 use markbase_cpu::reference;
 use markbase_cuda::sources::{define_value, defines_from_env, Module, Unit, FORMATS};
-use markbase_cuda::{device_bytes, gemv_takes_16_bit_activations};
+use markbase_cuda::{device_bytes, gemv_takes_16_bit_activations, SAMPLE_ROW_WORDS, SAMPLE_SHARED};
 use markbase_kernel_emu::{compiler_available, EmuModule};
 use matrices::*;
 use rand::Rng;
@@ -2105,8 +2105,7 @@ fn check_sample_rows(
     };
     let rows = draws.len();
     // Room for a row's words with the default window (a smaller window uses fewer).
-    let row_words = 8 + 6 * 256 + 8 * 256 + 4 * 2048;
-    let mut scratch = vec![u64::MAX; rows * row_words];
+    let mut scratch = vec![u64::MAX; rows * SAMPLE_ROW_WORDS];
     let mut picks = vec![0u32; rows];
     let mut err = 0u32;
     let (xp, wp, pp, sp, ep) = (
@@ -2127,7 +2126,11 @@ fn check_sample_rows(
             xp as _, n as i32, wp as _, pp as _, sp as _, parts_i, ep as _,
         )
     };
-    let (grid, block, shared) = ([parts as u32, rows as u32, 1], [1024, 1, 1], 40960);
+    let (grid, block, shared) = (
+        [parts as u32, rows as u32, 1],
+        [1024, 1, 1],
+        SAMPLE_SHARED as usize,
+    );
     if parts == 1 {
         unit.launch(grid, block, shared, &body)
     } else {
