@@ -178,10 +178,22 @@ def concurrency(base, key):
     prompts = ["Name three colours.", "Count to five.", "What is the sun?", "Say hello in French."]
     alone = {p: chat(c, p, temperature=0, max_tokens=12).choices[0].message.content for p in prompts}
     jobs = [prompts[i % len(prompts)] for i in range(32)]
+    before = http("GET", base + "/health", timeout=10).json()
     with concurrent.futures.ThreadPoolExecutor(32) as pool:
         got = list(pool.map(lambda p: (p, chat(c, p, temperature=0, max_tokens=12).choices[0].message.content), jobs))
     bad = [(p, t, alone[p]) for p, t in got if t != alone[p]]
     assert not bad, f"{len(bad)} of 32 concurrent replies differ from the same request alone: {bad[:3]}"
+    # The engine's step counters moved, and /metrics carries the same numbers as /health.
+    after = http("GET", base + "/health", timeout=10).json()
+    for k in ("steps", "decode_rows", "prefill_rows", "step_seconds"):
+        assert after[k] > before[k], (k, before, after)
+    assert after["device_wait_seconds"] >= before["device_wait_seconds"], (before, after)
+    assert after["decode_rows"] - before["decode_rows"] > after["steps"] - before["steps"], (before, after)
+    m = metrics(base)
+    assert m["markbase_engine_steps_total"] >= after["steps"], m
+    assert m['markbase_engine_step_rows_total{kind="decode"}'] >= after["decode_rows"], m
+    assert m['markbase_engine_step_rows_total{kind="prefill"}'] >= after["prefill_rows"], m
+    assert m["markbase_engine_step_seconds"] >= after["step_seconds"], m
 
 
 def expect_error(resp, status, param=None):

@@ -57,7 +57,8 @@ impl CudaBackend {
         if !(formats && shapes && self.mmq_takes(&fused, n)) {
             return Ok(false);
         }
-        // Where the kernels decline the down product (one matrix of 49–64 rows, `mmq::plan`),
+        // Where the kernels decline the down product (one matrix of 49–64 rows, or a run of
+        // them past 64, `mmq::plan`),
         // cuBLAS multiplies it from the pair's f16 outputs.
         let down_on_blas = match (self.mmq_takes(&down_job, n), &self.blas) {
             (true, _) => None,

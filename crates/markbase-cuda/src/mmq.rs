@@ -1,6 +1,7 @@
 //! Products of a few token rows on the tensor cores (kernels/mmq.cu): Q4_K, Q5_K, Q6_K, Q8_0,
-//! Q4_0 and Q5_0 weights (rows of whole 256-value units) of 2–64 token rows, dequantized to
-//! f16 in registers, on the f16 rounded copy of the activations.
+//! Q4_0 and Q5_0 weights (rows of whole 256-value units) of 2–128 token rows, dequantized to
+//! f16 in registers, on the f16 rounded copy of the activations (past 64 rows, in runs of 64
+//! rows, each reading the weights: `plan`).
 //! The weights stream once a launch: of up to 32 token rows (4 n-tiles of 8, two blocks a
 //! multiprocessor), or of 33–64 in one launch of 8 n-tiles (a block a multiprocessor) where its
 //! tiles split their units fewer than `WIDE_SPLITS` ways — else 32 rows a launch, and one
@@ -25,8 +26,8 @@ use crate::sources::{define_value, Module, DEFINES_VAR};
 /// 3 602 / 4 838 here (session 31), and with the gated pair in one launch and the split parts
 /// added in parallel 8 / 16 / 32 sequences 2 196 / 3 567 / 4 838 → 2 434 / 3 918 / 5 564. E4B
 /// Q8_0 (session 33): 8 / 16 / 32 / 48 sequences 817 / 846 / 3 318 / 4 946 → 2 261 / 3 705 /
-/// 5 414 / 5 015. 33–64 rows: see `WIDE_SPLITS`.
-const MMQ_TOKENS: std::ops::RangeInclusive<usize> = 2..=64;
+/// 5 414 / 5 015. 33–64 rows: see `WIDE_SPLITS`; 65–128 rows: see `plan`.
+const MMQ_TOKENS: std::ops::RangeInclusive<usize> = 2..=128;
 /// Token rows up to which one matrix alone runs here where its launch of 8 n-tiles is declined
 /// (`WIDE_SPLITS`): as launches of 32 rows, each reading the weights, 40 / 48 sequences ran
 /// 3 870 / 4 663 t/s on cuBLAS → 4 755 / 5 227 here, but 64 sequences 6 088 → 5 693 (session
@@ -440,21 +441,47 @@ type Launch = (usize, usize, Shape, usize);
 /// The launches of a job of extent `e` for `n` token rows on `sms` multiprocessors that give a
 /// block `most_shared` bytes, if the kernels take it: a format they have, `mma_suits` rows and
 /// width, tiles few enough to split, and shared memory enough (GPUs of compute capability 8.6
-/// and 8.9 give 99 KB). Up to `LAUNCH_TOKENS` rows take one launch; 33–64 one launch of 8
-/// n-tiles where it splits its tiles fewer than `WIDE_SPLITS` ways, else launches of
-/// `LAUNCH_TOKENS` rows, which one matrix alone takes up to `ALONE_TOKENS`.
+/// and 8.9 give 99 KB). Rows past a launch's most (64) are cut into runs of 64 and a last one,
+/// each planned as its own product (`plan_rows`), so each reads the weights again: a step of
+/// a few more rows than 64 — a serving step's decode rows and a new request's prompt — streams
+/// them twice rather than dequantizing every matrix to f16 for cuBLAS, which ran E4B Q8_0's
+/// 65- and 128-row decode steps at 11.0 and 12.1 ms against 5.7 ms at 64 (H100, docs/perf.md
+/// session 53).
 fn plan(t: &Tuning, e: &Extent, n: usize, sms: usize, most_shared: usize) -> Option<Vec<Launch>> {
     let f = format(e.ty)?;
     if !mma_suits(e.ty, e.cols, n) {
         return None;
     }
+    let most = 8 * f.most_nt;
+    let mut all = Vec::new();
+    for t0 in (0..n).step_by(most) {
+        let run = plan_rows(t, &f, e, (n - t0).min(most), sms, most_shared)?;
+        all.extend(
+            run.into_iter()
+                .map(|(r0, len, sh, sm)| (t0 + r0, len, sh, sm)),
+        );
+    }
+    Some(all)
+}
+
+/// `plan` for `n` token rows, 1 to 64: up to `LAUNCH_TOKENS` rows take one launch; 33–64 one
+/// launch of 8 n-tiles where it splits its tiles fewer than `WIDE_SPLITS` ways, else launches
+/// of `LAUNCH_TOKENS` rows, which one matrix alone takes up to `ALONE_TOKENS`.
+fn plan_rows(
+    t: &Tuning,
+    f: &Format,
+    e: &Extent,
+    n: usize,
+    sms: usize,
+    most_shared: usize,
+) -> Option<Vec<Launch>> {
     let launches = |chunk: usize| -> Option<Vec<Launch>> {
         (0..n)
             .step_by(chunk)
             .map(|t0| {
                 let len = (n - t0).min(chunk);
-                let sh = shape(t, &f, e.tiles, e.cols, len, sms)?;
-                let shared = sh.shared(&f);
+                let sh = shape(t, f, e.tiles, e.cols, len, sms)?;
+                let shared = sh.shared(f);
                 (shared <= most_shared).then_some((t0, len, sh, shared))
             })
             .collect()
@@ -922,10 +949,55 @@ mod tests {
             h200(q4k, 10_240, &[2560, 2560], 64),
             Some(vec![(0, 32, 4, 8), (32, 32, 4, 8)])
         );
-        // Up to 32 rows: one launch of up to 4 n-tiles; past 64: none.
+        // Up to 32 rows: one launch of up to 4 n-tiles.
         assert_eq!(h200(q4k, 10_240, &[2560], 32), Some(vec![(0, 32, 4, 8)]));
-        assert_eq!(h200(q4k, 2560, &[2048, 512, 512], 65), None);
         assert_eq!(h200(GgmlType::BF16, 2560, &[2048], 8), None);
+        // 65–128 rows: a run of 64 planned as above, then the rest (one row on one n-tile).
+        assert_eq!(
+            h200(q4k, 2560, &[2048, 512, 512], 65),
+            Some(vec![(0, 64, 8, 5), (64, 1, 1, 5)])
+        );
+        assert_eq!(
+            h200(q4k, 10_240, &[2560, 2560], 100),
+            Some(vec![
+                (0, 32, 4, 8),
+                (32, 32, 4, 8),
+                (64, 32, 4, 8),
+                (96, 4, 1, 4)
+            ])
+        );
+        assert_eq!(
+            h200(q4k, 2560, &[10_240], 128),
+            Some(vec![(0, 64, 8, 2), (64, 64, 8, 2)])
+        );
+        // A run that one matrix alone would give cuBLAS gives it the whole product.
+        assert_eq!(h200(q4k, 10_240, &[2560], 112), None);
+        assert_eq!(h200(q4k, 2560, &[2048, 512, 512], 129), None);
+    }
+
+    #[test]
+    fn launches_cover_every_token_row_once() {
+        for tuning in tunings() {
+            for (ty, cols, rows) in [
+                (GgmlType::Q4_K, 2560, vec![2048, 512, 512]),
+                (GgmlType::Q8_0, 10_240, vec![2560]),
+                (GgmlType::Q6_K, 2560, vec![262_144]),
+            ] {
+                let e = Extent::products(ty, cols, rows.iter().copied());
+                for n in 2..=128 {
+                    let Some(p) = plan(&tuning, &e, n, 132, 227 << 10) else {
+                        continue;
+                    };
+                    let mut next = 0;
+                    for (t0, len, sh, _) in p {
+                        assert_eq!(t0, next, "{ty} {rows:?} n={n}");
+                        assert!(len >= 1 && len <= 8 * sh.nt && sh.nt <= 8, "{ty} n={n}");
+                        next += len;
+                    }
+                    assert_eq!(next, n, "{ty} {rows:?} n={n}");
+                }
+            }
+        }
     }
 
     #[test]
@@ -934,9 +1006,10 @@ mod tests {
         assert!(!mma_suits(q4k, 256, 1));
         assert!(mma_suits(q4k, 256, 2));
         assert!(mma_suits(q4k, 2560, 33) && mma_suits(q4k, 2560, 64));
-        assert!(!mma_suits(q4k, 2560, 65));
+        assert!(mma_suits(q4k, 2560, 65) && mma_suits(q4k, 2560, 128));
+        assert!(!mma_suits(q4k, 2560, 129));
         assert!(mma_suits(q8, 2560, 2) && mma_suits(q8, 512, 48));
-        assert!(!mma_suits(q8, 2560, 1) && !mma_suits(q8, 2560, 65));
+        assert!(!mma_suits(q8, 2560, 1) && !mma_suits(q8, 2560, 129));
         // Q8_0 rows of a part group (layout.rs) stay on the other paths.
         assert!(!mma_suits(q8, 640, 8) && !mma_suits(q8, 96, 8));
         for ty in [GgmlType::Q5_K, GgmlType::Q6_K] {

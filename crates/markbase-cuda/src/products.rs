@@ -412,7 +412,7 @@ impl CudaBackend {
 
     /// `out = x · wᵀ` on the tensor cores from `xh`, the `n` activation rows already rounded
     /// as `product_inputs` says: bf16 weights as stored, those of `mma_suits` (Q4_K, Q5_K, Q6_K,
-    /// Q8_0, Q4_0, Q5_0) of 2–64 token rows by `mmq` where it takes them, other quantized ones
+    /// Q8_0, Q4_0, Q5_0) of 2–128 token rows by `mmq` where it takes them, other quantized ones
     /// dequantized to f16 a tile of rows at a time (sizes checked by the caller).
     pub(crate) fn gemm_half(
         &self,

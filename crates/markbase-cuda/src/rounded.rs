@@ -48,7 +48,7 @@ pub(crate) enum CopyForm {
     /// One token row as the 16-bit tiles of a one-token Q4_K or Q8_0 GEMV (640 bytes per 256
     /// values).
     Q4kTiles,
-    /// Rounded to f16 for a tensor-core product of 2–64 token rows of Q4_K or Q8_0 weights
+    /// Rounded to f16 for a tensor-core product of 2–128 token rows of Q4_K or Q8_0 weights
     /// (mmq.rs): the values of `Rounded(F16)`, made for products of fewer token rows.
     Mmq,
 }

@@ -188,6 +188,14 @@ fn gemma4_kv_sharing_and_ple_batched_and_preempted() {
     let cases = cases(&model, 6, 64);
     let stats = check_against_alone(&model, roomy, &cases);
     assert_eq!(stats.preemptions, 0);
+    // Every prompt token ran once as a prefill row and every generated token but the last
+    // as a decode row; the CPU has no device to wait for.
+    let prompts: usize = cases.iter().map(|(r, _)| r.prompt.len()).sum();
+    let decodes: usize = cases.iter().map(|(_, out)| out.len() - 1).sum();
+    let hits = stats.prefix_cache_hit_tokens as usize;
+    assert_eq!(stats.prefill_rows as usize, prompts - hits, "{stats:?}");
+    assert_eq!(stats.decode_rows as usize, decodes, "{stats:?}");
+    assert!(stats.step_seconds > 0.0 && stats.device_wait_seconds == 0.0);
     let tight = EngineConfig {
         max_context: 64,
         kv_blocks: Some(5),
@@ -195,7 +203,11 @@ fn gemma4_kv_sharing_and_ple_batched_and_preempted() {
         max_seqs: 8,
         ..EngineConfig::default()
     };
-    assert!(check_against_alone(&model, tight, &cases).preemptions > 0);
+    let stats = check_against_alone(&model, tight, &cases);
+    assert!(stats.preemptions > 0);
+    // A preempted sequence's tokens run again as prefill rows, its next one among them.
+    assert!(stats.decode_rows as usize <= decodes, "{stats:?}");
+    assert!(stats.prefill_rows as usize > prompts, "{stats:?}");
 }
 
 #[test]

@@ -34,6 +34,14 @@ pub const KV_TOTAL: &str = "markbase_kv_blocks_total";
 pub const PREEMPTIONS: &str = "markbase_preemptions_total";
 /// Prompt tokens served from the prefix cache since start.
 pub const PREFIX_HITS: &str = "markbase_prefix_cache_hit_tokens_total";
+/// Engine steps run since start.
+pub const STEPS: &str = "markbase_engine_steps_total";
+/// Token rows the engine's steps ran since start, by kind (decode, prefill).
+pub const STEP_ROWS: &str = "markbase_engine_step_rows_total";
+/// Seconds the engine spent in steps since start.
+pub const STEP_SECONDS: &str = "markbase_engine_step_seconds";
+/// Seconds of those the host waited for the model's device.
+pub const DEVICE_WAIT_SECONDS: &str = "markbase_engine_device_wait_seconds";
 
 const LATENCY_BUCKETS: [f64; 16] = [
     0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
@@ -96,6 +104,22 @@ fn describe() {
         PREFIX_HITS,
         "Prompt tokens served from the prefix cache since start"
     );
+    describe_counter!(STEPS, "Engine steps run since start");
+    describe_counter!(
+        STEP_ROWS,
+        Unit::Count,
+        "Token rows the engine's steps ran since start, by kind"
+    );
+    describe_gauge!(
+        STEP_SECONDS,
+        Unit::Seconds,
+        "Seconds the engine spent in steps since start"
+    );
+    describe_gauge!(
+        DEVICE_WAIT_SECONDS,
+        Unit::Seconds,
+        "Seconds of the engine's steps the host waited for the model's device"
+    );
 }
 
 /// Records an answered HTTP request.
@@ -130,4 +154,9 @@ pub fn engine(stats: &EngineStats) {
     gauge!(KV_TOTAL).set(stats.kv_blocks_total as f64);
     counter!(PREEMPTIONS).absolute(stats.preemptions);
     counter!(PREFIX_HITS).absolute(stats.prefix_cache_hit_tokens);
+    counter!(STEPS).absolute(stats.steps);
+    counter!(STEP_ROWS, "kind" => "decode").absolute(stats.decode_rows);
+    counter!(STEP_ROWS, "kind" => "prefill").absolute(stats.prefill_rows);
+    gauge!(STEP_SECONDS).set(stats.step_seconds);
+    gauge!(DEVICE_WAIT_SECONDS).set(stats.device_wait_seconds);
 }

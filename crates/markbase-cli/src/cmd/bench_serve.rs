@@ -1,6 +1,7 @@
 //! `markbase bench-serve URL`: a load generator for a running server. At each concurrency
 //! level it keeps N streaming chat requests in flight and reports aggregate output tokens per
-//! second, time to first token and inter-token latency percentiles.
+//! second, time to first token and inter-token latency percentiles; from a markbase server it
+//! also reports what the engine's steps did meanwhile (`GET /health`'s step counters).
 
 use std::io::Write;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -63,6 +64,66 @@ struct Level {
     ttft: Vec<Duration>,
     itl: Vec<Duration>,
     e2e: Vec<Duration>,
+    /// The engine's steps during the level (a markbase server only).
+    engine: Option<EngineCounters>,
+}
+
+/// A markbase server's step counters (`GET /health`), or their change over a level.
+#[derive(Clone, Copy, Debug)]
+struct EngineCounters {
+    steps: f64,
+    decode_rows: f64,
+    prefill_rows: f64,
+    step_seconds: f64,
+    device_wait_seconds: f64,
+}
+
+impl EngineCounters {
+    /// The counters in a `/health` answer; `None` from a server without them.
+    fn from_health(v: &serde_json::Value) -> Option<Self> {
+        let f = |k: &str| v.get(k).and_then(|x| x.as_f64());
+        Some(EngineCounters {
+            steps: f("steps")?,
+            decode_rows: f("decode_rows")?,
+            prefill_rows: f("prefill_rows")?,
+            step_seconds: f("step_seconds")?,
+            device_wait_seconds: f("device_wait_seconds")?,
+        })
+    }
+
+    /// What changed from `before` to `self`.
+    fn since(&self, before: &Self) -> Self {
+        EngineCounters {
+            steps: self.steps - before.steps,
+            decode_rows: self.decode_rows - before.decode_rows,
+            prefill_rows: self.prefill_rows - before.prefill_rows,
+            step_seconds: self.step_seconds - before.step_seconds,
+            device_wait_seconds: self.device_wait_seconds - before.device_wait_seconds,
+        }
+    }
+
+    /// Per step: decode rows, prefill rows, milliseconds; and the share of `wall` in steps and
+    /// of the steps' time the host waited for the device.
+    fn summary(&self, wall: Duration) -> serde_json::Value {
+        let per = |x: f64| x / self.steps.max(1.0);
+        json!({
+            "steps": self.steps,
+            "decode_rows_per_step": per(self.decode_rows),
+            "prefill_rows_per_step": per(self.prefill_rows),
+            "ms_per_step": per(self.step_seconds) * 1e3,
+            "busy_share": self.step_seconds / wall.as_secs_f64(),
+            "device_wait_share": self.device_wait_seconds / self.step_seconds.max(1e-12),
+        })
+    }
+}
+
+/// The server's step counters now, if it reports them.
+async fn engine_counters(
+    client: &sse_client::HttpClient,
+    health: &hyper::Uri,
+) -> Option<EngineCounters> {
+    let v = sse_client::get_json(client, health, None).await.ok()?;
+    EngineCounters::from_health(&v)
 }
 
 /// The `p`-th percentile (nearest rank) in milliseconds.
@@ -92,6 +153,7 @@ impl Level {
             "ttft_ms": p(&self.ttft),
             "itl_ms": p(&self.itl),
             "e2e_ms": p(&self.e2e),
+            "engine": self.engine.map(|e| e.summary(self.wall)),
         })
     }
 }
@@ -106,6 +168,9 @@ pub fn run(args: Args) -> Result<()> {
         bail!("bench-serve speaks plain http; {base} is not an http:// URL");
     }
     let url: hyper::Uri = format!("{base}/v1/chat/completions")
+        .parse()
+        .with_context(|| format!("bad URL {base}"))?;
+    let health: hyper::Uri = format!("{base}/health")
         .parse()
         .with_context(|| format!("bad URL {base}"))?;
     let mut body = json!({
@@ -148,8 +213,11 @@ pub fn run(args: Args) -> Result<()> {
         let mut levels = Vec::new();
         for &c in &args.concurrency {
             let n = args.requests.unwrap_or((4 * c).max(8)).max(c);
-            let level =
+            let before = engine_counters(&client, &health).await;
+            let mut level =
                 run_level(&client, &url, args.api_key.as_deref(), &body, c, n, timeout).await?;
+            let after = engine_counters(&client, &health).await;
+            level.engine = after.zip(before).map(|(a, b)| a.since(&b));
             if !args.json {
                 let ms = |v: &[Duration]| {
                     format!(
@@ -192,7 +260,33 @@ pub fn run(args: Args) -> Result<()> {
             "levels": levels.iter().map(Level::to_json).collect::<Vec<_>>(),
         });
         writeln!(out, "{obj}")?;
-    } else if let (Some(one), Some(most)) = (
+        return Ok(());
+    }
+    if levels.iter().any(|l| l.engine.is_some()) {
+        writeln!(out, "\nthe engine's steps during each level:\n")?;
+        writeln!(
+            out,
+            "| concurrency | steps | decode rows / step | prefill rows / step | ms / step | in steps | waiting for the device |"
+        )?;
+        writeln!(out, "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")?;
+        for l in &levels {
+            let Some(e) = l.engine else { continue };
+            let s = e.summary(l.wall);
+            let f = |k: &str| s[k].as_f64().unwrap_or(f64::NAN);
+            writeln!(
+                out,
+                "| {} | {} | {:.1} | {:.1} | {:.2} | {:.0} % | {:.0} % |",
+                l.concurrency,
+                e.steps,
+                f("decode_rows_per_step"),
+                f("prefill_rows_per_step"),
+                f("ms_per_step"),
+                100.0 * f("busy_share"),
+                100.0 * f("device_wait_share"),
+            )?;
+        }
+    }
+    if let (Some(one), Some(most)) = (
         levels.iter().find(|l| l.concurrency == 1),
         levels.iter().max_by_key(|l| l.concurrency),
     ) {
@@ -251,6 +345,7 @@ async fn run_level(
         ttft: all.iter().map(|t| t.ttft).collect(),
         itl: all.iter().flat_map(|t| t.gaps.iter().copied()).collect(),
         e2e: all.iter().map(|t| t.total).collect(),
+        engine: None,
     };
     level.ttft.sort();
     level.itl.sort();

@@ -123,6 +123,28 @@ pub async fn stream_chat(
     })
 }
 
+/// `GET url` as JSON (the body of a 2xx answer).
+pub async fn get_json(
+    client: &HttpClient,
+    url: &hyper::Uri,
+    api_key: Option<&str>,
+) -> Result<serde_json::Value> {
+    let mut req = Request::get(url.clone());
+    if let Some(k) = api_key {
+        req = req.header("authorization", format!("Bearer {k}"));
+    }
+    let resp = client
+        .request(req.body(Full::new(Bytes::new()))?)
+        .await
+        .with_context(|| format!("cannot reach {url}"))?;
+    let status = resp.status();
+    let bytes = resp.into_body().collect().await?.to_bytes();
+    if !status.is_success() {
+        bail!("{url}: HTTP {status}: {}", String::from_utf8_lossy(&bytes));
+    }
+    serde_json::from_slice(&bytes).with_context(|| format!("{url}: the answer is not JSON"))
+}
+
 fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
     hay.windows(needle.len()).position(|w| w == needle)
 }

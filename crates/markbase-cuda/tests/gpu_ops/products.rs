@@ -213,8 +213,9 @@ fn tensor_core_products_match_reference_and_repeat_exactly() {
         let w = g.load_matrix(&m).unwrap();
         // 33–64: one launch of 8 n-tiles, or where it would split the tiles 8 ways or more
         // ([2 560, 10 240], [333, 2 816] on an H200) two launches up to 48 rows and cuBLAS on
-        // the weights dequantized to f16 at 64 (`as_seen` models which).
-        for n in [2, 7, 16, 29, 32, 41, 48, 64] {
+        // the weights dequantized to f16 at 64 (`as_seen` models which); 65–128: a run of 64
+        // rows planned so, then the rest.
+        for n in [2, 7, 16, 29, 32, 41, 48, 64, 65, 100, 128] {
             let x = uniform(&mut r, n * k, 1.0);
             let xb = up(g, &x);
             let got = matmul_checked(g, &m, &w, n, &xb, &x, &format!("{ty} [{rows}, {k}]"));
@@ -238,8 +239,9 @@ fn tensor_core_products_match_reference_and_repeat_exactly() {
             .map(|&rows| random_matrix(&mut r, ty, rows, k))
             .collect();
         let ws: Vec<_> = mats.iter().map(|m| g.load_matrix(m).unwrap()).collect();
-        // 50 and 64: one launch of 8 n-tiles, or two of 4 (one matrix alone: cuBLAS).
-        for n in [5, 24, 50, 64] {
+        // 50 and 64: one launch of 8 n-tiles, or two of 4 (one matrix alone: cuBLAS); 100: 64
+        // rows so, then 36.
+        for n in [5, 24, 50, 64, 100] {
             let x = uniform(&mut r, n * k, 1.0);
             let mut outs: Vec<CudaBuffer> = mats.iter().map(|m| poisoned(g, n * m.rows)).collect();
             let mut products: Vec<_> = ws.iter().zip(outs.iter_mut()).collect();
@@ -290,7 +292,7 @@ fn gated_ffn_on_tensor_cores_matches_reference_and_repeats_exactly() {
             random_matrix(&mut r, down_ty, d, ff),
         );
         let [gw, uw, dw] = [&gm, &um, &dm].map(|m| g.load_matrix(m).unwrap());
-        for n in [2, 8, 29, 45] {
+        for n in [2, 8, 29, 45, 72] {
             let x = uniform(&mut r, n * k, 1.0);
             let (sx, sg) = as_seen(g, &gm, n, &x);
             let (_, su) = as_seen(g, &um, n, &x);

@@ -123,7 +123,7 @@ pub struct RequestHandle {
 }
 
 /// A snapshot of the engine's state.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct EngineStats {
     /// Requests queued, not yet running.
     pub waiting: usize,
@@ -139,4 +139,13 @@ pub struct EngineStats {
     pub preemptions: u64,
     /// Prompt tokens served from the prefix cache.
     pub prefix_cache_hit_tokens: u64,
+    /// Token rows the steps ran as decode rows (a sequence's one new token).
+    pub decode_rows: u64,
+    /// Token rows the steps ran as prefill rows (prompts, and tokens recomputed after a
+    /// preemption).
+    pub prefill_rows: u64,
+    /// Seconds the steps took, from the model call to the last token handed out.
+    pub step_seconds: f64,
+    /// Seconds of those the host spent waiting for the model's device (0 on the CPU).
+    pub device_wait_seconds: f64,
 }

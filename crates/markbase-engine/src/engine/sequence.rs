@@ -71,6 +71,12 @@ impl Sequence {
         self.tokens.len() - self.kv.computed
     }
 
+    /// Whether its next step runs only its last generated token (a decode row; otherwise
+    /// the step runs prompt tokens, or tokens recomputed after a preemption).
+    pub fn is_decoding(&self) -> bool {
+        self.pending() == 1 && self.generated() > 0
+    }
+
     /// Whether the owner dropped its handle.
     pub fn cancelled(&self) -> bool {
         self.tx.is_closed()

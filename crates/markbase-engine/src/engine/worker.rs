@@ -4,6 +4,7 @@
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use markbase_core::config::LayerKind;
 use markbase_core::{Error, Result};
@@ -49,6 +50,12 @@ pub(super) struct Worker {
     pool: KvPool,
     sched: Scheduler,
     steps: u64,
+    /// Decode and prefill token rows run so far.
+    rows: [u64; 2],
+    /// Time in steps so far.
+    step_time: Duration,
+    /// The model's device wait time when the worker started (the model may have run before).
+    wait_before: Duration,
     /// Pool sizes and layer kinds, to rebuild the block manager after a failed step.
     sizes: (usize, usize),
     has: [bool; 2],
@@ -65,9 +72,12 @@ impl Worker {
         let kv = KvManager::new(sizes.0, sizes.1, has, model.info().sliding_window);
         Ok(Worker {
             sched: Scheduler::new(kv, cfg.max_seqs, cfg.max_step_tokens),
+            wait_before: model.host_wait_time(),
             model,
             pool,
             steps: 0,
+            rows: [0; 2],
+            step_time: Duration::ZERO,
             sizes,
             has,
             max_seqs: cfg.max_seqs,
@@ -96,6 +106,14 @@ impl Worker {
             steps: self.steps,
             preemptions: self.sched.preemptions,
             prefix_cache_hit_tokens: self.sched.hit_tokens,
+            decode_rows: self.rows[0],
+            prefill_rows: self.rows[1],
+            step_seconds: self.step_time.as_secs_f64(),
+            device_wait_seconds: self
+                .model
+                .host_wait_time()
+                .saturating_sub(self.wait_before)
+                .as_secs_f64(),
         }
     }
 
@@ -138,7 +156,9 @@ impl Worker {
                     st = shared.wake.wait(st).unwrap_or_else(|e| e.into_inner());
                 }
             };
+            let t0 = Instant::now();
             let stepped = catch_unwind(AssertUnwindSafe(|| self.step(&plan)));
+            self.step_time += t0.elapsed();
             match stepped {
                 Ok(Ok(())) => {}
                 Ok(Err(e)) => self.fail_running(&e.to_string()),
@@ -162,6 +182,10 @@ impl Worker {
 
     /// Runs the planned tokens in one batched model step and hands out the logits.
     fn step(&mut self, plan: &[(usize, usize)]) -> Result<()> {
+        for &(i, n) in plan {
+            let decode = self.sched.running[i].is_decoding();
+            self.rows[usize::from(!decode)] += n as u64;
+        }
         // What each sequence that reaches its next token asks for (`Sequence::choice`).
         let choices: Vec<Option<Logits>> = plan
             .iter()

@@ -23,7 +23,7 @@ pub async fn models(State(state): State<Arc<AppState>>) -> Json<ModelList> {
     })
 }
 
-/// `GET /health`: 200 with the engine's state.
+/// `GET /health`: 200 with the engine's state and its step counters since start.
 pub async fn health(State(state): State<Arc<AppState>>) -> Response {
     let s = state.engine.stats();
     Json(json!({
@@ -33,6 +33,11 @@ pub async fn health(State(state): State<Arc<AppState>>) -> Response {
         "running": s.running,
         "kv_blocks_used": s.kv_blocks_used,
         "kv_blocks_total": s.kv_blocks_total,
+        "steps": s.steps,
+        "decode_rows": s.decode_rows,
+        "prefill_rows": s.prefill_rows,
+        "step_seconds": s.step_seconds,
+        "device_wait_seconds": s.device_wait_seconds,
     }))
     .into_response()
 }
