@@ -196,6 +196,7 @@ fn gemma4_kv_sharing_and_ple_batched_and_preempted() {
     assert_eq!(stats.prefill_rows as usize, prompts - hits, "{stats:?}");
     assert_eq!(stats.decode_rows as usize, decodes, "{stats:?}");
     assert!(stats.step_seconds > 0.0 && stats.device_wait_seconds == 0.0);
+    assert_eq!((stats.device_waits, stats.graph_replays), (0, 0));
     let tight = EngineConfig {
         max_context: 64,
         kv_blocks: Some(5),

@@ -42,6 +42,10 @@ pub const STEP_ROWS: &str = "markbase_engine_step_rows_total";
 pub const STEP_SECONDS: &str = "markbase_engine_step_seconds";
 /// Seconds of those the host waited for the model's device.
 pub const DEVICE_WAIT_SECONDS: &str = "markbase_engine_device_wait_seconds";
+/// Times the host waited for the model's device since start.
+pub const DEVICE_WAITS: &str = "markbase_engine_device_waits_total";
+/// Engine steps that ran as one CUDA graph replay since start.
+pub const GRAPH_REPLAYS: &str = "markbase_engine_graph_replays_total";
 
 const LATENCY_BUCKETS: [f64; 16] = [
     0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
@@ -115,6 +119,14 @@ fn describe() {
         Unit::Seconds,
         "Seconds the engine spent in steps since start"
     );
+    describe_counter!(
+        DEVICE_WAITS,
+        "Times the host waited for the model's device since start"
+    );
+    describe_counter!(
+        GRAPH_REPLAYS,
+        "Engine steps that ran as one CUDA graph replay since start"
+    );
     describe_gauge!(
         DEVICE_WAIT_SECONDS,
         Unit::Seconds,
@@ -159,4 +171,6 @@ pub fn engine(stats: &EngineStats) {
     counter!(STEP_ROWS, "kind" => "prefill").absolute(stats.prefill_rows);
     gauge!(STEP_SECONDS).set(stats.step_seconds);
     gauge!(DEVICE_WAIT_SECONDS).set(stats.device_wait_seconds);
+    counter!(DEVICE_WAITS).absolute(stats.device_waits);
+    counter!(GRAPH_REPLAYS).absolute(stats.graph_replays);
 }

@@ -76,6 +76,8 @@ struct EngineCounters {
     prefill_rows: f64,
     step_seconds: f64,
     device_wait_seconds: f64,
+    device_waits: f64,
+    graph_replays: f64,
 }
 
 impl EngineCounters {
@@ -88,6 +90,8 @@ impl EngineCounters {
             prefill_rows: f("prefill_rows")?,
             step_seconds: f("step_seconds")?,
             device_wait_seconds: f("device_wait_seconds")?,
+            device_waits: f("device_waits")?,
+            graph_replays: f("graph_replays")?,
         })
     }
 
@@ -99,11 +103,13 @@ impl EngineCounters {
             prefill_rows: self.prefill_rows - before.prefill_rows,
             step_seconds: self.step_seconds - before.step_seconds,
             device_wait_seconds: self.device_wait_seconds - before.device_wait_seconds,
+            device_waits: self.device_waits - before.device_waits,
+            graph_replays: self.graph_replays - before.graph_replays,
         }
     }
 
-    /// Per step: decode rows, prefill rows, milliseconds; and the share of `wall` in steps and
-    /// of the steps' time the host waited for the device.
+    /// Per step: decode rows, prefill rows, milliseconds, device waits and graph replays; and
+    /// the share of `wall` in steps and of the steps' time the host waited for the device.
     fn summary(&self, wall: Duration) -> serde_json::Value {
         let per = |x: f64| x / self.steps.max(1.0);
         json!({
@@ -111,6 +117,8 @@ impl EngineCounters {
             "decode_rows_per_step": per(self.decode_rows),
             "prefill_rows_per_step": per(self.prefill_rows),
             "ms_per_step": per(self.step_seconds) * 1e3,
+            "device_waits_per_step": per(self.device_waits),
+            "graph_replays_per_step": per(self.graph_replays),
             "busy_share": self.step_seconds / wall.as_secs_f64(),
             "device_wait_share": self.device_wait_seconds / self.step_seconds.max(1e-12),
         })
@@ -266,16 +274,19 @@ pub fn run(args: Args) -> Result<()> {
         writeln!(out, "\nthe engine's steps during each level:\n")?;
         writeln!(
             out,
-            "| concurrency | steps | decode rows / step | prefill rows / step | ms / step | in steps | waiting for the device |"
+            "| concurrency | steps | decode rows / step | prefill rows / step | ms / step | in steps | waiting for the device | device waits / step | graph replays / step |"
         )?;
-        writeln!(out, "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")?;
+        writeln!(
+            out,
+            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+        )?;
         for l in &levels {
             let Some(e) = l.engine else { continue };
             let s = e.summary(l.wall);
             let f = |k: &str| s[k].as_f64().unwrap_or(f64::NAN);
             writeln!(
                 out,
-                "| {} | {} | {:.1} | {:.1} | {:.2} | {:.0} % | {:.0} % |",
+                "| {} | {} | {:.1} | {:.1} | {:.2} | {:.0} % | {:.0} % | {:.2} | {:.2} |",
                 l.concurrency,
                 e.steps,
                 f("decode_rows_per_step"),
@@ -283,6 +294,8 @@ pub fn run(args: Args) -> Result<()> {
                 f("ms_per_step"),
                 100.0 * f("busy_share"),
                 100.0 * f("device_wait_share"),
+                f("device_waits_per_step"),
+                f("graph_replays_per_step"),
             )?;
         }
     }

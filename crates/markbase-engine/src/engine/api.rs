@@ -148,4 +148,8 @@ pub struct EngineStats {
     pub step_seconds: f64,
     /// Seconds of those the host spent waiting for the model's device (0 on the CPU).
     pub device_wait_seconds: f64,
+    /// Times the host waited for the model's device (a decode step waits once; 0 on the CPU).
+    pub device_waits: u64,
+    /// Steps that ran as one CUDA graph replay (0 on the CPU).
+    pub graph_replays: u64,
 }

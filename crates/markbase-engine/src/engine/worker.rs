@@ -54,8 +54,9 @@ pub(super) struct Worker {
     rows: [u64; 2],
     /// Time in steps so far.
     step_time: Duration,
-    /// The model's device wait time when the worker started (the model may have run before).
-    wait_before: Duration,
+    /// The model's device wait time, waits and graph replays when the worker started (the
+    /// model may have run before).
+    wait_before: (Duration, u64, u64),
     /// Pool sizes and layer kinds, to rebuild the block manager after a failed step.
     sizes: (usize, usize),
     has: [bool; 2],
@@ -72,7 +73,11 @@ impl Worker {
         let kv = KvManager::new(sizes.0, sizes.1, has, model.info().sliding_window);
         Ok(Worker {
             sched: Scheduler::new(kv, cfg.max_seqs, cfg.max_step_tokens),
-            wait_before: model.host_wait_time(),
+            wait_before: (
+                model.host_wait_time(),
+                model.host_waits(),
+                model.graph_replays(),
+            ),
             model,
             pool,
             steps: 0,
@@ -112,8 +117,13 @@ impl Worker {
             device_wait_seconds: self
                 .model
                 .host_wait_time()
-                .saturating_sub(self.wait_before)
+                .saturating_sub(self.wait_before.0)
                 .as_secs_f64(),
+            device_waits: self.model.host_waits().saturating_sub(self.wait_before.1),
+            graph_replays: self
+                .model
+                .graph_replays()
+                .saturating_sub(self.wait_before.2),
         }
     }
 

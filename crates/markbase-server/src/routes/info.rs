@@ -38,6 +38,8 @@ pub async fn health(State(state): State<Arc<AppState>>) -> Response {
         "prefill_rows": s.prefill_rows,
         "step_seconds": s.step_seconds,
         "device_wait_seconds": s.device_wait_seconds,
+        "device_waits": s.device_waits,
+        "graph_replays": s.graph_replays,
     }))
     .into_response()
 }
