@@ -212,6 +212,12 @@ impl CudaBackend {
         self.blas.is_some()
     }
 
+    /// Product shapes whose cuBLASLt algorithm was chosen by timing so far (products of
+    /// nearby token-row counts share one: `MARKBASE_CUBLASLT_TUNE`, blas.rs).
+    pub fn cublaslt_timed_shapes(&self) -> Result<usize> {
+        self.blas.as_ref().map_or(Ok(0), |b| b.timed_shapes())
+    }
+
     pub(crate) fn scratch(&self) -> Result<MutexGuard<'_, Scratch>> {
         self.scratch
             .lock()

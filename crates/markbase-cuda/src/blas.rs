@@ -39,6 +39,18 @@ const TUNE_SPLITS: [u32; 5] = [2, 4, 8, 16, 32];
 /// would each pay the timing).
 const TUNE_MAX_ROWS: usize = 256;
 
+/// The token rows whose products of one shape share the algorithm timed for the first of
+/// them (`Blas::reuse_tuned`): up to 8, then runs of 16. Timing every row count apart stalled
+/// a server whose steps' rows vary for ≈ 0.5 s at each new count (E4B Q8_0 at 128 requests:
+/// TTFT p90 521 ms against 46 ms at 64, docs/perf.md session 53).
+fn tuning_rows(rows: usize) -> usize {
+    if rows <= 8 {
+        8
+    } else {
+        rows.div_ceil(16) * 16
+    }
+}
+
 /// How a product shape's algorithm is chosen (environment variable `MARKBASE_CUBLASLT_TUNE`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Tune {
@@ -118,6 +130,16 @@ impl Operand {
 }
 
 impl Shape {
+    /// The shape whose timed algorithm this one reuses: its token rows (B's and C's columns)
+    /// as `tuning_rows` groups them.
+    fn tuning_key(&self) -> Shape {
+        let rows = tuning_rows(self.b.cols);
+        let mut key = *self;
+        key.b.cols = rows;
+        key.c.cols = rows;
+        key
+    }
+
     /// Bytes from the first output element to the last one's end, over the whole batch.
     fn output_bytes(&self) -> usize {
         let size = if self.output == GemmOutput::F32 { 4 } else { 2 };
@@ -238,6 +260,8 @@ pub(crate) struct Blas {
     _workspace: CudaSlice<u8>,
     workspace_ptr: u64,
     plans: Mutex<HashMap<Shape, Plan>>,
+    /// Timed algorithms by `Shape::tuning_key`.
+    tuned: Mutex<HashMap<Shape, sys::cublasLtMatmulAlgo_t>>,
     stream: Arc<CudaStream>,
     queue: QueueCount,
     tune: Tune,
@@ -290,6 +314,7 @@ impl Blas {
             _workspace: workspace,
             workspace_ptr,
             plans: Mutex::new(HashMap::new()),
+            tuned: Mutex::new(HashMap::new()),
             stream: stream.clone(),
             queue,
             tune: Tune::from_env(),
@@ -297,8 +322,9 @@ impl Blas {
         }))
     }
 
-    /// The descriptors and algorithm for `shape`: the heuristic's first choice, or with
-    /// `tune` (the product's `[A, B, C]`) the fastest of its candidates.
+    /// The descriptors and algorithm for `shape`: with `tune` (the product's `[A, B, C]`) the
+    /// fastest of its candidates, timed; else the one timed for its `tuning_key` where
+    /// cuBLASLt accepts it for this shape, or the heuristic's first choice.
     fn plan(&self, shape: Shape, tune: Option<[u64; 3]>) -> Result<Plan> {
         let ty = match shape.input {
             GemmInput::F32 => sys::cudaDataType::CUDA_R_32F,
@@ -363,11 +389,57 @@ impl Blas {
             Some(ptrs) => {
                 let found = self.candidates(&plan, shape, TUNE_CANDIDATES)?;
                 let found = self.with_splits(&plan, &found);
-                self.fastest(&plan, shape, &found, ptrs)?
+                let algo = self.fastest(&plan, shape, &found, ptrs)?;
+                self.tuned()?.insert(shape.tuning_key(), algo);
+                algo
             }
-            None => self.candidates(&plan, shape, 1)?[0],
+            None => match self.reuse_tuned(&plan, shape)? {
+                Some(algo) => algo,
+                None => self.candidates(&plan, shape, 1)?[0],
+            },
         };
         Ok(plan)
+    }
+
+    /// The timed algorithms.
+    fn tuned(
+        &self,
+    ) -> Result<std::sync::MutexGuard<'_, HashMap<Shape, sys::cublasLtMatmulAlgo_t>>> {
+        self.tuned
+            .lock()
+            .map_err(|_| Error::Invalid("cuBLASLt timings poisoned by an earlier panic".into()))
+    }
+
+    /// The algorithm timed for `shape`'s `tuning_key`, where cuBLASLt accepts it for `plan`
+    /// (`cublasLtMatmulAlgoCheck`) within the workspace.
+    fn reuse_tuned(&self, plan: &Plan, shape: Shape) -> Result<Option<sys::cublasLtMatmulAlgo_t>> {
+        let Some(algo) = self.tuned()?.get(&shape.tuning_key()).copied() else {
+            return Ok(None);
+        };
+        // SAFETY: an all-zero result is a valid value of the plain C struct.
+        let mut result = unsafe { std::mem::zeroed::<sys::cublasLtMatmulHeuristicResult_t>() };
+        let l = &plan.layouts;
+        // SAFETY: live descriptors of `plan`; `algo` and `result` are valid for the call.
+        let status = unsafe {
+            sys::cublasLtMatmulAlgoCheck(
+                self.handle,
+                plan.desc,
+                l[0],
+                l[1],
+                l[2],
+                l[2],
+                &algo,
+                &mut result,
+            )
+        };
+        let fits = status == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS
+            && result.workspaceSize <= WORKSPACE_BYTES;
+        Ok(fits.then_some(algo))
+    }
+
+    /// Shapes whose algorithm was chosen by timing so far.
+    pub(crate) fn timed_shapes(&self) -> Result<usize> {
+        Ok(self.tuned()?.len())
     }
 
     /// Up to `count` algorithms for `plan`'s shape, the heuristic's first choice first.
@@ -638,7 +710,9 @@ impl Blas {
 
     /// The product of `shape` on `[A, B, C]`, planned now if it is the shape's first.
     fn call(&self, shape: Shape, ptrs: [u64; 3]) -> Result<GemmCall> {
-        let tune = self.tune != Tune::Off && shape.b.cols <= TUNE_MAX_ROWS;
+        let tune = self.tune != Tune::Off
+            && shape.b.cols <= TUNE_MAX_ROWS
+            && !self.tuned()?.contains_key(&shape.tuning_key());
         let plan = || {
             self.plan_in(&mut *self.plans()?, shape, tune.then_some(ptrs))
                 .map(|_| ())
@@ -733,6 +807,14 @@ mod tests {
     use crate::device::Device;
     use half::bf16;
     use rand::Rng;
+
+    #[test]
+    fn row_counts_share_a_timing_in_runs_of_16_past_8() {
+        let runs: Vec<usize> = [1, 3, 8, 9, 16, 17, 32, 33, 64, 65, 128, 129, 256]
+            .map(tuning_rows)
+            .to_vec();
+        assert_eq!(runs, [8, 8, 8, 16, 16, 32, 32, 48, 64, 80, 128, 144, 256]);
+    }
 
     /// Every algorithm the tuner may choose for a product — the heuristic's candidates and
     /// their k splits, in-place or through scratch — gives the product of bf16 inputs to f32

@@ -22,6 +22,32 @@ fn matmul_matches_reference_for_every_format_and_batch() {
     }
 }
 
+/// bf16 products whose token rows vary within a run of 16 time cuBLASLt's candidates once
+/// and reuse the algorithm where cuBLASLt accepts it for the new count; every count matches
+/// the reference. A backend of its own, so no other test's timings count.
+#[test]
+fn timed_algorithms_serve_nearby_row_counts() {
+    let Some(g) = common::backend_or_skip() else {
+        return;
+    };
+    if !g.has_cublas() || std::env::var("MARKBASE_CUBLASLT_TUNE").as_deref() == Ok("0") {
+        eprintln!("skipped: no cuBLAS, or its timing is off");
+        return;
+    }
+    let mut r = rng("timed algorithms");
+    let (rows, k) = (1_000, 768);
+    let m = random_matrix(&mut r, GgmlType::BF16, rows, k);
+    let w = g.load_matrix(&m).unwrap();
+    let mut timed = Vec::new();
+    for n in [33, 40, 48, 49, 64, 65] {
+        let x = uniform(&mut r, n * k, 1.0);
+        matmul_checked(&g, &m, &w, n, &up(&g, &x), &x, &format!("bf16 n={n}"));
+        timed.push(g.cublaslt_timed_shapes().unwrap());
+    }
+    // 33–48 rows share a timing, 49–64 another, 65 a third.
+    assert_eq!(timed, [1, 1, 1, 2, 2, 3]);
+}
+
 #[test]
 fn matmul_many_matches_reference_for_every_format() {
     let g = gpu_or_skip!();
