@@ -212,6 +212,15 @@ impl CudaBackend {
         self.blas.is_some()
     }
 
+    /// Token-row counts whose first product of each shape is timed, one of each run that
+    /// shares the timing (cuBLASLt, blas.rs): a server runs a step of each before it takes
+    /// requests. Empty without cuBLAS or with timing off.
+    pub fn timed_row_runs(&self) -> Vec<usize> {
+        self.blas
+            .as_ref()
+            .map_or(Vec::new(), |b| b.timed_row_runs())
+    }
+
     /// Product shapes whose cuBLASLt algorithm was chosen by timing so far (products of
     /// nearby token-row counts share one: `MARKBASE_CUBLASLT_TUNE`, blas.rs).
     pub fn cublaslt_timed_shapes(&self) -> Result<usize> {

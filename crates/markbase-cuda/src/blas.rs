@@ -51,6 +51,15 @@ fn tuning_rows(rows: usize) -> usize {
     }
 }
 
+/// The largest token-row count of each run of `tuning_rows` up to `TUNE_MAX_ROWS`.
+fn tuning_runs() -> Vec<usize> {
+    let mut rows = vec![tuning_rows(1)];
+    while let Some(&last) = rows.last().filter(|&&r| r < TUNE_MAX_ROWS) {
+        rows.push(tuning_rows(last + 1));
+    }
+    rows
+}
+
 /// How a product shape's algorithm is chosen (environment variable `MARKBASE_CUBLASLT_TUNE`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Tune {
@@ -437,6 +446,15 @@ impl Blas {
         Ok(fits.then_some(algo))
     }
 
+    /// One token-row count of each run that shares a timed algorithm (`tuning_rows`), up to
+    /// `TUNE_MAX_ROWS`; none when timing is off.
+    pub(crate) fn timed_row_runs(&self) -> Vec<usize> {
+        if self.tune == Tune::Off {
+            return Vec::new();
+        }
+        tuning_runs()
+    }
+
     /// Shapes whose algorithm was chosen by timing so far.
     pub(crate) fn timed_shapes(&self) -> Result<usize> {
         Ok(self.tuned()?.len())
@@ -814,6 +832,13 @@ mod tests {
             .map(tuning_rows)
             .to_vec();
         assert_eq!(runs, [8, 8, 8, 16, 16, 32, 32, 48, 64, 80, 128, 144, 256]);
+        // A row count of each run, its largest: 8, 16, 32, …, 256.
+        let each = tuning_runs();
+        assert_eq!(each.len(), 17);
+        assert!(each.iter().all(|&r| tuning_rows(r) == r));
+        let mut seen: Vec<usize> = (1..=TUNE_MAX_ROWS).map(tuning_rows).collect();
+        seen.dedup();
+        assert_eq!(seen, each);
     }
 
     /// Every algorithm the tuner may choose for a product — the heuristic's candidates and

@@ -58,6 +58,8 @@ pub(crate) trait DeviceBackend: Backend + 'static {
     fn host_wait_time(&self) -> Duration;
     /// Steps that ran as one CUDA graph launch so far (0 where there are none).
     fn graph_replays(&self) -> u64;
+    /// Token-row counts whose first step makes one-off plans ([`crate::Model::warm_up_rows`]).
+    fn warm_up_rows(&self) -> Vec<usize>;
 }
 
 impl DeviceBackend for CpuBackend {
@@ -79,6 +81,10 @@ impl DeviceBackend for CpuBackend {
 
     fn graph_replays(&self) -> u64 {
         0
+    }
+
+    fn warm_up_rows(&self) -> Vec<usize> {
+        Vec::new()
     }
 }
 
@@ -103,6 +109,10 @@ impl DeviceBackend for CudaBackend {
     fn graph_replays(&self) -> u64 {
         // A poisoned recorder already fails every step; 0 here keeps the count readable.
         CudaBackend::graph_replays(self).unwrap_or(0)
+    }
+
+    fn warm_up_rows(&self) -> Vec<usize> {
+        self.timed_row_runs()
     }
 }
 

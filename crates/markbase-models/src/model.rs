@@ -410,6 +410,13 @@ impl Model {
             .sum()
     }
 
+    /// Token-row counts whose first step plans its products once (the CUDA backend times
+    /// cuBLASLt's algorithms, ≈ 0.3 s a count; nearby counts share a timing): a server runs
+    /// a step of each before it takes requests. Empty where nothing is planned so (the CPU).
+    pub fn warm_up_rows(&self) -> Vec<usize> {
+        self.inner.warm_up_rows()
+    }
+
     /// Token rows the model runs through its layers at once; a [`Model::step`] with more
     /// tokens is run in chunks of this many.
     pub fn max_step_rows(&self) -> usize {

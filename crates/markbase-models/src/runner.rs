@@ -29,6 +29,8 @@ pub(crate) trait Runner: Send + Sync {
     fn host_wait_time(&self) -> Duration;
     /// Steps that ran as one CUDA graph launch so far.
     fn graph_replays(&self) -> u64;
+    /// Token-row counts whose first step makes one-off plans.
+    fn warm_up_rows(&self) -> Vec<usize>;
 }
 
 impl<M> Runner for M
@@ -77,6 +79,10 @@ where
 
     fn host_wait_time(&self) -> Duration {
         self.backend().host_wait_time()
+    }
+
+    fn warm_up_rows(&self) -> Vec<usize> {
+        self.backend().warm_up_rows()
     }
 
     fn graph_replays(&self) -> u64 {

@@ -81,7 +81,21 @@ pub fn run(global: &Global, args: Args) -> Result<()> {
         let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
             .await
             .with_context(|| format!("cannot listen on {}:{}", args.host, args.port))?;
+        let warm = loaded.model.warm_up_rows();
+        let started = std::time::Instant::now();
+        if !warm.is_empty() {
+            eprintln!(
+                "markbase: planning the device's products for {} batch sizes (once per start)…",
+                warm.len()
+            );
+        }
         let state = AppState::new(loaded, opts).map_err(anyhow::Error::msg)?;
+        if !warm.is_empty() {
+            eprintln!(
+                "markbase: planned in {:.1} s",
+                started.elapsed().as_secs_f64()
+            );
+        }
         let addr = listener.local_addr()?;
         eprintln!(
             "markbase: serving {model_name} ({device}) on http://{addr} (OpenAI API under /v1{})",

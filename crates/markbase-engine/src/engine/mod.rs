@@ -59,7 +59,9 @@ pub struct Engine {
 }
 
 impl Engine {
-    /// Starts the step loop on its own thread.
+    /// Starts the step loop on its own thread, after a step of each of the model's warm-up
+    /// row counts (`Model::warm_up_rows`: none on the CPU; on the CUDA backend one of every
+    /// 16 up to 256, a few seconds once).
     pub fn start(model: Arc<Model>, cfg: EngineConfig) -> Result<Engine> {
         let info = model.info();
         if cfg.max_context == 0 || cfg.max_context > info.context_length {
@@ -74,7 +76,8 @@ impl Engine {
                 cfg.max_seqs, cfg.max_step_tokens
             )));
         }
-        let worker = worker::Worker::new(model.clone(), &cfg)?;
+        let mut worker = worker::Worker::new(model.clone(), &cfg)?;
+        worker.warm_up()?;
         let shared = Arc::new(Shared {
             state: Mutex::new(State {
                 queue: VecDeque::new(),

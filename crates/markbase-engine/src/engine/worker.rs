@@ -11,7 +11,7 @@ use markbase_core::{Error, Result};
 use markbase_models::{KvPool, Logits, Model, SeqStep};
 
 use super::api::{EngineConfig, EngineStats, Event};
-use super::kv::{KvManager, BLOCK_SIZE};
+use super::kv::{KvManager, SeqKv, BLOCK_SIZE};
 use super::scheduler::Scheduler;
 use super::sequence::{Outcome, Sequence};
 use super::Shared;
@@ -44,6 +44,15 @@ pub(super) fn pool_sizes(model: &Model, cfg: &EngineConfig) -> Result<(usize, us
     ))
 }
 
+/// The model's device wait time, waits and graph replays so far.
+fn device_counters(model: &Model) -> (Duration, u64, u64) {
+    (
+        model.host_wait_time(),
+        model.host_waits(),
+        model.graph_replays(),
+    )
+}
+
 /// The state owned by the step-loop thread.
 pub(super) struct Worker {
     model: Arc<Model>,
@@ -73,11 +82,7 @@ impl Worker {
         let kv = KvManager::new(sizes.0, sizes.1, has, model.info().sliding_window);
         Ok(Worker {
             sched: Scheduler::new(kv, cfg.max_seqs, cfg.max_step_tokens),
-            wait_before: (
-                model.host_wait_time(),
-                model.host_waits(),
-                model.graph_replays(),
-            ),
+            wait_before: device_counters(&model),
             model,
             pool,
             steps: 0,
@@ -88,6 +93,49 @@ impl Worker {
             max_seqs: cfg.max_seqs,
             max_step_tokens: cfg.max_step_tokens,
         })
+    }
+
+    /// Runs a step of `n` one-token sequences for each of the model's warm-up row counts
+    /// (`Model::warm_up_rows`) up to the step's token budget, so that the one-off plans of
+    /// those steps' products (the CUDA backend's cuBLASLt timings) are made before any request
+    /// waits for them. A count the pool cannot hold ends it; the blocks go back at once and
+    /// nothing enters the prefix cache. Returns the counts run.
+    pub fn warm_up(&mut self) -> Result<Vec<usize>> {
+        let mut ran = Vec::new();
+        let token = [0u32];
+        for n in self.model.warm_up_rows() {
+            if n > self.max_step_tokens {
+                break;
+            }
+            let mut kvs: Vec<SeqKv> = (0..n).map(|_| SeqKv::default()).collect();
+            let held = kvs.iter_mut().all(|kv| self.sched.kv.reserve(kv, 1));
+            let stepped = if held {
+                let seqs: Vec<SeqStep> = kvs
+                    .iter()
+                    .map(|kv| SeqStep {
+                        tokens: &token,
+                        start: 0,
+                        full_blocks: &kv.full,
+                        sliding_blocks: &kv.sliding,
+                        logits: Some(Logits::Greedy),
+                    })
+                    .collect();
+                self.model.step(&mut self.pool, &seqs).map(|_| ())
+            } else {
+                Ok(())
+            };
+            for kv in &mut kvs {
+                self.sched.kv.free(kv);
+            }
+            stepped?;
+            if !held {
+                break;
+            }
+            ran.push(n);
+        }
+        // The warm-up's waits are not the served steps'.
+        self.wait_before = device_counters(&self.model);
+        Ok(ran)
     }
 
     /// A fresh block manager and scheduler (every block free), keeping the counters.
