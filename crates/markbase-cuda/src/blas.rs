@@ -422,14 +422,18 @@ impl Blas {
     /// The algorithm timed for `shape`'s `tuning_key`, where cuBLASLt accepts it for `plan`
     /// (`cublasLtMatmulAlgoCheck`) within the workspace.
     fn reuse_tuned(&self, plan: &Plan, shape: Shape) -> Result<Option<sys::cublasLtMatmulAlgo_t>> {
-        let Some(algo) = self.tuned()?.get(&shape.tuning_key()).copied() else {
-            return Ok(None);
-        };
-        // SAFETY: an all-zero result is a valid value of the plain C struct.
-        let mut result = unsafe { std::mem::zeroed::<sys::cublasLtMatmulHeuristicResult_t>() };
+        let algo = self.tuned()?.get(&shape.tuning_key()).copied();
+        Ok(algo.filter(|a| self.accepts(plan, a)))
+    }
+
+    /// Whether cuBLASLt runs `algo` for `plan`'s shape within the workspace
+    /// (`cublasLtMatmulAlgoCheck`).
+    fn accepts(&self, plan: &Plan, algo: &sys::cublasLtMatmulAlgo_t) -> bool {
         let l = &plan.layouts;
-        // SAFETY: live descriptors of `plan`; `algo` and `result` are valid for the call.
-        let status = unsafe {
+        // SAFETY: the check reads live descriptors of `plan` and a plain algorithm value and
+        // writes one result (an all-zero one is a valid value of the plain C struct).
+        unsafe {
+            let mut check = std::mem::zeroed::<sys::cublasLtMatmulHeuristicResult_t>();
             sys::cublasLtMatmulAlgoCheck(
                 self.handle,
                 plan.desc,
@@ -437,13 +441,12 @@ impl Blas {
                 l[1],
                 l[2],
                 l[2],
-                &algo,
-                &mut result,
+                algo,
+                &mut check,
             )
-        };
-        let fits = status == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS
-            && result.workspaceSize <= WORKSPACE_BYTES;
-        Ok(fits.then_some(algo))
+            .result()
+            .is_ok_and(|()| check.workspaceSize <= WORKSPACE_BYTES)
+        }
     }
 
     /// One token-row count of each run that shares a timed algorithm (`tuning_rows`), up to
@@ -586,26 +589,7 @@ impl Blas {
                             scheme as u32,
                         )
                     });
-                    // SAFETY: the check reads live descriptors and a plain algorithm value and
-                    // writes one result.
-                    let fits = set.is_ok()
-                        && unsafe {
-                            let mut check =
-                                std::mem::zeroed::<sys::cublasLtMatmulHeuristicResult_t>();
-                            let l = &plan.layouts;
-                            sys::cublasLtMatmulAlgoCheck(
-                                self.handle,
-                                plan.desc,
-                                l[0],
-                                l[1],
-                                l[2],
-                                l[2],
-                                &algo,
-                                &mut check,
-                            )
-                            .result()
-                            .is_ok_and(|()| check.workspaceSize <= WORKSPACE_BYTES)
-                        };
+                    let fits = set.is_ok() && self.accepts(plan, &algo);
                     if fits && !out.contains(&algo) {
                         out.push(algo);
                     }
