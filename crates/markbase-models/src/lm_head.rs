@@ -20,9 +20,10 @@ pub const SCREEN_TOP_K: usize = 4096;
 const SCREEN_MIN_ROWS: usize = 65_536;
 /// Hidden-state rows put through the head together (each weight row is read once for all of
 /// them). Each group's picks are a host wait of their own, so a decode step of more sequences
-/// than this waits twice and cannot replay as a CUDA graph: 64 ran E4B Q8_0's 65-sequence step
-/// at 11.0 ms against 5.7 ms at 64 (H100, docs/perf.md session 53). 128 rows of a 262 144-token
-/// vocabulary take 128 MiB of logits.
+/// than this waits twice and cannot replay as a CUDA graph: with groups of 64, E4B bf16's
+/// 65-sequence step took 6.61 ms and its 128-sequence step 7.30 ms, with 128 5.81 and 6.37 ms
+/// (H100, docs/perf.md session 53). 128 rows of a 262 144-token vocabulary take 128 MiB of
+/// logits.
 const LOGIT_ROWS: usize = 128;
 
 /// Where the head's results for a set of rows go.

@@ -99,9 +99,8 @@ impl Worker {
     /// (`Model::warm_up_rows`) up to the step's token budget, so that the one-off plans of
     /// those steps' products (the CUDA backend's cuBLASLt timings) are made before any request
     /// waits for them. A count the pool cannot hold ends it; the blocks go back at once and
-    /// nothing enters the prefix cache. Returns the counts run.
-    pub fn warm_up(&mut self) -> Result<Vec<usize>> {
-        let mut ran = Vec::new();
+    /// nothing enters the prefix cache.
+    pub fn warm_up(&mut self) -> Result<()> {
         let token = [0u32];
         for n in self.model.warm_up_rows() {
             if n > self.max_step_tokens {
@@ -131,11 +130,10 @@ impl Worker {
             if !held {
                 break;
             }
-            ran.push(n);
         }
         // The warm-up's waits are not the served steps'.
         self.wait_before = device_counters(&self.model);
-        Ok(ran)
+        Ok(())
     }
 
     /// A fresh block manager and scheduler (every block free), keeping the counters.
