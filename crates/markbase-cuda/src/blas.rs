@@ -712,14 +712,16 @@ impl Blas {
 
     /// The product of `shape` on `[A, B, C]`, planned now if it is the shape's first.
     fn call(&self, shape: Shape, ptrs: [u64; 3]) -> Result<GemmCall> {
-        let tune = self.tune != Tune::Off
+        // A shape not planned yet is timed unless its run of row counts was (the timings only
+        // looked up for new shapes, not on every step's products).
+        let timed = self.tune != Tune::Off
             && shape.b.cols <= TUNE_MAX_ROWS
+            && !self.plans()?.contains_key(&shape)
             && !self.tuned()?.contains_key(&shape.tuning_key());
         let plan = || {
-            self.plan_in(&mut *self.plans()?, shape, tune.then_some(ptrs))
+            self.plan_in(&mut *self.plans()?, shape, timed.then_some(ptrs))
                 .map(|_| ())
         };
-        let timed = tune && !self.plans()?.contains_key(&shape);
         match self.steps.get().and_then(WeakSteps::upgrade) {
             // Timing queues products, copies and waits on the backend's stream outside the
             // recorder: with it locked (before the plans: the recorder's issuing takes them

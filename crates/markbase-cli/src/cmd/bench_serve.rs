@@ -108,19 +108,47 @@ impl EngineCounters {
         }
     }
 
-    /// Per step: decode rows, prefill rows, milliseconds, device waits and graph replays; and
-    /// the share of `wall` in steps and of the steps' time the host waited for the device.
-    fn summary(&self, wall: Duration) -> serde_json::Value {
+    /// The counters a step, and the shares of `wall` and of the steps' time.
+    fn summary(&self, wall: Duration) -> StepSummary {
         let per = |x: f64| x / self.steps.max(1.0);
+        StepSummary {
+            steps: self.steps,
+            decode_rows: per(self.decode_rows),
+            prefill_rows: per(self.prefill_rows),
+            ms: per(self.step_seconds) * 1e3,
+            device_waits: per(self.device_waits),
+            graph_replays: per(self.graph_replays),
+            busy_share: self.step_seconds / wall.as_secs_f64(),
+            device_wait_share: self.device_wait_seconds / self.step_seconds.max(1e-12),
+        }
+    }
+}
+
+/// What the engine's steps did during a level: per step, decode rows, prefill rows,
+/// milliseconds, device waits and graph replays; the share of the level in steps and of the
+/// steps' time the host waited for the device.
+struct StepSummary {
+    steps: f64,
+    decode_rows: f64,
+    prefill_rows: f64,
+    ms: f64,
+    device_waits: f64,
+    graph_replays: f64,
+    busy_share: f64,
+    device_wait_share: f64,
+}
+
+impl StepSummary {
+    fn to_json(&self) -> serde_json::Value {
         json!({
             "steps": self.steps,
-            "decode_rows_per_step": per(self.decode_rows),
-            "prefill_rows_per_step": per(self.prefill_rows),
-            "ms_per_step": per(self.step_seconds) * 1e3,
-            "device_waits_per_step": per(self.device_waits),
-            "graph_replays_per_step": per(self.graph_replays),
-            "busy_share": self.step_seconds / wall.as_secs_f64(),
-            "device_wait_share": self.device_wait_seconds / self.step_seconds.max(1e-12),
+            "decode_rows_per_step": self.decode_rows,
+            "prefill_rows_per_step": self.prefill_rows,
+            "ms_per_step": self.ms,
+            "device_waits_per_step": self.device_waits,
+            "graph_replays_per_step": self.graph_replays,
+            "busy_share": self.busy_share,
+            "device_wait_share": self.device_wait_share,
         })
     }
 }
@@ -161,7 +189,7 @@ impl Level {
             "ttft_ms": p(&self.ttft),
             "itl_ms": p(&self.itl),
             "e2e_ms": p(&self.e2e),
-            "engine": self.engine.map(|e| e.summary(self.wall)),
+            "engine": self.engine.map(|e| e.summary(self.wall).to_json()),
         })
     }
 }
@@ -283,19 +311,18 @@ pub fn run(args: Args) -> Result<()> {
         for l in &levels {
             let Some(e) = l.engine else { continue };
             let s = e.summary(l.wall);
-            let f = |k: &str| s[k].as_f64().unwrap_or(f64::NAN);
             writeln!(
                 out,
                 "| {} | {} | {:.1} | {:.1} | {:.2} | {:.0} % | {:.0} % | {:.2} | {:.2} |",
                 l.concurrency,
-                e.steps,
-                f("decode_rows_per_step"),
-                f("prefill_rows_per_step"),
-                f("ms_per_step"),
-                100.0 * f("busy_share"),
-                100.0 * f("device_wait_share"),
-                f("device_waits_per_step"),
-                f("graph_replays_per_step"),
+                s.steps,
+                s.decode_rows,
+                s.prefill_rows,
+                s.ms,
+                100.0 * s.busy_share,
+                100.0 * s.device_wait_share,
+                s.device_waits,
+                s.graph_replays,
             )?;
         }
     }
