@@ -93,6 +93,7 @@ fn with_load_progress<T>(global: &Global, load: impl FnOnce(&LoadOptions) -> T) 
         threads: global.threads,
         progress: Some(&report),
         lm_head: global.lm_head,
+        f16_copies: global.f16_copies,
     };
     let out = load(&opts);
     bar.finish_and_clear();

@@ -28,6 +28,7 @@ use crate::blas::{Blas, GemmCall};
 use crate::buffer::{CudaBuffer, CudaMatrix, Growable};
 use crate::device::{driver_err, Device};
 use crate::device_wide::Pinned;
+use crate::f16_copies::F16Copies;
 use crate::graph::{DeviceCopy, Op, Steps};
 use crate::kernels::{Arg, Grid, Kernels, Launch, MAX_PRODUCTS};
 use crate::mmq::{Tuning as MmqTuning, TICKETS as MMQ_TICKETS};
@@ -80,6 +81,9 @@ pub struct CudaBackend {
     mmq_tickets: CudaBuffer,
     /// How the tensor-core products' launches of 33–64 token rows are shaped (`mmq`).
     pub(crate) mmq_tuning: MmqTuning,
+    /// Whether quantized matrices get f16 copies for products of many token rows, and their
+    /// bytes (f16_copies.rs).
+    pub(crate) f16_copies: F16Copies,
     err_host: Mutex<Pinned>,
     /// RoPE frequency tables by (θ bits, linear factor bits, head_dim, rotated pairs).
     pub(crate) rope_tables: Mutex<HashMap<(u32, u32, usize, usize), CudaBuffer>>,
@@ -183,6 +187,7 @@ impl CudaBackend {
             err,
             mmq_tickets,
             mmq_tuning: MmqTuning::from_env()?,
+            f16_copies: F16Copies::new(),
             err_host: Mutex::new(err_host),
             rope_tables: Mutex::new(HashMap::new()),
             resident: Mutex::new(HashMap::new()),

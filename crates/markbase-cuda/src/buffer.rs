@@ -2,13 +2,14 @@
 //! matrices, and the grow-on-demand scratch space of operations.
 
 use std::mem::ManuallyDrop;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use markbase_core::quant::GgmlType;
 use markbase_core::Result;
 
 use crate::device::driver_err;
+use crate::f16_copies::F16Copy;
 use crate::graph::Steps;
 use crate::layout;
 
@@ -81,6 +82,9 @@ pub struct CudaMatrix {
     pub row_bytes: usize,
     /// Name, for messages.
     pub name: String,
+    /// The f16 copy of a quantized matrix for products of many token rows, once one was
+    /// asked for (`None` inside: the device had no room; f16_copies.rs).
+    pub(crate) f16: OnceLock<Option<F16Copy>>,
     steps: Steps,
 }
 
@@ -117,6 +121,7 @@ impl CudaMatrix {
             cols,
             row_bytes: laid.len() / rows.max(1),
             name: name.to_string(),
+            f16: OnceLock::new(),
             steps: steps.clone(),
         })
     }

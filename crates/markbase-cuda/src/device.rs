@@ -131,6 +131,13 @@ impl Device {
         self.max_block_shared
     }
 
+    /// The device's free and total memory in bytes.
+    pub fn memory(&self) -> Result<(usize, usize)> {
+        self.bind_to_thread()?;
+        cudarc::driver::result::mem_get_info()
+            .map_err(|e| driver_err("reading the device's free memory", e))
+    }
+
     /// Makes the device's context current on the calling thread. A thread must do this before
     /// it queues work: cudarc's own calls bind the context, raw kernel launches and cuBLAS do
     /// not.

@@ -54,7 +54,8 @@ impl CudaBackend {
         };
         let downs = [(down, out.ptr)];
         let down_job = Job::Products(&downs);
-        if !(formats && shapes && self.mmq_takes(&fused, n)) {
+        let copies = self.f16_copy_applies(gate.ty, n);
+        if copies || !(formats && shapes && self.mmq_takes(&fused, n)) {
             return Ok(false);
         }
         // Where the kernels decline the down product (one matrix of 49–64 rows, or a run of

@@ -11,8 +11,10 @@
 //! regrouped and Q5_K, Q6_K, Q4_0 and Q5_0 blocks laid out for their readers, `layout`); decode
 //! products are warp-per-row GEMVs that read each weight row once for up to 8 token rows
 //! (Q4_K, Q5_K, Q6_K, Q8_0, Q4_0 and Q5_0 products of 2–64 token rows run on the tensor cores,
-//! [`mma_suits`], and so do the grouped MoE expert products, [`moe_on_tensor_cores`]); prefill
-//! products dequantize tiles and call cuBLAS, and prefill attention runs as batched products.
+//! [`mma_suits`], and so do the grouped MoE expert products, [`moe_on_tensor_cores`]); products
+//! of more than 64 token rows read an f16 copy of a quantized matrix made at its first such
+//! product while the GPU has room (`f16_copies`), else dequantize tiles, and call cuBLAS;
+//! prefill attention runs as batched products.
 //! Activations are f32.
 
 mod attention;
@@ -24,6 +26,7 @@ mod chain;
 pub mod device;
 mod device_wide;
 mod elementwise;
+mod f16_copies;
 mod ffn;
 mod gemv_walk;
 mod graph;

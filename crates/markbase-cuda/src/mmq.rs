@@ -525,7 +525,7 @@ impl CudaBackend {
     /// the GPU tests model it).
     pub fn mmq_takes_products(&self, ty: GgmlType, cols: usize, rows: &[usize], n: usize) -> bool {
         let e = Extent::products(ty, cols, rows.iter().copied());
-        !rows.is_empty() && self.mmq_plan(&e, n).is_some()
+        !rows.is_empty() && !self.f16_copy_applies(ty, n) && self.mmq_plan(&e, n).is_some()
     }
 
     /// Runs `job` for `n` token rows whose activations `xh` are rounded to the 16-bit type of

@@ -1,7 +1,8 @@
 //! Which kernel runs a product of token rows with a weight matrix, and the product launches:
 //! warp-per-row GEMVs for a few token rows, the tensor cores (our `mmq` kernels, or cuBLAS on
-//! bf16 weights and on quantized ones dequantized to f16 a tile at a time) for more, each
-//! product's activations rounded as its kernel reads them.
+//! bf16 weights and on quantized ones' f16 copies past 64 token rows, f16_copies.rs, or
+//! dequantized to f16 a tile at a time) for more, each product's activations rounded as its
+//! kernel reads them.
 
 use markbase_core::quant::GgmlType;
 use markbase_core::Result;
@@ -298,7 +299,9 @@ impl CudaBackend {
                 let mut s = self.scratch()?;
                 let xh =
                     self.round_inputs(&mut s, rounded_form(w0.ty, w0.cols, n, inputs), x, n * k)?;
-                if self.mmq(&mut s, xh, n, Job::Products(products))? {
+                if !self.f16_copy_applies(w0.ty, n)
+                    && self.mmq(&mut s, xh, n, Job::Products(products))?
+                {
                     s.rounded.renew(&self.queue);
                     return Ok(true);
                 }
@@ -424,6 +427,21 @@ impl CudaBackend {
         out: u64,
     ) -> Result<()> {
         let k = w.cols;
+        if let Some(copy) = self.f16_copy(w, n)? {
+            // SAFETY: `xh` holds n·k f16 values, the copy rows·k; `out` rows·n.
+            return self.queue_gemm(unsafe {
+                blas.gemm_rows(
+                    (GemmInput::F16, GemmOutput::F32),
+                    copy,
+                    w.rows,
+                    k,
+                    xh,
+                    n,
+                    out,
+                    w.rows,
+                )
+            });
+        }
         if self.mmq(s, xh, n, Job::Products(&[(w, out)]))? {
             return Ok(());
         }
@@ -466,24 +484,10 @@ impl CudaBackend {
             GemmInput::F16 => "dequant_f16",
             _ => "dequant",
         };
-        let f = self.kernels.func_for(Module::Ops, kernel, w.ty, 0)?;
         let mut r0 = 0;
         while r0 < w.rows {
             let rt = tile.min(w.rows - r0);
-            self.launch_fn(
-                &f,
-                Grid::new(
-                    (blocks(w.cols.div_ceil(32), DEQUANT_THREADS), rt as u32),
-                    DEQUANT_THREADS as u32,
-                ),
-                &[
-                    Arg::U64(w.ptr),
-                    Arg::U64(w.row_bytes as u64),
-                    Arg::I32(int("row", r0)?),
-                    Arg::I32(int("cols", w.cols)?),
-                    Arg::U64(deq),
-                ],
-            )?;
+            self.queue_dequant(kernel, w, r0, rt, deq)?;
             // SAFETY: `deq` holds rt·k values, `x` n·k; `out` rows·n.
             self.queue_gemm(unsafe {
                 blas.gemm_rows(
@@ -500,6 +504,33 @@ impl CudaBackend {
             r0 += rt;
         }
         Ok(())
+    }
+
+    /// Queues `kernel` (`dequant`: f32, `dequant_f16`: f16) writing rows `r0 .. r0 + rows` of
+    /// `w` (at most 65 535) dequantized to `dst`, row-major.
+    pub(crate) fn queue_dequant(
+        &self,
+        kernel: &'static str,
+        w: &CudaMatrix,
+        r0: usize,
+        rows: usize,
+        dst: u64,
+    ) -> Result<()> {
+        let f = self.kernels.func_for(Module::Ops, kernel, w.ty, 0)?;
+        self.launch_fn(
+            &f,
+            Grid::new(
+                (blocks(w.cols.div_ceil(32), DEQUANT_THREADS), rows as u32),
+                DEQUANT_THREADS as u32,
+            ),
+            &[
+                Arg::U64(w.ptr),
+                Arg::U64(w.row_bytes as u64),
+                Arg::I32(int("row", r0)?),
+                Arg::I32(int("cols", w.cols)?),
+                Arg::U64(dst),
+            ],
+        )
     }
 
     /// For a product of `n` token rows with `w` about to read its activations at `x`: the

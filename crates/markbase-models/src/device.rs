@@ -60,6 +60,10 @@ pub(crate) trait DeviceBackend: Backend + 'static {
     fn graph_replays(&self) -> u64;
     /// Token-row counts whose first step makes one-off plans ([`crate::Model::warm_up_rows`]).
     fn warm_up_rows(&self) -> Vec<usize>;
+    /// Device bytes held by f16 copies of quantized weights ([`crate::Model::f16_copy_bytes`]).
+    fn f16_copy_bytes(&self) -> usize;
+    /// The device's free and total memory ([`crate::Model::device_memory`]).
+    fn device_memory(&self) -> Result<Option<(usize, usize)>>;
 }
 
 impl DeviceBackend for CpuBackend {
@@ -85,6 +89,14 @@ impl DeviceBackend for CpuBackend {
 
     fn warm_up_rows(&self) -> Vec<usize> {
         Vec::new()
+    }
+
+    fn f16_copy_bytes(&self) -> usize {
+        0
+    }
+
+    fn device_memory(&self) -> Result<Option<(usize, usize)>> {
+        Ok(None)
     }
 }
 
@@ -113,6 +125,14 @@ impl DeviceBackend for CudaBackend {
 
     fn warm_up_rows(&self) -> Vec<usize> {
         self.timed_row_runs()
+    }
+
+    fn f16_copy_bytes(&self) -> usize {
+        CudaBackend::f16_copy_bytes(self)
+    }
+
+    fn device_memory(&self) -> Result<Option<(usize, usize)>> {
+        self.device().memory().map(Some)
     }
 }
 

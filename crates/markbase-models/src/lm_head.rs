@@ -22,9 +22,10 @@ const SCREEN_MIN_ROWS: usize = 65_536;
 /// them). Each group's picks are a host wait of their own, so a decode step of more sequences
 /// than this waits twice and cannot replay as a CUDA graph: with groups of 64, E4B bf16's
 /// 65-sequence step took 6.61 ms and its 128-sequence step 7.30 ms, with 128 5.81 and 6.37 ms
-/// (H100, docs/perf.md session 53). 128 rows of a 262 144-token vocabulary take 128 MiB of
-/// logits.
-const LOGIT_ROWS: usize = 128;
+/// (H100, docs/perf.md session 53); with 128, 256 sequences waited twice (E4B Q4_K_M with
+/// f16 copies 25 553 t/s, 0 graph replays; session 54). 256 rows of a 262 144-token
+/// vocabulary take 256 MiB of logits.
+const LOGIT_ROWS: usize = 256;
 
 /// Where the head's results for a set of rows go.
 pub(crate) enum HeadOut<'a> {

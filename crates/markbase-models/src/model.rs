@@ -53,8 +53,9 @@ impl ModelSource {
     }
 }
 
-/// How to load a model.
-#[derive(Clone, Copy, Default)]
+/// How to load a model (by default: on the CPU, every core, no progress report, the LM head
+/// `Auto`, f16 copies on).
+#[derive(Clone, Copy)]
 pub struct LoadOptions<'a> {
     /// Where the model runs.
     pub device: Device,
@@ -64,6 +65,22 @@ pub struct LoadOptions<'a> {
     pub progress: Option<&'a (dyn Fn(u64, u64) + Sync)>,
     /// How the LM head is evaluated.
     pub lm_head: LmHeadMode,
+    /// On CUDA: quantized weight matrices get f16 copies, made at their first product of more
+    /// than 64 token rows while the GPU has room, which such products then read (faster
+    /// batches and prefill for more device memory; `markbase-cuda`'s f16_copies.rs).
+    pub f16_copies: bool,
+}
+
+impl Default for LoadOptions<'_> {
+    fn default() -> Self {
+        LoadOptions {
+            device: Device::default(),
+            threads: 0,
+            progress: None,
+            lm_head: LmHeadMode::default(),
+            f16_copies: true,
+        }
+    }
 }
 
 /// Facts about a loaded model.
@@ -329,7 +346,11 @@ impl Model {
     fn load_on_device(cfg: ArchConfig, store: &WeightStore, opts: &LoadOptions) -> Result<Model> {
         match opts.device {
             Device::Cpu => Self::load_on(CpuBackend::new(opts.threads)?, cfg, store, opts),
-            Device::Cuda(ordinal) => Self::load_on(CudaBackend::new(ordinal)?, cfg, store, opts),
+            Device::Cuda(ordinal) => {
+                let backend = CudaBackend::new(ordinal)?;
+                backend.set_f16_copies(opts.f16_copies);
+                Self::load_on(backend, cfg, store, opts)
+            }
         }
     }
 
@@ -458,6 +479,17 @@ impl Model {
     /// Steps of this model's device that ran as one CUDA graph launch so far (0 on the CPU).
     pub fn graph_replays(&self) -> u64 {
         self.inner.graph_replays()
+    }
+
+    /// Device bytes held by f16 copies of quantized weights so far
+    /// ([`LoadOptions::f16_copies`]; 0 on the CPU).
+    pub fn f16_copy_bytes(&self) -> usize {
+        self.inner.f16_copy_bytes()
+    }
+
+    /// The free and total memory of the model's GPU in bytes; `None` on the CPU.
+    pub fn device_memory(&self) -> Result<Option<(usize, usize)>> {
+        self.inner.device_memory()
     }
 
     /// Checks that the model can run every token id (an [`Error::Invalid`] naming the first

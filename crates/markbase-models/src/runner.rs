@@ -31,6 +31,10 @@ pub(crate) trait Runner: Send + Sync {
     fn graph_replays(&self) -> u64;
     /// Token-row counts whose first step makes one-off plans.
     fn warm_up_rows(&self) -> Vec<usize>;
+    /// Device bytes held by f16 copies of quantized weights.
+    fn f16_copy_bytes(&self) -> usize;
+    /// The device's free and total memory, where the model runs on a GPU.
+    fn device_memory(&self) -> Result<Option<(usize, usize)>>;
 }
 
 impl<M> Runner for M
@@ -87,5 +91,13 @@ where
 
     fn graph_replays(&self) -> u64 {
         self.backend().graph_replays()
+    }
+
+    fn f16_copy_bytes(&self) -> usize {
+        self.backend().f16_copy_bytes()
+    }
+
+    fn device_memory(&self) -> Result<Option<(usize, usize)>> {
+        self.backend().device_memory()
     }
 }

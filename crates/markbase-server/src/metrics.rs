@@ -46,6 +46,8 @@ pub const DEVICE_WAIT_SECONDS: &str = "markbase_engine_device_wait_seconds";
 pub const DEVICE_WAITS: &str = "markbase_engine_device_waits_total";
 /// Engine steps that ran as one CUDA graph replay since start.
 pub const GRAPH_REPLAYS: &str = "markbase_engine_graph_replays_total";
+/// Device bytes held by f16 copies of the model's quantized weights.
+pub const F16_COPY_BYTES: &str = "markbase_f16_copy_bytes";
 
 const LATENCY_BUCKETS: [f64; 16] = [
     0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
@@ -128,6 +130,11 @@ fn describe() {
         "Engine steps that ran as one CUDA graph replay since start"
     );
     describe_gauge!(
+        F16_COPY_BYTES,
+        Unit::Bytes,
+        "Device bytes held by f16 copies of the model's quantized weights"
+    );
+    describe_gauge!(
         DEVICE_WAIT_SECONDS,
         Unit::Seconds,
         "Seconds of the engine's steps the host waited for the model's device"
@@ -173,4 +180,5 @@ pub fn engine(stats: &EngineStats) {
     gauge!(DEVICE_WAIT_SECONDS).set(stats.device_wait_seconds);
     counter!(DEVICE_WAITS).absolute(stats.device_waits);
     counter!(GRAPH_REPLAYS).absolute(stats.graph_replays);
+    gauge!(F16_COPY_BYTES).set(stats.f16_copy_bytes as f64);
 }

@@ -91,10 +91,12 @@ pub fn run(global: &Global, args: Args) -> Result<()> {
     if let Some(e) = write_err {
         return Err(e.into());
     }
+    let copies = model.f16_copy_bytes();
     if args.json {
         let obj = json!({
             "model": info.architecture,
             "weight_bytes": info.weight_bytes,
+            "f16_copy_bytes": copies,
             "device": info.device,
             "threads": threads,
             "repetitions": args.repetitions,
@@ -102,6 +104,12 @@ pub fn run(global: &Global, args: Args) -> Result<()> {
             "results": results,
         });
         writeln!(out, "{obj}")?;
+    } else if copies > 0 {
+        writeln!(
+            out,
+            "\nf16 copies of quantized weights (read by products of 65+ token rows): {:.1} MiB",
+            copies as f64 / (1024.0 * 1024.0)
+        )?;
     }
     Ok(())
 }

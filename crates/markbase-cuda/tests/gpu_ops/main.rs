@@ -59,6 +59,19 @@ macro_rules! gpu_or_skip {
     };
 }
 
+/// A second backend on the same GPU whose quantized matrices get no f16 copies, so that
+/// products of 65–128 token rows run on the tensor-core kernels (mmq.rs) there while `gpu`'s
+/// read the copies (f16_copies.rs).
+fn gpu_without_copies() -> Option<&'static CudaBackend> {
+    static B: OnceLock<Option<CudaBackend>> = OnceLock::new();
+    B.get_or_init(|| {
+        let b = common::backend_or_skip()?;
+        b.set_f16_copies(false);
+        Some(b)
+    })
+    .as_ref()
+}
+
 /// The GPU backend with cuBLAS, or return from the test (no product rounds its activations
 /// without it).
 macro_rules! gpu_with_cublas_or_skip {

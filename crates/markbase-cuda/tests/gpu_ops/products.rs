@@ -212,14 +212,27 @@ fn one_token_products_over_an_lm_head_of_rows_match_reference() {
     }
 }
 
-/// Q4_K, Q5_K, Q6_K, Q8_0, Q4_0 and Q5_0 products of 2–64 token rows on the tensor cores over
+/// Q4_K, Q5_K, Q6_K, Q8_0, Q4_0 and Q5_0 products of 2–128 token rows on the tensor cores over
 /// matrices of many row
 /// tiles and long rows (tiles whose units several blocks share, part-filled tiles and splits),
 /// every n-tile count and a part-filled n-tile; a second run gives the same bits. Then
-/// several matrices in one launch.
+/// several matrices in one launch. Past 64 rows, once with the matrices' f16 copies and once
+/// on a backend without them (the tensor-core kernels' runs of 64 rows).
 #[test]
 fn tensor_core_products_match_reference_and_repeat_exactly() {
-    let g = gpu_with_cublas_or_skip!();
+    let with_copies = gpu_with_cublas_or_skip!();
+    let without = gpu_without_copies().unwrap();
+    let one = [2, 7, 16, 29, 32, 41, 48, 64, 65, 100, 128];
+    tensor_core_products_on(with_copies, &one, &[5, 24, 50, 64, 100]);
+    // Up to 64 rows both backends run the same launches.
+    tensor_core_products_on(without, &[65, 100, 128], &[100]);
+    assert!(with_copies.f16_copy_bytes() > 0, "no f16 copy was made");
+    assert_eq!(without.f16_copy_bytes(), 0, "copies made while off");
+}
+
+/// `tensor_core_products_match_reference_and_repeat_exactly` on `g`: one matrix of each shape
+/// at `one` token rows, three at once at `many`.
+fn tensor_core_products_on(g: &CudaBackend, one: &[usize], many: &[usize]) {
     let mut r = rng("tensor cores");
     let shapes = [
         (GgmlType::Q4_K, 2_560, 10_240),
@@ -241,7 +254,7 @@ fn tensor_core_products_match_reference_and_repeat_exactly() {
         // ([2 560, 10 240], [333, 2 816] on an H200) two launches up to 48 rows and cuBLAS on
         // the weights dequantized to f16 at 64 (`as_seen` models which); 65–128: a run of 64
         // rows planned so, then the rest.
-        for n in [2, 7, 16, 29, 32, 41, 48, 64, 65, 100, 128] {
+        for &n in one {
             let x = uniform(&mut r, n * k, 1.0);
             let xb = up(g, &x);
             let got = matmul_checked(g, &m, &w, n, &xb, &x, &format!("{ty} [{rows}, {k}]"));
@@ -267,7 +280,7 @@ fn tensor_core_products_match_reference_and_repeat_exactly() {
         let ws: Vec<_> = mats.iter().map(|m| g.load_matrix(m).unwrap()).collect();
         // 50 and 64: one launch of 8 n-tiles, or two of 4 (one matrix alone: cuBLAS); 100: 64
         // rows so, then 36.
-        for n in [5, 24, 50, 64, 100] {
+        for &n in many {
             let x = uniform(&mut r, n * k, 1.0);
             let mut outs: Vec<CudaBuffer> = mats.iter().map(|m| poisoned(g, n * m.rows)).collect();
             let mut products: Vec<_> = ws.iter().zip(outs.iter_mut()).collect();
@@ -291,10 +304,19 @@ fn tensor_core_products_match_reference_and_repeat_exactly() {
 /// The gated feed-forward of a few token rows over quantized weights as the tensor-core
 /// launches (mmq.cu): gate and up in one launch storing gelu_tanh(gate) · up as f16, then
 /// down, of the same format or (llama.cpp's Q4_K_M and Q5_K_M layers) Q6_K; tiles split over
-/// several blocks and not, part-filled n-tiles. A second run gives the same bits.
+/// several blocks and not, part-filled n-tiles. A second run gives the same bits. Past 64 rows,
+/// once on the f16 copies (gate, up and down apart) and once without.
 #[test]
 fn gated_ffn_on_tensor_cores_matches_reference_and_repeats_exactly() {
-    let g = gpu_with_cublas_or_skip!();
+    let with_copies = gpu_with_cublas_or_skip!();
+    gated_ffn_on_tensor_cores_on(with_copies, &[2, 8, 29, 45, 72, 130]);
+    // Up to 64 rows both backends run the same launches.
+    gated_ffn_on_tensor_cores_on(gpu_without_copies().unwrap(), &[72]);
+}
+
+/// `gated_ffn_on_tensor_cores_matches_reference_and_repeats_exactly` on `g` at `batches`
+/// token rows.
+fn gated_ffn_on_tensor_cores_on(g: &CudaBackend, batches: &[usize]) {
     let mut r = rng("gated ffn tensor cores");
     let f16_sat = |v: Vec<f32>| -> Vec<f32> {
         v.into_iter()
@@ -318,7 +340,7 @@ fn gated_ffn_on_tensor_cores_matches_reference_and_repeats_exactly() {
             random_matrix(&mut r, down_ty, d, ff),
         );
         let [gw, uw, dw] = [&gm, &um, &dm].map(|m| g.load_matrix(m).unwrap());
-        for n in [2, 8, 29, 45, 72] {
+        for &n in batches {
             let x = uniform(&mut r, n * k, 1.0);
             let (sx, sg) = as_seen(g, &gm, n, &x);
             let (_, su) = as_seen(g, &um, n, &x);

@@ -15,8 +15,13 @@ pub struct EngineConfig {
     pub max_seqs: usize,
     /// Token budget of one step: decode tokens plus prefill chunks.
     pub max_step_tokens: usize,
-    /// KV blocks in the pool; `None` sizes it for `max_seqs` sequences of `max_context` tokens.
+    /// KV blocks in the pool; `None` sizes it for `max_seqs` sequences of `max_context` tokens,
+    /// within `kv_memory`.
     pub kv_blocks: Option<usize>,
+    /// Most bytes the KV pools take where `kv_blocks` is `None` (fewer full-attention blocks
+    /// than `max_seqs` sequences of `max_context` tokens then: sequences that would outgrow
+    /// the pool are preempted and recomputed later); `None`: no limit.
+    pub kv_memory: Option<usize>,
     /// Waiting requests before [`crate::Engine::submit`] answers [`SubmitError::QueueFull`].
     pub max_queue: usize,
     /// Per-sequence limit on prompt + output tokens (at most the model's context).
@@ -29,6 +34,7 @@ impl Default for EngineConfig {
             max_seqs: 64,
             max_step_tokens: 512,
             kv_blocks: None,
+            kv_memory: None,
             max_queue: 256,
             max_context: 4096,
         }
@@ -152,4 +158,6 @@ pub struct EngineStats {
     pub device_waits: u64,
     /// Steps that ran as one CUDA graph replay (0 on the CPU).
     pub graph_replays: u64,
+    /// Device bytes held by f16 copies of the model's quantized weights (0 on the CPU).
+    pub f16_copy_bytes: u64,
 }

@@ -17,31 +17,57 @@ use super::sequence::{Outcome, Sequence};
 use super::Shared;
 
 /// Block counts of the two pools for `cfg`: (full-attention, sliding-window); 0 for a kind the
-/// model does not have.
-///
-/// Full: `kv_blocks`, or enough for `max_seqs` sequences of `max_context` tokens; at least one
-/// such sequence must fit. Sliding: what the sequences the full pool can hold need at most —
-/// `ceil((window − 1) / B) + 3` each plus a step's chunk — capped at the full pool (a
-/// sequence never holds more sliding than full blocks).
+/// model does not have (see `block_counts`).
 pub(super) fn pool_sizes(model: &Model, cfg: &EngineConfig) -> Result<(usize, usize)> {
+    let bytes =
+        [LayerKind::Full, LayerKind::Sliding].map(|k| model.kv_bytes_per_token(k) * BLOCK_SIZE);
+    let (full, sliding) = block_counts(bytes, model.info().sliding_window.max(1), cfg)?;
+    Ok((
+        if bytes[0] > 0 { full } else { 0 },
+        if bytes[1] > 0 { sliding } else { 0 },
+    ))
+}
+
+/// Block counts (full-attention, sliding-window) for blocks of `block_bytes` bytes each and a
+/// sliding window of `window` tokens.
+///
+/// Full: `kv_blocks`, or enough for `max_seqs` sequences of `max_context` tokens, and no more
+/// than fit in `kv_memory` beside the sliding pool of `max_seqs` sequences; at least one
+/// sequence of `max_context` tokens must fit. Sliding: what the sequences the full pool can
+/// hold need at most — `ceil((window − 1) / B) + 3` each plus a step's chunk — capped at the
+/// full pool (a sequence never holds more sliding than full blocks).
+fn block_counts(
+    block_bytes: [usize; 2],
+    window: usize,
+    cfg: &EngineConfig,
+) -> Result<(usize, usize)> {
     let per_seq = cfg.max_context.div_ceil(BLOCK_SIZE);
-    let full = cfg.kv_blocks.unwrap_or(cfg.max_seqs * per_seq);
+    let sliding_for = |seqs: usize| {
+        seqs * ((window - 1).div_ceil(BLOCK_SIZE) + 3) + cfg.max_step_tokens.div_ceil(BLOCK_SIZE)
+    };
+    let mut full = cfg.kv_blocks.unwrap_or(cfg.max_seqs * per_seq);
+    let limit = cfg
+        .kv_memory
+        .filter(|_| cfg.kv_blocks.is_none() && block_bytes[0] > 0);
+    if let Some(memory) = limit {
+        let sliding = sliding_for(cfg.max_seqs) * block_bytes[1];
+        full = full.min(memory.saturating_sub(sliding) / block_bytes[0]);
+    }
     if full < per_seq {
+        let within = match limit {
+            Some(memory) => format!(
+                " (what fits in the KV memory limit of {} MiB: lower the context or the sequences, or give the blocks)",
+                memory >> 20
+            ),
+            None => String::new(),
+        };
         return Err(Error::Invalid(format!(
-            "{full} KV blocks of {BLOCK_SIZE} tokens cannot hold one sequence of max_context {} tokens (needs {per_seq})",
+            "{full} KV blocks of {BLOCK_SIZE} tokens cannot hold one sequence of max_context {} tokens (needs {per_seq}){within}",
             cfg.max_context
         )));
     }
-    let window = model.info().sliding_window.max(1);
     let seqs = cfg.max_seqs.min(full);
-    let sliding = (seqs * ((window - 1).div_ceil(BLOCK_SIZE) + 3)
-        + cfg.max_step_tokens.div_ceil(BLOCK_SIZE))
-    .min(full);
-    let has = |k| model.kv_bytes_per_token(k) > 0;
-    Ok((
-        if has(LayerKind::Full) { full } else { 0 },
-        if has(LayerKind::Sliding) { sliding } else { 0 },
-    ))
+    Ok((full, sliding_for(seqs).min(full)))
 }
 
 /// The model's device wait time, waits and graph replays so far.
@@ -170,6 +196,7 @@ impl Worker {
                 .model
                 .graph_replays()
                 .saturating_sub(self.wait_before.2),
+            f16_copy_bytes: self.model.f16_copy_bytes() as u64,
         }
     }
 
@@ -290,5 +317,56 @@ impl Worker {
             self.sched.remove(i);
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(max_seqs: usize, kv_blocks: Option<usize>, kv_memory: Option<usize>) -> EngineConfig {
+        EngineConfig {
+            max_seqs,
+            max_step_tokens: 512,
+            kv_blocks,
+            kv_memory,
+            max_queue: 16,
+            max_context: 4096,
+        }
+    }
+
+    #[test]
+    fn the_kv_memory_limit_caps_the_full_pool_beside_the_sliding_one() {
+        let b = BLOCK_SIZE;
+        let per_seq = 4096usize.div_ceil(b);
+        let sliding_seq = 511usize.div_ceil(b) + 3;
+        let step = 512usize.div_ceil(b);
+        let bytes = [1000, 300];
+        // No limit: every sequence's full context.
+        let (full, sliding) = block_counts(bytes, 512, &cfg(8, None, None)).unwrap();
+        assert_eq!(full, 8 * per_seq);
+        assert_eq!(sliding, 8 * sliding_seq + step);
+        // A limit: the sliding pool of 8 sequences first, full blocks in the rest.
+        let memory = 3 * per_seq * 1000 + (8 * sliding_seq + step) * 300 + 999;
+        let (full, sliding) = block_counts(bytes, 512, &cfg(8, None, Some(memory))).unwrap();
+        assert_eq!(full, 3 * per_seq);
+        assert_eq!(sliding, 8 * sliding_seq + step);
+        // A roomy limit changes nothing; given blocks ignore it.
+        let roomy = block_counts(bytes, 512, &cfg(8, None, Some(usize::MAX))).unwrap();
+        assert_eq!(roomy.0, 8 * per_seq);
+        let given = block_counts(bytes, 512, &cfg(8, Some(per_seq), Some(1))).unwrap();
+        assert_eq!(given.0, per_seq);
+        // Less than one sequence: an error that names the limit.
+        let e = block_counts(bytes, 512, &cfg(8, None, Some(per_seq * 1000)))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("KV memory limit"), "{e}");
+        let e = block_counts(bytes, 512, &cfg(8, Some(per_seq - 1), None))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("cannot hold one sequence") && !e.contains("limit"),
+            "{e}"
+        );
     }
 }

@@ -40,6 +40,7 @@ pub async fn health(State(state): State<Arc<AppState>>) -> Response {
         "device_wait_seconds": s.device_wait_seconds,
         "device_waits": s.device_waits,
         "graph_replays": s.graph_replays,
+        "f16_copy_bytes": s.f16_copy_bytes,
     }))
     .into_response()
 }
