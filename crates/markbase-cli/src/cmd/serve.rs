@@ -21,7 +21,8 @@ pub struct Args {
     /// Model name in replies and /v1/models (default: the model file's name).
     #[arg(long = "model-name")]
     pub model_name: Option<String>,
-    /// Sequences the engine runs at once (default: 256 on a GPU, 16 on the CPU).
+    /// Sequences the engine runs at once (default: 256 on a GPU, 16 on the CPU; at most
+    /// max-step-tokens).
     #[arg(long = "max-seqs")]
     pub max_seqs: Option<usize>,
     /// Requests that may wait for the engine; more are answered 429.
@@ -48,9 +49,9 @@ pub struct Args {
 
 /// Default per-request context.
 const DEFAULT_CTX: usize = 4096;
-/// Default `--max-seqs` on a GPU: steps of up to 256 sequences run as one CUDA graph with one
-/// host wait (E4B Q4_K_M with f16 copies on an H100: 11 116 / 18 215 / 25 553 t/s at 64 /
-/// 128 / 256 sequences, docs/perf.md session 54).
+/// Default `--max-seqs` on a GPU (or `--max-step-tokens` if fewer): steps of up to 256
+/// sequences run as one CUDA graph with one host wait (E4B Q4_K_M with f16 copies on an H100:
+/// 11 116 / 18 229 / 28 125 t/s at 64 / 128 / 256 sequences, docs/perf.md session 54).
 const GPU_MAX_SEQS: usize = 256;
 /// Default `--max-seqs` on the CPU, whose steps grow in time with their rows.
 const CPU_MAX_SEQS: usize = 16;
@@ -68,7 +69,8 @@ pub fn run(global: &Global, args: Args) -> Result<()> {
         GPU_MAX_SEQS
     } else {
         CPU_MAX_SEQS
-    };
+    }
+    .min(args.max_step_tokens);
     let device = loaded.model.info().device.clone();
     let model_name = args.model_name.clone().unwrap_or_else(|| {
         path.file_stem()
