@@ -12,7 +12,9 @@ pub mod sampling;
 pub mod stop;
 
 pub use bench::{bench, BenchOptions, BenchResult};
-pub use engine::{Engine, EngineConfig, EngineStats, Event, Request, RequestHandle, SubmitError};
+pub use engine::{
+    Engine, EngineConfig, EngineStats, Event, Request, RequestHandle, SubmitError, KV_BLOCK_TOKENS,
+};
 pub use generate::{
     default_stop_tokens, generate, FinishReason, GenerateOptions, Generation, Session, Timings,
 };

@@ -71,6 +71,7 @@ pub fn run(global: &Global, args: Args) -> Result<()> {
         CPU_MAX_SEQS
     }
     .min(args.max_step_tokens);
+    let max_seqs = args.max_seqs.unwrap_or(default_seqs);
     let device = loaded.model.info().device.clone();
     let model_name = args.model_name.clone().unwrap_or_else(|| {
         path.file_stem()
@@ -84,7 +85,7 @@ pub fn run(global: &Global, args: Args) -> Result<()> {
         max_tokens: args.max_tokens,
         max_body_bytes: args.max_body_bytes,
         engine: EngineConfig {
-            max_seqs: args.max_seqs.unwrap_or(default_seqs),
+            max_seqs,
             max_step_tokens: args.max_step_tokens,
             kv_blocks: args.kv_blocks,
             kv_memory: memory.map(|(free, _)| free / 2),
@@ -116,7 +117,13 @@ pub fn run(global: &Global, args: Args) -> Result<()> {
                 started.elapsed().as_secs_f64()
             );
         }
-        let copies = state.engine.stats().f16_copy_bytes;
+        let stats = state.engine.stats();
+        eprintln!(
+            "markbase: up to {max_seqs} sequences at once; KV cache of {} blocks of {} tokens",
+            stats.kv_blocks_total,
+            markbase_engine::KV_BLOCK_TOKENS
+        );
+        let copies = stats.f16_copy_bytes;
         if copies > 0 {
             eprintln!(
                 "markbase: f16 copies of quantized weights for steps of 65+ token rows: {:.2} GiB (--no-f16-copies keeps only the stored weights)",

@@ -20,7 +20,7 @@ use markbase_models::NO_BLOCK;
 use super::blocks::{BlockKey, BlockPool};
 
 /// Token positions per KV block.
-pub(crate) const BLOCK_SIZE: usize = 16;
+pub const BLOCK_SIZE: usize = 16;
 
 /// Pool index of full-attention layers.
 const FULL: usize = 0;

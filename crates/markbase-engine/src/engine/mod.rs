@@ -22,6 +22,7 @@ use markbase_models::Model;
 pub use api::{
     EngineConfig, EngineStats, Event, Request, RequestHandle, SubmitError, MAX_TOP_LOGPROBS,
 };
+pub use kv::BLOCK_SIZE as KV_BLOCK_TOKENS;
 
 use crate::sampling::Sampler;
 use sequence::Sequence;
