@@ -2,6 +2,7 @@
 //! matrices, and the grow-on-demand scratch space of operations.
 
 use std::mem::ManuallyDrop;
+use std::ops::{Deref, DerefMut};
 use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
@@ -19,21 +20,50 @@ pub(crate) fn addr<T>(s: &CudaSlice<T>, stream: &CudaStream) -> u64 {
     p
 }
 
-/// An f32 buffer in device memory (activations, KV cache, norm weights).
-pub struct CudaBuffer {
-    /// Freed in `drop`, with the step recorder locked.
-    pub(crate) mem: ManuallyDrop<CudaSlice<f32>>,
-    pub(crate) ptr: u64,
-    len: usize,
+/// A device allocation freed, when dropped, with the step recorder locked: operations held
+/// back for a graph, which may still read it, are issued first (`Steps::free_after_held`).
+pub(crate) struct DeviceMem<T> {
+    mem: ManuallyDrop<CudaSlice<T>>,
     steps: Steps,
 }
 
-impl Drop for CudaBuffer {
+impl<T> DeviceMem<T> {
+    /// Takes `mem`, to be freed under `steps`.
+    pub(crate) fn new(mem: CudaSlice<T>, steps: &Steps) -> DeviceMem<T> {
+        DeviceMem {
+            mem: ManuallyDrop::new(mem),
+            steps: steps.clone(),
+        }
+    }
+}
+
+impl<T> Deref for DeviceMem<T> {
+    type Target = CudaSlice<T>;
+
+    fn deref(&self) -> &CudaSlice<T> {
+        &self.mem
+    }
+}
+
+impl<T> DerefMut for DeviceMem<T> {
+    fn deref_mut(&mut self) -> &mut CudaSlice<T> {
+        &mut self.mem
+    }
+}
+
+impl<T> Drop for DeviceMem<T> {
     fn drop(&mut self) {
         // SAFETY: `mem` is dropped once, here, and not used after.
         self.steps
             .free_after_held(|| unsafe { ManuallyDrop::drop(&mut self.mem) });
     }
+}
+
+/// An f32 buffer in device memory (activations, KV cache, norm weights).
+pub struct CudaBuffer {
+    pub(crate) mem: DeviceMem<f32>,
+    pub(crate) ptr: u64,
+    len: usize,
 }
 
 impl CudaBuffer {
@@ -48,10 +78,9 @@ impl CudaBuffer {
             .map_err(|e| driver_err(&format!("allocating {len} floats"), e))?;
         let ptr = addr(&mem, stream);
         Ok(CudaBuffer {
-            mem: ManuallyDrop::new(mem),
+            mem: DeviceMem::new(mem, steps),
             ptr,
             len,
-            steps: steps.clone(),
         })
     }
 
@@ -69,8 +98,7 @@ impl CudaBuffer {
 /// A weight matrix in device memory, blocks as stored (Q8_0 rows regrouped, Q6_K super-blocks
 /// and Q4_0 / Q5_0 rows of whole 256-value units laid out for their readers: layout.rs).
 pub struct CudaMatrix {
-    /// Freed in `drop`, with the step recorder locked.
-    mem: ManuallyDrop<CudaSlice<u8>>,
+    _mem: DeviceMem<u8>,
     pub(crate) ptr: u64,
     /// Storage format.
     pub ty: GgmlType,
@@ -85,15 +113,6 @@ pub struct CudaMatrix {
     /// The f16 copy of a quantized matrix for products of many token rows, once one was
     /// asked for (`None` inside: the device had no room; f16_copies.rs).
     pub(crate) f16: OnceLock<Option<F16Copy>>,
-    steps: Steps,
-}
-
-impl Drop for CudaMatrix {
-    fn drop(&mut self) {
-        // SAFETY: as for `CudaBuffer`.
-        self.steps
-            .free_after_held(|| unsafe { ManuallyDrop::drop(&mut self.mem) });
-    }
 }
 
 impl CudaMatrix {
@@ -114,7 +133,7 @@ impl CudaMatrix {
             .map_err(|e| driver_err(&format!("uploading '{name}'"), e))?;
         let ptr = addr(&mem, stream);
         Ok(CudaMatrix {
-            mem: ManuallyDrop::new(mem),
+            _mem: DeviceMem::new(mem, steps),
             ptr,
             ty,
             rows,
@@ -122,7 +141,6 @@ impl CudaMatrix {
             row_bytes: laid.len() / rows.max(1),
             name: name.to_string(),
             f16: OnceLock::new(),
-            steps: steps.clone(),
         })
     }
 }

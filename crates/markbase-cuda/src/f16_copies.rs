@@ -18,17 +18,14 @@
 //! growth and the rest of the process); a matrix refused once keeps its stored weights for
 //! good. [`CudaBackend::set_f16_copies`] turns copies off (`markbase --no-f16-copies`).
 
-use std::mem::ManuallyDrop;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
-use cudarc::driver::CudaSlice;
 use markbase_core::quant::GgmlType;
 use markbase_core::Result;
 
 use crate::backend::CudaBackend;
-use crate::buffer::{addr, CudaMatrix};
+use crate::buffer::{addr, CudaMatrix, DeviceMem};
 use crate::device::driver_err;
-use crate::graph::Steps;
 
 /// Token rows above which a product of quantized weights reads the matrix's f16 copy.
 pub(crate) const F16_COPY_ABOVE_ROWS: usize = 64;
@@ -71,18 +68,8 @@ impl F16Copies {
 
 /// A matrix's f16 copy, rows × cols values in the stored row order.
 pub(crate) struct F16Copy {
-    /// Freed in `drop`, with the step recorder locked.
-    mem: ManuallyDrop<CudaSlice<u16>>,
+    _mem: DeviceMem<u16>,
     pub(crate) ptr: u64,
-    steps: Steps,
-}
-
-impl Drop for F16Copy {
-    fn drop(&mut self) {
-        // SAFETY: as for `CudaBuffer`.
-        self.steps
-            .free_after_held(|| unsafe { ManuallyDrop::drop(&mut self.mem) });
-    }
 }
 
 impl CudaBackend {
@@ -142,9 +129,8 @@ impl CudaBackend {
         self.queue.bump();
         let ptr = addr(&mem, &self.dev.stream);
         let copy = F16Copy {
-            mem: ManuallyDrop::new(mem),
+            _mem: DeviceMem::new(mem, &self.steps),
             ptr,
-            steps: self.steps.clone(),
         };
         let mut r0 = 0;
         while r0 < w.rows {
