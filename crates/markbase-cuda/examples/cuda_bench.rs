@@ -121,7 +121,7 @@ fn random_matrix(ty: GgmlType, rows: usize, cols: usize, seed: &mut u64) -> Host
         }
     } else {
         let offs: &[usize] = match ty {
-            GgmlType::Q4_K | GgmlType::Q5_K => &[0, 2],
+            GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q5_1 => &[0, 2],
             GgmlType::Q6_K => &[208],
             _ => &[0],
         };
@@ -482,6 +482,10 @@ fn moe_bandwidth(be: &CudaBackend, n: usize) {
         (GgmlType::BF16, GgmlType::BF16),
         (GgmlType::Q8_0, GgmlType::Q8_0),
         (GgmlType::Q4_K, GgmlType::Q8_0),
+        // llama.cpp's Q4_K_M and Q5_K_M mixes (704-wide down rows fall back to Q5_0 / Q5_1).
+        (GgmlType::Q4_K, GgmlType::Q5_0),
+        (GgmlType::Q5_K, GgmlType::Q5_1),
+        (GgmlType::Q4_0, GgmlType::Q4_0),
     ] {
         let mut s = 5u64;
         let gate_up = be

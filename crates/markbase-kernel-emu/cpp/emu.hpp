@@ -374,6 +374,10 @@ inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
     for (int i = 0; i < 4; i++) r |= (unsigned)(v >> (8 * ((s >> (4 * i)) & 7)) & 0xff) << (8 * i);
     return r;
 }
+// (hi:lo) >> min(shift, 32), the low word.
+inline unsigned __funnelshift_rc(unsigned lo, unsigned hi, unsigned shift) {
+    return (unsigned)((((uint64_t)hi << 32) | lo) >> (shift < 32 ? shift : 32));
+}
 template <class T>
 inline T __ldg(const T* p) { return *p; }
 template <class T>
