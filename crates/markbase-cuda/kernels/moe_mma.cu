@@ -25,13 +25,28 @@
 #ifndef MOE_MMA_AHEAD
 #define MOE_MMA_AHEAD 2
 #endif
+// Blocks of 8 warps a multiprocessor the kernels are compiled to fit (`__launch_bounds__`'
+// minimum): 4 for Q8_0 and Q4_0 (64 registers; unbounded they take 68–77, 3 blocks), none for
+// the others; MOE_MMA_MIN_BLOCKS, if set, for every format. One 26B-A4B layer's experts for 64
+// tokens (cuda_bench --moe, H100, docs/perf.md session 55), µs unbounded → 4 blocks: Q8_0
+// 454 → 432, Q4_0 366 → 338, but Q4_K + Q8_0 down 384 → 401 and Q5_K + Q5_1 330 → 373.
+#ifdef MOE_MMA_MIN_BLOCKS
+#define MOE_MMA_FREE __launch_bounds__(256, MOE_MMA_MIN_BLOCKS)
+#define MOE_MMA_FOUR __launch_bounds__(256, MOE_MMA_MIN_BLOCKS)
+#else
+#define MOE_MMA_FREE __launch_bounds__(256)
+#define MOE_MMA_FOUR __launch_bounds__(256, 4)
+#endif
+// As-stored Q4_0 and Q5_0 rows read as whole words (1) or 16 bits at a time (0).
+#ifndef MOE_STORED_WORDS
+#define MOE_STORED_WORDS 1
+#endif
 
 // bf16 or f16 weights: a lane's 16 values of a unit are its 32 contiguous bytes 32c ...
 template <bool BF16>
 struct MoePlain {
     // Whether the products are bf16 (else f16); a lane's two 8-value activation pieces.
     static constexpr bool IS_BF16 = BF16;
-    static constexpr bool PAIR_SCALES = false;
     static __device__ __forceinline__ int piece(int c, int i) { return 16 * c + 8 * i; }
 
     struct Unit {
@@ -58,7 +73,6 @@ struct MoePlain {
 // aligned in rows of an even block count, 2-byte aligned in a row's last blocks otherwise.
 struct MoeQ8_0 {
     static constexpr bool IS_BF16 = false;
-    static constexpr bool PAIR_SCALES = false;
     static __device__ __forceinline__ int piece(int c, int i) { return 16 * c + 8 * i; }
 
     struct Unit {
@@ -113,7 +127,6 @@ __device__ __forceinline__ u32 stored_fifth_bits(u32 qh, int i) {
 template <int FMT>
 struct MoeLegacy {
     static constexpr bool IS_BF16 = false;
-    static constexpr bool PAIR_SCALES = false;
     static constexpr bool FIFTH = FMT == F_Q5_0;
     static __device__ __forceinline__ int piece(int c, int i) { return 16 * c + 8 * i; }
 
@@ -137,7 +150,7 @@ struct MoeLegacy {
             const uint4 v = __ldg((const uint4*)(grp + 16) + s);
             a.q[0] = v.x, a.q[1] = v.y, a.q[2] = v.z, a.q[3] = v.w;
             if (FIFTH) a.qh = __ldg((const u32*)(grp + 144) + s) >> shift;
-        } else {
+        } else if (MOE_STORED_WORDS) {
             // Rows of whole units hold an even count of blocks, so (in a 4-byte aligned row) an
             // even block starts 4-byte aligned and an odd one 2 bytes past: the words from the
             // one at or before its start, each field funnel-shifted by t bits out of two words.
@@ -155,6 +168,15 @@ struct MoeLegacy {
             for (int i = 0; i < 4; i++)
                 a.q[i] = FIFTH ? __funnelshift_rc(word[1 + i], word[2 + i], t)
                                : __funnelshift_rc(word[i], word[i + 1], t);
+        } else {
+            const u8* b = row + (FIFTH ? 22 : 18) * (u64)blk;
+            const u8* qs = b + (FIFTH ? 6 : 2);
+            shift = 4 * (c & 1);
+            a.d = ld16(b);
+            if (FIFTH) a.qh = ((u32)ld16(b + 2) | ((u32)ld16(b + 4) << 16)) >> (16 * (c & 1));
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+                a.q[i] = (u32)ld16(qs + 4 * i) | ((u32)ld16(qs + 2 + 4 * i) << 16);
         }
 #pragma unroll
         for (int i = 0; i < 4; i++) a.q[i] >>= shift;
@@ -181,7 +203,6 @@ struct MoeLegacy {
 // fma(q, d, m) rounded once to f16 (d and m its f16 scale and offset).
 struct MoeQ5_1 {
     static constexpr bool IS_BF16 = false;
-    static constexpr bool PAIR_SCALES = false;
     static __device__ __forceinline__ int piece(int c, int i) { return 16 * c + 8 * i; }
 
     struct Unit {
@@ -216,12 +237,10 @@ struct MoeQ5_1 {
 // nibbles, 2p + 1 in the high; Q5_K's fifth bits in the words of lane slots 2p and 2p + 1).
 // Lane c holds bytes 8c .. 8c + 7: values 8c .. 8c + 7 of each chunk (unit values 8c .. and
 // 32 + 8c ..), each weight fma(q, S, −M) rounded once to f16 as mmq.cu's MmqK
-// dequantize. The four lanes of a row pair (one g) need the same four scales — chunks 2p and
-// 2p + 1 of rows g and g + 8 — so each decodes one (`pair_scales`) and they swap them.
+// dequantize.
 template <bool FIFTH>
 struct MoeK {
     static constexpr bool IS_BF16 = false;
-    static constexpr bool PAIR_SCALES = true;
     static __device__ __forceinline__ int piece(int c, int i) { return 8 * c + 32 * i; }
 
     struct Unit {
@@ -230,43 +249,25 @@ struct MoeK {
         u32 f;
     };
 
-    // `header`: whether this lane decodes a scale of the row (pair_scales), so needs its
-    // super-block's 16-byte header.
-    static __device__ __forceinline__ void load(const u8* row, int u, int c, bool header,
-                                                Unit& a) {
+    static __device__ __forceinline__ void load(const u8* row, int u, int, int c, Unit& a) {
         const u8* sb = row + (FIFTH ? 176 : 144) * (u64)(u >> 2);
-        if (header) a.h = __ldg((const uint4*)sb);
+        a.h = __ldg((const uint4*)sb);
         a.q = __ldg((const uint2*)(sb + 16 + 32 * (u & 3) + 8 * c));
         // Slot 2p + c / 2's word, its values 8(c & 1) .. (words 2(c & 1), + 1) at bits 0 ..
         if (FIFTH) a.f = __ldg((const u32*)(sb + 144) + 2 * (u & 3) + (c >> 1)) >> (2 * (c & 1));
     }
 
-    // The scales of unit u's chunks 2p + hi of the lane's rows r (0: row g, 1: g + 8), as
-    // broadcast f16 pairs S[r][hi] = f16(d · scale), M[r][hi] = −f16(dmin · min), each rounded
-    // once (saturating at ±65 504): lane c decodes row c / 2's chunk 2p + c % 2 from the header
-    // it loaded (`load`'s `header`) and takes the other three from its row pair's lanes.
-    static __device__ __forceinline__ void pair_scales(const Unit& lo, const Unit& hi, int u,
-                                                       int lane, u32 (*S)[2], u32 (*M)[2]) {
-        const int c = lane & 3;
-        const uint4 h = c < 2 ? lo.h : hi.h;
-        const float d = f16_to_f32((u16)(h.x & 0xffff)), dm = f16_to_f32((u16)(h.x >> 16));
-        float s, m;
-        q4k_scale_min(h, 2 * (u & 3) + (c & 1), &s, &m);
-        const u32 mine = f16x2_sat(d * s, -(dm * m));
+    static __device__ __forceinline__ void slabs(const Unit& a, int u, u32* W) {
+        const int p = u & 3;
+        const float d = f16_to_f32((u16)(a.h.x & 0xffff)), dm = f16_to_f32((u16)(a.h.x >> 16));
+        u32 S[2], M[2];
 #pragma unroll
-        for (int r = 0; r < 2; r++)
-#pragma unroll
-            for (int x = 0; x < 2; x++) {
-                const u32 w = __shfl_sync(0xffffffffu, mine, (lane & ~3) | (2 * r + x));
-                S[r][x] = __byte_perm(w, 0, 0x1010);
-                M[r][x] = __byte_perm(w, 0, 0x3232);
-            }
-    }
-
-    // A row's 16 weights of unit u (W[2s], W[2s + 1]: slab s) with its scales S, M
-    // (pair_scales' S[r], M[r]).
-    static __device__ __forceinline__ void slabs(const Unit& a, const u32* S, const u32* M,
-                                                 u32* W) {
+        for (int hi = 0; hi < 2; hi++) {
+            float s, m;
+            q4k_scale_min(a.h, 2 * p + hi, &s, &m);
+            S[hi] = f16x2_sat(d * s, d * s);
+            M[hi] = f16x2_sat(-(dm * m), -(dm * m));
+        }
         const u32 q[2] = {a.q.x, a.q.y};
 #pragma unroll
         for (int i = 0; i < 2; i++) {
@@ -288,36 +289,6 @@ struct MoeK {
         }
     }
 };
-
-// Unit u of rows lo and hi loaded into a[0], a[1] (MoeK: the header only where the lane
-// decodes a scale of that row).
-template <class W>
-__device__ __forceinline__ void moe_load_pair(const u8* lo, const u8* hi, int u, int k, int c,
-                                              typename W::Unit* a) {
-    if constexpr (W::PAIR_SCALES) {
-        W::load(lo, u, c, c < 2, a[0]);
-        W::load(hi, u, c, c >= 2, a[1]);
-    } else {
-        W::load(lo, u, k, c, a[0]);
-        W::load(hi, u, k, c, a[1]);
-    }
-}
-
-// Unit u of a pair of rows (a[0], a[1]) dequantized into their slabs wl, wh (MoeK: with the
-// scales its row pair's lanes share, `pair_scales`).
-template <class W>
-__device__ __forceinline__ void moe_slabs_pair(const typename W::Unit* a, int u, int lane,
-                                               u32* wl, u32* wh) {
-    if constexpr (W::PAIR_SCALES) {
-        u32 S[2][2], M[2][2];
-        W::pair_scales(a[0], a[1], u, lane, S, M);
-        W::slabs(a[0], S[0], M[0], wl);
-        W::slabs(a[1], S[1], M[1], wh);
-    } else {
-        W::slabs(a[0], u, wl);
-        W::slabs(a[1], u, wh);
-    }
-}
 
 // out for tile blockIdx.y's pairs and warp τ's rows of the tile's expert: gated, outputs
 // 8τ .. 8τ + 7 of `rows` (the expert's gate rows then its up rows, 2·rows of them) as
@@ -353,7 +324,10 @@ __device__ void moe_mma_impl(const u8* w, u64 row_bytes, int k, int rows, const 
     typename W::Unit a[D][2];
 #pragma unroll
     for (int j = 0; j < D; j++)
-        if (j < units) moe_load_pair<W>(lo, hi, j, k, c, a[j]);
+        if (j < units) {
+            W::load(lo, j, k, c, a[j][0]);
+            W::load(hi, j, k, c, a[j][1]);
+        }
     float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
     for (int q = 0; q < units; q += D) {
 #pragma unroll
@@ -364,7 +338,8 @@ __device__ void moe_mma_impl(const u8* w, u64 row_bytes, int k, int rows, const 
                 const uint4 b1 = __ldg((const uint4*)(xt + 64 * u + W::piece(c, 1)));
                 const u32 B[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
                 u32 wl[8], wh[8];
-                moe_slabs_pair<W>(a[j], u, lane, wl, wh);
+                W::slabs(a[j][0], u, wl);
+                W::slabs(a[j][1], u, wh);
 #pragma unroll
                 for (int s = 0; s < 4; s++) {
                     const u32 A[4] = {wl[2 * s], wh[2 * s], wl[2 * s + 1], wh[2 * s + 1]};
@@ -373,7 +348,10 @@ __device__ void moe_mma_impl(const u8* w, u64 row_bytes, int k, int rows, const 
                     else
                         mma_f16(acc[s >> 1], A, B[2 * s], B[2 * s + 1]);
                 }
-                if (u + D < units) moe_load_pair<W>(lo, hi, u + D, k, c, a[j]);
+                if (u + D < units) {
+                    W::load(lo, u + D, k, c, a[j][0]);
+                    W::load(hi, u + D, k, c, a[j][1]);
+                }
             }
         }
     }
@@ -400,8 +378,8 @@ __device__ void moe_mma_impl(const u8* w, u64 row_bytes, int k, int rows, const 
 
 // The kernels moe_mma_<format>: blocks of 256 threads (8 warps, each a tile of rows), grid
 // (row blocks, most tiles or pairs).
-#define MOE_MMA_KERNEL(SUFFIX, W)                                                              \
-    extern "C" __global__ void __launch_bounds__(256)                                          \
+#define MOE_MMA_KERNEL(SUFFIX, W, BOUNDS)                                                      \
+    extern "C" __global__ void BOUNDS                                                          \
         moe_mma_##SUFFIX(const u8* w, u64 row_bytes, int k, int rows, const u16* x,           \
                          const int* tiles, const float* ids, int n_experts, u32* err,          \
                          int gated, int out_kind, void* out) {                                 \
@@ -409,28 +387,28 @@ __device__ void moe_mma_impl(const u8* w, u64 row_bytes, int k, int rows, const 
                         out);                                                                  \
     }
 #if FORMAT_bf16
-MOE_MMA_KERNEL(bf16, MoePlain<true>)
+MOE_MMA_KERNEL(bf16, MoePlain<true>, MOE_MMA_FREE)
 #endif
 #if FORMAT_f16
-MOE_MMA_KERNEL(f16, MoePlain<false>)
+MOE_MMA_KERNEL(f16, MoePlain<false>, MOE_MMA_FREE)
 #endif
 #if FORMAT_q4_0
-MOE_MMA_KERNEL(q4_0, MoeLegacy<F_Q4_0>)
+MOE_MMA_KERNEL(q4_0, MoeLegacy<F_Q4_0>, MOE_MMA_FOUR)
 #endif
 #if FORMAT_q5_0
-MOE_MMA_KERNEL(q5_0, MoeLegacy<F_Q5_0>)
+MOE_MMA_KERNEL(q5_0, MoeLegacy<F_Q5_0>, MOE_MMA_FREE)
 #endif
 #if FORMAT_q5_1
-MOE_MMA_KERNEL(q5_1, MoeQ5_1)
+MOE_MMA_KERNEL(q5_1, MoeQ5_1, MOE_MMA_FREE)
 #endif
 #if FORMAT_q8_0
-MOE_MMA_KERNEL(q8_0, MoeQ8_0)
+MOE_MMA_KERNEL(q8_0, MoeQ8_0, MOE_MMA_FOUR)
 #endif
 #if FORMAT_q4_k
-MOE_MMA_KERNEL(q4_k, MoeK<false>)
+MOE_MMA_KERNEL(q4_k, MoeK<false>, MOE_MMA_FREE)
 #endif
 #if FORMAT_q5_k
-MOE_MMA_KERNEL(q5_k, MoeK<true>)
+MOE_MMA_KERNEL(q5_k, MoeK<true>, MOE_MMA_FREE)
 #endif
 
 #endif
