@@ -26,10 +26,12 @@
 #define MOE_MMA_AHEAD 2
 #endif
 // Blocks of 8 warps a multiprocessor the kernels are compiled to fit (`__launch_bounds__`'
-// minimum): 4 for Q8_0 and Q4_0 (64 registers; unbounded they take 68–77, 3 blocks), none for
+// minimum): 4 for Q8_0 and Q4_0 (64 registers or fewer; unbounded they take 68, 3 blocks), none for
 // the others; MOE_MMA_MIN_BLOCKS, if set, for every format. One 26B-A4B layer's experts for 64
 // tokens (cuda_bench --moe, H100, docs/perf.md session 55), µs unbounded → 4 blocks: Q8_0
-// 454 → 432, Q4_0 366 → 338, but Q4_K + Q8_0 down 384 → 401 and Q5_K + Q5_1 330 → 373.
+// 454 → 432, Q4_0 366 → 338, but Q5_K + Q5_1 330 → 373 and Q4_K + Q8_0 384 → 401 (that
+// Q4_K kernel shared its scales over a row pair's lanes, since undone; at 64 registers
+// either Q4_K kernel spills).
 #ifdef MOE_MMA_MIN_BLOCKS
 #define MOE_MMA_FREE __launch_bounds__(256, MOE_MMA_MIN_BLOCKS)
 #define MOE_MMA_FOUR __launch_bounds__(256, MOE_MMA_MIN_BLOCKS)

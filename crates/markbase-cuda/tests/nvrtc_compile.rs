@@ -57,14 +57,6 @@ const VARIANTS: &[(Unit, &str, &str)] = &[
     (
         Unit {
             module: Module::Moe,
-            part: Part::Format("q4_k"),
-        },
-        "MOE_MMA_AHEAD=1 MOE_MMA_MIN_BLOCKS=4",
-        ".minnctapersm 4",
-    ),
-    (
-        Unit {
-            module: Module::Moe,
             part: Part::Format("q5_0"),
         },
         "MOE_STORED_WORDS=0",
