@@ -152,33 +152,35 @@ struct MoeLegacy {
             const uint4 v = __ldg((const uint4*)(grp + 16) + s);
             a.q[0] = v.x, a.q[1] = v.y, a.q[2] = v.z, a.q[3] = v.w;
             if (FIFTH) a.qh = __ldg((const u32*)(grp + 144) + s) >> shift;
-        } else if (MOE_STORED_WORDS) {
-            // Rows of whole units hold an even count of blocks, so (in a 4-byte aligned row) an
-            // even block starts 4-byte aligned and an odd one 2 bytes past: the words from the
-            // one at or before its start, each field funnel-shifted by t bits out of two words.
-            const u8* b = row + (FIFTH ? 22 : 18) * (u64)blk;
-            const u32* v = (const u32*)((u64)b & ~(u64)3);
-            const u32 t = 8 * (u32)((u64)b & 3) + 16;  // 16 aligned, 32 two bytes past
-            constexpr int WORDS = FIFTH ? 6 : 5;
-            u32 word[WORDS];
-#pragma unroll
-            for (int j = 0; j < WORDS; j++) word[j] = __ldg(v + j);
-            shift = 4 * (c & 1);
-            a.d = (word[0] >> (t - 16)) & 0xffffu;
-            if (FIFTH) a.qh = __funnelshift_rc(word[0], word[1], t) >> (16 * (c & 1));
-#pragma unroll
-            for (int i = 0; i < 4; i++)
-                a.q[i] = FIFTH ? __funnelshift_rc(word[1 + i], word[2 + i], t)
-                               : __funnelshift_rc(word[i], word[i + 1], t);
         } else {
             const u8* b = row + (FIFTH ? 22 : 18) * (u64)blk;
-            const u8* qs = b + (FIFTH ? 6 : 2);
             shift = 4 * (c & 1);
-            a.d = ld16(b);
-            if (FIFTH) a.qh = ((u32)ld16(b + 2) | ((u32)ld16(b + 4) << 16)) >> (16 * (c & 1));
+            if (MOE_STORED_WORDS) {
+                // Rows of whole units hold an even count of blocks, so (in a 4-byte aligned
+                // row) an even block starts 4-byte aligned and an odd one 2 bytes past: the
+                // words from the one at or before its start, each field funnel-shifted by t
+                // bits out of two words.
+                const u32* v = (const u32*)((u64)b & ~(u64)3);
+                const u32 t = 8 * (u32)((u64)b & 3) + 16;  // 16 aligned, 32 two bytes past
+                constexpr int WORDS = FIFTH ? 6 : 5;
+                u32 word[WORDS];
 #pragma unroll
-            for (int i = 0; i < 4; i++)
-                a.q[i] = (u32)ld16(qs + 4 * i) | ((u32)ld16(qs + 2 + 4 * i) << 16);
+                for (int j = 0; j < WORDS; j++) word[j] = __ldg(v + j);
+                a.d = (word[0] >> (t - 16)) & 0xffffu;
+                if (FIFTH) a.qh = __funnelshift_rc(word[0], word[1], t) >> (16 * (c & 1));
+#pragma unroll
+                for (int i = 0; i < 4; i++)
+                    a.q[i] = FIFTH ? __funnelshift_rc(word[1 + i], word[2 + i], t)
+                                   : __funnelshift_rc(word[i], word[i + 1], t);
+            } else {
+                const u8* qs = b + (FIFTH ? 6 : 2);
+                a.d = ld16(b);
+                if (FIFTH)
+                    a.qh = ((u32)ld16(b + 2) | ((u32)ld16(b + 4) << 16)) >> (16 * (c & 1));
+#pragma unroll
+                for (int i = 0; i < 4; i++)
+                    a.q[i] = (u32)ld16(qs + 4 * i) | ((u32)ld16(qs + 2 + 4 * i) << 16);
+            }
         }
 #pragma unroll
         for (int i = 0; i < 4; i++) a.q[i] >>= shift;
