@@ -115,13 +115,6 @@ __device__ __forceinline__ float4 mmq_ld4(const float* p) {
     return v;
 }
 
-// Word i (0..7) of a lane's 32 quant bytes of one row.
-__device__ __forceinline__ u32 mmq_word(const uint4* q, int i) {
-    const uint4 v = q[i >> 2];
-    const int j = i & 3;
-    return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w;
-}
-
 // The activations every format's unit reads (256 values a unit): token t's unit in shared
 // memory as the 4 lanes' groups of 64 values (lane c: the unit's chunks 2c and 2c + 1), 128
 // bytes each padded to 144, so a quarter warp's 16-byte loads (2 tokens, 4 groups) hit 32
@@ -176,104 +169,12 @@ __device__ __forceinline__ MmqBlockScales mmq_block_scales(const u32* d) {
     return r;
 }
 
-// Q4_K's and Q5_K's scales of chunks 2c (hi 0) and 2c + 1 (hi 1) of a lane's two rows (their
-// super-blocks' 16-byte headers h) as broadcast f16 pairs: s[row][hi] = S = f16(d · scale),
-// m[row][hi] = −M = −f16(dmin · min), each rounded once (saturating at ±65 504).
-struct MmqKScales {
-    u32 s[2][2], m[2][2];
-};
-
-__device__ __forceinline__ MmqKScales mmq_k_scales(const uint4* h, int c) {
-    MmqKScales r;
-#pragma unroll
-    for (int e = 0; e < 2; e++) {
-        float d = f16_to_f32((u16)(h[e].x & 0xffff)), dm = f16_to_f32((u16)(h[e].x >> 16));
-#pragma unroll
-        for (int hi = 0; hi < 2; hi++) {
-            float s, m;
-            q4k_scale_min(h[e], 2 * c + hi, &s, &m);
-            r.s[e][hi] = f16x2_sat(d * s, d * s);
-            r.m[e][hi] = f16x2_sat(-(dm * m), -(dm * m));
-        }
-    }
-    return r;
-}
-
-// Q4_K (FIFTH false) and Q5_K (true) weights. A unit is a super-block (256 values; Q4_K 144
-// bytes a row, Q5_K 176 as laid out on the device, layout.rs: Q4_K's header and quant bytes,
-// then a word of fifth bits a lane slot). A lane holds for each of its two rows the 16-byte
-// header and quant bytes 32c .. 32c + 31: chunk 2c's 32 weights (low nibbles) and chunk
-// 2c + 1's (high nibbles), so it needs one chunk pair's scales (Q5_K: and the fifth-bit words
-// of lane slots 2c and 2c + 1). Word i of those bytes gives one k16 slab per chunk: its
-// weights 4i, 4i + 1 in the A fragment's first k pair and 4i + 2, 4i + 3 in its second; the B
-// fragment takes the same four activations of token g, contiguous in shared memory.
-//
-// Dequantization, Q4_K: a nibble n becomes the f16 1024 + n (or 1024 + 16n from the high
-// nibble) by one lop3 with 0x6400, then the exact n by a subtraction (or 1/16 · v − 64). Q5_K:
-// the 5-bit bytes (the fifth bits by a shift and a mask, as Q5_0's) become the f16 1024 + q by
-// a byte permutation with 0x64, q by an exact subtraction. Then w = fma(q, S, −M) rounded once
-// to f16, with S = f16(d · scale) and M = f16(dmin · min) (each rounded once, saturating at
-// ±65 504). Tests model exactly this rounding.
+// Q4_K (FIFTH false) and Q5_K (true) weights: a unit is a super-block of the lane's two rows
+// (KQuantRows, mma.cuh), on the staged activations.
 template <bool FIFTH>
-struct MmqK : MmqSlots {
-    // A unit's bytes in a row; units a warp loads ahead.
-    static constexpr int UNIT_BYTES = FIFTH ? 176 : 144,
-                         AHEAD = FIFTH ? MMQ_Q5K_UNITS_AHEAD : MMQ_UNITS_AHEAD;
-
-    struct Unit {
-        uint4 h[2];
-        uint4 q[2][2];
-        uint2 f[2];
-    };
-
-    // The unit of rows `lo` and `hi` (each at the unit's first byte).
-    static __device__ __forceinline__ void load(const u8* lo, const u8* hi, int c, Unit& a) {
-        a.h[0] = __ldg((const uint4*)lo);
-        a.h[1] = __ldg((const uint4*)hi);
-        a.q[0][0] = __ldg((const uint4*)(lo + 16 + 32 * c));
-        a.q[0][1] = __ldg((const uint4*)(lo + 32 + 32 * c));
-        a.q[1][0] = __ldg((const uint4*)(hi + 16 + 32 * c));
-        a.q[1][1] = __ldg((const uint4*)(hi + 32 + 32 * c));
-        if (FIFTH) {
-            a.f[0] = __ldg((const uint2*)(lo + 144 + 8 * c));
-            a.f[1] = __ldg((const uint2*)(hi + 144 + 8 * c));
-        }
-    }
-
-    // The lane's chunk pair's scales (MmqKScales).
-    typedef MmqKScales Scales;
-    static __device__ __forceinline__ Scales scales(const Unit& a, int c) {
-        return mmq_k_scales(a.h, c);
-    }
-
-    // The A fragments of words 2ip and 2ip + 1 of the lane's chunks (MmqSlots::mma's layout).
-    static __device__ __forceinline__ void fragments(const Unit& a, const Scales& sc, int ip,
-                                                     u32 (*A)[2][4]) {
-#pragma unroll
-        for (int wi = 0; wi < 2; wi++) {
-#pragma unroll
-            for (int e = 0; e < 2; e++) {
-                const u32 q = mmq_word(a.q[e], 2 * ip + wi);
-                if constexpr (FIFTH) {
-                    const int i = (2 * ip + wi) & 3;  // word i of lane slot 2c + (ip >> 1)
-                    const u32 f = ip >> 1 ? a.f[e].y : a.f[e].x;
-                    u32 lo, up;
-                    laid_five_bit_bytes(q, f, i, lo, up);
-                    A[wi][0][e] = byte_pair_f16_fma(lo, 0x4140u, sc.s[e][0], sc.m[e][0]);
-                    A[wi][0][2 + e] = byte_pair_f16_fma(lo, 0x4342u, sc.s[e][0], sc.m[e][0]);
-                    A[wi][1][e] = byte_pair_f16_fma(up, 0x4140u, sc.s[e][1], sc.m[e][1]);
-                    A[wi][1][2 + e] = byte_pair_f16_fma(up, 0x4342u, sc.s[e][1], sc.m[e][1]);
-                } else {
-                    u32 l0, l1, h0, h1;
-                    q4_nibbles_f16(q, l0, l1, h0, h1);
-                    A[wi][0][e] = h2_fma(l0, sc.s[e][0], sc.m[e][0]);
-                    A[wi][0][2 + e] = h2_fma(l1, sc.s[e][0], sc.m[e][0]);
-                    A[wi][1][e] = h2_fma(h0, sc.s[e][1], sc.m[e][1]);
-                    A[wi][1][2 + e] = h2_fma(h1, sc.s[e][1], sc.m[e][1]);
-                }
-            }
-        }
-    }
+struct MmqK : MmqSlots, KQuantRows<FIFTH> {
+    // Units a warp loads ahead.
+    static constexpr int AHEAD = FIFTH ? MMQ_Q5K_UNITS_AHEAD : MMQ_UNITS_AHEAD;
 };
 
 // Q8_0 weights as regrouped on the device (layout.rs): a unit is a group of 8 blocks (256

@@ -43,6 +43,20 @@
 #ifndef MOE_STORED_WORDS
 #define MOE_STORED_WORDS 1
 #endif
+// Q4_K and Q5_K experts as super-block units (1: MoeKRows) or 64-value units (0: MoeK).
+#ifndef MOE_K_SUPER
+#define MOE_K_SUPER 1
+#endif
+// Super-block units a warp has loaded ahead of the one it multiplies (MoeKRows).
+#ifndef MOE_K_AHEAD
+#define MOE_K_AHEAD 2
+#endif
+// The Q4_K and Q5_K kernels' bound: MOE_K_MIN_BLOCKS blocks a multiprocessor, if set.
+#ifdef MOE_K_MIN_BLOCKS
+#define MOE_MMA_K __launch_bounds__(256, MOE_K_MIN_BLOCKS)
+#else
+#define MOE_MMA_K MOE_MMA_FREE
+#endif
 
 // bf16 or f16 weights: a lane's 16 values of a unit are its 32 contiguous bytes 32c ...
 template <bool BF16>
@@ -294,19 +308,101 @@ struct MoeK {
     }
 };
 
+// A row pair of a format W of 64-value units (MoePlain, MoeQ8_0, MoeLegacy, MoeQ5_1, MoeK):
+// each row's unit loaded apart; a unit's product takes the lane's two 8-value activation
+// pieces (W::piece) and W's four k16 slabs, into the two sums' chains by slab pair.
+template <class W>
+struct MoeRows {
+    // Values a unit covers; whether the products are bf16 (else f16).
+    static constexpr int K = 64;
+    static constexpr bool IS_BF16 = W::IS_BF16;
+
+    struct Unit {
+        typename W::Unit r[2];
+    };
+
+    // Unit u of rows `lo` and `hi` (each at the row's first byte; `k` values a row).
+    static __device__ __forceinline__ void load(const u8* lo, const u8* hi, int u, int k, int c,
+                                                Unit& a) {
+        W::load(lo, u, k, c, a.r[0]);
+        W::load(hi, u, k, c, a.r[1]);
+    }
+
+    // acc += unit u of the rows times the slot row `xt`'s values there (lane (g, c): token g).
+    static __device__ __forceinline__ void mul(const Unit& a, const u16* xt, int u, int c,
+                                               float (*acc)[4]) {
+        const uint4 b0 = __ldg((const uint4*)(xt + 64 * u + W::piece(c, 0)));
+        const uint4 b1 = __ldg((const uint4*)(xt + 64 * u + W::piece(c, 1)));
+        const u32 B[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
+        u32 wl[8], wh[8];
+        W::slabs(a.r[0], u, wl);
+        W::slabs(a.r[1], u, wh);
+#pragma unroll
+        for (int s = 0; s < 4; s++) {
+            const u32 A[4] = {wl[2 * s], wh[2 * s], wl[2 * s + 1], wh[2 * s + 1]};
+            if constexpr (W::IS_BF16)
+                mma_bf16(acc[s >> 1], A, B[2 * s], B[2 * s + 1]);
+            else
+                mma_f16(acc[s >> 1], A, B[2 * s], B[2 * s + 1]);
+        }
+    }
+};
+
+// A row pair of Q4_K (FIFTH false) or Q5_K (true) experts, a super-block a unit (KQuantRows,
+// mma.cuh): lane c decodes the scales of its one chunk pair of each row a super-block (MoeK's
+// 64-value units decode two a unit, the same for all four lanes) and reads its 64 contiguous
+// activations there, values 64c .. 64c + 63 of token g's slot row.
+template <bool FIFTH>
+struct MoeKRows {
+    // Values a unit covers; the products are f16.
+    static constexpr int K = 256;
+    static constexpr bool IS_BF16 = false;
+    typedef KQuantRows<FIFTH> R;
+    typedef typename R::Unit Unit;
+
+    // Unit u of rows `lo` and `hi` (each at the row's first byte).
+    static __device__ __forceinline__ void load(const u8* lo, const u8* hi, int u, int, int c,
+                                                Unit& a) {
+        const u64 at = (u64)u * R::UNIT_BYTES;
+        R::load(lo + at, hi + at, c, a);
+    }
+
+    // acc[h] += unit u's chunk 2c + h of the rows times the slot row `xt`'s values there.
+    static __device__ __forceinline__ void mul(const Unit& a, const u16* xt, int u, int c,
+                                               float (*acc)[4]) {
+        const uint4* x = (const uint4*)(xt + 256 * u + 64 * c);
+        uint4 b[8];
+#pragma unroll
+        for (int m = 0; m < 8; m++) b[m] = __ldg(x + m);
+        const typename R::Scales sc = R::scales(a, c);
+#pragma unroll
+        for (int ip = 0; ip < 4; ip++) {
+            u32 A[2][2][4];
+            R::fragments(a, sc, ip, A);
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const uint4 v = b[4 * h + ip];
+                mma_f16(acc[h], A[0][h], v.x, v.y);
+                mma_f16(acc[h], A[1][h], v.z, v.w);
+            }
+        }
+    }
+};
+
 // out for tile blockIdx.y's pairs and warp τ's rows of the tile's expert: gated, outputs
 // 8τ .. 8τ + 7 of `rows` (the expert's gate rows then its up rows, 2·rows of them) as
 // rounded_bits(out_kind, gelu_tanh(gate) · up) into the u16 rows [slot][rows]; otherwise rows
 // 16τ .. 16τ + 15 of the expert's `rows` as floats into [slot][rows]. x: the slots' 16-bit
-// activation rows, k values each (k a multiple of 64). Without `tiles` (the per-pair path)
-// tile p is pair p alone, its expert ids[p] (a bad id: outputs of 0).
-template <class W>
+// activation rows, k values each (k a multiple of P::K). Without `tiles` (the per-pair path)
+// tile p is pair p alone, its expert ids[p] (a bad id: outputs of 0). P: a row pair's units
+// (MoeRows, MoeKRows).
+template <class P>
 __device__ void moe_mma_impl(const u8* w, u64 row_bytes, int k, int rows, const u16* x,
                              const int* tiles, const float* ids, int n_experts, u32* err,
                              int gated, int out_kind, void* out) {
-    constexpr int D = MOE_MMA_AHEAD;
+    constexpr int D = P::K == 256 ? MOE_K_AHEAD : MOE_MMA_AHEAD;
     wait_prior_grid();
-    int e, s0, nt, units = k >> 6;
+    int e, s0, nt, units = k / P::K;
     if (tiles) {
         const int* tile = tiles + 3 * blockIdx.y;
         e = tile[0], s0 = tile[1], nt = tile[2];
@@ -325,37 +421,18 @@ __device__ void moe_mma_impl(const u8* w, u64 row_bytes, int k, int rows, const 
     const u8* hi = base + (u64)rh * row_bytes;
     const u16* xt = x + (u64)(s0 + min(g, nt - 1)) * k;
 
-    typename W::Unit a[D][2];
+    typename P::Unit a[D];
 #pragma unroll
     for (int j = 0; j < D; j++)
-        if (j < units) {
-            W::load(lo, j, k, c, a[j][0]);
-            W::load(hi, j, k, c, a[j][1]);
-        }
+        if (j < units) P::load(lo, hi, j, k, c, a[j]);
     float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
     for (int q = 0; q < units; q += D) {
 #pragma unroll
         for (int j = 0; j < D; j++) {
             const int u = q + j;
             if (u < units) {
-                const uint4 b0 = __ldg((const uint4*)(xt + 64 * u + W::piece(c, 0)));
-                const uint4 b1 = __ldg((const uint4*)(xt + 64 * u + W::piece(c, 1)));
-                const u32 B[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
-                u32 wl[8], wh[8];
-                W::slabs(a[j][0], u, wl);
-                W::slabs(a[j][1], u, wh);
-#pragma unroll
-                for (int s = 0; s < 4; s++) {
-                    const u32 A[4] = {wl[2 * s], wh[2 * s], wl[2 * s + 1], wh[2 * s + 1]};
-                    if constexpr (W::IS_BF16)
-                        mma_bf16(acc[s >> 1], A, B[2 * s], B[2 * s + 1]);
-                    else
-                        mma_f16(acc[s >> 1], A, B[2 * s], B[2 * s + 1]);
-                }
-                if (u + D < units) {
-                    W::load(lo, u + D, k, c, a[j][0]);
-                    W::load(hi, u + D, k, c, a[j][1]);
-                }
+                P::mul(a[j], xt, u, c, acc);
+                if (u + D < units) P::load(lo, hi, u + D, k, c, a[j]);
             }
         }
     }
@@ -391,28 +468,33 @@ __device__ void moe_mma_impl(const u8* w, u64 row_bytes, int k, int rows, const 
                         out);                                                                  \
     }
 #if FORMAT_bf16
-MOE_MMA_KERNEL(bf16, MoePlain<true>, MOE_MMA_FREE)
+MOE_MMA_KERNEL(bf16, MoeRows<MoePlain<true>>, MOE_MMA_FREE)
 #endif
 #if FORMAT_f16
-MOE_MMA_KERNEL(f16, MoePlain<false>, MOE_MMA_FREE)
+MOE_MMA_KERNEL(f16, MoeRows<MoePlain<false>>, MOE_MMA_FREE)
 #endif
 #if FORMAT_q4_0
-MOE_MMA_KERNEL(q4_0, MoeLegacy<F_Q4_0>, MOE_MMA_FOUR)
+MOE_MMA_KERNEL(q4_0, MoeRows<MoeLegacy<F_Q4_0>>, MOE_MMA_FOUR)
 #endif
 #if FORMAT_q5_0
-MOE_MMA_KERNEL(q5_0, MoeLegacy<F_Q5_0>, MOE_MMA_FREE)
+MOE_MMA_KERNEL(q5_0, MoeRows<MoeLegacy<F_Q5_0>>, MOE_MMA_FREE)
 #endif
 #if FORMAT_q5_1
-MOE_MMA_KERNEL(q5_1, MoeQ5_1, MOE_MMA_FREE)
+MOE_MMA_KERNEL(q5_1, MoeRows<MoeQ5_1>, MOE_MMA_FREE)
 #endif
 #if FORMAT_q8_0
-MOE_MMA_KERNEL(q8_0, MoeQ8_0, MOE_MMA_FOUR)
+MOE_MMA_KERNEL(q8_0, MoeRows<MoeQ8_0>, MOE_MMA_FOUR)
+#endif
+#if MOE_K_SUPER
+#define MOE_K(FIFTH) MoeKRows<FIFTH>
+#else
+#define MOE_K(FIFTH) MoeRows<MoeK<FIFTH>>
 #endif
 #if FORMAT_q4_k
-MOE_MMA_KERNEL(q4_k, MoeK<false>, MOE_MMA_FREE)
+MOE_MMA_KERNEL(q4_k, MOE_K(false), MOE_MMA_K)
 #endif
 #if FORMAT_q5_k
-MOE_MMA_KERNEL(q5_k, MoeK<true>, MOE_MMA_FREE)
+MOE_MMA_KERNEL(q5_k, MOE_K(true), MOE_MMA_K)
 #endif
 
 #endif

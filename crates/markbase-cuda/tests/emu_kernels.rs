@@ -938,7 +938,7 @@ fn grouped_moe_on_tensor_cores_matches_reference() {
     let Some(shared) = emu_unit(Module::Moe, None) else {
         return;
     };
-    let (n, top_k, n_experts, d, ff) = (5usize, 2usize, 8usize, 256usize, 256usize);
+    let (n, top_k, n_experts) = (5usize, 2usize, 8usize);
     let pairs = n * top_k;
     let most_tiles = (pairs + (MOE_TILE - 1) * n_experts.min(pairs)) / MOE_TILE;
     for (ty, format) in [
@@ -955,11 +955,12 @@ fn grouped_moe_on_tensor_cores_matches_reference() {
             return;
         };
         // Down rows of 192 values (not whole 256-value groups: Q4_0, Q5_0 and Q8_0 as stored)
-        // where the format allows them.
-        let ff = if matches!(ty, GgmlType::Q4_K | GgmlType::Q5_K) {
-            ff
+        // where the format allows them; Q4_K's and Q5_K's rows of 3 and 2 super-blocks, so a
+        // warp walks past the units it loads ahead.
+        let (d, ff) = if matches!(ty, GgmlType::Q4_K | GgmlType::Q5_K) {
+            (768, 512)
         } else {
-            192
+            (256, 192)
         };
         let mut r = rng(&format!("moe {format}"));
         // Each token's top_k distinct experts.
