@@ -8,18 +8,21 @@
 // input; the down launch writes f32 rows for moe_combine. Appended to moe.cu's module; needs
 // mma.cuh.
 //
-// A unit is 64 values of a row. Lane (g, c) holds rows g and g + 8 of its warp's tile (gated:
-// gate row 8τ + g and up row 8τ + g), 16 values of each row per unit, as four k16 slabs of 4
-// values: the permutation of k shared by the A (weights) and B (activations) fragments. The
-// B fragment is the same 4 values of token g (the tile's pair g), two 16-byte loads a unit at
-// the format's offsets. Every run gives the same bits (one warp sums a tile's outputs).
+// A unit is 64 values of a row (MoeRows). Lane (g, c) holds rows g and g + 8 of its warp's
+// tile (gated: gate row 8τ + g and up row 8τ + g), 16 values of each row per unit, as four k16
+// slabs of 4 values: the permutation of k shared by the A (weights) and B (activations)
+// fragments. The B fragment is the same 4 values of token g (the tile's pair g), two 16-byte
+// loads a unit at the format's offsets. Q4_K and Q5_K take a super-block a unit instead
+// (MoeKRows), except in launches of more pairs than a tile an expert. Every run gives the same
+// bits (one warp sums a tile's outputs).
 
 #if (FORMAT_bf16 || FORMAT_f16 || FORMAT_q4_0 || FORMAT_q5_0 || FORMAT_q5_1 || FORMAT_q8_0 || \
      FORMAT_q4_k || FORMAT_q5_k) &&                                                            \
     __CUDA_ARCH__ >= 800
 
-// Units a warp has loaded ahead of the one it multiplies. One 26B-A4B layer's experts for 64
-// tokens routed uniformly (cuda_bench --moe, H200), bf16 / Q8_0 / Q4_K with Q8_0 down, µs:
+// 64-value units (MoeRows) a warp has loaded ahead of the one it multiplies. One 26B-A4B
+// layer's experts for 64 tokens routed uniformly (cuda_bench --moe, H200), bf16 / Q8_0 / Q4_K
+// (then of 64-value units) with Q8_0 down, µs:
 // 2 ahead 398 / 391 / 378, 4 ahead 432 / 541 / 503, 6 ahead 443 / 462 / 417, 8 ahead 761 /
 // 513 / 533 (more registers, fewer warps a multiprocessor).
 #ifndef MOE_MMA_AHEAD
@@ -43,15 +46,14 @@
 #ifndef MOE_STORED_WORDS
 #define MOE_STORED_WORDS 1
 #endif
-// Q4_K and Q5_K experts as super-block units (1: MoeKRows) or 64-value units (0: MoeK).
-#ifndef MOE_K_SUPER
-#define MOE_K_SUPER 1
-#endif
-// Super-block units a warp has loaded ahead of the one it multiplies (MoeKRows).
+// Super-block units a warp has loaded ahead of the one it multiplies (MoeKRows): one 26B-A4B
+// layer's experts for 64 tokens (cuda_bench --moe, H100, docs/perf.md session 56), Q4_K +
+// Q5_0 / Q5_K + Q5_1, µs: 1 ahead 280.0 / 284.7 (93 registers), 2 ahead 282.1 / 288.5 (126).
 #ifndef MOE_K_AHEAD
-#define MOE_K_AHEAD 2
+#define MOE_K_AHEAD 1
 #endif
-// The Q4_K and Q5_K kernels' bound: MOE_K_MIN_BLOCKS blocks a multiprocessor, if set.
+// The Q4_K and Q5_K kernels' bound: MOE_K_MIN_BLOCKS blocks a multiprocessor, if set (3 with
+// one unit ahead: 286.4 / 295.8 µs above).
 #ifdef MOE_K_MIN_BLOCKS
 #define MOE_MMA_K __launch_bounds__(256, MOE_K_MIN_BLOCKS)
 #else
@@ -351,7 +353,12 @@ struct MoeRows {
 // A row pair of Q4_K (FIFTH false) or Q5_K (true) experts, a super-block a unit (KQuantRows,
 // mma.cuh): lane c decodes the scales of its one chunk pair of each row a super-block (MoeK's
 // 64-value units decode two a unit, the same for all four lanes) and reads its 64 contiguous
-// activations there, values 64c .. 64c + 63 of token g's slot row.
+// activations there, values 64c .. 64c + 63 of token g's slot row. 96 SASS instructions a 64
+// values against MoeK's 182, but 93 registers against 77 (2 blocks of 8 warps a multiprocessor,
+// not 3). One 26B-A4B layer's experts (cuda_bench --moe, H100, docs/perf.md session 56), Q4_K
+// + Q5_0 / Q5_K + Q5_1, µs: 64 tokens 315.4 / 334.6 → 280.0 / 284.7; 256 tokens (2–3 tiles
+// an expert) 631.1 / 680.2 → 654.1 / 647.6, where more tiles leave more blocks to keep
+// resident, so moe_mma.rs keeps MoeK there.
 template <bool FIFTH>
 struct MoeKRows {
     // Values a unit covers; the products are f16.
@@ -485,16 +492,15 @@ MOE_MMA_KERNEL(q5_1, MoeRows<MoeQ5_1>, MOE_MMA_FREE)
 #if FORMAT_q8_0
 MOE_MMA_KERNEL(q8_0, MoeRows<MoeQ8_0>, MOE_MMA_FOUR)
 #endif
-#if MOE_K_SUPER
-#define MOE_K(FIFTH) MoeKRows<FIFTH>
-#else
-#define MOE_K(FIFTH) MoeRows<MoeK<FIFTH>>
-#endif
+// Q4_K and Q5_K: super-block units (moe_mma_<format>), and 64-value units
+// (moe_mma_<format>_64) for launches of more pairs than a tile an expert (moe_mma.rs).
 #if FORMAT_q4_k
-MOE_MMA_KERNEL(q4_k, MOE_K(false), MOE_MMA_K)
+MOE_MMA_KERNEL(q4_k, MoeKRows<false>, MOE_MMA_K)
+MOE_MMA_KERNEL(q4_k_64, MoeRows<MoeK<false>>, MOE_MMA_FREE)
 #endif
 #if FORMAT_q5_k
-MOE_MMA_KERNEL(q5_k, MOE_K(true), MOE_MMA_K)
+MOE_MMA_KERNEL(q5_k, MoeKRows<true>, MOE_MMA_K)
+MOE_MMA_KERNEL(q5_k_64, MoeRows<MoeK<true>>, MOE_MMA_FREE)
 #endif
 
 #endif

@@ -66,6 +66,14 @@ pub fn moe_groups_pairs(
     n >= from && n_experts <= MAX_EXPERTS && dim.is_multiple_of(8) && width.is_multiple_of(8)
 }
 
+/// Whether a launch of `pairs` pairs over `n_experts` experts holds more than a tile's pairs
+/// an expert on average, where the Q4_K and Q5_K experts take their 64-value-unit kernels:
+/// 26B-A4B Q4_K_M (H100, docs/perf.md session 56) at 128 sequences (a tile an expert) ran
+/// 7 393.62 → 7 638.89 t/s on the super-block kernels, but at 256 9 832.92 → 9 518.31.
+fn crowded(pairs: usize, n_experts: usize) -> bool {
+    pairs > MOE_TILE * n_experts
+}
+
 /// Most tiles (up to `MOE_TILE` pairs of one expert) `pairs` pairs over `n_experts` experts
 /// can need: Σ ⌈c_e / T⌉ ≤ (pairs + (T − 1)·m) / T for m ≤ min(experts, pairs) experts with
 /// pairs. The grouped kernels' grids are this tall (blocks past the last tile exit).
@@ -172,6 +180,7 @@ impl CudaBackend {
             let grouped = || MoeTiles::Grouped {
                 tiles,
                 most: most_tiles,
+                crowded: crowded(pairs, n_experts),
             };
             self.moe_mma(gate_up, f, rows, grouped(), gated, h)?;
             self.moe_mma(down, d, h, grouped(), MoeOutput::Plain, rows)?;
@@ -322,6 +331,13 @@ impl CudaBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn launches_crowd_their_experts_past_a_tile_an_expert() {
+        // 26B-A4B (top 8 of 128 experts): 128 tokens a tile an expert, 129 more.
+        assert!(!crowded(128 * 8, 128) && crowded(129 * 8, 128));
+        assert!(crowded(26, 3) && !crowded(24, 8));
+    }
 
     #[test]
     fn moe_most_tiles_is_the_most_any_split_of_the_pairs_needs() {

@@ -52,8 +52,13 @@ pub(crate) fn activation_kind(ty: GgmlType) -> i32 {
 /// Which pairs share an expert product launch's tiles.
 pub(crate) enum MoeTiles {
     /// moe_group's tiles at this device address: up to 8 pairs of one expert each, `most` of
-    /// them at most (the grid's height; blocks past the last tile exit).
-    Grouped { tiles: u64, most: usize },
+    /// them at most (the grid's height; blocks past the last tile exit); `crowded` where the
+    /// launch's pairs outnumber a tile an expert (moe.rs `crowded`).
+    Grouped {
+        tiles: u64,
+        most: usize,
+        crowded: bool,
+    },
     /// One tile a pair, its expert read from the f32 ids at `ids` (a bad id raises the error
     /// word at `err` and gives outputs of 0).
     PerPair {
@@ -90,18 +95,30 @@ impl CudaBackend {
             MoeOutput::Gated(kind) => (1, kind, 8),
             MoeOutput::Plain => (0, 0, 16),
         };
-        let (tiles, height, ids, n_experts, err) = match tiles {
-            MoeTiles::Grouped { tiles, most } => (tiles, most, 0, 0, 0),
+        let (tiles, height, ids, n_experts, err, crowded) = match tiles {
+            MoeTiles::Grouped {
+                tiles,
+                most,
+                crowded,
+            } => (tiles, most, 0, 0, 0, crowded),
             MoeTiles::PerPair {
                 ids,
                 pairs,
                 n_experts,
                 err,
-            } => (0, pairs, ids, n_experts, err),
+            } => (0, pairs, ids, n_experts, err, false),
+        };
+        // Q4_K and Q5_K of crowded launches: 64-value units (moe_mma_<format>_64), whose
+        // fewer registers keep more of the launch's many blocks resident.
+        let variant = match w.ty {
+            GgmlType::Q4_K | GgmlType::Q5_K if crowded => 64,
+            _ => 0,
         };
         let blocks = rows.div_ceil(per_warp).div_ceil(BLOCK_WARPS);
         self.launch_fn(
-            &self.kernels.func_for(Module::Moe, "moe_mma", w.ty, 0)?,
+            &self
+                .kernels
+                .func_for(Module::Moe, "moe_mma", w.ty, variant)?,
             Grid::new(
                 (int("row blocks", blocks)? as u32, height as u32),
                 32 * BLOCK_WARPS as u32,

@@ -1043,77 +1043,79 @@ fn grouped_moe_on_tensor_cores_matches_reference() {
         // Gate and up ([expert][gate rows, then up rows][d]), then down ([expert][d][ff]).
         let gate_up = random_matrix(&mut r, ty, n_experts * 2 * ff, d);
         let down = random_matrix(&mut r, ty, n_experts * d, ff);
-        let mma: MoeMma = unsafe { unit.kernel(&format!("moe_mma_{format}")) }.unwrap();
-        let launch = |m: &HostMatrix, rows: usize, x: &[u16], gated: bool, out: usize| {
-            let laid = laid_out(m);
-            let row_bytes = laid.len() / m.rows;
-            let (wp, xp, tp) = (
-                laid.as_ptr() as usize,
-                x.as_ptr() as usize,
-                tiles.as_ptr() as usize,
-            );
-            let (mut err, per) = (0u32, if gated { 8 } else { 16 });
-            let ep = &mut err as *mut u32 as usize;
-            let (k, n_rows, g) = (m.cols as i32, rows as i32, i32::from(gated));
-            // SAFETY: MoeMma is the signature of moe_mma_<format>; every buffer outlives the
-            // launch and has the size the kernel indexes.
-            let body = || unsafe {
-                let ids = std::ptr::null();
-                mma(
-                    wp as _,
-                    row_bytes as u64,
-                    k,
-                    n_rows,
-                    xp as _,
-                    tp as _,
-                    ids,
-                    8,
-                    ep as _,
-                    g,
-                    kind,
-                    out as _,
-                )
-            };
-            let blocks = rows.div_ceil(per).div_ceil(8) as u32;
-            unit.launch([blocks, most_tiles as u32, 1], [256, 1, 1], 0, &body)
-                .unwrap_or_else(|e| panic!("moe_mma_{format}: {e}"));
-            assert_eq!(err, 0, "moe_mma_{format} flagged an error");
-        };
-        let mut h = vec![0xffffu16; pairs * ff];
-        launch(&gate_up, ff, &xh, true, h.as_mut_ptr() as usize);
-        let mut y = vec![f32::NAN; pairs * d];
-        launch(&down, d, &h, false, y.as_mut_ptr() as usize);
-
-        let seen = |m: &HostMatrix| -> Vec<f32> {
-            let w = match m.ty {
-                GgmlType::BF16 | GgmlType::F16 => m.clone(),
-                GgmlType::Q4_K | GgmlType::Q5_K => k_quant_as_f16_fma(m),
-                _ => dequantized_as_f16(m),
-            };
-            reference::dequantize_matrix(&w).unwrap()
-        };
-        let (wgu, wd) = (seen(&gate_up), seen(&down));
-        let (mut want_h, mut want_y) = (Vec::new(), Vec::new());
-        for (s, &p) in order.iter().enumerate() {
-            let e = ids[p as usize] as usize;
-            let xrow = &xs[s * d..][..d];
-            let g = products(&wgu[e * 2 * ff * d..][..ff * d], xrow, ff, d, 1);
-            let u = products(&wgu[(e * 2 + 1) * ff * d..][..ff * d], xrow, ff, d, 1);
-            // Rounded to f16 (saturating, as to_f16) or bf16.
-            let gated = g.iter().zip(&u).map(|(&g, &u)| (gelu_tanh(g) * u) as f32);
-            want_h.extend(round_16(ty, &gated.collect::<Vec<_>>()));
-            let hrow = from_16(&h[s * ff..][..ff], bf16);
-            let yr = products(&wd[e * d * ff..][..d * ff], &hrow, d, ff, 1);
-            want_y.extend(yr.into_iter().map(|v| v as f32));
+        // Q4_K and Q5_K: the super-block kernel and the 64-value one (crowded launches).
+        let mut names = vec![format!("moe_mma_{format}")];
+        if matches!(ty, GgmlType::Q4_K | GgmlType::Q5_K) {
+            names.push(format!("moe_mma_{format}_64"));
         }
-        let tol = if bf16 { 1e-2 } else { 2e-3 };
-        assert_close(
-            &format!("moe_mma_{format} gated"),
-            &from_16(&h, bf16),
-            &want_h,
-            tol,
-        );
-        assert_close(&format!("moe_mma_{format} down"), &y, &want_y, 1e-4);
+        for name in names {
+            let mma: MoeMma = unsafe { unit.kernel(&name) }.unwrap();
+            let launch = |m: &HostMatrix, rows: usize, x: &[u16], gated: bool, out: usize| {
+                let laid = laid_out(m);
+                let row_bytes = laid.len() / m.rows;
+                let (wp, xp, tp) = (
+                    laid.as_ptr() as usize,
+                    x.as_ptr() as usize,
+                    tiles.as_ptr() as usize,
+                );
+                let (mut err, per) = (0u32, if gated { 8 } else { 16 });
+                let ep = &mut err as *mut u32 as usize;
+                let (k, n_rows, g) = (m.cols as i32, rows as i32, i32::from(gated));
+                // SAFETY: MoeMma is the signature of moe_mma_<format>; every buffer outlives the
+                // launch and has the size the kernel indexes.
+                let body = || unsafe {
+                    let ids = std::ptr::null();
+                    mma(
+                        wp as _,
+                        row_bytes as u64,
+                        k,
+                        n_rows,
+                        xp as _,
+                        tp as _,
+                        ids,
+                        8,
+                        ep as _,
+                        g,
+                        kind,
+                        out as _,
+                    )
+                };
+                let blocks = rows.div_ceil(per).div_ceil(8) as u32;
+                unit.launch([blocks, most_tiles as u32, 1], [256, 1, 1], 0, &body)
+                    .unwrap_or_else(|e| panic!("{name}: {e}"));
+                assert_eq!(err, 0, "{name} flagged an error");
+            };
+            let mut h = vec![0xffffu16; pairs * ff];
+            launch(&gate_up, ff, &xh, true, h.as_mut_ptr() as usize);
+            let mut y = vec![f32::NAN; pairs * d];
+            launch(&down, d, &h, false, y.as_mut_ptr() as usize);
+
+            let seen = |m: &HostMatrix| -> Vec<f32> {
+                let w = match m.ty {
+                    GgmlType::BF16 | GgmlType::F16 => m.clone(),
+                    GgmlType::Q4_K | GgmlType::Q5_K => k_quant_as_f16_fma(m),
+                    _ => dequantized_as_f16(m),
+                };
+                reference::dequantize_matrix(&w).unwrap()
+            };
+            let (wgu, wd) = (seen(&gate_up), seen(&down));
+            let (mut want_h, mut want_y) = (Vec::new(), Vec::new());
+            for (s, &p) in order.iter().enumerate() {
+                let e = ids[p as usize] as usize;
+                let xrow = &xs[s * d..][..d];
+                let g = products(&wgu[e * 2 * ff * d..][..ff * d], xrow, ff, d, 1);
+                let u = products(&wgu[(e * 2 + 1) * ff * d..][..ff * d], xrow, ff, d, 1);
+                // Rounded to f16 (saturating, as to_f16) or bf16.
+                let gated = g.iter().zip(&u).map(|(&g, &u)| (gelu_tanh(g) * u) as f32);
+                want_h.extend(round_16(ty, &gated.collect::<Vec<_>>()));
+                let hrow = from_16(&h[s * ff..][..ff], bf16);
+                let yr = products(&wd[e * d * ff..][..d * ff], &hrow, d, ff, 1);
+                want_y.extend(yr.into_iter().map(|v| v as f32));
+            }
+            let tol = if bf16 { 1e-2 } else { 2e-3 };
+            assert_close(&format!("{name} gated"), &from_16(&h, bf16), &want_h, tol);
+            assert_close(&format!("{name} down"), &y, &want_y, 1e-4);
+        }
     }
 }
 

@@ -64,22 +64,6 @@ const VARIANTS: &[(Unit, &str, &str)] = &[
     ),
     (
         Unit {
-            module: Module::Moe,
-            part: Part::Format("q4_k"),
-        },
-        "MOE_K_SUPER=0",
-        "",
-    ),
-    (
-        Unit {
-            module: Module::Moe,
-            part: Part::Format("q5_k"),
-        },
-        "MOE_K_AHEAD=1",
-        "",
-    ),
-    (
-        Unit {
             module: Module::Gemv,
             part: Part::Format("bf16"),
         },

@@ -250,10 +250,15 @@ fn moe_ffn_matches_reference_for_every_format() {
             // (tokens, experts, top_k, an expert no token chooses): 3 tokens take the per-pair
             // path; 13 tokens over 3 experts of which one is left out, the grouped path with
             // two experts of 13 pairs each (a full tile of 8 and one of 5) and one of none; 16
-            // tokens, 3 of 5 experts each, tiles of uneven sizes.
-            for (n, n_experts, top_k, leave_out) in
-                [(3, 4, 2, false), (13, 3, 2, true), (16, 5, 3, false)]
-            {
+            // tokens, 3 of 5 experts each, tiles of uneven sizes. Both crowd their experts
+            // (Q4_K and Q5_K: the 64-value kernels); 12 tokens, 2 of 8 experts each, do not
+            // (the super-block kernels).
+            for (n, n_experts, top_k, leave_out) in [
+                (3, 4, 2, false),
+                (13, 3, 2, true),
+                (16, 5, 3, false),
+                (12, 8, 2, false),
+            ] {
                 let on_tensor_cores =
                     g.device().capability().0 >= 8 && moe_on_tensor_cores(ty, ty, d, f);
                 let grouped = moe_groups_pairs(n, n_experts, ty, (d, f), on_tensor_cores);
