@@ -198,10 +198,12 @@ fn quantized_activations_are_within_half_a_step() {
                 assert_eq!(qb.iter().map(|q| q.abs()).max(), Some(32767), "seed {seed}");
             }
             for (q, v) in qb.iter().zip(xb) {
-                // Half a step, plus the f32 rounding of v · (32767 / amax): up to 32767 ulps of
-                // 2^-24 relative, i.e. 0.002 of a step.
+                // Half a step, plus three f32 roundings of up to 2^-24 relative at a level of up
+                // to 32767 (0.002 of a step each): 32767 / amax and v times it in the
+                // quantizer, and d = amax / 32767 here (seed 1796580815596652131 gave 0.5024 of a
+                // step, 300 random seeds at most 0.5031).
                 let err = (r.d[b] as f64 * *q as f64 - *v as f64).abs();
-                assert!(err <= 0.502 * r.d[b] as f64, "seed {seed}: {v} → {q}");
+                assert!(err <= 0.506 * r.d[b] as f64, "seed {seed}: {v} → {q}");
             }
             let sum = |s: &[i16]| s.iter().map(|&q| q as i32).sum::<i32>();
             assert_eq!(r.s32[b], r.d[b] * sum(&qb) as f32);
