@@ -1043,6 +1043,26 @@ fn grouped_moe_on_tensor_cores_matches_reference() {
         // Gate and up ([expert][gate rows, then up rows][d]), then down ([expert][d][ff]).
         let gate_up = random_matrix(&mut r, ty, n_experts * 2 * ff, d);
         let down = random_matrix(&mut r, ty, n_experts * d, ff);
+        // The weights as the kernels dequantize them, and the gated outputs they must give.
+        let seen = |m: &HostMatrix| -> Vec<f32> {
+            let w = match m.ty {
+                GgmlType::BF16 | GgmlType::F16 => m.clone(),
+                GgmlType::Q4_K | GgmlType::Q5_K => k_quant_as_f16_fma(m),
+                _ => dequantized_as_f16(m),
+            };
+            reference::dequantize_matrix(&w).unwrap()
+        };
+        let (wgu, wd) = (seen(&gate_up), seen(&down));
+        let mut want_h = Vec::new();
+        for (s, &p) in order.iter().enumerate() {
+            let e = ids[p as usize] as usize;
+            let xrow = &xs[s * d..][..d];
+            let g = products(&wgu[e * 2 * ff * d..][..ff * d], xrow, ff, d, 1);
+            let u = products(&wgu[(e * 2 + 1) * ff * d..][..ff * d], xrow, ff, d, 1);
+            // Rounded to f16 (saturating, as to_f16) or bf16.
+            let gated = g.iter().zip(&u).map(|(&g, &u)| (gelu_tanh(g) * u) as f32);
+            want_h.extend(round_16(ty, &gated.collect::<Vec<_>>()));
+        }
         // Q4_K and Q5_K: the super-block kernel and the 64-value one (crowded launches).
         let mut names = vec![format!("moe_mma_{format}")];
         if matches!(ty, GgmlType::Q4_K | GgmlType::Q5_K) {
@@ -1090,24 +1110,10 @@ fn grouped_moe_on_tensor_cores_matches_reference() {
             let mut y = vec![f32::NAN; pairs * d];
             launch(&down, d, &h, false, y.as_mut_ptr() as usize);
 
-            let seen = |m: &HostMatrix| -> Vec<f32> {
-                let w = match m.ty {
-                    GgmlType::BF16 | GgmlType::F16 => m.clone(),
-                    GgmlType::Q4_K | GgmlType::Q5_K => k_quant_as_f16_fma(m),
-                    _ => dequantized_as_f16(m),
-                };
-                reference::dequantize_matrix(&w).unwrap()
-            };
-            let (wgu, wd) = (seen(&gate_up), seen(&down));
-            let (mut want_h, mut want_y) = (Vec::new(), Vec::new());
+            // The down products of the gated launch's own outputs.
+            let mut want_y = Vec::new();
             for (s, &p) in order.iter().enumerate() {
                 let e = ids[p as usize] as usize;
-                let xrow = &xs[s * d..][..d];
-                let g = products(&wgu[e * 2 * ff * d..][..ff * d], xrow, ff, d, 1);
-                let u = products(&wgu[(e * 2 + 1) * ff * d..][..ff * d], xrow, ff, d, 1);
-                // Rounded to f16 (saturating, as to_f16) or bf16.
-                let gated = g.iter().zip(&u).map(|(&g, &u)| (gelu_tanh(g) * u) as f32);
-                want_h.extend(round_16(ty, &gated.collect::<Vec<_>>()));
                 let hrow = from_16(&h[s * ff..][..ff], bf16);
                 let yr = products(&wd[e * d * ff..][..d * ff], &hrow, d, ff, 1);
                 want_y.extend(yr.into_iter().map(|v| v as f32));
