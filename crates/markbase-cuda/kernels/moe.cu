@@ -154,7 +154,8 @@ FOR_EACH_FORMAT(MOE_KERNELS)
 
 // ---- Grouped path. The pairs (pair p = t·top_k + j: token t's j-th expert) are sorted by
 // expert into "slots" — expert 0's pairs first, each expert's in pair order, so every result
-// is the same run to run — and an expert's slots cut into tiles of up to MOE_TILE pairs. A
+// is the same run to run — and an expert's slots cut into tiles of up to `tile` pairs
+// (MOE_TILE for the kernels below; 8 or 16 for moe_mma.cu's). A
 // block of the product kernels takes one tile: grids are (row blocks, most tiles), fixed by
 // (pairs, experts); blocks past the last tile exit. Index arrays (ints) written by moe_group:
 //   order[pairs]      the pair in each slot (−1 past the valid pairs),
@@ -172,8 +173,9 @@ FOR_EACH_FORMAT(MOE_KERNELS)
 // thread per expert turns the counts into each warp's first slot for that expert and writes
 // the expert's tiles; the warps then walk their ranges again and place each pair at its
 // warp's next slot for its expert, in pair order.
-extern "C" __global__ void moe_group(const float* ids, int pairs, int n_experts, int most_tiles,
-                                     int* order, int* slot_of, int* tiles, u32* err) {
+extern "C" __global__ void moe_group(const float* ids, int pairs, int n_experts, int tile,
+                                     int most_tiles, int* order, int* slot_of, int* tiles,
+                                     u32* err) {
     __shared__ int next[MOE_GROUP_WARPS][MOE_MAX_EXPERTS];  // per warp: count, then next slot
     __shared__ int red[32];
     wait_prior_grid();
@@ -199,16 +201,16 @@ extern "C" __global__ void moe_group(const float* ids, int pairs, int n_experts,
         }
     }
     int used_tiles, valid;
-    int ntiles = (count + MOE_TILE - 1) / MOE_TILE;
+    int ntiles = (count + tile - 1) / tile;
     int first_tile = block_exclusive_scan(ntiles, red, &used_tiles);
     int first_slot = block_exclusive_scan(count, red, &valid);
     if (ex < n_experts) {
         for (int v = 0; v < MOE_GROUP_WARPS; v++) next[v][ex] += first_slot;
         for (int i = 0; i < ntiles; i++) {
-            int* tile = tiles + 3 * (first_tile + i);
-            tile[0] = ex;
-            tile[1] = first_slot + MOE_TILE * i;
-            tile[2] = min(MOE_TILE, count - MOE_TILE * i);
+            int* t = tiles + 3 * (first_tile + i);
+            t[0] = ex;
+            t[1] = first_slot + tile * i;
+            t[2] = min(tile, count - tile * i);
         }
     }
     for (int i = used_tiles + threadIdx.x; i < most_tiles; i += blockDim.x) tiles[3 * i + 2] = 0;

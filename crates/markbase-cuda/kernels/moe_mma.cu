@@ -20,6 +20,20 @@
      FORMAT_q4_k || FORMAT_q5_k) &&                                                            \
     __CUDA_ARCH__ >= 800
 
+// The kernels of tiles of 16 pairs (moe_mma_<format>_16): their bound, MOE_WIDE_MIN_BLOCKS
+// blocks of 8 warps a multiprocessor if set; and the Q4_K / Q5_K unit there, 64-value units
+// (MoeK64Rows) or super-blocks (MoeKRows). One 26B-A4B layer's experts at 256 tokens
+// (cuda_bench --moe, H100, docs/perf.md session 57), µs, Q4_K + Q5_0 / Q5_K + Q5_1 / Q4_K +
+// Q8_0: 64-value units 562.4 / 577.8 / 550.7, super-blocks 637.4 / 607.6 / 629.1.
+#ifdef MOE_WIDE_MIN_BLOCKS
+#define MOE_MMA_WIDE __launch_bounds__(256, MOE_WIDE_MIN_BLOCKS)
+#else
+#define MOE_MMA_WIDE __launch_bounds__(256)
+#endif
+#ifndef MOE_WIDE_K_ROWS
+#define MOE_WIDE_K_ROWS MoeK64Rows
+#endif
+
 // 64-value units (MoeRows) a warp has loaded ahead of the one it multiplies. One 26B-A4B
 // layer's experts for 64 tokens routed uniformly (cuda_bench --moe, H200), bf16 / Q8_0 / Q4_K
 // (then of 64-value units) with Q8_0 down, µs:
@@ -330,22 +344,32 @@ struct MoeRows {
         W::load(hi, u, k, c, a.r[1]);
     }
 
-    // acc += unit u of the rows times the slot row `xt`'s values there (lane (g, c): token g).
-    static __device__ __forceinline__ void mul(const Unit& a, const u16* xt, int u, int c,
-                                               float (*acc)[4]) {
-        const uint4 b0 = __ldg((const uint4*)(xt + 64 * u + W::piece(c, 0)));
-        const uint4 b1 = __ldg((const uint4*)(xt + 64 * u + W::piece(c, 1)));
-        const u32 B[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
+    // acc[j] += unit u of the rows times n-tile j's slot row `xt[j]`'s values there (lane
+    // (g, c): the n-tile's token g), the weights dequantized once for the NT n-tiles.
+    template <int NT>
+    static __device__ __forceinline__ void mul(const Unit& a, const u16* const* xt, int u, int c,
+                                               float (*acc)[2][4]) {
+        u32 B[NT][8];
+#pragma unroll
+        for (int j = 0; j < NT; j++) {
+            const uint4 b0 = __ldg((const uint4*)(xt[j] + 64 * u + W::piece(c, 0)));
+            const uint4 b1 = __ldg((const uint4*)(xt[j] + 64 * u + W::piece(c, 1)));
+            B[j][0] = b0.x, B[j][1] = b0.y, B[j][2] = b0.z, B[j][3] = b0.w;
+            B[j][4] = b1.x, B[j][5] = b1.y, B[j][6] = b1.z, B[j][7] = b1.w;
+        }
         u32 wl[8], wh[8];
         W::slabs(a.r[0], u, wl);
         W::slabs(a.r[1], u, wh);
 #pragma unroll
         for (int s = 0; s < 4; s++) {
             const u32 A[4] = {wl[2 * s], wh[2 * s], wl[2 * s + 1], wh[2 * s + 1]};
-            if constexpr (W::IS_BF16)
-                mma_bf16(acc[s >> 1], A, B[2 * s], B[2 * s + 1]);
-            else
-                mma_f16(acc[s >> 1], A, B[2 * s], B[2 * s + 1]);
+#pragma unroll
+            for (int j = 0; j < NT; j++) {
+                if constexpr (W::IS_BF16)
+                    mma_bf16(acc[j][s >> 1], A, B[j][2 * s], B[j][2 * s + 1]);
+                else
+                    mma_f16(acc[j][s >> 1], A, B[j][2 * s], B[j][2 * s + 1]);
+            }
         }
     }
 };
@@ -374,23 +398,48 @@ struct MoeKRows {
         R::load(lo + at, hi + at, c, a);
     }
 
-    // acc[h] += unit u's chunk 2c + h of the rows times the slot row `xt`'s values there.
-    static __device__ __forceinline__ void mul(const Unit& a, const u16* xt, int u, int c,
-                                               float (*acc)[4]) {
-        const uint4* x = (const uint4*)(xt + 256 * u + 64 * c);
-        uint4 b[8];
+    // acc[j][h] += unit u's chunk 2c + h of the rows times n-tile j's slot row `xt[j]`'s
+    // values there. One n-tile loads its 8 activation pieces first; two load a piece pair a
+    // fragment step (fewer registers), the fragments built once for both.
+    template <int NT>
+    static __device__ __forceinline__ void mul(const Unit& a, const u16* const* xt, int u, int c,
+                                               float (*acc)[2][4]) {
+        if constexpr (NT == 1) {
+            const uint4* x = (const uint4*)(xt[0] + 256 * u + 64 * c);
+            uint4 b[8];
 #pragma unroll
-        for (int m = 0; m < 8; m++) b[m] = __ldg(x + m);
-        const typename R::Scales sc = R::scales(a, c);
+            for (int m = 0; m < 8; m++) b[m] = __ldg(x + m);
+            const typename R::Scales sc = R::scales(a, c);
 #pragma unroll
-        for (int ip = 0; ip < 4; ip++) {
-            u32 A[2][2][4];
-            R::fragments(a, sc, ip, A);
+            for (int ip = 0; ip < 4; ip++) {
+                u32 A[2][2][4];
+                R::fragments(a, sc, ip, A);
 #pragma unroll
-            for (int h = 0; h < 2; h++) {
-                const uint4 v = b[4 * h + ip];
-                mma_f16(acc[h], A[0][h], v.x, v.y);
-                mma_f16(acc[h], A[1][h], v.z, v.w);
+                for (int h = 0; h < 2; h++) {
+                    const uint4 v = b[4 * h + ip];
+                    mma_f16(acc[0][h], A[0][h], v.x, v.y);
+                    mma_f16(acc[0][h], A[1][h], v.z, v.w);
+                }
+            }
+        } else {
+            const typename R::Scales sc = R::scales(a, c);
+#pragma unroll
+            for (int ip = 0; ip < 4; ip++) {
+                uint4 b[NT][2];
+#pragma unroll
+                for (int j = 0; j < NT; j++)
+#pragma unroll
+                    for (int h = 0; h < 2; h++)
+                        b[j][h] = __ldg((const uint4*)(xt[j] + 256 * u + 64 * c) + 4 * h + ip);
+                u32 A[2][2][4];
+                R::fragments(a, sc, ip, A);
+#pragma unroll
+                for (int j = 0; j < NT; j++)
+#pragma unroll
+                    for (int h = 0; h < 2; h++) {
+                        mma_f16(acc[j][h], A[0][h], b[j][h].x, b[j][h].y);
+                        mma_f16(acc[j][h], A[1][h], b[j][h].z, b[j][h].w);
+                    }
             }
         }
     }
@@ -402,8 +451,8 @@ struct MoeKRows {
 // 16τ .. 16τ + 15 of the expert's `rows` as floats into [slot][rows]. x: the slots' 16-bit
 // activation rows, k values each (k a multiple of P::K). Without `tiles` (the per-pair path)
 // tile p is pair p alone, its expert ids[p] (a bad id: outputs of 0). P: a row pair's units
-// (MoeRows, MoeKRows).
-template <class P>
+// (MoeRows, MoeKRows). NT: n-tiles of 8 pairs a tile (1, or 2 for moe_group's tiles of 16).
+template <class P, int NT>
 __device__ void moe_mma_impl(const u8* w, u64 row_bytes, int k, int rows, const u16* x,
                              const int* tiles, const float* ids, int n_experts, u32* err,
                              int gated, int out_kind, void* out) {
@@ -426,81 +475,98 @@ __device__ void moe_mma_impl(const u8* w, u64 row_bytes, int k, int rows, const 
     const int rl = min(per * tau + g, rows - 1), rh = gated ? rows + rl : min(rl + 8, rows - 1);
     const u8* lo = base + (u64)rl * row_bytes;
     const u8* hi = base + (u64)rh * row_bytes;
-    const u16* xt = x + (u64)(s0 + min(g, nt - 1)) * k;
+    const u16* xt[NT];
+#pragma unroll
+    for (int j = 0; j < NT; j++) xt[j] = x + (u64)(s0 + min(8 * j + g, nt - 1)) * k;
 
     typename P::Unit a[D];
 #pragma unroll
     for (int j = 0; j < D; j++)
         if (j < units) P::load(lo, hi, j, k, c, a[j]);
-    float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    float acc[NT][2][4];
+#pragma unroll
+    for (int j = 0; j < NT; j++)
+#pragma unroll
+        for (int v = 0; v < 4; v++) acc[j][0][v] = acc[j][1][v] = 0.f;
     for (int q = 0; q < units; q += D) {
 #pragma unroll
         for (int j = 0; j < D; j++) {
             const int u = q + j;
             if (u < units) {
-                P::mul(a[j], xt, u, c, acc);
+                P::template mul<NT>(a[j], xt, u, c, acc);
                 if (u + D < units) P::load(lo, hi, u + D, k, c, a[j]);
             }
         }
     }
-    // Lane (g, c): acc v = 0, 1 row g and v = 2, 3 row g + 8, of tokens 2c and 2c + 1.
+    // Lane (g, c), n-tile j: acc v = 0, 1 row g and v = 2, 3 row g + 8, of the tile's pairs
+    // 8j + 2c and 8j + 2c + 1.
 #pragma unroll
-    for (int v = 0; v < 4; v++) acc[0][v] += acc[1][v];
-    if (gated) {
-        const int i = 8 * tau + g;
+    for (int j = 0; j < NT; j++) {
 #pragma unroll
-        for (int v = 0; v < 2; v++) {
-            const int t = 2 * c + v;
-            if (i < rows && t < nt)
-                ((u16*)out)[(u64)(s0 + t) * rows + i] =
-                    rounded_bits(out_kind, gelu_tanh(acc[0][v]) * acc[0][v + 2]);
-        }
-    } else {
+        for (int v = 0; v < 4; v++) acc[j][0][v] += acc[j][1][v];
+        if (gated) {
+            const int i = 8 * tau + g;
 #pragma unroll
-        for (int v = 0; v < 4; v++) {
-            const int r = 16 * tau + g + 8 * (v >> 1), t = 2 * c + (v & 1);
-            if (r < rows && t < nt) ((float*)out)[(u64)(s0 + t) * rows + r] = acc[0][v];
+            for (int v = 0; v < 2; v++) {
+                const int t = 8 * j + 2 * c + v;
+                if (i < rows && t < nt)
+                    ((u16*)out)[(u64)(s0 + t) * rows + i] =
+                        rounded_bits(out_kind, gelu_tanh(acc[j][0][v]) * acc[j][0][v + 2]);
+            }
+        } else {
+#pragma unroll
+            for (int v = 0; v < 4; v++) {
+                const int r = 16 * tau + g + 8 * (v >> 1), t = 8 * j + 2 * c + (v & 1);
+                if (r < rows && t < nt) ((float*)out)[(u64)(s0 + t) * rows + r] = acc[j][0][v];
+            }
         }
     }
 }
 
-// The kernels moe_mma_<format>: blocks of 256 threads (8 warps, each a tile of rows), grid
-// (row blocks, most tiles or pairs).
-#define MOE_MMA_KERNEL(SUFFIX, W, BOUNDS)                                                      \
-    extern "C" __global__ void BOUNDS                                                          \
-        moe_mma_##SUFFIX(const u8* w, u64 row_bytes, int k, int rows, const u16* x,           \
-                         const int* tiles, const float* ids, int n_experts, u32* err,          \
-                         int gated, int out_kind, void* out) {                                 \
-        moe_mma_impl<W>(w, row_bytes, k, rows, x, tiles, ids, n_experts, err, gated, out_kind, \
-                        out);                                                                  \
+// The kernels moe_mma_<format> (tiles of up to 8 pairs, or single pairs) and
+// moe_mma_<format>_16 (moe_group's tiles of up to 16 pairs, two n-tiles a warp): blocks of 256
+// threads (8 warps, each a tile of rows), grid (row blocks, most tiles or pairs).
+#define MOE_MMA_KERNEL_NT(NAME, W, NT, BOUNDS)                                                 \
+    extern "C" __global__ void BOUNDS NAME(const u8* w, u64 row_bytes, int k, int rows,        \
+                                           const u16* x, const int* tiles, const float* ids,   \
+                                           int n_experts, u32* err, int gated, int out_kind,   \
+                                           void* out) {                                        \
+        moe_mma_impl<W, NT>(w, row_bytes, k, rows, x, tiles, ids, n_experts, err, gated,       \
+                            out_kind, out);                                                    \
     }
+#define MOE_MMA_KERNEL(SUFFIX, W, BOUNDS) MOE_MMA_KERNEL_NT(moe_mma_##SUFFIX, W, 1, BOUNDS)
+#define MOE_MMA_KERNELS(SUFFIX, W, BOUNDS) \
+    MOE_MMA_KERNEL(SUFFIX, W, BOUNDS)      \
+    MOE_MMA_KERNEL_NT(moe_mma_##SUFFIX##_16, W, 2, MOE_MMA_WIDE)
 #if FORMAT_bf16
-MOE_MMA_KERNEL(bf16, MoeRows<MoePlain<true>>, MOE_MMA_FREE)
+MOE_MMA_KERNELS(bf16, MoeRows<MoePlain<true>>, MOE_MMA_FREE)
 #endif
 #if FORMAT_f16
-MOE_MMA_KERNEL(f16, MoeRows<MoePlain<false>>, MOE_MMA_FREE)
+MOE_MMA_KERNELS(f16, MoeRows<MoePlain<false>>, MOE_MMA_FREE)
 #endif
 #if FORMAT_q4_0
-MOE_MMA_KERNEL(q4_0, MoeRows<MoeLegacy<F_Q4_0>>, MOE_MMA_FOUR)
+MOE_MMA_KERNELS(q4_0, MoeRows<MoeLegacy<F_Q4_0>>, MOE_MMA_FOUR)
 #endif
 #if FORMAT_q5_0
-MOE_MMA_KERNEL(q5_0, MoeRows<MoeLegacy<F_Q5_0>>, MOE_MMA_FREE)
+MOE_MMA_KERNELS(q5_0, MoeRows<MoeLegacy<F_Q5_0>>, MOE_MMA_FREE)
 #endif
 #if FORMAT_q5_1
-MOE_MMA_KERNEL(q5_1, MoeRows<MoeQ5_1>, MOE_MMA_FREE)
+MOE_MMA_KERNELS(q5_1, MoeRows<MoeQ5_1>, MOE_MMA_FREE)
 #endif
 #if FORMAT_q8_0
-MOE_MMA_KERNEL(q8_0, MoeRows<MoeQ8_0>, MOE_MMA_FOUR)
+MOE_MMA_KERNELS(q8_0, MoeRows<MoeQ8_0>, MOE_MMA_FOUR)
 #endif
-// Q4_K and Q5_K: super-block units (moe_mma_<format>), and 64-value units
-// (moe_mma_<format>_64) for launches of more pairs than a tile an expert (moe_mma.rs).
+// Q4_K and Q5_K: super-block units in tiles of 8 pairs (moe_mma_<format>), and in tiles of 16
+// the units MOE_WIDE_K_ROWS says (moe_mma_<format>_16).
+template <bool FIFTH>
+using MoeK64Rows = MoeRows<MoeK<FIFTH>>;
 #if FORMAT_q4_k
 MOE_MMA_KERNEL(q4_k, MoeKRows<false>, MOE_MMA_K)
-MOE_MMA_KERNEL(q4_k_64, MoeRows<MoeK<false>>, MOE_MMA_FREE)
+MOE_MMA_KERNEL_NT(moe_mma_q4_k_16, MOE_WIDE_K_ROWS<false>, 2, MOE_MMA_WIDE)
 #endif
 #if FORMAT_q5_k
 MOE_MMA_KERNEL(q5_k, MoeKRows<true>, MOE_MMA_K)
-MOE_MMA_KERNEL(q5_k_64, MoeRows<MoeK<true>>, MOE_MMA_FREE)
+MOE_MMA_KERNEL_NT(moe_mma_q5_k_16, MOE_WIDE_K_ROWS<true>, 2, MOE_MMA_WIDE)
 #endif
 
 #endif

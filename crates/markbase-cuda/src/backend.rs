@@ -81,6 +81,9 @@ pub struct CudaBackend {
     mmq_tickets: CudaBuffer,
     /// How the tensor-core products' launches of 33–64 token rows are shaped (`mmq`).
     pub(crate) mmq_tuning: MmqTuning,
+    /// Pairs an expert past which MoE launches over quantized experts take tiles of 16 pairs
+    /// (`moe::wide_tiles_from_env`; `None`: never).
+    pub(crate) moe_wide_from: Option<usize>,
     /// Whether quantized matrices get f16 copies for products of many token rows, and their
     /// bytes (f16_copies.rs).
     pub(crate) f16_copies: F16Copies,
@@ -187,6 +190,7 @@ impl CudaBackend {
             err,
             mmq_tickets,
             mmq_tuning: MmqTuning::from_env()?,
+            moe_wide_from: crate::moe::wide_tiles_from_env()?,
             f16_copies: F16Copies::new(),
             err_host: Mutex::new(err_host),
             rope_tables: Mutex::new(HashMap::new()),

@@ -9,7 +9,7 @@ use crate::backend::{blocks, int, CudaBackend};
 use crate::buffer::{CudaBuffer, CudaMatrix};
 use crate::kernels::{Arg, Grid};
 use crate::moe_mma::{activation_kind, MoeOutput, MoeTiles};
-use crate::sources::Module;
+use crate::sources::{define_value, defines_from_env, Module, DEFINES_VAR};
 
 /// Most experts `moe_route` handles (8 per lane), and the grouped `moe_ffn`: `moe_group`
 /// takes a thread per expert, a block of this many threads (`MOE_MAX_EXPERTS` in moe.cu).
@@ -45,6 +45,52 @@ const MOE_MMA_GROUP_FROM: (usize, usize) = (5, 9);
 /// Pairs a grouped MoE block reads an expert's rows for: `MOE_TILE` in moe.cu.
 const MOE_TILE: usize = 8;
 
+/// Pairs a tile of the tensor-core products over quantized experts holds in launches of more
+/// than `WIDE_FROM` pairs an expert: two n-tiles a warp (moe_mma_<format>_16), each weight
+/// dequantized once for up to 16 pairs rather than once for each 8. One 26B-A4B layer's
+/// experts at 256 tokens (`cuda_bench --moe --tokens 256`, H100, docs/perf.md session 57), µs
+/// in tiles of 8 → 16: Q4_K + Q5_0 (Q4_K_M) 633.6 → 562.4, Q5_K + Q5_1 683.3 → 577.8, Q4_K +
+/// Q8_0 681.9 → 550.7, Q8_0 748.4 → 548.3, Q4_0 695.0 → 631.0; bf16 645.5 → 718.1 (no
+/// dequantization to share, twice the activation registers), so 16-bit experts keep tiles of 8.
+const WIDE_TILE: usize = 16;
+
+/// Pairs an expert, on average, past which a launch over quantized experts takes tiles of
+/// `WIDE_TILE` pairs (`wide_tiles_from_env`).
+const WIDE_FROM: usize = 8;
+
+/// `WIDE_FROM`, or what the define `MOE_WIDE_FROM` of `MARKBASE_CUDA_DEFINES` sets (0: never;
+/// 1–16), as `None` for never.
+pub(crate) fn wide_tiles_from_env() -> Result<Option<usize>> {
+    let defines = defines_from_env()?;
+    let Some(v) = define_value(&defines, "MOE_WIDE_FROM") else {
+        return Ok(Some(WIDE_FROM));
+    };
+    match v.parse::<usize>() {
+        Ok(0) => Ok(None),
+        Ok(from @ 1..=16) => Ok(Some(from)),
+        _ => Err(Error::Invalid(format!(
+            "{DEFINES_VAR}: MOE_WIDE_FROM={v} is not a whole number from 0 to 16"
+        ))),
+    }
+}
+
+/// Pairs a tile of one grouped `moe_ffn` launch holds: `WIDE_TILE` where its products run
+/// on the tensor cores over quantized experts (`gate_up`'s format) and its `pairs` are more
+/// than `wide_from` an expert of the `n_experts`; else `MOE_TILE`.
+fn tile_pairs(
+    tensor_cores: bool,
+    gate_up: GgmlType,
+    pairs: usize,
+    n_experts: usize,
+    wide_from: Option<usize>,
+) -> usize {
+    let quantized = !matches!(gate_up, GgmlType::BF16 | GgmlType::F16);
+    match wide_from {
+        Some(from) if tensor_cores && quantized && pairs > from * n_experts => WIDE_TILE,
+        _ => MOE_TILE,
+    }
+}
+
 /// Whether `moe_ffn` of `n` tokens over `n_experts` experts stored as `gate_up`, `dim` wide
 /// with experts `width` wide, groups the pairs by expert (from `MOE_GROUP_FROM` tokens,
 /// `MOE_MMA_GROUP_FROM` where the products run `on_tensor_cores`; rows of a width that is not
@@ -66,19 +112,11 @@ pub fn moe_groups_pairs(
     n >= from && n_experts <= MAX_EXPERTS && dim.is_multiple_of(8) && width.is_multiple_of(8)
 }
 
-/// Whether a launch of `pairs` pairs over `n_experts` experts holds more than a tile's pairs
-/// an expert on average, where the Q4_K and Q5_K experts take their 64-value-unit kernels:
-/// 26B-A4B Q4_K_M (H100, docs/perf.md session 56) at 128 sequences (a tile an expert) ran
-/// 7 393.62 → 7 638.89 t/s on the super-block kernels, but at 256 9 832.92 → 9 518.31.
-fn crowded(pairs: usize, n_experts: usize) -> bool {
-    pairs > MOE_TILE * n_experts
-}
-
-/// Most tiles (up to `MOE_TILE` pairs of one expert) `pairs` pairs over `n_experts` experts
-/// can need: Σ ⌈c_e / T⌉ ≤ (pairs + (T − 1)·m) / T for m ≤ min(experts, pairs) experts with
+/// Most tiles (up to `tile` pairs of one expert) `pairs` pairs over `n_experts` experts can
+/// need: Σ ⌈c_e / T⌉ ≤ (pairs + (T − 1)·m) / T for m ≤ min(experts, pairs) experts with
 /// pairs. The grouped kernels' grids are this tall (blocks past the last tile exit).
-fn moe_most_tiles(pairs: usize, n_experts: usize) -> usize {
-    (pairs + (MOE_TILE - 1) * n_experts.min(pairs)) / MOE_TILE
+fn moe_most_tiles(pairs: usize, n_experts: usize, tile: usize) -> usize {
+    (pairs + (tile - 1) * n_experts.min(pairs)) / tile
 }
 
 /// The inputs of one `moe_ffn` call, checked (its output apart): the tokens' rows `x` (`n` of
@@ -130,7 +168,14 @@ impl CudaBackend {
             ids,
         } = call;
         let (d, f, pairs) = (gate_up.cols, down.cols, n * top_k);
-        let most_tiles = moe_most_tiles(pairs, n_experts);
+        let tile = tile_pairs(
+            tensor_cores,
+            gate_up.ty,
+            pairs,
+            n_experts,
+            self.moe_wide_from,
+        );
+        let most_tiles = moe_most_tiles(pairs, n_experts, tile);
         if most_tiles > MAX_GRID_Y {
             return Err(Error::Invalid(format!(
                 "cuda moe_ffn: {pairs} pairs need a grid of {most_tiles} tiles (at most {MAX_GRID_Y})"
@@ -153,6 +198,7 @@ impl CudaBackend {
                 Arg::U64(ids.ptr),
                 Arg::I32(int("pairs", pairs)?),
                 Arg::I32(n_experts as i32),
+                Arg::I32(tile as i32),
                 Arg::I32(most_tiles as i32),
                 Arg::U64(order),
                 Arg::U64(slot_of),
@@ -180,7 +226,7 @@ impl CudaBackend {
             let grouped = || MoeTiles::Grouped {
                 tiles,
                 most: most_tiles,
-                crowded: crowded(pairs, n_experts),
+                pairs_a_tile: tile,
             };
             self.moe_mma(gate_up, f, rows, grouped(), gated, h)?;
             self.moe_mma(down, d, h, grouped(), MoeOutput::Plain, rows)?;
@@ -333,29 +379,63 @@ mod tests {
     use super::*;
 
     #[test]
-    fn launches_crowd_their_experts_past_a_tile_an_expert() {
-        // 26B-A4B (top 8 of 128 experts): 128 tokens a tile an expert, 129 more.
-        assert!(!crowded(128 * 8, 128) && crowded(129 * 8, 128));
-        assert!(crowded(26, 3) && !crowded(24, 8));
+    fn crowded_launches_over_quantized_experts_take_wide_tiles() {
+        // 26B-A4B (top 8 of 128 experts) at 129 sequences: more than 8 pairs an expert.
+        let (pairs, experts, from) = (129 * 8, 128, Some(WIDE_FROM));
+        assert_eq!(
+            tile_pairs(true, GgmlType::Q4_K, pairs, experts, from),
+            WIDE_TILE
+        );
+        assert_eq!(
+            tile_pairs(true, GgmlType::Q8_0, pairs, experts, from),
+            WIDE_TILE
+        );
+        assert_eq!(
+            tile_pairs(true, GgmlType::Q4_K, 128 * 8, experts, from),
+            MOE_TILE
+        );
+        assert_eq!(
+            tile_pairs(true, GgmlType::Q4_K, 128 * 8, experts, Some(7)),
+            WIDE_TILE
+        );
+        assert_eq!(
+            tile_pairs(true, GgmlType::Q4_K, pairs, experts, None),
+            MOE_TILE
+        );
+        assert_eq!(
+            tile_pairs(false, GgmlType::Q4_K, pairs, experts, from),
+            MOE_TILE
+        );
+        assert_eq!(
+            tile_pairs(true, GgmlType::BF16, pairs, experts, from),
+            MOE_TILE
+        );
+        assert_eq!(
+            tile_pairs(true, GgmlType::F16, pairs, experts, from),
+            MOE_TILE
+        );
     }
 
     #[test]
     fn moe_most_tiles_is_the_most_any_split_of_the_pairs_needs() {
         // most[e][p]: the most tiles p pairs (some perhaps left out: bad ids) over e experts
-        // can take, each expert cutting its pairs into tiles of MOE_TILE.
+        // can take, each expert cutting its pairs into tiles of `tile`.
         let (max_pairs, max_experts) = (40, 6);
-        let mut most = vec![vec![0usize; max_pairs + 1]; max_experts + 1];
-        for e in 1..=max_experts {
-            for p in 0..=max_pairs {
-                most[e][p] = (0..=p)
-                    .map(|c| c.div_ceil(MOE_TILE) + most[e - 1][p - c])
-                    .max()
-                    .unwrap();
+        for tile in [MOE_TILE, WIDE_TILE] {
+            let mut most = vec![vec![0usize; max_pairs + 1]; max_experts + 1];
+            for e in 1..=max_experts {
+                for p in 0..=max_pairs {
+                    most[e][p] = (0..=p)
+                        .map(|c| c.div_ceil(tile) + most[e - 1][p - c])
+                        .max()
+                        .unwrap();
+                }
             }
-        }
-        for (e, row) in most.iter().enumerate().skip(1) {
-            for (p, &m) in row.iter().enumerate() {
-                assert_eq!(moe_most_tiles(p, e), m, "{p} pairs over {e} experts");
+            for (e, row) in most.iter().enumerate().skip(1) {
+                for (p, &m) in row.iter().enumerate() {
+                    let got = moe_most_tiles(p, e, tile);
+                    assert_eq!(got, m, "{p} pairs over {e} experts in tiles of {tile}");
+                }
             }
         }
     }

@@ -1,6 +1,6 @@
 //! The grouped MoE expert products on the tensor cores (kernels/moe_mma.cu): each tile of up
-//! to 8 pairs of one expert is one 8-column n-tile, so a warp streams 16 of the expert's rows
-//! once for the tile's pairs. The activations are rounded to 16 bits (bf16 for bf16 weights,
+//! to 8 pairs of one expert is one 8-column n-tile (or of up to 16, two n-tiles), so a warp
+//! streams 16 of the expert's rows once for the tile's pairs. The activations are rounded to 16 bits (bf16 for bf16 weights,
 //! f16 for the others) as the dense tensor-core products round theirs, the gated launch stores
 //! gelu_tanh(gate) · up rounded for the down launch, and quantized weights are dequantized to
 //! f16 in registers (each weight rounded once, as mmq.cu does).
@@ -51,13 +51,13 @@ pub(crate) fn activation_kind(ty: GgmlType) -> i32 {
 
 /// Which pairs share an expert product launch's tiles.
 pub(crate) enum MoeTiles {
-    /// moe_group's tiles at this device address: up to 8 pairs of one expert each, `most` of
-    /// them at most (the grid's height; blocks past the last tile exit); `crowded` where the
-    /// launch's pairs outnumber a tile an expert (moe.rs `crowded`).
+    /// moe_group's tiles at this device address: up to `pairs_a_tile` (8 or 16) pairs of one
+    /// expert each, `most` of them at most (the grid's height; blocks past the last tile
+    /// exit).
     Grouped {
         tiles: u64,
         most: usize,
-        crowded: bool,
+        pairs_a_tile: usize,
     },
     /// One tile a pair, its expert read from the f32 ids at `ids` (a bad id raises the error
     /// word at `err` and gives outputs of 0).
@@ -95,12 +95,12 @@ impl CudaBackend {
             MoeOutput::Gated(kind) => (1, kind, 8),
             MoeOutput::Plain => (0, 0, 16),
         };
-        let (tiles, height, ids, n_experts, err, crowded) = match tiles {
+        let (tiles, height, ids, n_experts, err, wide) = match tiles {
             MoeTiles::Grouped {
                 tiles,
                 most,
-                crowded,
-            } => (tiles, most, 0, 0, 0, crowded),
+                pairs_a_tile,
+            } => (tiles, most, 0, 0, 0, pairs_a_tile > 8),
             MoeTiles::PerPair {
                 ids,
                 pairs,
@@ -108,12 +108,8 @@ impl CudaBackend {
                 err,
             } => (0, pairs, ids, n_experts, err, false),
         };
-        // Q4_K and Q5_K of crowded launches: 64-value units (moe_mma_<format>_64), whose
-        // fewer registers keep more of the launch's many blocks resident.
-        let variant = match w.ty {
-            GgmlType::Q4_K | GgmlType::Q5_K if crowded => 64,
-            _ => 0,
-        };
+        // Tiles of 16 pairs: two n-tiles a warp (moe_mma_<format>_16).
+        let variant = if wide { 16 } else { 0 };
         let blocks = rows.div_ceil(per_warp).div_ceil(BLOCK_WARPS);
         self.launch_fn(
             &self

@@ -884,6 +884,7 @@ type MoeGroup = unsafe extern "C" fn(
     ids: *const f32,
     pairs: i32,
     n_experts: i32,
+    tile: i32,
     most_tiles: i32,
     order: *mut i32,
     slot_of: *mut i32,
@@ -915,8 +916,10 @@ type MoeMma = unsafe extern "C" fn(
     out: *mut u8,
 );
 
-/// Pairs an expert tile of the grouped MoE path holds (MOE_TILE).
+/// Pairs an expert tile of the grouped MoE path holds (MOE_TILE), and in crowded launches over
+/// quantized experts on the tensor cores (moe.rs `WIDE_TILE`).
 const MOE_TILE: usize = 8;
+const WIDE_TILE: usize = 16;
 
 /// 16-bit values as f32: bf16 (`bf16`) or f16.
 fn from_16(v: &[u16], bf16: bool) -> Vec<f32> {
@@ -930,17 +933,28 @@ fn from_16(v: &[u16], bf16: bool) -> Vec<f32> {
 
 /// A 26B-A4B-like MoE layer's grouped path on the emulator, for every format of the
 /// tensor-core expert products: `moe_group` (checked against its definition: each expert's
-/// pairs in pair order, experts in order, tiles of up to 8 pairs, unused tiles and slots
-/// marked), `moe_gather_16`, then `moe_mma_<format>` gated (gelu_tanh(gate) · up, rounded to
-/// 16 bits) and down, against f64 products of the weights as the kernel dequantizes them.
+/// pairs in pair order, experts in order, tiles of up to 8 pairs — or 16 —, unused tiles and
+/// slots marked), `moe_gather_16`, then `moe_mma_<format>` gated (gelu_tanh(gate) · up,
+/// rounded to 16 bits) and down, against f64 products of the weights as the kernel
+/// dequantizes them. Tiles of 8 pairs: 5 tokens routed at random (`moe_mma_<format>`); of 16: 34 tokens, 18 of them first to expert 0 and 11 to expert
+/// 1 (tiles of 16 and 2 pairs, and one of 11: a part-filled second n-tile), their second
+/// experts and the other 5 tokens' among experts 2–7 (`moe_mma_<format>_16`).
 #[test]
 fn grouped_moe_on_tensor_cores_matches_reference() {
+    for tile in [MOE_TILE, WIDE_TILE] {
+        grouped_moe_in_tiles(tile);
+    }
+}
+
+/// `grouped_moe_on_tensor_cores_matches_reference` in tiles of `tile` pairs.
+fn grouped_moe_in_tiles(tile: usize) {
     let Some(shared) = emu_unit(Module::Moe, None) else {
         return;
     };
-    let (n, top_k, n_experts) = (5usize, 2usize, 8usize);
+    let wide = tile == WIDE_TILE;
+    let (n, top_k, n_experts) = (if wide { 34usize } else { 5 }, 2usize, 8usize);
     let pairs = n * top_k;
-    let most_tiles = (pairs + (MOE_TILE - 1) * n_experts.min(pairs)) / MOE_TILE;
+    let most_tiles = (pairs + (tile - 1) * n_experts.min(pairs)) / tile;
     for (ty, format) in [
         (GgmlType::BF16, "bf16"),
         (GgmlType::F16, "f16"),
@@ -962,12 +976,26 @@ fn grouped_moe_on_tensor_cores_matches_reference() {
         } else {
             (256, 192)
         };
-        let mut r = rng(&format!("moe {format}"));
+        let mut r = rng(&format!("moe {format} in tiles of {tile}"));
         // Each token's top_k distinct experts.
         let ids: Vec<f32> = (0..n)
-            .flat_map(|_| {
-                let first = r.random_range(0..n_experts);
-                let second = (first + r.random_range(1..n_experts)) % n_experts;
+            .flat_map(|t| {
+                let (first, second) = if wide {
+                    // (7t mod 29) spreads experts 0 (18 tokens) and 1 (11) over the first 29.
+                    let first = match t {
+                        0..29 => usize::from((7 * t) % 29 >= 18),
+                        _ => r.random_range(2..n_experts),
+                    };
+                    let others = n_experts - 2;
+                    let second = match first {
+                        0 | 1 => r.random_range(2..n_experts),
+                        f => 2 + (f - 2 + r.random_range(1..others)) % others,
+                    };
+                    (first, second)
+                } else {
+                    let first = r.random_range(0..n_experts);
+                    (first, (first + r.random_range(1..n_experts)) % n_experts)
+                };
                 [first as f32, second as f32]
             })
             .collect();
@@ -984,11 +1012,16 @@ fn grouped_moe_on_tensor_cores_matches_reference() {
         ];
         // SAFETY: MoeGroup is moe_group's signature.
         let group: MoeGroup = unsafe { shared.kernel("moe_group") }.unwrap();
-        let (p, e, m) = (pairs as i32, n_experts as i32, most_tiles as i32);
+        let (p, e, t, m) = (
+            pairs as i32,
+            n_experts as i32,
+            tile as i32,
+            most_tiles as i32,
+        );
         // SAFETY: every buffer outlives the launch and has the size the kernel indexes.
         let body = || unsafe {
             let [ip, op, sp, tp, ep] = ptrs;
-            group(ip as _, p, e, m, op as _, sp as _, tp as _, ep as _)
+            group(ip as _, p, e, t, m, op as _, sp as _, tp as _, ep as _)
         };
         shared
             .launch([1, 1, 1], [256, 1, 1], 0, &body)
@@ -999,13 +1032,20 @@ fn grouped_moe_on_tensor_cores_matches_reference() {
         let mut want_tiles = Vec::new();
         for e in 0..n_experts {
             let mine: Vec<usize> = (0..pairs).filter(|&p| ids[p] as usize == e).collect();
-            for (i, chunk) in mine.chunks(MOE_TILE).enumerate() {
-                let first = want_order.len() + MOE_TILE * i;
+            for (i, chunk) in mine.chunks(tile).enumerate() {
+                let first = want_order.len() + tile * i;
                 want_tiles.push([e as i32, first as i32, chunk.len() as i32]);
             }
             want_order.extend(mine.iter().map(|&p| p as i32));
         }
         assert_eq!(order, want_order, "moe_group order");
+        if wide {
+            let sizes: Vec<i32> = want_tiles.iter().map(|t| t[2]).collect();
+            assert!(
+                sizes.contains(&16) && sizes.iter().any(|s| (9..16).contains(s)),
+                "tiles of 16 pairs: sizes {sizes:?} lack a full tile or a part-filled second n-tile"
+            );
+        }
         for (s, &p) in order.iter().enumerate() {
             assert_eq!(slot_of[p as usize], s as i32, "slot_of[{p}]");
         }
@@ -1063,12 +1103,12 @@ fn grouped_moe_on_tensor_cores_matches_reference() {
             let gated = g.iter().zip(&u).map(|(&g, &u)| (gelu_tanh(g) * u) as f32);
             want_h.extend(round_16(ty, &gated.collect::<Vec<_>>()));
         }
-        // Q4_K and Q5_K: the super-block kernel and the 64-value one (crowded launches).
-        let mut names = vec![format!("moe_mma_{format}")];
-        if matches!(ty, GgmlType::Q4_K | GgmlType::Q5_K) {
-            names.push(format!("moe_mma_{format}_64"));
-        }
-        for name in names {
+        let name = if wide {
+            format!("moe_mma_{format}_16")
+        } else {
+            format!("moe_mma_{format}")
+        };
+        {
             let mma: MoeMma = unsafe { unit.kernel(&name) }.unwrap();
             let launch = |m: &HostMatrix, rows: usize, x: &[u16], gated: bool, out: usize| {
                 let laid = laid_out(m);
@@ -2530,7 +2570,17 @@ fn grouped_moe_on_gemvs_matches_reference() {
     // SAFETY: every buffer outlives the launch and has the size the kernel indexes.
     let body = || unsafe {
         let [ip, op, sp, tp, ep] = p;
-        group(ip as _, pi, ei, mi, op as _, sp as _, tp as _, ep as _)
+        group(
+            ip as _,
+            pi,
+            ei,
+            MOE_TILE as i32,
+            mi,
+            op as _,
+            sp as _,
+            tp as _,
+            ep as _,
+        )
     };
     shared.launch([1, 1, 1], [256, 1, 1], 0, &body).unwrap();
     assert_eq!(err, 0);
