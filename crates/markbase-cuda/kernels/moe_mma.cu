@@ -1,6 +1,8 @@
 // The grouped MoE products on the tensor cores (mma.sync m16n8k16, f32 sums): each tile of up
 // to 8 pairs of one expert (moe_group's tiles, one a block row of the grid) is the 8 columns
-// of one n-tile, so a warp streams 16 of the expert's rows once for all the tile's pairs.
+// of one n-tile, or a tile of up to 16 pairs two n-tiles (moe_mma_<format>_16: launches over
+// quantized experts of more than 8 pairs an expert, moe.rs), so a warp streams 16 of the
+// expert's rows, dequantized once, for all the tile's pairs.
 // Weights go from memory straight into registers (bf16 and f16 as they are, Q4_0, Q5_0, Q5_1,
 // Q8_0, Q4_K and Q5_K dequantized to f16 there); the activations are the gathered slot rows as
 // 16-bit values (bf16 for bf16 weights, f16 otherwise: moe_gather_16), read through L1. The
@@ -13,8 +15,8 @@
 // slabs of 4 values: the permutation of k shared by the A (weights) and B (activations)
 // fragments. The B fragment is the same 4 values of token g (the tile's pair g), two 16-byte
 // loads a unit at the format's offsets. Q4_K and Q5_K take a super-block a unit instead
-// (MoeKRows), except in launches of more pairs than a tile an expert. Every run gives the same
-// bits (one warp sums a tile's outputs).
+// (MoeKRows) in tiles of 8 pairs. Every run gives the same bits (one warp sums a tile's
+// outputs).
 
 #if (FORMAT_bf16 || FORMAT_f16 || FORMAT_q4_0 || FORMAT_q5_0 || FORMAT_q5_1 || FORMAT_q8_0 || \
      FORMAT_q4_k || FORMAT_q5_k) &&                                                            \
@@ -381,8 +383,8 @@ struct MoeRows {
 // values against MoeK's 182, but 93 registers against 77 (2 blocks of 8 warps a multiprocessor,
 // not 3). One 26B-A4B layer's experts (cuda_bench --moe, H100, docs/perf.md session 56), Q4_K
 // + Q5_0 / Q5_K + Q5_1, µs: 64 tokens 315.4 / 334.6 → 280.0 / 284.7; 256 tokens (2–3 tiles
-// an expert) 631.1 / 680.2 → 654.1 / 647.6, where more tiles leave more blocks to keep
-// resident, so moe_mma.rs keeps MoeK there.
+// of 8 an expert) 631.1 / 680.2 → 654.1 / 647.6, where more tiles leave more blocks to keep
+// resident; such launches now take tiles of 16 pairs, in MoeK's units (MOE_WIDE_K_ROWS).
 template <bool FIFTH>
 struct MoeKRows {
     // Values a unit covers; the products are f16.
