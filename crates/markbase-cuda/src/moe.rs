@@ -381,39 +381,24 @@ mod tests {
     #[test]
     fn crowded_launches_over_quantized_experts_take_wide_tiles() {
         // 26B-A4B (top 8 of 128 experts) at 129 sequences: more than 8 pairs an expert.
-        let (pairs, experts, from) = (129 * 8, 128, Some(WIDE_FROM));
-        assert_eq!(
-            tile_pairs(true, GgmlType::Q4_K, pairs, experts, from),
-            WIDE_TILE
-        );
-        assert_eq!(
-            tile_pairs(true, GgmlType::Q8_0, pairs, experts, from),
-            WIDE_TILE
-        );
-        assert_eq!(
-            tile_pairs(true, GgmlType::Q4_K, 128 * 8, experts, from),
-            MOE_TILE
-        );
-        assert_eq!(
-            tile_pairs(true, GgmlType::Q4_K, 128 * 8, experts, Some(7)),
-            WIDE_TILE
-        );
-        assert_eq!(
-            tile_pairs(true, GgmlType::Q4_K, pairs, experts, None),
-            MOE_TILE
-        );
-        assert_eq!(
-            tile_pairs(false, GgmlType::Q4_K, pairs, experts, from),
-            MOE_TILE
-        );
-        assert_eq!(
-            tile_pairs(true, GgmlType::BF16, pairs, experts, from),
-            MOE_TILE
-        );
-        assert_eq!(
-            tile_pairs(true, GgmlType::F16, pairs, experts, from),
-            MOE_TILE
-        );
+        let (crowded, experts, from) = (129 * 8, 128, Some(WIDE_FROM));
+        // (tensor cores, gate/up format, pairs, the rule's pairs an expert, tile)
+        for (cores, ty, pairs, from, tile) in [
+            (true, GgmlType::Q4_K, crowded, from, WIDE_TILE),
+            (true, GgmlType::Q8_0, crowded, from, WIDE_TILE),
+            (true, GgmlType::Q4_K, 128 * 8, from, MOE_TILE),
+            (true, GgmlType::Q4_K, 128 * 8, Some(7), WIDE_TILE),
+            (true, GgmlType::Q4_K, crowded, None, MOE_TILE),
+            (false, GgmlType::Q4_K, crowded, from, MOE_TILE),
+            (true, GgmlType::BF16, crowded, from, MOE_TILE),
+            (true, GgmlType::F16, crowded, from, MOE_TILE),
+        ] {
+            let got = tile_pairs(cores, ty, pairs, experts, from);
+            assert_eq!(
+                got, tile,
+                "{ty} {pairs} pairs, from {from:?}, cores {cores}"
+            );
+        }
     }
 
     #[test]
