@@ -55,7 +55,11 @@ const MOE_TILE: usize = 8;
 const WIDE_TILE: usize = 16;
 
 /// Pairs an expert, on average, past which a launch over quantized experts takes tiles of
-/// `WIDE_TILE` pairs (`wide_tiles_from_env`).
+/// `WIDE_TILE` pairs (`wide_tiles_from_env`). 26B-A4B (H100, docs/perf.md session 57) at 256
+/// sequences: Q4_K_M 9 563.17 → 11 194.46 t/s, Q5_K_M 9 713.93 → 10 538.37. At 128 (8 pairs
+/// an expert) tiles of 16 from 6 pairs an expert were mixed — one layer's experts Q8_0 507.2 →
+/// 454.3 µs, but Q4_K_M 394.4 → 414.6 and Q5_K_M 393.4 → 439.2 — and Q4_K_M's step the same
+/// (7 586.72 / 7 593.65 t/s).
 const WIDE_FROM: usize = 8;
 
 /// `WIDE_FROM`, or what the define `MOE_WIDE_FROM` of `MARKBASE_CUDA_DEFINES` sets (0: never;
