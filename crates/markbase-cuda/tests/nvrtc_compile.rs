@@ -64,6 +64,24 @@ const VARIANTS: &[(Unit, &str, &str)] = &[
     ),
     (
         Unit {
+            module: Module::Moe,
+            part: Part::Format("q4_k"),
+        },
+        // The kernels of tiles of 16 pairs bounded to 3 blocks a multiprocessor.
+        "MOE_WIDE_MIN_BLOCKS=3",
+        ".minnctapersm 3",
+    ),
+    (
+        Unit {
+            module: Module::Moe,
+            part: Part::Format("q5_k"),
+        },
+        // Q5_K in tiles of 16 pairs a super-block a unit.
+        "MOE_WIDE_K_ROWS=MoeKRows",
+        "",
+    ),
+    (
+        Unit {
             module: Module::Gemv,
             part: Part::Format("bf16"),
         },
