@@ -525,8 +525,9 @@ __device__ void moe_mma_impl(const u8* w, u64 row_bytes, int k, int rows, const 
     }
 }
 
-// The kernels moe_mma_<format> (tiles of up to 8 pairs, or single pairs) and
-// moe_mma_<format>_16 (moe_group's tiles of up to 16 pairs, two n-tiles a warp): blocks of 256
+// The kernels moe_mma_<format> (tiles of up to 8 pairs, or single pairs) and, for quantized
+// formats, moe_mma_<format>_16 (moe_group's tiles of up to 16 pairs, two n-tiles a warp; bf16
+// and f16 experts keep tiles of 8, moe.rs `WIDE_TILE`): blocks of 256
 // threads (8 warps, each a tile of rows), grid (row blocks, most tiles or pairs).
 #define MOE_MMA_KERNEL_NT(NAME, W, NT, BOUNDS)                                                 \
     extern "C" __global__ void BOUNDS NAME(const u8* w, u64 row_bytes, int k, int rows,        \
@@ -541,10 +542,10 @@ __device__ void moe_mma_impl(const u8* w, u64 row_bytes, int k, int rows, const 
     MOE_MMA_KERNEL(SUFFIX, W, BOUNDS)      \
     MOE_MMA_KERNEL_NT(moe_mma_##SUFFIX##_16, W, 2, MOE_MMA_WIDE)
 #if FORMAT_bf16
-MOE_MMA_KERNELS(bf16, MoeRows<MoePlain<true>>, MOE_MMA_FREE)
+MOE_MMA_KERNEL(bf16, MoeRows<MoePlain<true>>, MOE_MMA_FREE)
 #endif
 #if FORMAT_f16
-MOE_MMA_KERNELS(f16, MoeRows<MoePlain<false>>, MOE_MMA_FREE)
+MOE_MMA_KERNEL(f16, MoeRows<MoePlain<false>>, MOE_MMA_FREE)
 #endif
 #if FORMAT_q4_0
 MOE_MMA_KERNELS(q4_0, MoeRows<MoeLegacy<F_Q4_0>>, MOE_MMA_FOUR)

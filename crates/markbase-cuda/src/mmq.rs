@@ -17,7 +17,7 @@ use markbase_core::{Error, Result};
 use crate::backend::{int, CudaBackend, Scratch};
 use crate::buffer::CudaMatrix;
 use crate::kernels::{Arg, Grid, ProductArgs};
-use crate::sources::{define_value, Module, DEFINES_VAR};
+use crate::sources::{define_number, Module, DEFINES_VAR};
 
 /// Token rows for which a product of Q4_K or Q8_0 weights runs here rather than as GEMVs
 /// (fewer) or as cuBLAS on weights dequantized to f16 (more). Measured on the H200
@@ -136,18 +136,8 @@ impl Tuning {
 
     /// The defaults with what the `#define` lines `defines` set.
     fn from_defines(defines: &str) -> Result<Tuning> {
-        let get = |name: &str, lo: usize, hi: usize, default: usize| -> Result<usize> {
-            let Some(v) = define_value(defines, name) else {
-                return Ok(default);
-            };
-            v.parse::<usize>()
-                .ok()
-                .filter(|n| (lo..=hi).contains(n))
-                .ok_or_else(|| {
-                    Error::Invalid(format!(
-                        "{DEFINES_VAR}: {name}={v} is not a whole number from {lo} to {hi}"
-                    ))
-                })
+        let get = |name: &str, lo: usize, hi: usize, default: usize| {
+            define_number(defines, name, (lo, hi), default)
         };
         let d = Tuning::DEFAULT;
         let wide_blocks = get("MMQ_WIDE_BLOCKS", 1, 2, d.wide_blocks)?;

@@ -9,7 +9,7 @@ use crate::backend::{blocks, int, CudaBackend};
 use crate::buffer::{CudaBuffer, CudaMatrix};
 use crate::kernels::{Arg, Grid};
 use crate::moe_mma::{activation_kind, MoeOutput, MoeTiles};
-use crate::sources::{define_value, defines_from_env, Module, DEFINES_VAR};
+use crate::sources::{define_number, defines_from_env, Module};
 
 /// Most experts `moe_route` handles (8 per lane), and the grouped `moe_ffn`: `moe_group`
 /// takes a thread per expert, a block of this many threads (`MOE_MAX_EXPERTS` in moe.cu).
@@ -65,17 +65,8 @@ const WIDE_FROM: usize = 8;
 /// `WIDE_FROM`, or what the define `MOE_WIDE_FROM` of `MARKBASE_CUDA_DEFINES` sets (0: never;
 /// 1–16), as `None` for never.
 pub(crate) fn wide_tiles_from_env() -> Result<Option<usize>> {
-    let defines = defines_from_env()?;
-    let Some(v) = define_value(&defines, "MOE_WIDE_FROM") else {
-        return Ok(Some(WIDE_FROM));
-    };
-    match v.parse::<usize>() {
-        Ok(0) => Ok(None),
-        Ok(from @ 1..=16) => Ok(Some(from)),
-        _ => Err(Error::Invalid(format!(
-            "{DEFINES_VAR}: MOE_WIDE_FROM={v} is not a whole number from 0 to 16"
-        ))),
-    }
+    let from = define_number(&defines_from_env()?, "MOE_WIDE_FROM", (0, 16), WIDE_FROM)?;
+    Ok(Some(from).filter(|&f| f > 0))
 }
 
 /// Pairs a tile of one grouped `moe_ffn` launch holds: `WIDE_TILE` where its products run

@@ -34,6 +34,27 @@ pub fn define_value<'a>(lines: &'a str, name: &str) -> Option<&'a str> {
     })
 }
 
+/// The whole number from `lo` to `hi` the `#define` lines `lines` give `name`, or `default`
+/// where they do not name it; another value is an error naming it.
+pub(crate) fn define_number(
+    lines: &str,
+    name: &str,
+    (lo, hi): (usize, usize),
+    default: usize,
+) -> Result<usize> {
+    let Some(v) = define_value(lines, name) else {
+        return Ok(default);
+    };
+    v.parse::<usize>()
+        .ok()
+        .filter(|n| (lo..=hi).contains(n))
+        .ok_or_else(|| {
+            Error::Invalid(format!(
+                "{DEFINES_VAR}: {name}={v} is not a whole number from {lo} to {hi}"
+            ))
+        })
+}
+
 /// `#define` lines for the space-separated `NAME[=VALUE]` entries of `spec`: a name is
 /// letters, digits and '_', not starting with a digit; a value is letters, digits, '_' and '.'.
 pub fn define_lines(spec: &str) -> Result<String> {
