@@ -1,9 +1,6 @@
 // A chain of one-token products in one persistent launch, of bf16 (`chain_bf16`) or Q4_K
 // (`chain_q4_k`) weights: an experiment towards a decode step in one kernel (docs/perf.md,
-// session 44). Measured on the H100: E4B's products at 36 % (bf16) / 15 % (Q4_K) of the copy
-// rate, bound by the per-unit loop (a block barrier, the copies' address arithmetic, a dot and
-// a shuffle reduction a unit at 2 warps a scheduler), not by the products' boundaries. Product
-// j of the chain computes
+// sessions 44 and 58). Product j of the chain computes
 // out_j[r] = Σ_i W_j[r, i] · x_j[i], where x_j is an input vector — in the chain, an earlier
 // product's outputs — taken as it is, or as gelu_tanh(a) · b of its two halves (`pair`), and
 // RMS-normed with weights (`norm`) where the product asks.
@@ -11,29 +8,44 @@
 // Why: a decode step of one token is ≈ 500 dependent kernels whose boundaries leave the memory
 // idle (each kernel's tail, the next one's ramp; docs/perf.md sessions 17–30). Here every block
 // of the launch (one a multiprocessor, all resident) takes an equal contiguous share of every
-// product's units — 8 weight rows × ChainUnit::K values (bf16: 1 024, 16 KB; Q4_K: 2 048, 9 KB)
-// — and streams its units' weights through a ring of ChainUnit::STAGES shared-memory stages by
-// cp.async, across the products' boundaries: while a block waits for the product its next
-// product reads, the weights of its next units are already on their way. A block waits on a count of the tiles (8 rows) that
-// product has finished (`done`, in global memory; the waiting thread spins with acquire loads),
-// which each block raises once at the end of its share by the tiles whose outputs it stored
-// (one fence and atomic a product, not one a tile). A tile whose units fall to more than one block
-// leaves each block's sum of its run as a part, which the block that ends the tile's last run
-// (a ticket a tile, reset by that block) adds in unit order: every run of a launch of the same
-// grid gives the same bits.
+// product and streams its weights into shared memory by cp.async ahead of their use, across
+// the products' boundaries: while a block waits for the product its next product reads, the
+// weights of its next units are already on their way. A block waits on a count in global
+// memory (`done`; the waiting thread spins with acquire loads) that each block raises once at
+// the end of its share of a product (one fence and atomic a product).
 //
-// A launch may cover any range of the chain's products (`first`, `count`); a product whose input
-// comes from outside the range reads it without waiting (the stream ordered its producer
-// first). The block that exits last (a count in `exits`) sets the range's counts and `exits`
-// back to 0, so the arguments of every pass are the same and a captured graph replays them.
-// Blocks of 256 threads (a warp a row of the unit), dynamic shared memory for the ring, x
-// (x_floats floats), 32 floats of reductions and (Q4_K) x's 16-bit tiles (chain.rs
-// `ChainFormat::shared_bytes`), and a grid whose blocks are all resident at once.
+// Q4_K (`chain_q4_k`, session 44; measured on the H100 at 15 % of the copy rate, bound by its
+// per-unit loop): a block's share is a run of units — 8 weight rows × 2 048 values, 9 KB — that
+// its 8 warps take together through one ring of CHAIN_Q4K_STAGES stages, a block barrier a
+// unit, a warp a row. The count is of tiles (8 rows) stored. A tile whose units fall to more
+// than one block leaves each block's sum of its run as a part, which the block that ends the
+// tile's last run (a ticket a tile, reset by that block) adds in unit order.
+//
+// bf16 (`chain_bf16`, session 58; session 44's version of the Q4_K shape ran at 36 %): a
+// block's share is whole rows, cut into items of a row's CHAIN_K values (2 KB). Its
+// CHAIN_WARPS warps take every CHAIN_WARPS-th item, and each lane streams its own 16-byte
+// pieces of its warp's items through the warp's ring of CHAIN_STAGES stages and multiplies
+// exactly those pieces: no barrier, no lane waits for another's copies, no address arithmetic
+// but a row's. A warp's item sums go to shared memory; after the block's last item of a
+// product its threads add each row's items in order and store the row. The count is of
+// blocks done.
+//
+// Either way every run of a launch of the same grid gives the same bits. A launch may cover
+// any range of the chain's products (`first`, `count`); a product whose input comes from
+// outside the range reads it without waiting (the stream ordered its producer first). The
+// block that exits last (a count in `exits`) sets the range's counts and `exits` back to 0, so
+// the arguments of every pass are the same and a captured graph replays them. Dynamic shared
+// memory holds the ring(s), x (x_floats floats), 32 floats of reductions and (Q4_K) x's 16-bit
+// tiles, (bf16) the item sums (chain.rs `ChainFormat::shared_bytes`); the grid's blocks are
+// all resident at once.
 
-// Stages of the ring: bf16 units (16 KB) and Q4_K units (9 KB).
+// bf16: warps a block, the stages of each warp's ring (2 KB each) and an item's values.
+#define CHAIN_WARPS 16
 #ifndef CHAIN_STAGES
-#define CHAIN_STAGES 11
+#define CHAIN_STAGES 5
 #endif
+#define CHAIN_K 1024
+// Q4_K: the ring's stages (units of 9 KB) and a unit's rows.
 #ifndef CHAIN_Q4K_STAGES
 #define CHAIN_Q4K_STAGES 16
 #endif
@@ -41,14 +53,14 @@
 
 // One product of the chain, as the host lays it out (chain.rs `ChainOp`, 80 bytes).
 struct ChainOp {
-    u64 w;        // bf16 weights [rows, k]
+    u64 w;        // weights [rows, k] (bf16, or Q4_K super-blocks as stored)
     u64 in;       // f32 input: k values, or (pair) 2k with x[i] = gelu_tanh(in[i]) · in[k + i]
     u64 norm;     // f32 RMSNorm weights of x (0: x as it is)
     u64 out;      // f32 outputs [rows]
-    u64 parts;    // f32 [tiles · chunks][8]: run sums of tiles cut between blocks
-    u64 tickets;  // u32 [tiles]: units of the tile done so far (0 between launches)
+    u64 parts;    // Q4_K: f32 [tiles · chunks][8], run sums of tiles cut between blocks
+    u64 tickets;  // Q4_K: u32 [tiles], units of the tile done so far (0 between launches)
     int rows, k, pair, dep;  // dep: the product whose outputs `in` holds (-1: none)
-    int tiles, chunks;       // ⌈rows / 8⌉, ⌈k / ChainUnit::K⌉
+    int tiles, chunks;       // ⌈rows / 8⌉, ⌈k / values of a unit (item)⌉
     float eps;
     int pad;
 };
@@ -151,21 +163,19 @@ __device__ __forceinline__ void chain_x4(const ChainOp& o, int i0, float4* x) {
     }
 }
 
-// Waits until product o's input is done (a product of the launch's range, from `first`), then
-// stages x (chunks · U::K floats, zeros past k) and what U's dot reads of it (U::prepare).
+// Waits until *count (the count of product o's input, where that product runs in this launch;
+// null where it ran before) reaches `ready`, then stages x (kx floats, zeros past k), RMS-normed
+// where o asks.
 // A thread takes 16-value spans of x (4 float4s, their loads in flight together) where the
-// input lies on 16 bytes and k is a multiple of 4, else single values.
-template <class U>
-__device__ void chain_stage_x(const ChainOp* ops, const ChainOp& o, const u32* done, int first,
-                              float* xs, float* red, u8* tiles) {
-    if (o.dep >= first) {
-        if (threadIdx.x == 0) {
-            const u32 tiles = (u32)ops[o.dep].tiles;
-            while (chain_acquire(done + o.dep) < tiles) chain_spin();
-        }
+// input lies on 16 bytes and k is a multiple of 4, else single values. Ends with a block
+// barrier.
+__device__ void chain_stage_x(const ChainOp& o, const u32* count, u32 ready, int kx, float* xs,
+                              float* red) {
+    if (count) {
+        if (threadIdx.x == 0)
+            while (chain_acquire(count) < ready) chain_spin();
         __syncthreads();
     }
-    const int kx = o.chunks * U::K;
     float ss = 0.f;
     if ((o.in & 15) == 0 && (o.k & 3) == 0) {
         for (int i0 = 16 * threadIdx.x; i0 < kx; i0 += 16 * blockDim.x) {
@@ -195,7 +205,6 @@ __device__ void chain_stage_x(const ChainOp* ops, const ChainOp& o, const u32* d
         for (int i = threadIdx.x; i < o.k; i += blockDim.x) xs[i] *= scale * __ldg(nw + i);
     }
     __syncthreads();
-    U::prepare(xs, kx, tiles);
 }
 
 // How a format's units are laid out, staged and multiplied: K values a row (CHUNK_BYTES of
@@ -205,35 +214,6 @@ __device__ void chain_stage_x(const ChainOp* ops, const ChainOp& o, const u32* d
 // lane of the warp.
 template <int FMT>
 struct ChainUnit;
-
-// bf16 rows: a lane takes 4 spans of 8 values (16 bytes), x as f32.
-template <>
-struct ChainUnit<F_BF16> {
-    static constexpr int K = 1024, CHUNK_BYTES = 2 * K, STAGES = CHAIN_STAGES;
-
-    static __device__ __forceinline__ u64 row_bytes(int k) { return 2 * (u64)k; }
-
-    static __device__ __forceinline__ void prepare(const float*, int, u8*) {}
-
-    static __device__ __forceinline__ float dot(const u8* row, const float* xs, const u8*, int,
-                                                int chunk, int lane) {
-        const float* xc = xs + chunk * K;
-        float acc = 0.f;
-#pragma unroll
-        for (int m = 0; m < K / 256; m++) {
-            const int v0 = 256 * m + 8 * lane;
-            const uint4 q = *(const uint4*)(row + 2 * v0);
-            const float4 a = *(const float4*)(xc + v0), b = *(const float4*)(xc + v0 + 4);
-            acc += bf16_to_f32((u16)(q.x & 0xffff)) * a.x + bf16_to_f32((u16)(q.x >> 16)) * a.y;
-            acc += bf16_to_f32((u16)(q.y & 0xffff)) * a.z + bf16_to_f32((u16)(q.y >> 16)) * a.w;
-            acc += bf16_to_f32((u16)(q.z & 0xffff)) * b.x + bf16_to_f32((u16)(q.z >> 16)) * b.y;
-            acc += bf16_to_f32((u16)(q.w & 0xffff)) * b.z + bf16_to_f32((u16)(q.w >> 16)) * b.w;
-        }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-        return acc;
-    }
-};
 
 // Q4_K rows (super-blocks of 256 values, 144 bytes, as stored): x as the one-token GEMVs take
 // it, 16-bit integers a 32-value chunk in Q4_K tiles (store_q4k_tiles), and a lane's 16-byte
@@ -328,6 +308,20 @@ __device__ __forceinline__ void chain_end_share(u32* done, int op, int stored) {
     }
 }
 
+// The launch's end: the last block out sets the counts of products first .. last − 1 and
+// `exits` back to 0 (every block is past its waits by then).
+__device__ __forceinline__ void chain_exit(int first, int last, u32* done, u32* exits) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        if (atomicAdd(exits, 1u) == gridDim.x - 1) {
+            for (int j = first; j < last; j++) done[j] = 0;
+            *exits = 0;
+            __threadfence();
+        }
+    }
+}
+
 // The chain's launch over products first .. first + count − 1 (chain.cu's header); U: the
 // units' format.
 template <class U>
@@ -370,7 +364,10 @@ __device__ void chain_impl(const ChainOp* ops, int first, int count, u32* done, 
         const ChainOp& o = ops[use.op];
         if (use.op != staged) {
             staged = use.op;
-            chain_stage_x<U>(ops, o, done, first, xs, red, tiles);
+            const bool wait = o.dep >= first;
+            chain_stage_x(o, wait ? done + o.dep : nullptr, wait ? (u32)ops[o.dep].tiles : 0,
+                          o.chunks * U::K, xs, red);
+            U::prepare(xs, o.chunks * U::K, tiles);
         }
         const int tile = use.u / o.chunks, chunk = use.u - tile * o.chunks;
         if (chunk == 0 || use.u == chain_share(o.tiles * o.chunks, blockIdx.x)) {
@@ -388,24 +385,184 @@ __device__ void chain_impl(const ChainOp* ops, int first, int count, u32* done, 
         chain_next(ops, last, use);
     }
     cp_async_wait<0>();
-    // The last block out resets the counts: every block is past its waits by then.
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        __threadfence();
-        if (atomicAdd(exits, 1u) == gridDim.x - 1) {
-            for (int j = first; j < last; j++) done[j] = 0;
-            *exits = 0;
-            __threadfence();
+    chain_exit(first, last, done, exits);
+}
+
+// chain_q4_k: the chain of Q4_K products in units of 8 rows.
+extern "C" __global__ void __launch_bounds__(256, 1)
+    chain_q4_k(const ChainOp* ops, int first, int count, u32* done, u32* exits, int x_floats) {
+    chain_impl<ChainUnit<F_Q4_K>>(ops, first, count, done, exits, x_floats);
+}
+
+// chain_bf16: the chain of bf16 products, in items of a row's chunk of CHAIN_K values (2 KB),
+// each warp streaming its own items through its own ring (chain.cu's header).
+
+// A warp's place in the chain: item u of product op (the block's items of it end before
+// `end`), which is chunk `chunk` of row `row`; the product's fields the copies need, and how far
+// the warp's next item of it lies (step_rows rows and step_chunks chunks on), kept in registers.
+struct ChainItems {
+    int op, u, end, row, chunk, chunks, k, step_rows, step_chunks;
+    const u8* w;
+};
+
+// Moves c to warp w's first item at or after item c.u of product c.op (c.op == last: none
+// left); a product it moves past starts the warp at its item w.
+__device__ __forceinline__ void chain_items_seek(const ChainOp* ops, int last, int w,
+                                                 ChainItems& c) {
+    for (; c.op < last; c.op++, c.u = w) {
+        const ChainOp& o = ops[c.op];
+        const int r0 = chain_share(o.rows, blockIdx.x);
+        c.end = (chain_share(o.rows, blockIdx.x + 1) - r0) * o.chunks;
+        if (c.u < c.end) {
+            c.chunks = o.chunks;
+            c.k = o.k;
+            c.w = (const u8*)o.w;
+            c.row = r0 + c.u / o.chunks;
+            c.chunk = c.u % o.chunks;
+            c.step_rows = CHAIN_WARPS / o.chunks;
+            c.step_chunks = CHAIN_WARPS % o.chunks;
+            return;
         }
     }
 }
 
-// chain_<format>: the chain of products of that format's weights.
-#define CHAIN_KERNEL(SUFFIX, FMT)                                                              \
-    extern "C" __global__ void __launch_bounds__(256, 1)                                       \
-        chain_##SUFFIX(const ChainOp* ops, int first, int count, u32* done, u32* exits,        \
-                       int x_floats) {                                                         \
-        chain_impl<ChainUnit<FMT>>(ops, first, count, done, exits, x_floats);                  \
+// Moves (row, chunk) on by step_rows rows and step_chunks chunks of a row of `chunks`.
+__device__ __forceinline__ void chain_item_step(int& row, int& chunk, int chunks, int step_rows,
+                                                int step_chunks) {
+    row += step_rows;
+    chunk += step_chunks;
+    if (chunk >= chunks) {
+        chunk -= chunks;
+        row++;
     }
-CHAIN_KERNEL(bf16, F_BF16)
-CHAIN_KERNEL(q4_k, F_Q4_K)
+}
+
+__device__ __forceinline__ void chain_items_next(const ChainOp* ops, int last, int w,
+                                                 ChainItems& c) {
+    c.u += CHAIN_WARPS;
+    if (c.u < c.end)
+        chain_item_step(c.row, c.chunk, c.chunks, c.step_rows, c.step_chunks);
+    else
+        chain_items_seek(ops, last, w, c);
+}
+
+// Queues this lane's 16-byte pieces of item c (8 values each: pieces lane + 32 m, those inside
+// the row) into the warp's stage at s, each at its place in the item.
+__device__ __forceinline__ void chain_row_issue(const ChainItems& c, u32 s, int lane) {
+    const int v0 = c.chunk * CHAIN_K;
+    const u8* g = c.w + 2 * ((u64)c.row * c.k + v0);
+    const bool whole = v0 + CHAIN_K <= c.k;
+#pragma unroll
+    for (int m = 0; m < CHAIN_K / 256; m++) {
+        const int v = 8 * (lane + 32 * m);
+        if (whole || v0 + v < c.k) cp_async16(s + 2 * v, g + 2 * v);
+    }
+}
+
+// Piece m's 8 values of a row (16 bytes, bf16) times x's 8 at xv.
+__device__ __forceinline__ float chain_piece_dot(uint4 q, const float* xv) {
+    const float4 a = *(const float4*)xv, b = *(const float4*)(xv + 4);
+    float s = __uint_as_float(q.x << 16) * a.x;
+    s += __uint_as_float(q.x & 0xffff0000u) * a.y;
+    s += __uint_as_float(q.y << 16) * a.z + __uint_as_float(q.y & 0xffff0000u) * a.w;
+    s += __uint_as_float(q.z << 16) * b.x + __uint_as_float(q.z & 0xffff0000u) * b.y;
+    s += __uint_as_float(q.w << 16) * b.z + __uint_as_float(q.w & 0xffff0000u) * b.w;
+    return s;
+}
+
+// The item of chunk `chunk` of a row of k values (its pieces in `stage`, this lane's own) times
+// x: the sum over the item's values, in every lane. A whole item loads its pieces together.
+__device__ __forceinline__ float chain_row_dot(int k, int chunk, const u8* stage, const float* xs,
+                                               int lane) {
+    constexpr int PIECES = CHAIN_K / 256;
+    const int v0 = chunk * CHAIN_K;
+    float acc = 0.f;
+    if (v0 + CHAIN_K <= k) {
+        uint4 q[PIECES];
+#pragma unroll
+        for (int m = 0; m < PIECES; m++) q[m] = *(const uint4*)(stage + 16 * (lane + 32 * m));
+#pragma unroll
+        for (int m = 0; m < PIECES; m++) acc += chain_piece_dot(q[m], xs + v0 + 8 * (lane + 32 * m));
+    } else {
+#pragma unroll
+        for (int m = 0; m < PIECES; m++) {
+            const int v = 8 * (lane + 32 * m);
+            if (v0 + v < k) acc += chain_piece_dot(*(const uint4*)(stage + 2 * v), xs + v0 + v);
+        }
+    }
+    return warp_sum(acc);
+}
+
+extern "C" __global__ void __launch_bounds__(32 * CHAIN_WARPS, 1)
+    chain_bf16(const ChainOp* ops, int first, int count, u32* done, u32* exits, int x_floats) {
+    constexpr int STAGE_BYTES = 2 * CHAIN_K;
+    extern __shared__ __align__(16) u8 chain_smem[];
+    const int last = first + count, w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    u8* ring = chain_smem + w * CHAIN_STAGES * STAGE_BYTES;
+    const u32 ring_at = shared_address(ring);
+    float* xs = (float*)(chain_smem + CHAIN_WARPS * CHAIN_STAGES * STAGE_BYTES);
+    float* red = xs + x_floats;
+    float* partial = red + 32;
+
+    ChainItems load{};
+    load.op = first;
+    load.u = w;
+    chain_items_seek(ops, last, w, load);
+    // The first stages before the wait for the kernel ahead: weights only.
+#pragma unroll 1
+    for (int s = 0; s < CHAIN_STAGES - 1; s++) {
+        if (load.op < last) {
+            chain_row_issue(load, ring_at + s * STAGE_BYTES, lane);
+            chain_items_next(ops, last, w, load);
+        }
+        cp_async_commit();
+    }
+    wait_prior_grid();
+
+    int t = 0;  // the warp's items used so far: item t sits in stage t % CHAIN_STAGES
+    for (int op = first; op < last; op++) {
+        const ChainOp& o = ops[op];
+        const int r0 = chain_share(o.rows, blockIdx.x);
+        const int rows = chain_share(o.rows, blockIdx.x + 1) - r0;
+        // The fields in registers: the copies' asm (a memory clobber) would reload them.
+        const int k = o.k, chunks = o.chunks, items = rows * chunks;
+        const int step_chunks = CHAIN_WARPS % chunks;
+        float* out = (float*)o.out;
+        const bool wait = o.dep >= first;
+        chain_stage_x(o, wait ? done + o.dep : nullptr, gridDim.x, chunks * CHAIN_K, xs, red);
+        int chunk = w % chunks;
+        for (int u = w; u < items; u += CHAIN_WARPS, t++) {
+            // Item t landed (this lane's pieces: no other lane reads them); the stage of item
+            // t − 1 is free for the item CHAIN_STAGES − 1 ahead.
+            cp_async_wait<CHAIN_STAGES - 2>();
+            if (load.op < last) {
+                chain_row_issue(load,
+                                ring_at + (t + CHAIN_STAGES - 1) % CHAIN_STAGES * STAGE_BYTES,
+                                lane);
+                chain_items_next(ops, last, w, load);
+            }
+            cp_async_commit();
+            const float v =
+                chain_row_dot(k, chunk, ring + t % CHAIN_STAGES * STAGE_BYTES, xs, lane);
+            if (lane == 0) partial[u] = v;
+            chunk += step_chunks;
+            if (chunk >= chunks) chunk -= chunks;
+        }
+        __syncthreads();
+        // A row's chunks added in order: the same bits every run.
+        for (int r = threadIdx.x; r < rows; r += blockDim.x) {
+            float sum = 0.f;
+            for (int c = 0; c < chunks; c++) sum += partial[r * chunks + c];
+            out[r0 + r] = sum;
+        }
+        // Every block counts each product once, after its rows' stores (thread 0's fence
+        // after the barrier orders them before the count).
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            __threadfence();
+            atomicAdd(done + op, 1u);
+        }
+    }
+    cp_async_wait<0>();
+    chain_exit(first, last, done, exits);
+}

@@ -17,13 +17,12 @@ use crate::buffer::{CudaBuffer, CudaMatrix};
 use crate::kernels::{Arg, Grid};
 use crate::sources::{define_value, defines_from_env, Module};
 
-/// Weight rows of a unit (a warp each) and of a tile.
+/// Weight rows of a Q4_K unit (a warp each) and of a tile.
 pub const CHAIN_ROWS: usize = 8;
-/// Threads of a block: a warp a row of the unit.
-pub const CHAIN_THREADS: u32 = 256;
 
-/// How chain.cu's `ChainUnit` of a weight format lays out a unit: values a row, a row's bytes
-/// of it, its kernel, and the define and default of its ring's stages.
+/// How chain.cu lays out a weight format's products: values a unit (bf16: an item, a row's
+/// chunk), a unit's bytes of a row, the kernel, its threads, the bytes of one stage of its
+/// ring(s), the define and default of the ring's stages.
 #[derive(Clone, Copy, Debug)]
 pub struct ChainFormat {
     /// Values of a unit's rows.
@@ -34,16 +33,24 @@ pub struct ChainFormat {
     pub chunk_bytes: usize,
     /// The kernel.
     pub kernel: &'static str,
+    /// Threads of a block.
+    pub threads: u32,
+    /// Bytes of one stage over the block (bf16: a stage of each warp's ring; Q4_K: a unit).
+    pub stage_bytes: usize,
     /// `MARKBASE_CUDA_DEFINES`' name for the ring's stages.
     pub stages_define: &'static str,
     /// The ring's stages unless defined.
     pub stages: usize,
     /// Whether its dot reads x as 16-bit tiles besides the floats (Q4_K).
     pub x_tiles: bool,
+    /// Whether a block keeps its items' sums in shared memory (bf16) rather than run sums of
+    /// tiles in global scratch (Q4_K).
+    pub item_sums: bool,
 }
 
-/// The chain's unit of weights stored as `ty` (bf16: 1 024 values, 16 KB a unit; Q4_K: 2 048,
-/// 9 KB), or None for a format the chain does not take.
+/// The chain's layout of weights stored as `ty` (bf16: items of 1 024 values, 2 KB, 16 warps
+/// with a ring each; Q4_K: units of 8 rows × 2 048 values, 9 KB, one ring a block), or None for
+/// a format the chain does not take.
 pub fn chain_format(ty: GgmlType) -> Option<ChainFormat> {
     match ty {
         GgmlType::BF16 => Some(ChainFormat {
@@ -51,41 +58,58 @@ pub fn chain_format(ty: GgmlType) -> Option<ChainFormat> {
             k_multiple: 8,
             chunk_bytes: 2048,
             kernel: "chain_bf16",
+            threads: 512,
+            stage_bytes: 16 * 2048,
             stages_define: "CHAIN_STAGES",
-            stages: 11,
+            stages: 5,
             x_tiles: false,
+            item_sums: true,
         }),
         GgmlType::Q4_K => Some(ChainFormat {
             k: 2048,
             k_multiple: 256,
             chunk_bytes: 8 * 144,
             kernel: "chain_q4_k",
+            threads: 256,
+            stage_bytes: CHAIN_ROWS * 8 * 144,
             stages_define: "CHAIN_Q4K_STAGES",
             stages: 16,
             x_tiles: true,
+            item_sums: false,
         }),
         _ => None,
     }
 }
 
 impl ChainFormat {
-    /// Bytes of a stage of the ring: a unit.
-    pub fn stage_bytes(&self) -> usize {
-        CHAIN_ROWS * self.chunk_bytes
-    }
-
     /// Floats of x a block stages for products of up to `k` values (whole units).
     pub fn x_floats(&self, k: usize) -> usize {
         k.div_ceil(self.k) * self.k
     }
 
-    /// Dynamic shared memory of a block with `stages` stages for products of up to `k` values:
-    /// the ring, x, 32 floats of reductions and flags, and (Q4_K) x's 16-bit tiles (2.5 bytes
-    /// a value).
-    pub fn shared_bytes(&self, stages: usize, k: usize) -> usize {
+    /// Floats of item sums a block of a `blocks`-block launch keeps for products of `(rows,
+    /// k)` (bf16: its share's rows × units a row; 0 for Q4_K).
+    pub fn sum_floats(
+        &self,
+        products: impl Iterator<Item = (usize, usize)>,
+        blocks: usize,
+    ) -> usize {
+        if !self.item_sums {
+            return 0;
+        }
+        products
+            .map(|(rows, k)| rows.div_ceil(blocks) * k.div_ceil(self.k))
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Dynamic shared memory of a block with `stages` stages for products of up to `k` values
+    /// and `sums` item sums: the ring(s), x, 32 floats of reductions and flags, the sums and
+    /// (Q4_K) x's 16-bit tiles (2.5 bytes a value).
+    pub fn shared_bytes(&self, stages: usize, k: usize, sums: usize) -> usize {
         let x = self.x_floats(k);
         let tiles = if self.x_tiles { x * 5 / 2 } else { 0 };
-        stages * self.stage_bytes() + 4 * (x + 32) + tiles
+        stages * self.stage_bytes + 4 * (x + 32 + sums) + tiles
     }
 
     /// The ring's stages: its define in `MARKBASE_CUDA_DEFINES`, else the default.
@@ -117,9 +141,9 @@ pub struct ChainOp {
     pub norm: u64,
     /// f32 outputs, `rows` of them.
     pub out: u64,
-    /// f32 scratch of `tiles · chunks · 8` values.
+    /// Q4_K: f32 scratch of `tiles · chunks · 8` values (0 for bf16).
     pub parts: u64,
-    /// u32 scratch of `tiles` zeros.
+    /// Q4_K: u32 scratch of `tiles` zeros (0 for bf16).
     pub tickets: u64,
     /// Output rows.
     pub rows: usize,
@@ -134,12 +158,12 @@ pub struct ChainOp {
 }
 
 impl ChainOp {
-    /// Tiles of 8 rows.
+    /// Tiles of 8 rows (Q4_K).
     pub fn tiles(&self) -> usize {
         self.rows.div_ceil(CHAIN_ROWS)
     }
 
-    /// Units a row.
+    /// Units (bf16: items) a row.
     pub fn chunks(&self) -> usize {
         self.k.div_ceil(self.format.k)
     }
@@ -317,11 +341,13 @@ impl CudaBackend {
                 parts: 0,
                 tickets: 0,
             };
-            let parts = self.alloc(op.tiles() * op.chunks() * CHAIN_ROWS)?;
-            let tickets = self.alloc(op.tiles())?;
-            op.parts = parts.ptr;
-            op.tickets = tickets.ptr;
-            scratch.extend([parts, tickets]);
+            if !format.item_sums {
+                let parts = self.alloc(op.tiles() * op.chunks() * CHAIN_ROWS)?;
+                let tickets = self.alloc(op.tiles())?;
+                op.parts = parts.ptr;
+                op.tickets = tickets.ptr;
+                scratch.extend([parts, tickets]);
+            }
             outputs.push(out);
             weight_bytes += (m.rows * m.row_bytes) as u64;
             max_k = max_k.max(k);
@@ -334,7 +360,9 @@ impl CudaBackend {
         let mut table = self.alloc(words.len())?;
         self.write(&words, &mut table)?;
         let stages = format.stages_from_env()?;
-        let shared = format.shared_bytes(stages, max_k);
+        let blocks = self.device().multiprocessors() as usize;
+        let sums = format.sum_floats(ops.iter().map(|o| (o.rows, o.k)), blocks);
+        let shared = format.shared_bytes(stages, max_k, sums);
         let limit = self.device().max_block_shared() as usize;
         if shared > limit {
             return Err(Error::Invalid(format!(
@@ -369,7 +397,7 @@ impl CudaBackend {
             .kernels
             .func_with_shared(Module::Chain, chain.format.kernel, chain.shared)?;
         let blocks = self.device().multiprocessors() as u32;
-        let mut grid = Grid::new((blocks, 1), CHAIN_THREADS);
+        let mut grid = Grid::new((blocks, 1), chain.format.threads);
         grid.shared = chain.shared;
         self.launch_fn(
             &f,

@@ -46,9 +46,7 @@ mod tune;
 pub use attention_flash::ATTN_FLASH_MIN_ROWS;
 pub use backend::CudaBackend;
 pub use buffer::{CudaBuffer, CudaMatrix};
-pub use chain::{
-    chain_format, Chain, ChainFormat, ChainLink, ChainOp, LinkInput, CHAIN_ROWS, CHAIN_THREADS,
-};
+pub use chain::{chain_format, Chain, ChainFormat, ChainLink, ChainOp, LinkInput, CHAIN_ROWS};
 pub use kernels::unit_images;
 pub use layout::device_bytes;
 pub use mmq::mma_suits;
