@@ -380,8 +380,8 @@ struct MoeRows {
 // mma.cuh): lane c decodes the scales of its one chunk pair of each row a super-block (MoeK's
 // 64-value units decode two a unit, the same for all four lanes) and reads its 64 contiguous
 // activations there, values 64c .. 64c + 63 of token g's slot row. 96 SASS instructions a 64
-// values against MoeK's 182, but 93 registers against 77 (2 blocks of 8 warps a multiprocessor,
-// not 3). One 26B-A4B layer's experts (cuda_bench --moe, H100, docs/perf.md session 56), Q4_K
+// values against MoeK's 182, but 93 registers against 77 in session 56 (2 blocks of 8 warps a
+// multiprocessor, not 3; since session 57's n-tile template ptxas gives moe_mma_q4_k 127). One 26B-A4B layer's experts (cuda_bench --moe, H100, docs/perf.md session 56), Q4_K
 // + Q5_0 / Q5_K + Q5_1, µs: 64 tokens 315.4 / 334.6 → 280.0 / 284.7; 256 tokens (2–3 tiles
 // of 8 an expert) 631.1 / 680.2 → 654.1 / 647.6, where more tiles leave more blocks to keep
 // resident; such launches now take tiles of 16 pairs, in MoeK's units (MOE_WIDE_K_ROWS).
