@@ -22,7 +22,7 @@
 // tile's last run (a ticket a tile, reset by that block) adds in unit order.
 //
 // bf16 (`chain_bf16`, session 58; session 44's version of the Q4_K shape ran at 36 %): a
-// block's share is whole rows, cut into items of a row's CHAIN_K values (2 KB). Its
+// block's share is whole rows, cut into items of a row's CHAIN_K values (1 024, 2 KB). Its
 // CHAIN_WARPS warps take every CHAIN_WARPS-th item, and each lane streams its own 16-byte
 // pieces of its warp's items through the warp's ring of CHAIN_STAGES stages and multiplies
 // exactly those pieces: no barrier, no lane waits for another's copies, no address arithmetic
@@ -39,12 +39,17 @@
 // tiles, (bf16) the item sums (chain.rs `ChainFormat::shared_bytes`); the grid's blocks are
 // all resident at once.
 
-// bf16: warps a block, the stages of each warp's ring (2 KB each) and an item's values.
+// bf16: warps a block, the stages of each warp's ring (an item each) and an item's values (a
+// multiple of 256); chain.rs `ChainFormat::with_defines` reads the same defines.
+#ifndef CHAIN_WARPS
 #define CHAIN_WARPS 16
+#endif
 #ifndef CHAIN_STAGES
 #define CHAIN_STAGES 5
 #endif
+#ifndef CHAIN_K
 #define CHAIN_K 1024
+#endif
 // Q4_K: the ring's stages (units of 9 KB) and a unit's rows.
 #ifndef CHAIN_Q4K_STAGES
 #define CHAIN_Q4K_STAGES 16
@@ -394,7 +399,7 @@ extern "C" __global__ void __launch_bounds__(256, 1)
     chain_impl<ChainUnit<F_Q4_K>>(ops, first, count, done, exits, x_floats);
 }
 
-// chain_bf16: the chain of bf16 products, in items of a row's chunk of CHAIN_K values (2 KB),
+// chain_bf16: the chain of bf16 products, in items of a row's chunk of CHAIN_K values,
 // each warp streaming its own items through its own ring (chain.cu's header).
 
 // A warp's place in the chain: item u of product op (the block's items of it end before

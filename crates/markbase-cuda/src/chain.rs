@@ -15,7 +15,7 @@ use markbase_core::{Error, Result};
 use crate::backend::{int, CudaBackend};
 use crate::buffer::{CudaBuffer, CudaMatrix};
 use crate::kernels::{Arg, Grid};
-use crate::sources::{define_value, defines_from_env, Module};
+use crate::sources::{define_number, defines_from_env, Module};
 
 /// Weight rows of a Q4_K unit (a warp each) and of a tile.
 pub const CHAIN_ROWS: usize = 8;
@@ -39,7 +39,7 @@ pub struct ChainFormat {
     pub stage_bytes: usize,
     /// `MARKBASE_CUDA_DEFINES`' name for the ring's stages.
     pub stages_define: &'static str,
-    /// The ring's stages unless defined.
+    /// The ring's stages.
     pub stages: usize,
     /// Whether its dot reads x as 16-bit tiles besides the floats (Q4_K).
     pub x_tiles: bool,
@@ -103,28 +103,35 @@ impl ChainFormat {
             .unwrap_or(0)
     }
 
-    /// Dynamic shared memory of a block with `stages` stages for products of up to `k` values
-    /// and `sums` item sums: the ring(s), x, 32 floats of reductions and flags, the sums and
-    /// (Q4_K) x's 16-bit tiles (2.5 bytes a value).
-    pub fn shared_bytes(&self, stages: usize, k: usize, sums: usize) -> usize {
+    /// Dynamic shared memory of a block for products of up to `k` values and `sums` item sums:
+    /// the ring(s), x, 32 floats of reductions and flags, the sums and (Q4_K) x's 16-bit tiles
+    /// (2.5 bytes a value).
+    pub fn shared_bytes(&self, k: usize, sums: usize) -> usize {
         let x = self.x_floats(k);
         let tiles = if self.x_tiles { x * 5 / 2 } else { 0 };
-        stages * self.stage_bytes + 4 * (x + 32 + sums) + tiles
+        self.stages * self.stage_bytes + 4 * (x + 32 + sums) + tiles
     }
 
-    /// The ring's stages: its define in `MARKBASE_CUDA_DEFINES`, else the default.
-    pub fn stages_from_env(&self) -> Result<usize> {
-        let defines = defines_from_env()?;
-        match define_value(&defines, self.stages_define) {
-            None => Ok(self.stages),
-            Some(v) => match v.parse::<usize>() {
-                Ok(s) if (2..=32).contains(&s) => Ok(s),
-                _ => Err(Error::Invalid(format!(
-                    "{}={v}: stages of the chain's ring are 2 to 32",
-                    self.stages_define
-                ))),
-            },
+    /// The layout as the `#define` lines `lines` (e.g. `defines_from_env`) set it, as chain.cu
+    /// reads them: the ring's stages (2–32) and, for bf16, the warps of a block (`CHAIN_WARPS`,
+    /// 1–32) and an item's values (`CHAIN_K`, a multiple of 256 up to 4 096); errors name a
+    /// value out of range.
+    pub fn with_defines(mut self, lines: &str) -> Result<ChainFormat> {
+        self.stages = define_number(lines, self.stages_define, (2, 32), self.stages)?;
+        if self.item_sums {
+            let warps = define_number(lines, "CHAIN_WARPS", (1, 32), self.threads as usize / 32)?;
+            let k = define_number(lines, "CHAIN_K", (256, 4096), self.k)?;
+            if k % 256 != 0 {
+                return Err(Error::Invalid(format!(
+                    "CHAIN_K={k}: an item's values are a multiple of 256"
+                )));
+            }
+            self.k = k;
+            self.chunk_bytes = 2 * k;
+            self.threads = 32 * warps as u32;
+            self.stage_bytes = warps * self.chunk_bytes;
         }
+        Ok(self)
     }
 }
 
@@ -283,9 +290,11 @@ impl CudaBackend {
             return Err(Error::Invalid("chain: no links".into()));
         };
         let ty = first.weights.ty;
-        let format = chain_format(ty).ok_or_else(|| {
-            Error::Unsupported(format!("chain of {ty} weights (bf16 and Q4_K are taken)"))
-        })?;
+        let format = chain_format(ty)
+            .ok_or_else(|| {
+                Error::Unsupported(format!("chain of {ty} weights (bf16 and Q4_K are taken)"))
+            })?
+            .with_defines(&defines_from_env()?)?;
         let multiple = format.k_multiple;
         let mut ops = Vec::with_capacity(links.len());
         let mut outputs: Vec<CudaBuffer> = Vec::with_capacity(links.len());
@@ -359,10 +368,9 @@ impl CudaBackend {
         }
         let mut table = self.alloc(words.len())?;
         self.write(&words, &mut table)?;
-        let stages = format.stages_from_env()?;
         let blocks = self.device().multiprocessors() as usize;
         let sums = format.sum_floats(ops.iter().map(|o| (o.rows, o.k)), blocks);
-        let shared = format.shared_bytes(stages, max_k, sums);
+        let shared = format.shared_bytes(max_k, sums);
         let limit = self.device().max_block_shared() as usize;
         if shared > limit {
             return Err(Error::Invalid(format!(

@@ -5,7 +5,7 @@
 //! (the launch left its counts and tickets at 0), a link a launch, in descending order, and
 //! with the first or the last blocks running ahead of the others (a count raised before its
 //! outputs were written shows as poisoned inputs) give the same bits; with 3 and 5 blocks and
-//! rings of their default and of 3 stages.
+//! rings of their default and of 3 stages, and (bf16) 5 warps a block of 2 048-value items.
 //!
 //! Without a C++ compiler every test prints why and passes.
 
@@ -45,9 +45,10 @@ struct HostChain {
 }
 
 impl HostChain {
-    fn new(spec: &[LinkSpec], inputs: &ChainInputs) -> HostChain {
+    fn new(spec: &[LinkSpec], inputs: &ChainInputs, defines: &str) -> HostChain {
         let ty = inputs.weights[0].ty;
-        let format = chain_format(ty).unwrap();
+        let lines = define_lines(defines).unwrap();
+        let format = chain_format(ty).unwrap().with_defines(&lines).unwrap();
         let weights: Vec<Vec<u8>> = inputs
             .weights
             .iter()
@@ -106,7 +107,7 @@ impl HostChain {
     }
 
     /// One pass: the whole chain in one launch, or a link a launch; the outputs poisoned first.
-    fn pass(&mut self, unit: &EmuModule, order: Order, blocks: u32, stages: usize, whole: bool) {
+    fn pass(&mut self, unit: &EmuModule, order: Order, blocks: u32, whole: bool) {
         for o in &mut self.outputs {
             o.fill(f32::NAN);
         }
@@ -118,7 +119,7 @@ impl HostChain {
         let sums = self
             .format
             .sum_floats(self.products.iter().copied(), blocks as usize);
-        let shared = self.format.shared_bytes(stages, self.max_k, sums);
+        let shared = self.format.shared_bytes(self.max_k, sums);
         let x_floats = self.format.x_floats(self.max_k);
         // SAFETY: the chain kernels' signature in chain.cu.
         let kernel: ChainKernel = unsafe { unit.kernel(self.format.kernel) }.unwrap();
@@ -156,7 +157,7 @@ impl HostChain {
     }
 }
 
-/// The chain unit compiled with `defines` ("" or `CHAIN_STAGES=N`), or None where no C++
+/// The chain unit compiled with `defines` (e.g. "" or `CHAIN_STAGES=N`), or None where no C++
 /// compiler runs.
 fn chain_unit(defines: &str) -> Option<EmuModule> {
     if let Err(e) = compiler_available() {
@@ -169,17 +170,17 @@ fn chain_unit(defines: &str) -> Option<EmuModule> {
     Some(EmuModule::compile(&name, &unit.source(&lines)).unwrap_or_else(|e| panic!("{e}")))
 }
 
-/// Runs `spec` of `ty` weights on the chain unit compiled with `defines` (a ring of `stages`
-/// stages) with 3 and 5 blocks, every pass in every order bit-equal to the first.
-fn check(ty: GgmlType, spec: &[LinkSpec], defines: &str, stages: usize) {
+/// Runs `spec` of `ty` weights on the chain unit compiled with `defines` (the host's layout read
+/// from the same defines) with 3 and 5 blocks, every pass in every order bit-equal to the first.
+fn check(ty: GgmlType, spec: &[LinkSpec], defines: &str) {
     let Some(unit) = chain_unit(defines) else {
         return;
     };
     let mut r = rng(&format!("chain {ty} {defines}"));
     let inputs = chain_inputs(&mut r, spec, ty);
     for blocks in [3, 5] {
-        let mut chain = HostChain::new(spec, &inputs);
-        chain.pass(&unit, Order::Ascending, blocks, stages, true);
+        let mut chain = HostChain::new(spec, &inputs, defines);
+        chain.pass(&unit, Order::Ascending, blocks, true);
         let what = format!("chain {ty} {defines}, {blocks} blocks");
         check_chain(&what, spec, &inputs, &chain.outputs);
         let first = chain.outputs.clone();
@@ -191,7 +192,7 @@ fn check(ty: GgmlType, spec: &[LinkSpec], defines: &str, stages: usize) {
             (Order::FirstAhead, true),
             (Order::LastAhead, true),
         ] {
-            chain.pass(&unit, order, blocks, stages, whole);
+            chain.pass(&unit, order, blocks, whole);
             for (j, (a, b)) in first.iter().zip(&chain.outputs).enumerate() {
                 let same = a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
                 assert!(
@@ -205,20 +206,29 @@ fn check(ty: GgmlType, spec: &[LinkSpec], defines: &str, stages: usize) {
 
 #[test]
 fn bf16_chain_matches_reference_and_repeats_bit_for_bit() {
-    check(GgmlType::BF16, &test_chain(), "", 5);
+    check(GgmlType::BF16, &test_chain(), "");
 }
 
 #[test]
 fn bf16_chain_with_a_short_ring_matches_reference() {
-    check(GgmlType::BF16, &test_chain(), "CHAIN_STAGES=3", 3);
+    check(GgmlType::BF16, &test_chain(), "CHAIN_STAGES=3");
+}
+
+#[test]
+fn bf16_chain_of_other_warps_and_items_matches_reference() {
+    check(
+        GgmlType::BF16,
+        &test_chain(),
+        "CHAIN_WARPS=5 CHAIN_K=2048 CHAIN_STAGES=2",
+    );
 }
 
 #[test]
 fn q4_k_chain_matches_reference_and_repeats_bit_for_bit() {
-    check(GgmlType::Q4_K, &test_chain_q4k(), "", 16);
+    check(GgmlType::Q4_K, &test_chain_q4k(), "");
 }
 
 #[test]
 fn q4_k_chain_with_a_short_ring_matches_reference() {
-    check(GgmlType::Q4_K, &test_chain_q4k(), "CHAIN_Q4K_STAGES=3", 3);
+    check(GgmlType::Q4_K, &test_chain_q4k(), "CHAIN_Q4K_STAGES=3");
 }

@@ -114,6 +114,15 @@ const VARIANTS: &[(Unit, &str, &str)] = &[
         "CHAIN_STAGES=4 CHAIN_Q4K_STAGES=6",
         "",
     ),
+    (
+        Unit {
+            module: Module::Chain,
+            part: Part::Whole,
+        },
+        // chain_bf16 in blocks of 20 warps, items of 2 048 values.
+        "CHAIN_WARPS=20 CHAIN_K=2048 CHAIN_STAGES=2",
+        ".maxntid 640, 1, 1",
+    ),
 ];
 
 /// One compilation of the check: a whole module (every kernel, for comparison), one of the
