@@ -1,10 +1,10 @@
 //! A chain of one-token products of bf16 or Q4_K weights in one persistent launch
 //! (kernels/chain.cu): an experiment towards a decode step in one kernel, timed by
 //! `cuda_bench --chain` against the same chain launched a product at a time and against the
-//! backend's own operations (docs/perf.md, session 44: it lost to them). Each block of the launch
-//! (one a multiprocessor) streams its share of every product's weights through a ring of
-//! shared-memory stages across the products' boundaries, and waits for a product's inputs on
-//! a count of its finished tiles in global memory instead of a kernel boundary.
+//! backend's own operations (docs/perf.md, sessions 44 and 58: it still loses to them). Each
+//! block of the launch (one a multiprocessor) streams its share of every product's weights
+//! into shared memory ahead of their use, across the products' boundaries, and waits for a
+//! product's inputs on a count in global memory instead of a kernel boundary.
 
 use std::ops::Range;
 
