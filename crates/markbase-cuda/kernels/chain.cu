@@ -465,7 +465,7 @@ __device__ __forceinline__ void chain_row_issue(const ChainItems& c, u32 s, int 
     }
 }
 
-// Piece m's 8 values of a row (16 bytes, bf16) times x's 8 at xv.
+// One piece of a row, 8 bf16 values (16 bytes), times x's 8 values at xv.
 __device__ __forceinline__ float chain_piece_dot(uint4 q, const float* xv) {
     const float4 a = *(const float4*)xv, b = *(const float4*)(xv + 4);
     float s = __uint_as_float(q.x << 16) * a.x;
@@ -488,7 +488,8 @@ __device__ __forceinline__ float chain_row_dot(int k, int chunk, const u8* stage
 #pragma unroll
         for (int m = 0; m < PIECES; m++) q[m] = *(const uint4*)(stage + 16 * (lane + 32 * m));
 #pragma unroll
-        for (int m = 0; m < PIECES; m++) acc += chain_piece_dot(q[m], xs + v0 + 8 * (lane + 32 * m));
+        for (int m = 0; m < PIECES; m++)
+            acc += chain_piece_dot(q[m], xs + v0 + 8 * (lane + 32 * m));
     } else {
 #pragma unroll
         for (int m = 0; m < PIECES; m++) {
