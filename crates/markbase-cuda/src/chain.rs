@@ -21,8 +21,8 @@ use crate::sources::{define_number, defines_from_env, Module};
 pub const CHAIN_ROWS: usize = 8;
 
 /// How chain.cu lays out a weight format's products: values a unit (bf16: an item, a row's
-/// chunk), a unit's bytes of a row, the kernel, its threads, the bytes of one stage of its
-/// ring(s), the define and default of the ring's stages.
+/// chunk), a unit's bytes of a row, the kernel, its threads, the define and number of the
+/// ring's stages.
 #[derive(Clone, Copy, Debug)]
 pub struct ChainFormat {
     /// Values of a unit's rows.
@@ -35,8 +35,6 @@ pub struct ChainFormat {
     pub kernel: &'static str,
     /// Threads of a block.
     pub threads: u32,
-    /// Bytes of one stage over the block (bf16: a stage of each warp's ring; Q4_K: a unit).
-    pub stage_bytes: usize,
     /// `MARKBASE_CUDA_DEFINES`' name for the ring's stages.
     pub stages_define: &'static str,
     /// The ring's stages.
@@ -59,7 +57,6 @@ pub fn chain_format(ty: GgmlType) -> Option<ChainFormat> {
             chunk_bytes: 2048,
             kernel: "chain_bf16",
             threads: 512,
-            stage_bytes: 16 * 2048,
             stages_define: "CHAIN_STAGES",
             stages: 5,
             x_tiles: false,
@@ -71,7 +68,6 @@ pub fn chain_format(ty: GgmlType) -> Option<ChainFormat> {
             chunk_bytes: 8 * 144,
             kernel: "chain_q4_k",
             threads: 256,
-            stage_bytes: CHAIN_ROWS * 8 * 144,
             stages_define: "CHAIN_Q4K_STAGES",
             stages: 16,
             x_tiles: true,
@@ -82,6 +78,12 @@ pub fn chain_format(ty: GgmlType) -> Option<ChainFormat> {
 }
 
 impl ChainFormat {
+    /// Bytes of one stage over the block: a unit's row for each warp (bf16: an item in each
+    /// warp's ring; Q4_K: a unit of 8 rows, a warp a row).
+    pub fn stage_bytes(&self) -> usize {
+        self.threads as usize / 32 * self.chunk_bytes
+    }
+
     /// Floats of x a block stages for products of up to `k` values (whole units).
     pub fn x_floats(&self, k: usize) -> usize {
         k.div_ceil(self.k) * self.k
@@ -109,7 +111,7 @@ impl ChainFormat {
     pub fn shared_bytes(&self, k: usize, sums: usize) -> usize {
         let x = self.x_floats(k);
         let tiles = if self.x_tiles { x * 5 / 2 } else { 0 };
-        self.stages * self.stage_bytes + 4 * (x + 32 + sums) + tiles
+        self.stages * self.stage_bytes() + 4 * (x + 32 + sums) + tiles
     }
 
     /// The layout as the `#define` lines `lines` (e.g. `defines_from_env`) set it, as chain.cu
@@ -129,7 +131,6 @@ impl ChainFormat {
             self.k = k;
             self.chunk_bytes = 2 * k;
             self.threads = 32 * warps as u32;
-            self.stage_bytes = warps * self.chunk_bytes;
         }
         Ok(self)
     }
