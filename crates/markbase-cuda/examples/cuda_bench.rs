@@ -2,7 +2,8 @@
 //! decode products at E4B's or 31B's shapes per weight format (`--gemv`, `--gemv 31b`; one
 //! token row, or `--tokens N`), the routed experts of one 26B-A4B layer (`--moe`, N tokens
 //! routed uniformly at random, as a trained router spreads them), E4B's 42 layers of one-token
-//! bf16 (`--chain`) or Q4_K (`--chain q4_k`) products as one persistent launch, as a launch a
+//! bf16 (`--chain`, `--chain bf16-pair`) or Q4_K (`--chain q4_k`) products as one persistent
+//! launch, as a launch a
 //! product and as the backend's own operations (chain.rs), device picks of `--tokens N` rows
 //! of a 262 144-token vocabulary under each kind of draw (`--sample`), and
 //! whole-model decode steps (one host wait each) of a synthetic Gemma 4 (random weights at a
@@ -298,16 +299,16 @@ fn gemv_bandwidth(be: &CudaBackend, shapes: &LayerShapes, n: usize) {
 }
 
 /// E4B's one-token products of 42 layers (weights stored as `ty`: bf16 or Q4_K) in a step's
-/// order — q/k/v, o (reading q), gate and up, down (reading gelu(gate) · up), the
-/// per-layer-input gate and projection, each reading the one before and the ones a norm
-/// precedes normed — three ways: through `run_chain` as one persistent launch and as a launch
+/// order — q/k/v, o (reading q), gate and up (`gated`: as row pairs, each pair's output
+/// gelu(gate) · up), down (reading gelu(gate) · up), the per-layer-input gate and projection,
+/// each reading the one before and the ones a norm precedes normed — three ways: through `run_chain` as one persistent launch and as a launch
 /// a product, and as the backend's own operations (`rms_norm`, `matmul_many`, `matmul`,
 /// `gated_ffn`: 9 launches a layer, as a step queues them). Steps of 5 passes end in a host
 /// wait, so the steps after the first two replay as CUDA graphs, as decode steps do. Layers
 /// cycle through 4 copies of the weights (183 MB each in bf16, 51 MB in Q4_K), so no product
 /// runs from L2. Prints ms a pass, µs a layer and GB/s of weight bytes beside the copy
 /// bandwidth `bw`.
-fn chain_bandwidth(be: &CudaBackend, bw: f64, ty: GgmlType) {
+fn chain_bandwidth(be: &CudaBackend, bw: f64, ty: GgmlType, gated: bool) {
     let LayerShapes {
         d, ff, q, kv, ple, ..
     } = E4B_LAYER;
@@ -351,12 +352,16 @@ fn chain_bandwidth(be: &CudaBackend, bw: f64, ty: GgmlType) {
             input,
             pair,
             norm: normed.then_some((&norm_d, 1e-6)),
+            gated: false,
         };
         links.extend([
             link(0, input, false, true),
             link(1, from(b), false, false),
-            link(2, from(b + 1), false, true),
-            link(3, from(b + 2), true, false),
+            ChainLink {
+                gated,
+                ..link(2, from(b + 1), false, true)
+            },
+            link(3, from(b + 2), !gated, false),
             link(4, from(b + 3), false, true),
             link(5, from(b + 4), false, false),
         ]);
@@ -384,6 +389,7 @@ fn chain_bandwidth(be: &CudaBackend, bw: f64, ty: GgmlType) {
         bytes / 1e9
     );
     println!("| launches | ms a pass | µs a layer | weight GB/s | share of the copy rate |");
+    let mut one_launch = 0.0;
     println!("| --- | ---: | ---: | ---: | ---: |");
     for mode in [0, 1, 2, 0, 1, 2] {
         let mut pass = |chain: &mut markbase_cuda::Chain| match mode {
@@ -429,7 +435,93 @@ fn chain_bandwidth(be: &CudaBackend, bw: f64, ty: GgmlType) {
             bytes / s / 1e9,
             100.0 * bytes / s / bw
         );
+        if mode == 0 {
+            one_launch = s;
+        }
     }
+    let link_bytes: Vec<f64> = links
+        .iter()
+        .map(|l| (l.weights.rows * l.weights.row_bytes) as f64)
+        .collect();
+    chain_phases(be, &mut chain, one_launch, &link_bytes, bw);
+}
+
+/// With `CHAIN_STAMPS=1` (`MARKBASE_CUDA_DEFINES`): one more pass of `chain` in one launch,
+/// and each of a layer's 6 links' phases (chain.rs `CHAIN_PHASES`) averaged over the layers
+/// and blocks, in µs at the SM clock that makes the stamped span of a pass last `pass`
+/// seconds; beside them, the link's bytes at the copy rate `bw`. Prints nothing without stamps.
+fn chain_phases(
+    be: &CudaBackend,
+    chain: &mut markbase_cuda::Chain,
+    pass: f64,
+    bytes: &[f64],
+    bw: f64,
+) {
+    be.run_chain(chain, 0..chain.len()).unwrap();
+    be.synchronize().unwrap();
+    let Some(stamps) = chain.stamps(be).unwrap() else {
+        return;
+    };
+    let blocks = stamps[0].len();
+    let last = stamps.len() - 1;
+    // Cycles from the first link's start to the last link's count, a block's mean.
+    let span: f64 = (0..blocks)
+        .map(|b| (stamps[last][b][4] - stamps[0][b][0]) as f64)
+        .sum::<f64>()
+        / blocks as f64;
+    let us = pass * 1e6 / span;
+    println!(
+        "phases of a block's share (µs a link, mean of the layers and {blocks} blocks; SM clock          {:.0} MHz from the pass's {:.3} ms)",
+        1.0 / us,
+        pass * 1e3
+    );
+    println!("| link | wait | stage x | items | store + count | to next | sum | bytes at the copy rate |");
+    println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
+    let names = ["q/k/v", "o", "gate/up", "down", "PLE gate", "PLE proj"];
+    let mut total = [0f64; 5];
+    for (kind, name) in names.iter().enumerate() {
+        let mut sum = [0f64; 5];
+        let mut n = 0f64;
+        let mut link_bytes = 0f64;
+        for j in (kind..stamps.len()).step_by(names.len()) {
+            link_bytes += bytes[j];
+            for (b, s) in stamps[j].iter().enumerate() {
+                let next = if j < last { stamps[j + 1][b][0] } else { s[4] };
+                let d = [
+                    s[1] - s[0],
+                    s[2] - s[1],
+                    s[3] - s[2],
+                    s[4] - s[3],
+                    next - s[4],
+                ];
+                d.iter().zip(&mut sum).for_each(|(d, t)| *t += *d as f64);
+                n += 1.0;
+            }
+        }
+        let layers = n / blocks as f64;
+        let mean: Vec<f64> = sum.iter().map(|t| t / n * us).collect();
+        mean.iter().zip(&mut total).for_each(|(m, t)| *t += m);
+        println!(
+            "| {name} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} |",
+            mean[0],
+            mean[1],
+            mean[2],
+            mean[3],
+            mean[4],
+            mean.iter().sum::<f64>(),
+            link_bytes / layers / bw * 1e6
+        );
+    }
+    println!(
+        "| a layer | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} |",
+        total[0],
+        total[1],
+        total[2],
+        total[3],
+        total[4],
+        total.iter().sum::<f64>(),
+        bytes.iter().sum::<f64>() * names.len() as f64 / bytes.len() as f64 / bw * 1e6
+    );
 }
 
 /// The routed experts of one 26B-A4B layer (`moe_ffn`: 128 experts 704 wide over a model
@@ -567,18 +659,20 @@ fn main() {
     let steps = count_arg(&args, "--steps", 32, 0);
     let prompt = count_arg(&args, "--prompt", 128, 0);
     let tokens = count_arg(&args, "--tokens", 1, 1);
-    // `--chain [bf16 | q4_k]`: the chain's weight format.
+    // `--chain [bf16 | bf16-pair | q4_k]`: the chain's weight format (bf16: gate and up as row
+    // pairs; bf16-pair: down reading gate and up's outputs as a pair, as Q4_K does).
     let chain =
         args.iter()
             .any(|a| a == "--chain")
             .then(|| match arg(&args, "--chain").as_deref() {
-                Some("q4_k") => GgmlType::Q4_K,
-                Some("bf16") => GgmlType::BF16,
+                Some("q4_k") => (GgmlType::Q4_K, false),
+                Some("bf16") => (GgmlType::BF16, true),
+                Some("bf16-pair") => (GgmlType::BF16, false),
                 Some(a) if !a.starts_with("--") => {
-                    eprintln!("error: --chain {a}: the chain takes bf16 or q4_k weights");
+                    eprintln!("error: --chain {a}: the chain takes bf16, bf16-pair or q4_k");
                     std::process::exit(1)
                 }
-                _ => GgmlType::BF16,
+                _ => (GgmlType::BF16, true),
             });
     let t = Instant::now();
     let be = CudaBackend::new(0).unwrap_or_else(|e| {
@@ -606,8 +700,8 @@ fn main() {
     if args.iter().any(|a| a == "--sample") {
         sample_speed(&be, tokens);
     }
-    if let Some(ty) = chain {
-        chain_bandwidth(&be, bw, ty);
+    if let Some((ty, gated)) = chain {
+        chain_bandwidth(&be, bw, ty, gated);
     }
     let nothing = |_: u64, _: u64| {};
     let t = Instant::now();

@@ -23,7 +23,8 @@
 //
 // bf16 (`chain_bf16`, session 58: 69–70 % of the H100's copy rate, against 36 % for session
 // 44's version of the Q4_K shape and 83 % for the backend's own operations): a
-// block's share is whole rows, cut into items of a row's CHAIN_K values (1 024, 2 KB). Its
+// block's share is whole rows (a gated product's whole pairs of rows), cut into items of a
+// row's CHAIN_K values (1 024, 2 KB). Its
 // CHAIN_WARPS warps take every CHAIN_WARPS-th item, and each lane streams its own 16-byte
 // pieces of its warp's items through the warp's ring of CHAIN_STAGES stages and multiplies
 // exactly those pieces: no barrier, no lane waits for another's copies, no address arithmetic
@@ -36,9 +37,9 @@
 // outside the range reads it without waiting (the stream ordered its producer first). The
 // block that exits last (a count in `exits`) sets the range's counts and `exits` back to 0, so
 // the arguments of every pass are the same and a captured graph replays them. Dynamic shared
-// memory holds the ring(s), x (x_floats floats), 32 floats of reductions and (Q4_K) x's 16-bit
-// tiles, (bf16) the item sums (chain.rs `ChainFormat::shared_bytes`); the grid's blocks are
-// all resident at once.
+// memory holds the ring(s), (bf16) two products' ChainOp, x (x_floats floats), 32 floats of
+// reductions and (Q4_K) x's 16-bit tiles, (bf16) the item sums (chain.rs
+// `ChainFormat::shared_bytes`); the grid's blocks are all resident at once.
 
 // bf16: warps a block, the stages of each warp's ring (an item each) and an item's values (a
 // multiple of 256); chain.rs `ChainFormat::with_defines` reads the same defines.
@@ -51,13 +52,31 @@
 #ifndef CHAIN_K
 #define CHAIN_K 1024
 #endif
+// 1: thread 0 of each block stamps the SM's clock at the phases of its share of every bf16
+// product (chain_stamp), for `cuda_bench --chain bf16` to add up; 0: no stamps.
+#ifndef CHAIN_STAMPS
+#define CHAIN_STAMPS 0
+#endif
+// Nanoseconds a spin-wait turn sleeps (0: none).
+#ifndef CHAIN_SPIN_NS
+#define CHAIN_SPIN_NS 64
+#endif
 // Q4_K: the ring's stages (units of 9 KB) and a unit's rows.
 #ifndef CHAIN_Q4K_STAGES
 #define CHAIN_Q4K_STAGES 16
 #endif
 #define CHAIN_ROWS 8
+// bf16: KB of the weights past the rings' copies that a block asks L2 for at the end of its
+// items of a product (chain_l2_ahead), so the memory streams on through the boundary; 0: none.
+#ifndef CHAIN_L2_AHEAD
+#define CHAIN_L2_AHEAD 0
+#endif
+// bf16: 1 counts a block's share done by one release reduction, 0 by a fence and an atomic.
+#ifndef CHAIN_RELEASE
+#define CHAIN_RELEASE 0
+#endif
 
-// One product of the chain, as the host lays it out (chain.rs `ChainOp`, 80 bytes).
+// One product of the chain, as the host lays it out (chain.rs `ChainOp`, 88 bytes).
 struct ChainOp {
     u64 w;        // weights [rows, k] (bf16, or Q4_K super-blocks as stored)
     u64 in;       // f32 input: k values, or (pair) 2k with x[i] = gelu_tanh(in[i]) · in[k + i]
@@ -65,10 +84,11 @@ struct ChainOp {
     u64 out;      // f32 outputs [rows]
     u64 parts;    // Q4_K: f32 [tiles · chunks][8], run sums of tiles cut between blocks
     u64 tickets;  // Q4_K: u32 [tiles], units of the tile done so far (0 between launches)
+    u64 stamps;   // bf16 with CHAIN_STAMPS: u64 [blocks][CHAIN_PHASES] clock stamps (else 0)
     int rows, k, pair, dep;  // dep: the product whose outputs `in` holds (-1: none)
     int tiles, chunks;       // ⌈rows / 8⌉, ⌈k / values of a unit (item)⌉
     float eps;
-    int pad;
+    int gated;  // bf16: rows are (gate, up) pairs, out[i] = gelu_tanh(gate_i · x) · (up_i · x)
 };
 
 // A block's place in the chain: unit u of product op, its share ending before unit end.
@@ -113,8 +133,36 @@ __device__ __forceinline__ u32 chain_acquire(const u32* p) {
 __device__ __forceinline__ void chain_spin() {
 #ifdef MB_EMU
     mb_emu::spin();
+#elif CHAIN_SPIN_NS > 0
+    asm volatile("nanosleep.u32 %0;" ::"n"(CHAIN_SPIN_NS));
+#endif
+}
+
+// Waits (thread 0, then the block) until *count reaches `ready`; count null: no wait.
+__device__ __forceinline__ void chain_wait(const u32* count, u32 ready) {
+    if (!count) return;
+    if (threadIdx.x == 0)
+        while (chain_acquire(count) < ready) chain_spin();
+    __syncthreads();
+}
+
+// The phases a block's share of a bf16 product is stamped at (CHAIN_STAMPS): its start, its
+// input ready, x staged, its items multiplied (every warp), its rows stored and counted.
+#define CHAIN_PHASES 5
+
+// Thread 0 stamps phase `phase` of this block's share of product o with the SM's cycle count
+// (the emulator: a count of stamps), where CHAIN_STAMPS asks.
+__device__ __forceinline__ void chain_stamp(const ChainOp& o, int phase) {
+#if CHAIN_STAMPS
+    if (threadIdx.x != 0) return;
+#ifdef MB_EMU
+    static u64 ticks = 0;
+    const u64 t = ++ticks;
 #else
-    asm volatile("nanosleep.u32 64;");
+    u64 t;
+    asm volatile("mov.u64 %0, %%clock64;" : "=l"(t));
+#endif
+    ((u64*)o.stamps)[CHAIN_PHASES * blockIdx.x + phase] = t;
 #endif
 }
 
@@ -169,19 +217,11 @@ __device__ __forceinline__ void chain_x4(const ChainOp& o, int i0, float4* x) {
     }
 }
 
-// Waits until *count (the count of product o's input, where that product runs in this launch;
-// null where it ran before) reaches `ready`, then stages x (kx floats, zeros past k), RMS-normed
-// where o asks.
-// A thread takes 16-value spans of x (4 float4s, their loads in flight together) where the
+// Stages product o's x (kx floats, zeros past k), RMS-normed where o asks (its input ready:
+// chain_wait). A thread takes 16-value spans of x (4 float4s, their loads in flight together) where the
 // input lies on 16 bytes and k is a multiple of 4, else single values. Ends with a block
 // barrier.
-__device__ void chain_stage_x(const ChainOp& o, const u32* count, u32 ready, int kx, float* xs,
-                              float* red) {
-    if (count) {
-        if (threadIdx.x == 0)
-            while (chain_acquire(count) < ready) chain_spin();
-        __syncthreads();
-    }
+__device__ void chain_stage_x(const ChainOp& o, int kx, float* xs, float* red) {
     float ss = 0.f;
     if ((o.in & 15) == 0 && (o.k & 3) == 0) {
         for (int i0 = 16 * threadIdx.x; i0 < kx; i0 += 16 * blockDim.x) {
@@ -370,9 +410,8 @@ __device__ void chain_impl(const ChainOp* ops, int first, int count, u32* done, 
         const ChainOp& o = ops[use.op];
         if (use.op != staged) {
             staged = use.op;
-            const bool wait = o.dep >= first;
-            chain_stage_x(o, wait ? done + o.dep : nullptr, wait ? (u32)ops[o.dep].tiles : 0,
-                          o.chunks * U::K, xs, red);
+            if (o.dep >= first) chain_wait(done + o.dep, (u32)ops[o.dep].tiles);
+            chain_stage_x(o, o.chunks * U::K, xs, red);
             U::prepare(xs, o.chunks * U::K, tiles);
         }
         const int tile = use.u / o.chunks, chunk = use.u - tile * o.chunks;
@@ -411,14 +450,20 @@ struct ChainItems {
     const u8* w;
 };
 
+// The first weight row of block b's share of bf16 product o: whole outputs (a gated product's
+// row pairs).
+__device__ __forceinline__ int chain_row_share(const ChainOp& o, int b) {
+    return chain_share(o.rows >> o.gated, b) << o.gated;
+}
+
 // Moves c to warp w's first item at or after item c.u of product c.op (c.op == last: none
 // left); a product it moves past starts the warp at its item w.
 __device__ __forceinline__ void chain_items_seek(const ChainOp* ops, int last, int w,
                                                  ChainItems& c) {
     for (; c.op < last; c.op++, c.u = w) {
         const ChainOp& o = ops[c.op];
-        const int r0 = chain_share(o.rows, blockIdx.x);
-        c.end = (chain_share(o.rows, blockIdx.x + 1) - r0) * o.chunks;
+        const int r0 = chain_row_share(o, blockIdx.x);
+        c.end = (chain_row_share(o, blockIdx.x + 1) - r0) * o.chunks;
         if (c.u < c.end) {
             c.chunks = o.chunks;
             c.k = o.k;
@@ -500,6 +545,107 @@ __device__ __forceinline__ float chain_row_dot(int k, int chunk, const u8* stage
     return warp_sum(acc);
 }
 
+// Product o's γ (RMSNorm weights, nw) for x's values i0 + 4j (j < 4; zeros past k).
+__device__ __forceinline__ void chain_gamma4(const float* nw, int k, int i0, float4* g) {
+#pragma unroll
+    for (int j = 0; j < 4; j++)
+        g[j] = i0 + 4 * j < k ? __ldg((const float4*)(nw + i0 + 4 * j))
+                              : make_float4(0.f, 0.f, 0.f, 0.f);
+}
+
+// bf16: waits until *count reaches `ready` (count null: no wait), then stages x · γ for product
+// o (kx floats, zeros past k; γ its norm's weights, or 1) and, where o normalizes, leaves each
+// warp's share of Σ x² in red[warp] for chain_rms_scale: the RMS scale multiplies the row
+// sums, so staging needs no block reduction. A thread's γ for its first 16-value span is
+// loaded before the wait. Ends with a block barrier.
+__device__ void chain_stage_scaled_x(const ChainOp& o, const u32* count, u32 ready, int kx,
+                                     float* xs, float* red) {
+    const float* nw = (const float*)o.norm;
+    const bool spans = (o.in & 15) == 0 && (o.k & 3) == 0 && (o.norm & 15) == 0;
+    const int first = 16 * threadIdx.x;
+    float4 g[4];
+    if (spans && nw && first < kx) chain_gamma4(nw, o.k, first, g);
+    chain_wait(count, ready);
+    chain_stamp(o, 1);
+    float ss = 0.f;
+    if (spans) {
+        for (int i0 = first; i0 < kx; i0 += 16 * blockDim.x) {
+            float4 x[4];
+            chain_x4(o, i0, x);
+            if (nw && i0 != first) chain_gamma4(nw, o.k, i0, g);
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                ss += x[j].x * x[j].x + x[j].y * x[j].y + x[j].z * x[j].z + x[j].w * x[j].w;
+                if (nw) {
+                    x[j].x *= g[j].x;
+                    x[j].y *= g[j].y;
+                    x[j].z *= g[j].z;
+                    x[j].w *= g[j].w;
+                }
+                *(float4*)(xs + i0 + 4 * j) = x[j];
+            }
+        }
+    } else {
+        const float* in = (const float*)o.in;
+        for (int i = threadIdx.x; i < kx; i += blockDim.x) {
+            float v = 0.f;
+            if (i < o.k) {
+                v = __ldcg(in + i);
+                if (o.pair) v = gelu_tanh(v) * __ldcg(in + o.k + i);
+                ss += v * v;
+                if (nw) v *= __ldg(nw + i);
+            }
+            xs[i] = v;
+        }
+    }
+    if (nw) {
+        ss = warp_sum(ss);
+        if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
+    }
+    __syncthreads();
+}
+
+// The RMS scale of product o's x (1 where o has no norm) from the warps' sums that
+// chain_stage_scaled_x left in red, added in warp order (every thread the same bits).
+__device__ __forceinline__ float chain_rms_scale(const ChainOp& o, const float* red) {
+    if (!o.norm) return 1.f;
+    float s = 0.f;
+    for (int w = 0; w < (int)(blockDim.x >> 5); w++) s += red[w];
+    return rsqrtf(s / (float)o.k + o.eps);
+}
+
+// Adds 1 to *count once the block's stores before the barrier ahead of it are visible
+// (thread 0; release semantics, GPU scope).
+__device__ __forceinline__ void chain_count(u32* count) {
+#if CHAIN_RELEASE && !defined(MB_EMU)
+    asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(count) : "memory");
+#else
+    __threadfence();
+    atomicAdd(count, 1u);
+#endif
+}
+
+// Asks L2 for CHAIN_L2_AHEAD KB of this block's weights from item `u` of product `op` on (its
+// share's rows are contiguous, its items in memory order), through the products after it.
+__device__ __forceinline__ void chain_l2_ahead(const ChainOp* ops, int op, int last, int u) {
+#if CHAIN_L2_AHEAD > 0 && !defined(MB_EMU)
+    u32 left = CHAIN_L2_AHEAD * 1024;
+    for (; op < last && left > 0; op++, u = 0) {
+        const ChainOp& o = ops[op];
+        const int r0 = chain_row_share(o, blockIdx.x);
+        const int rows = chain_row_share(o, blockIdx.x + 1) - r0;
+        const u64 row_bytes = 2 * (u64)o.k;
+        const u64 from = (u64)(u / o.chunks) * row_bytes + (u64)(u % o.chunks) * 2 * CHAIN_K;
+        const u64 share = (u64)rows * row_bytes;
+        if (from >= share) continue;
+        const u32 n = (u32)min((u64)left, share - from);
+        const u8* at = (const u8*)o.w + (u64)r0 * row_bytes + from;
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(at), "r"(n) : "memory");
+        left -= n;
+    }
+#endif
+}
+
 extern "C" __global__ void __launch_bounds__(32 * CHAIN_WARPS, 1)
     chain_bf16(const ChainOp* ops, int first, int count, u32* done, u32* exits, int x_floats) {
     constexpr int STAGE_BYTES = 2 * CHAIN_K;
@@ -507,9 +653,14 @@ extern "C" __global__ void __launch_bounds__(32 * CHAIN_WARPS, 1)
     const int last = first + count, w = threadIdx.x >> 5, lane = threadIdx.x & 31;
     u8* ring = chain_smem + w * CHAIN_STAGES * STAGE_BYTES;
     const u32 ring_at = shared_address(ring);
-    float* xs = (float*)(chain_smem + CHAIN_WARPS * CHAIN_STAGES * STAGE_BYTES);
+    // The product in use and the next one, copied from `ops` a product ahead (warp 0).
+    ChainOp* slots = (ChainOp*)(chain_smem + CHAIN_WARPS * CHAIN_STAGES * STAGE_BYTES);
+    float* xs = (float*)(slots + 2);
     float* red = xs + x_floats;
     float* partial = red + 32;
+    constexpr int OP_WORDS = sizeof(ChainOp) / 4;
+    if (threadIdx.x < OP_WORDS)
+        ((u32*)slots)[threadIdx.x] = ((const u32*)(ops + first))[threadIdx.x];
 
     ChainItems load{};
     load.op = first;
@@ -525,18 +676,25 @@ extern "C" __global__ void __launch_bounds__(32 * CHAIN_WARPS, 1)
         cp_async_commit();
     }
     wait_prior_grid();
+    __syncthreads();
 
     int t = 0;  // the warp's items used so far: item t sits in stage t % CHAIN_STAGES
     for (int op = first; op < last; op++) {
-        const ChainOp& o = ops[op];
-        const int r0 = chain_share(o.rows, blockIdx.x);
-        const int rows = chain_share(o.rows, blockIdx.x + 1) - r0;
+        const ChainOp& o = slots[(op - first) & 1];
+        // The next product's words, on their way through this one's items.
+        const bool copies = threadIdx.x < OP_WORDS && op + 1 < last;
+        const u32 next_word = copies ? ((const u32*)(ops + op + 1))[threadIdx.x] : 0;
+        chain_stamp(o, 0);
+        const int r0 = chain_row_share(o, blockIdx.x);
+        const int rows = chain_row_share(o, blockIdx.x + 1) - r0;
         // The fields in registers: the copies' asm (a memory clobber) would reload them.
         const int k = o.k, chunks = o.chunks, items = rows * chunks;
         const int step_chunks = CHAIN_WARPS % chunks;
         float* out = (float*)o.out;
         const bool wait = o.dep >= first;
-        chain_stage_x(o, wait ? done + o.dep : nullptr, gridDim.x, chunks * CHAIN_K, xs, red);
+        chain_stage_scaled_x(o, wait ? done + o.dep : nullptr, gridDim.x, chunks * CHAIN_K, xs,
+                             red);
+        chain_stamp(o, 2);
         int chunk = w % chunks;
         for (int u = w; u < items; u += CHAIN_WARPS, t++) {
             // Item t landed (this lane's pieces: no other lane reads them); the stage of item
@@ -555,20 +713,30 @@ extern "C" __global__ void __launch_bounds__(32 * CHAIN_WARPS, 1)
             chunk += step_chunks;
             if (chunk >= chunks) chunk -= chunks;
         }
+        if (threadIdx.x == 0 && load.op < last) chain_l2_ahead(ops, load.op, last, load.u + 16);
+        if (copies) ((u32*)&slots[(op + 1 - first) & 1])[threadIdx.x] = next_word;
         __syncthreads();
-        // A row's chunks added in order: the same bits every run.
-        for (int r = threadIdx.x; r < rows; r += blockDim.x) {
+        chain_stamp(o, 3);
+        // A row's chunks added in order, times x's RMS scale: the same bits every run; a gated
+        // product's pairs of rows give one output each.
+        const float scale = chain_rms_scale(o, red);
+        const int gated = o.gated;
+        for (int i = threadIdx.x; i < rows >> gated; i += blockDim.x) {
+            const float* p = partial + (i << gated) * chunks;
             float sum = 0.f;
-            for (int c = 0; c < chunks; c++) sum += partial[r * chunks + c];
-            out[r0 + r] = sum;
+            for (int c = 0; c < chunks; c++) sum += p[c];
+            sum *= scale;
+            if (gated) {
+                float up = 0.f;
+                for (int c = 0; c < chunks; c++) up += p[chunks + c];
+                sum = gelu_tanh(sum) * (up * scale);
+            }
+            out[(r0 >> gated) + i] = sum;
         }
-        // Every block counts each product once, after its rows' stores (thread 0's fence
-        // after the barrier orders them before the count).
+        // Every block counts each product once, after its rows' stores.
         __syncthreads();
-        if (threadIdx.x == 0) {
-            __threadfence();
-            atomicAdd(done + op, 1u);
-        }
+        if (threadIdx.x == 0) chain_count(done + op);
+        chain_stamp(o, 4);
     }
     cp_async_wait<0>();
     chain_exit(first, last, done, exits);

@@ -44,7 +44,14 @@ pub struct ChainFormat {
     /// Whether a block keeps its items' sums in shared memory (bf16) rather than run sums of
     /// tiles in global scratch (Q4_K).
     pub item_sums: bool,
+    /// Whether each block stamps the phases of its share of every product (bf16 with
+    /// `CHAIN_STAMPS=1`; read back by [`Chain::stamps`]).
+    pub stamps: bool,
 }
+
+/// The phases a block's share of a product is stamped at: its start, its input ready, x
+/// staged, its items multiplied, its rows stored and counted (chain.cu `CHAIN_PHASES`).
+pub const CHAIN_PHASES: usize = 5;
 
 /// The chain's layout of weights stored as `ty` (bf16: items of 1 024 values, 2 KB, 16 warps
 /// with a ring each; Q4_K: units of 8 rows × 2 048 values, 9 KB, one ring a block), or None for
@@ -61,6 +68,7 @@ pub fn chain_format(ty: GgmlType) -> Option<ChainFormat> {
             stages: 5,
             x_tiles: false,
             item_sums: true,
+            stamps: false,
         }),
         GgmlType::Q4_K => Some(ChainFormat {
             k: 2048,
@@ -72,6 +80,7 @@ pub fn chain_format(ty: GgmlType) -> Option<ChainFormat> {
             stages: 16,
             x_tiles: true,
             item_sums: false,
+            stamps: false,
         }),
         _ => None,
     }
@@ -106,18 +115,23 @@ impl ChainFormat {
     }
 
     /// Dynamic shared memory of a block for products of up to `k` values and `sums` item sums:
-    /// the ring(s), x, 32 floats of reductions and flags, the sums and (Q4_K) x's 16-bit tiles
-    /// (2.5 bytes a value).
+    /// the ring(s), (bf16) the product in use and the next, x, 32 floats of reductions and
+    /// flags, the sums and (Q4_K) x's 16-bit tiles (2.5 bytes a value).
     pub fn shared_bytes(&self, k: usize, sums: usize) -> usize {
         let x = self.x_floats(k);
         let tiles = if self.x_tiles { x * 5 / 2 } else { 0 };
-        self.stages * self.stage_bytes() + 4 * (x + 32 + sums) + tiles
+        let slots = if self.item_sums {
+            2 * 4 * CHAIN_OP_WORDS
+        } else {
+            0
+        };
+        self.stages * self.stage_bytes() + slots + 4 * (x + 32 + sums) + tiles
     }
 
     /// The layout as the `#define` lines `lines` (e.g. `defines_from_env`) set it, as chain.cu
     /// reads them: the ring's stages (2–32) and, for bf16, the warps of a block (`CHAIN_WARPS`,
-    /// 1–32) and an item's values (`CHAIN_K`, a multiple of 256 up to 4 096); errors name a
-    /// value out of range.
+    /// 1–32), an item's values (`CHAIN_K`, a multiple of 256 up to 4 096) and the phases'
+    /// stamps (`CHAIN_STAMPS`, 0 or 1); errors name a value out of range.
     pub fn with_defines(mut self, lines: &str) -> Result<ChainFormat> {
         self.stages = define_number(lines, self.stages_define, (2, 32), self.stages)?;
         if self.item_sums {
@@ -131,10 +145,14 @@ impl ChainFormat {
             self.k = k;
             self.chunk_bytes = 2 * k;
             self.threads = 32 * warps as u32;
+            self.stamps = define_number(lines, "CHAIN_STAMPS", (0, 1), 0)? == 1;
         }
         Ok(self)
     }
 }
+
+/// 32-bit words of chain.cu's `ChainOp`.
+pub const CHAIN_OP_WORDS: usize = 22;
 
 /// A product as chain.cu's `ChainOp` holds it: device addresses and sizes.
 #[derive(Clone, Copy, Debug)]
@@ -153,6 +171,8 @@ pub struct ChainOp {
     pub parts: u64,
     /// Q4_K: u32 scratch of `tiles` zeros (0 for bf16).
     pub tickets: u64,
+    /// bf16 with stamps: u64 scratch of `blocks · CHAIN_PHASES` stamps (else 0).
+    pub stamps: u64,
     /// Output rows.
     pub rows: usize,
     /// Values of x (bf16: a multiple of 8; Q4_K: of 256).
@@ -163,6 +183,9 @@ pub struct ChainOp {
     pub dep: Option<usize>,
     /// The norm's epsilon.
     pub eps: f32,
+    /// bf16: whether the rows are (gate, up) pairs whose outputs are
+    /// gelu_tanh(gate · x) · (up · x), half as many as the rows.
+    pub gated: bool,
 }
 
 impl ChainOp {
@@ -171,15 +194,24 @@ impl ChainOp {
         self.rows.div_ceil(CHAIN_ROWS)
     }
 
+    /// Output values: the rows, or a gated product's pairs of them.
+    pub fn outputs(&self) -> usize {
+        if self.gated {
+            self.rows / 2
+        } else {
+            self.rows
+        }
+    }
+
     /// Units (bf16: items) a row.
     pub fn chunks(&self) -> usize {
         self.k.div_ceil(self.format.k)
     }
 
-    /// The 20 words of chain.cu's `ChainOp` (its C layout: six addresses, six ints, the
-    /// epsilon, a pad); errors name a size past an int.
-    pub fn words(&self) -> Result<[u32; 20]> {
-        let mut w = [0u32; 20];
+    /// The 22 words of chain.cu's `ChainOp` (its C layout: seven addresses, six ints, the
+    /// epsilon, whether gated); errors name a size past an int.
+    pub fn words(&self) -> Result<[u32; CHAIN_OP_WORDS]> {
+        let mut w = [0u32; CHAIN_OP_WORDS];
         let addrs = [
             self.weights,
             self.input,
@@ -187,6 +219,7 @@ impl ChainOp {
             self.out,
             self.parts,
             self.tickets,
+            self.stamps,
         ];
         for (i, a) in addrs.iter().enumerate() {
             w[2 * i] = *a as u32;
@@ -205,9 +238,10 @@ impl ChainOp {
             int("chain chunks", self.chunks())?,
         ];
         for (i, v) in ints.iter().enumerate() {
-            w[12 + i] = *v as u32;
+            w[14 + i] = *v as u32;
         }
-        w[18] = self.eps.to_bits();
+        w[20] = self.eps.to_bits();
+        w[21] = u32::from(self.gated);
         Ok(w)
     }
 }
@@ -228,7 +262,7 @@ pub enum LinkInput<'a> {
 
 /// One product of a chain: `weights` (bf16 or Q4_K, `[rows, k]`) times x, its input's first k
 /// values (with `pair`, gelu_tanh(a) · b of its first 2k), RMS-normed with `norm` (k weights
-/// and an epsilon) where given.
+/// and an epsilon) where given; with `gated` (bf16), each pair of rows one output.
 pub struct ChainLink<'a> {
     /// The weights.
     pub weights: &'a CudaMatrix,
@@ -238,6 +272,9 @@ pub struct ChainLink<'a> {
     pub pair: bool,
     /// RMSNorm weights and epsilon of x.
     pub norm: Option<(&'a CudaBuffer, f32)>,
+    /// Whether the weights' rows are (gate, up) pairs, each giving one output
+    /// gelu_tanh(gate · x) · (up · x) (bf16 only).
+    pub gated: bool,
 }
 
 /// A chain laid out on the device: the kernel's table, each link's outputs and scratch, the
@@ -248,6 +285,7 @@ pub struct Chain {
     table: CudaBuffer,
     outputs: Vec<CudaBuffer>,
     _scratch: Vec<CudaBuffer>,
+    stamps: Vec<CudaBuffer>,
     done: CudaBuffer,
     exits: CudaBuffer,
     shared: u32,
@@ -279,13 +317,37 @@ impl Chain {
     pub fn weight_bytes(&self) -> u64 {
         self.weight_bytes
     }
+
+    /// The phases' stamps of the last run (SM cycles; see [`CHAIN_PHASES`]): for each link,
+    /// each block's; None when the chain was laid out without stamps.
+    pub fn stamps(&self, be: &CudaBackend) -> Result<Option<Vec<Vec<[u64; CHAIN_PHASES]>>>> {
+        if !self.format.stamps {
+            return Ok(None);
+        }
+        let mut links = Vec::with_capacity(self.stamps.len());
+        for buffer in &self.stamps {
+            let mut halves = vec![0f32; buffer.len()];
+            be.read(buffer, &mut halves)?;
+            let words: Vec<u64> = halves
+                .chunks_exact(2)
+                .map(|p| u64::from(p[0].to_bits()) | u64::from(p[1].to_bits()) << 32)
+                .collect();
+            links.push(
+                words
+                    .chunks_exact(CHAIN_PHASES)
+                    .map(|b| std::array::from_fn(|i| b[i]))
+                    .collect(),
+            );
+        }
+        Ok(Some(links))
+    }
 }
 
 impl CudaBackend {
     /// Lays out `links` on the device: outputs, scratch and the kernel's table. Errors name the
     /// link whose weights are not of the first link's format (bf16, or Q4_K), whose k is not
-    /// a multiple of 8 (Q4_K: 256), that reads a later link or past its input, or whose norm
-    /// is not k long.
+    /// a multiple of 8 (Q4_K: 256), that reads a later link or past its input, whose norm
+    /// is not k long, or that is gated over Q4_K weights or an odd number of rows.
     pub fn chain(&self, links: &[ChainLink<'_>]) -> Result<Chain> {
         let Some(first) = links.first() else {
             return Err(Error::Invalid("chain: no links".into()));
@@ -300,6 +362,8 @@ impl CudaBackend {
         let mut ops = Vec::with_capacity(links.len());
         let mut outputs: Vec<CudaBuffer> = Vec::with_capacity(links.len());
         let mut scratch = Vec::new();
+        let mut stamps = Vec::new();
+        let blocks = self.device().multiprocessors() as usize;
         let mut weight_bytes = 0u64;
         let mut max_k = 0;
         for (j, l) in links.iter().enumerate() {
@@ -336,7 +400,14 @@ impl CudaBackend {
                 }
                 None => (0, 0.0),
             };
-            let out = self.alloc(m.rows)?;
+            if l.gated && (!format.item_sums || m.rows % 2 != 0) {
+                return Err(bad(format!(
+                    "gated rows of {ty} weights, {} of them; gated links take an even number \
+                     of bf16 rows",
+                    m.rows
+                )));
+            }
+            let out = self.alloc(if l.gated { m.rows / 2 } else { m.rows })?;
             let mut op = ChainOp {
                 format,
                 weights: m.ptr,
@@ -350,6 +421,8 @@ impl CudaBackend {
                 eps,
                 parts: 0,
                 tickets: 0,
+                stamps: 0,
+                gated: l.gated,
             };
             if !format.item_sums {
                 let parts = self.alloc(op.tiles() * op.chunks() * CHAIN_ROWS)?;
@@ -358,18 +431,22 @@ impl CudaBackend {
                 op.tickets = tickets.ptr;
                 scratch.extend([parts, tickets]);
             }
+            if format.stamps {
+                let buffer = self.alloc(2 * CHAIN_PHASES * blocks)?;
+                op.stamps = buffer.ptr;
+                stamps.push(buffer);
+            }
             outputs.push(out);
             weight_bytes += (m.rows * m.row_bytes) as u64;
             max_k = max_k.max(k);
             ops.push(op);
         }
-        let mut words = Vec::with_capacity(20 * ops.len());
+        let mut words = Vec::with_capacity(CHAIN_OP_WORDS * ops.len());
         for op in &ops {
             words.extend(op.words()?.map(f32::from_bits));
         }
         let mut table = self.alloc(words.len())?;
         self.write(&words, &mut table)?;
-        let blocks = self.device().multiprocessors() as usize;
         let sums = format.sum_floats(ops.iter().map(|o| (o.rows, o.k)), blocks);
         let shared = format.shared_bytes(max_k, sums);
         let limit = self.device().max_block_shared() as usize;
@@ -385,6 +462,7 @@ impl CudaBackend {
             table,
             outputs,
             _scratch: scratch,
+            stamps,
             done: self.alloc(links.len())?,
             exits: self.alloc(1)?,
             shared: shared as u32,

@@ -46,7 +46,10 @@ mod tune;
 pub use attention_flash::ATTN_FLASH_MIN_ROWS;
 pub use backend::CudaBackend;
 pub use buffer::{CudaBuffer, CudaMatrix};
-pub use chain::{chain_format, Chain, ChainFormat, ChainLink, ChainOp, LinkInput, CHAIN_ROWS};
+pub use chain::{
+    chain_format, Chain, ChainFormat, ChainLink, ChainOp, LinkInput, CHAIN_OP_WORDS, CHAIN_PHASES,
+    CHAIN_ROWS,
+};
 pub use kernels::unit_images;
 pub use layout::device_bytes;
 pub use mmq::mma_suits;

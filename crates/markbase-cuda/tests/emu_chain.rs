@@ -5,7 +5,9 @@
 //! (the launch left its counts and tickets at 0), a link a launch, in descending order, and
 //! with the first or the last blocks running ahead of the others (a count raised before its
 //! outputs were written shows as poisoned inputs) give the same bits; with 3 and 5 blocks and
-//! rings of their default and of 3 stages, and (bf16) 5 warps a block of 2 048-value items.
+//! rings of their default and of 3 stages, and (bf16) 5 warps a block of 2 048-value items;
+//! with the phases' stamps (bf16), every block's wait ends after the blocks it waits for
+//! counted their outputs.
 //!
 //! Without a C++ compiler every test prints why and passes.
 
@@ -17,7 +19,7 @@ mod matrices;
 use chain::*;
 use markbase_core::quant::GgmlType;
 use markbase_cuda::sources::{define_lines, Module, Unit};
-use markbase_cuda::{chain_format, device_bytes, ChainFormat, ChainOp, CHAIN_ROWS};
+use markbase_cuda::{chain_format, device_bytes, ChainFormat, ChainOp, CHAIN_PHASES, CHAIN_ROWS};
 use markbase_kernel_emu::{compiler_available, EmuModule, Order};
 use markbase_test_support::rng;
 
@@ -31,6 +33,9 @@ type ChainKernel = unsafe extern "C" fn(
     x_floats: i32,
 );
 
+/// Blocks a test launch runs at most (the stamps' room).
+const MAX_BLOCKS: usize = 8;
+
 /// A chain laid out in host memory as the kernel reads it (the emulator runs in-process).
 struct HostChain {
     format: ChainFormat,
@@ -38,6 +43,9 @@ struct HostChain {
     table: Vec<u32>,
     outputs: Vec<Vec<f32>>,
     scratch: Vec<(Vec<f32>, Vec<u32>)>,
+    /// With `CHAIN_STAMPS=1`: each link's stamps for up to `MAX_BLOCKS` blocks.
+    stamps: Vec<Vec<u64>>,
+    deps: Vec<Option<usize>>,
     done: Vec<u32>,
     exits: Vec<u32>,
     max_k: usize,
@@ -54,8 +62,10 @@ impl HostChain {
             .iter()
             .map(|m| device_bytes(ty, m.bytes.as_slice(), m.rows).into_owned())
             .collect();
-        let mut outputs: Vec<Vec<f32>> = spec.iter().map(|l| vec![f32::NAN; l.rows]).collect();
+        let mut outputs: Vec<Vec<f32>> = spec.iter().map(|l| vec![f32::NAN; l.outputs()]).collect();
         let mut scratch = Vec::new();
+        let mut stamps = Vec::new();
+        let mut deps = Vec::new();
         let mut table = Vec::new();
         for (j, l) in spec.iter().enumerate() {
             let (input, dep) = match l.source {
@@ -81,6 +91,8 @@ impl HostChain {
                 eps: EPS,
                 parts: 0,
                 tickets: 0,
+                stamps: 0,
+                gated: l.gated,
             };
             // Q4_K's run sums and tickets (bf16 keeps its sums in shared memory).
             let (mut parts, mut tickets) = (Vec::new(), Vec::new());
@@ -90,8 +102,15 @@ impl HostChain {
                 op.parts = parts.as_mut_ptr() as u64;
                 op.tickets = tickets.as_mut_ptr() as u64;
             }
+            let mut link_stamps = Vec::new();
+            if format.stamps {
+                link_stamps = vec![0u64; MAX_BLOCKS * CHAIN_PHASES];
+                op.stamps = link_stamps.as_mut_ptr() as u64;
+            }
             table.extend(op.words().unwrap());
             scratch.push((parts, tickets));
+            stamps.push(link_stamps);
+            deps.push(dep);
         }
         HostChain {
             format,
@@ -99,6 +118,8 @@ impl HostChain {
             table,
             outputs,
             scratch,
+            stamps,
+            deps,
             done: vec![0; spec.len()],
             exits: vec![0],
             max_k: spec.iter().map(|l| l.k).max().unwrap(),
@@ -106,8 +127,32 @@ impl HostChain {
         }
     }
 
+    /// With stamps, after a whole-chain pass of `blocks` blocks: each block's phases of each
+    /// link in order, and each block's input ready (phase 1) after every block counted the link
+    /// it reads (phase 4) — the emulator's stamps count in one order over all blocks.
+    fn check_stamps(&self, what: &str, blocks: usize) {
+        if !self.format.stamps {
+            return;
+        }
+        let at = |j: usize, b: usize, p: usize| self.stamps[j][CHAIN_PHASES * b + p];
+        for (j, dep) in self.deps.iter().enumerate() {
+            for b in 0..blocks {
+                let ordered = (1..CHAIN_PHASES).all(|p| at(j, b, p - 1) < at(j, b, p));
+                assert!(ordered, "{what}: link {j}, block {b}: phases out of order");
+                if let Some(d) = *dep {
+                    let counted = (0..blocks).map(|c| at(d, c, 4)).max().unwrap();
+                    assert!(
+                        at(j, b, 1) > counted,
+                        "{what}: link {j}, block {b} went on before link {d} was counted"
+                    );
+                }
+            }
+        }
+    }
+
     /// One pass: the whole chain in one launch, or a link a launch; the outputs poisoned first.
     fn pass(&mut self, unit: &EmuModule, order: Order, blocks: u32, whole: bool) {
+        assert!(blocks as usize <= MAX_BLOCKS);
         for o in &mut self.outputs {
             o.fill(f32::NAN);
         }
@@ -183,6 +228,7 @@ fn check(ty: GgmlType, spec: &[LinkSpec], defines: &str) {
         chain.pass(&unit, Order::Ascending, blocks, true);
         let what = format!("chain {ty} {defines}, {blocks} blocks");
         check_chain(&what, spec, &inputs, &chain.outputs);
+        chain.check_stamps(&what, blocks as usize);
         let first = chain.outputs.clone();
         for (order, whole) in [
             (Order::Ascending, true),
@@ -193,6 +239,9 @@ fn check(ty: GgmlType, spec: &[LinkSpec], defines: &str) {
             (Order::LastAhead, true),
         ] {
             chain.pass(&unit, order, blocks, whole);
+            if whole {
+                chain.check_stamps(&format!("{what} ({order:?})"), blocks as usize);
+            }
             for (j, (a, b)) in first.iter().zip(&chain.outputs).enumerate() {
                 let same = a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
                 assert!(
@@ -221,6 +270,11 @@ fn bf16_chain_of_other_warps_and_items_matches_reference() {
         &test_chain(),
         "CHAIN_WARPS=5 CHAIN_K=2048 CHAIN_STAGES=2",
     );
+}
+
+#[test]
+fn bf16_chain_with_stamps_matches_reference_and_waits_for_its_inputs() {
+    check(GgmlType::BF16, &test_chain(), "CHAIN_STAMPS=1");
 }
 
 #[test]

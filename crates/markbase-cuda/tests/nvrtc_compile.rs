@@ -123,6 +123,16 @@ const VARIANTS: &[(Unit, &str, &str)] = &[
         "CHAIN_WARPS=20 CHAIN_K=2048 CHAIN_STAGES=2",
         ".maxntid 640, 1, 1",
     ),
+    (
+        Unit {
+            module: Module::Chain,
+            part: Part::Whole,
+        },
+        // chain_bf16 with its phases stamped, L2 asked for weights ahead and the counts raised
+        // by release reductions.
+        "CHAIN_STAMPS=1 CHAIN_L2_AHEAD=64 CHAIN_RELEASE=1",
+        "red.release.gpu.global.add.u32",
+    ),
 ];
 
 /// One compilation of the check: a whole module (every kernel, for comparison), one of the

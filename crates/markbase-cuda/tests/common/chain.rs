@@ -19,7 +19,7 @@ pub enum Source {
 }
 
 /// One link of a test chain: weights `[rows, k]`, its input, gelu-paired or not, normed or
-/// not.
+/// not, its rows (gate, up) pairs giving one output each (gated) or not.
 #[derive(Clone, Copy, Debug)]
 pub struct LinkSpec {
     pub rows: usize,
@@ -27,6 +27,26 @@ pub struct LinkSpec {
     pub source: Source,
     pub pair: bool,
     pub norm: bool,
+    pub gated: bool,
+}
+
+impl LinkSpec {
+    /// Output values: the rows, or a gated link's pairs of them.
+    pub fn outputs(&self) -> usize {
+        if self.gated {
+            self.rows / 2
+        } else {
+            self.rows
+        }
+    }
+
+    /// The same link with its rows as (gate, up) pairs.
+    fn gated(self) -> LinkSpec {
+        LinkSpec {
+            gated: true,
+            ..self
+        }
+    }
 }
 
 /// The norms' epsilon.
@@ -39,6 +59,7 @@ fn link(rows: usize, k: usize, source: Source, pair: bool, norm: bool) -> LinkSp
         source,
         pair,
         norm,
+        gated: false,
     }
 }
 
@@ -46,10 +67,10 @@ fn from(link: usize, offset: usize) -> Source {
     Source::Link { link, offset }
 }
 
-/// A chain over every path of the kernel at sizes the emulator runs: rows past a tile, k past
-/// and below a unit, a pair, norms, links reading one not just before them, links of more
-/// units than blocks and of fewer; with 3 or 5 blocks, tiles of several units cut between
-/// blocks.
+/// A chain over every path of the bf16 kernel at sizes the emulator runs: rows past a tile, k
+/// past and below a unit, a pair, norms, gated rows (normed and not, more pairs than blocks
+/// and fewer), links reading one not just before them, links of more units than blocks and of
+/// fewer; with 3 or 5 blocks, tiles of several units cut between blocks.
 pub fn test_chain() -> Vec<LinkSpec> {
     vec![
         link(2600, 296, Source::Outside, false, true),
@@ -59,6 +80,9 @@ pub fn test_chain() -> Vec<LinkSpec> {
         link(13, 88, from(3, 0), false, false),
         link(61, 2048, from(2, 0), false, true),
         link(8, 8, from(4, 0), false, true),
+        link(46, 1040, from(2, 100), false, true).gated(),
+        link(4, 8, from(7, 15), false, false).gated(),
+        link(16, 16, from(7, 0), false, true),
     ]
 }
 
@@ -76,9 +100,10 @@ pub fn test_chain_q4k() -> Vec<LinkSpec> {
 }
 
 /// Gemma 4 E4B's products of a layer in the order a step runs them (q, k, v as one; o reading
-/// q; gate and up as one; down reading their gelu pair; the per-layer-input gate and
-/// projection), twice, the second layer reading the first's projection.
-pub fn e4b_layers() -> Vec<LinkSpec> {
+/// q; gate and up as one; down reading their gelu pair — or, `gated`, gate and up as row pairs
+/// and down reading their outputs; the per-layer-input gate and projection), twice, the second
+/// layer reading the first's projection.
+pub fn e4b_layers(gated: bool) -> Vec<LinkSpec> {
     let (d, ff, q, kv, ple) = (2560, 10240, 2048, 512, 256);
     let mut links = Vec::new();
     for layer in 0..2 {
@@ -87,11 +112,12 @@ pub fn e4b_layers() -> Vec<LinkSpec> {
             0 => Source::Outside,
             _ => from(base - 1, 0),
         };
+        let gate_up = link(2 * ff, d, from(base + 1, 0), false, true);
         links.extend([
             link(q + 2 * kv, d, input, false, true),
             link(d, q, from(base, 0), false, false),
-            link(2 * ff, d, from(base + 1, 0), false, true),
-            link(d, ff, from(base + 2, 0), true, false),
+            LinkSpec { gated, ..gate_up },
+            link(d, ff, from(base + 2, 0), !gated, false),
             link(ple, d, from(base + 3, 0), false, true),
             link(d, ple, from(base + 4, 0), false, false),
         ]);
@@ -185,13 +211,14 @@ pub fn link_want(
         .collect();
     let x = seen(&x32);
     let w = &inputs.dequant[j];
-    (0..l.rows)
-        .map(|r| {
-            let row = &w[r * l.k..(r + 1) * l.k];
-            row.iter()
-                .zip(&x)
-                .map(|(&b, &a)| b as f64 * a as f64)
-                .sum::<f64>() as f32
+    let dot = |r: usize| -> f64 {
+        let row = &w[r * l.k..(r + 1) * l.k];
+        row.iter().zip(&x).map(|(&b, &a)| b as f64 * a as f64).sum()
+    };
+    (0..l.outputs())
+        .map(|i| match l.gated {
+            true => (gelu_tanh(dot(2 * i)) * dot(2 * i + 1)) as f32,
+            false => dot(i) as f32,
         })
         .collect()
 }

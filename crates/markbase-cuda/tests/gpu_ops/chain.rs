@@ -1,6 +1,6 @@
 //! The chain of one-token products in one persistent launch (chain.cu), of bf16 and Q4_K
 //! weights, against the f64 products (tests/common/chain.rs): a chain over the kernel's paths
-//! and two of E4B's layers, the whole chain in one launch, then a launch a link and a second
+//! and two of E4B's layers (bf16 also with gate and up as row pairs), the whole chain in one launch, then a launch a link and a second
 //! whole pass bit for bit.
 
 use super::*;
@@ -28,6 +28,7 @@ fn run_chain(g: &CudaBackend, spec: &[LinkSpec], inputs: &ChainInputs) -> Vec<Ve
             },
             pair: l.pair,
             norm: l.norm.then(|| (&norms[j], EPS)),
+            gated: l.gated,
         })
         .collect();
     let mut chain = g.chain(&links).unwrap();
@@ -35,7 +36,7 @@ fn run_chain(g: &CudaBackend, spec: &[LinkSpec], inputs: &ChainInputs) -> Vec<Ve
     let mut passes = Vec::new();
     for whole in [true, false, true] {
         for (j, l) in spec.iter().enumerate() {
-            g.write(&vec![f32::NAN; l.rows], chain.output_mut(j))
+            g.write(&vec![f32::NAN; l.outputs()], chain.output_mut(j))
                 .unwrap();
         }
         match whole {
@@ -44,7 +45,7 @@ fn run_chain(g: &CudaBackend, spec: &[LinkSpec], inputs: &ChainInputs) -> Vec<Ve
         }
         passes.push(
             (0..n)
-                .map(|j| down(g, chain.output(j), spec[j].rows))
+                .map(|j| down(g, chain.output(j), spec[j].outputs()))
                 .collect(),
         );
     }
@@ -73,12 +74,18 @@ fn chain_matches_reference_and_repeats_bit_for_bit() {
         g,
         GgmlType::BF16,
         "bf16 chain of two E4B layers",
-        &e4b_layers(),
+        &e4b_layers(false),
+    );
+    check_on_gpu(
+        g,
+        GgmlType::BF16,
+        "bf16 chain of two E4B layers, gate and up as row pairs",
+        &e4b_layers(true),
     );
     check_on_gpu(
         g,
         GgmlType::Q4_K,
         "Q4_K chain of two E4B layers",
-        &e4b_layers(),
+        &e4b_layers(false),
     );
 }
