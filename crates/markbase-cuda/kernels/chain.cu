@@ -22,15 +22,18 @@
 // tile's last run (a ticket a tile, reset by that block) adds in unit order.
 //
 // bf16 (`chain_bf16`, session 58: 69–70 % of the H100's copy rate, against 36 % for session
-// 44's version of the Q4_K shape and 83 % for the backend's own operations): a
-// block's share is whole rows (a gated product's whole pairs of rows), cut into items of a
-// row's CHAIN_K values (1 024, 2 KB). Its
-// CHAIN_WARPS warps take every CHAIN_WARPS-th item, and each lane streams its own 16-byte
-// pieces of its warp's items through the warp's ring of CHAIN_STAGES stages and multiplies
-// exactly those pieces: no barrier, no lane waits for another's copies, no address arithmetic
-// but a row's. A warp's item sums go to shared memory; after the block's last item of a
-// product its threads add each row's items in order and store the row. The count is of
-// blocks done.
+// 44's version of the Q4_K shape and 83 % for the backend's own operations; session 59's
+// stamps put its items at the copy rate and the loss in staging x at the boundaries, and its
+// staging without a block reduction, gated links and fields in shared memory: 75–76 %): a
+// block's share is whole rows (a gated product's whole pairs of rows), cut into items of a row's
+// CHAIN_K values (1 024, 2 KB). Its CHAIN_WARPS warps take every CHAIN_WARPS-th item, and each
+// lane streams its own 16-byte pieces of its warp's items through the warp's ring of
+// CHAIN_STAGES stages and multiplies exactly those pieces: no barrier, no lane waits for
+// another's copies, no address arithmetic but a row's. x is staged as x · γ and the norm's
+// RMS scale multiplies the row sums (chain_stage_scaled_x). A warp's item sums go to shared
+// memory; after the block's last item of a product its threads add each row's items in order
+// and store the row. The count is of blocks done. The product in use and the next one sit in
+// shared memory, the next copied from the table during the current one's items.
 //
 // Either way every run of a launch of the same grid gives the same bits. A launch may cover
 // any range of the chain's products (`first`, `count`); a product whose input comes from
@@ -66,15 +69,6 @@
 #define CHAIN_Q4K_STAGES 16
 #endif
 #define CHAIN_ROWS 8
-// bf16: KB of the weights past the rings' copies that a block asks L2 for at the end of its
-// items of a product (chain_l2_ahead), so the memory streams on through the boundary; 0: none.
-#ifndef CHAIN_L2_AHEAD
-#define CHAIN_L2_AHEAD 0
-#endif
-// bf16: 1 counts a block's share done by one release reduction, 0 by a fence and an atomic.
-#ifndef CHAIN_RELEASE
-#define CHAIN_RELEASE 0
-#endif
 
 // One product of the chain, as the host lays it out (chain.rs `ChainOp`, 88 bytes).
 struct ChainOp {
@@ -217,10 +211,10 @@ __device__ __forceinline__ void chain_x4(const ChainOp& o, int i0, float4* x) {
     }
 }
 
-// Stages product o's x (kx floats, zeros past k), RMS-normed where o asks (its input ready:
-// chain_wait). A thread takes 16-value spans of x (4 float4s, their loads in flight together) where the
-// input lies on 16 bytes and k is a multiple of 4, else single values. Ends with a block
-// barrier.
+// Q4_K: stages product o's x (kx floats, zeros past k), RMS-normed where o asks (its input
+// ready: chain_wait). A thread takes 16-value spans of x (4 float4s, their loads in flight
+// together) where the input lies on 16 bytes and k is a multiple of 4, else single values.
+// Ends with a block barrier.
 __device__ void chain_stage_x(const ChainOp& o, int kx, float* xs, float* red) {
     float ss = 0.f;
     if ((o.in & 15) == 0 && (o.k & 3) == 0) {
@@ -614,38 +608,6 @@ __device__ __forceinline__ float chain_rms_scale(const ChainOp& o, const float* 
     return rsqrtf(s / (float)o.k + o.eps);
 }
 
-// Adds 1 to *count once the block's stores before the barrier ahead of it are visible
-// (thread 0; release semantics, GPU scope).
-__device__ __forceinline__ void chain_count(u32* count) {
-#if CHAIN_RELEASE && !defined(MB_EMU)
-    asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(count) : "memory");
-#else
-    __threadfence();
-    atomicAdd(count, 1u);
-#endif
-}
-
-// Asks L2 for CHAIN_L2_AHEAD KB of this block's weights from item `u` of product `op` on (its
-// share's rows are contiguous, its items in memory order), through the products after it.
-__device__ __forceinline__ void chain_l2_ahead(const ChainOp* ops, int op, int last, int u) {
-#if CHAIN_L2_AHEAD > 0 && !defined(MB_EMU)
-    u32 left = CHAIN_L2_AHEAD * 1024;
-    for (; op < last && left > 0; op++, u = 0) {
-        const ChainOp& o = ops[op];
-        const int r0 = chain_row_share(o, blockIdx.x);
-        const int rows = chain_row_share(o, blockIdx.x + 1) - r0;
-        const u64 row_bytes = 2 * (u64)o.k;
-        const u64 from = (u64)(u / o.chunks) * row_bytes + (u64)(u % o.chunks) * 2 * CHAIN_K;
-        const u64 share = (u64)rows * row_bytes;
-        if (from >= share) continue;
-        const u32 n = (u32)min((u64)left, share - from);
-        const u8* at = (const u8*)o.w + (u64)r0 * row_bytes + from;
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(at), "r"(n) : "memory");
-        left -= n;
-    }
-#endif
-}
-
 extern "C" __global__ void __launch_bounds__(32 * CHAIN_WARPS, 1)
     chain_bf16(const ChainOp* ops, int first, int count, u32* done, u32* exits, int x_floats) {
     constexpr int STAGE_BYTES = 2 * CHAIN_K;
@@ -713,7 +675,6 @@ extern "C" __global__ void __launch_bounds__(32 * CHAIN_WARPS, 1)
             chunk += step_chunks;
             if (chunk >= chunks) chunk -= chunks;
         }
-        if (threadIdx.x == 0 && load.op < last) chain_l2_ahead(ops, load.op, last, load.u + 16);
         if (copies) ((u32*)&slots[(op + 1 - first) & 1])[threadIdx.x] = next_word;
         __syncthreads();
         chain_stamp(o, 3);
@@ -733,9 +694,13 @@ extern "C" __global__ void __launch_bounds__(32 * CHAIN_WARPS, 1)
             }
             out[(r0 >> gated) + i] = sum;
         }
-        // Every block counts each product once, after its rows' stores.
+        // Every block counts each product once, after its rows' stores (thread 0's fence
+        // after the barrier orders them before the count).
         __syncthreads();
-        if (threadIdx.x == 0) chain_count(done + op);
+        if (threadIdx.x == 0) {
+            __threadfence();
+            atomicAdd(done + op, 1u);
+        }
         chain_stamp(o, 4);
     }
     cp_async_wait<0>();

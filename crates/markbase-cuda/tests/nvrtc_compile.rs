@@ -128,10 +128,9 @@ const VARIANTS: &[(Unit, &str, &str)] = &[
             module: Module::Chain,
             part: Part::Whole,
         },
-        // chain_bf16 with its phases stamped, L2 asked for weights ahead and the counts raised
-        // by release reductions.
-        "CHAIN_STAMPS=1 CHAIN_L2_AHEAD=64 CHAIN_RELEASE=1",
-        "red.release.gpu.global.add.u32",
+        // chain_bf16 with its phases stamped by the multiprocessor's cycle count.
+        "CHAIN_STAMPS=1",
+        "%clock64",
     ),
 ];
 
