@@ -3,9 +3,8 @@
 //! token row, or `--tokens N`), the routed experts of one 26B-A4B layer (`--moe`, N tokens
 //! routed uniformly at random, as a trained router spreads them), E4B's 42 layers of one-token
 //! bf16 (`--chain`, `--chain bf16-pair`) or Q4_K (`--chain q4_k`) products as one persistent
-//! launch, as a launch a
-//! product and as the backend's own operations (chain.rs), device picks of `--tokens N` rows
-//! of a 262 144-token vocabulary under each kind of draw (`--sample`), and
+//! launch, as a launch a product and as the backend's own operations (chain.rs), device picks
+//! of `--tokens N` rows of a 262 144-token vocabulary under each kind of draw (`--sample`), and
 //! whole-model decode steps (one host wait each) of a synthetic Gemma 4 (random weights at a
 //! released variant's shapes) or a GGUF.
 //!
@@ -301,9 +300,10 @@ fn gemv_bandwidth(be: &CudaBackend, shapes: &LayerShapes, n: usize) {
 /// E4B's one-token products of 42 layers (weights stored as `ty`: bf16 or Q4_K) in a step's
 /// order — q/k/v, o (reading q), gate and up (`gated`: as row pairs, each pair's output
 /// gelu(gate) · up), down (reading gelu(gate) · up), the per-layer-input gate and projection,
-/// each reading the one before and the ones a norm precedes normed — three ways: through `run_chain` as one persistent launch and as a launch
-/// a product, and as the backend's own operations (`rms_norm`, `matmul_many`, `matmul`,
-/// `gated_ffn`: 9 launches a layer, as a step queues them). Steps of 5 passes end in a host
+/// each reading the one before and the ones a norm precedes normed — three ways: through
+/// `run_chain` as one persistent launch and as a launch a product, and as the backend's own
+/// operations (`rms_norm`, `matmul_many`, `matmul`, `gated_ffn`: 9 launches a layer, as a
+/// step queues them). Steps of 5 passes end in a host
 /// wait, so the steps after the first two replay as CUDA graphs, as decode steps do. Layers
 /// cycle through 4 copies of the weights (183 MB each in bf16, 51 MB in Q4_K), so no product
 /// runs from L2. Prints ms a pass, µs a layer and GB/s of weight bytes beside the copy
@@ -471,7 +471,8 @@ fn chain_phases(
         / blocks as f64;
     let us = pass * 1e6 / span;
     println!(
-        "phases of a block's share (µs a link, mean of the layers and {blocks} blocks; SM clock          {:.0} MHz from the pass's {:.3} ms)",
+        "phases of a block's share (µs a link, mean of the layers and {blocks} blocks; SM clock \
+         {:.0} MHz from the pass's {:.3} ms)",
         1.0 / us,
         pass * 1e3
     );

@@ -60,10 +60,6 @@
 #ifndef CHAIN_STAMPS
 #define CHAIN_STAMPS 0
 #endif
-// Nanoseconds a spin-wait turn sleeps (0: none).
-#ifndef CHAIN_SPIN_NS
-#define CHAIN_SPIN_NS 64
-#endif
 // Q4_K: the ring's stages (units of 9 KB) and a unit's rows.
 #ifndef CHAIN_Q4K_STAGES
 #define CHAIN_Q4K_STAGES 16
@@ -127,8 +123,8 @@ __device__ __forceinline__ u32 chain_acquire(const u32* p) {
 __device__ __forceinline__ void chain_spin() {
 #ifdef MB_EMU
     mb_emu::spin();
-#elif CHAIN_SPIN_NS > 0
-    asm volatile("nanosleep.u32 %0;" ::"n"(CHAIN_SPIN_NS));
+#else
+    asm volatile("nanosleep.u32 64;");
 #endif
 }
 

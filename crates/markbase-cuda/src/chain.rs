@@ -407,13 +407,12 @@ impl CudaBackend {
                     m.rows
                 )));
             }
-            let out = self.alloc(if l.gated { m.rows / 2 } else { m.rows })?;
             let mut op = ChainOp {
                 format,
                 weights: m.ptr,
                 input,
                 norm,
-                out: out.ptr,
+                out: 0,
                 rows: m.rows,
                 k,
                 pair: l.pair,
@@ -424,6 +423,8 @@ impl CudaBackend {
                 stamps: 0,
                 gated: l.gated,
             };
+            let out = self.alloc(op.outputs())?;
+            op.out = out.ptr;
             if !format.item_sums {
                 let parts = self.alloc(op.tiles() * op.chunks() * CHAIN_ROWS)?;
                 let tickets = self.alloc(op.tiles())?;

@@ -89,3 +89,24 @@ fn chain_matches_reference_and_repeats_bit_for_bit() {
         &e4b_layers(false),
     );
 }
+
+#[test]
+fn chain_refuses_gated_rows_it_cannot_pair() {
+    let g = gpu_or_skip!();
+    let mut r = rng("chain gated errors");
+    let x = up(g, &vec![0.5; 256]);
+    for (ty, rows) in [(GgmlType::BF16, 7), (GgmlType::Q4_K, 8)] {
+        let m = g
+            .load_matrix(&markbase_test_support::random_matrix(&mut r, ty, rows, 256))
+            .unwrap();
+        let link = ChainLink {
+            weights: &m,
+            input: LinkInput::Buffer(&x),
+            pair: false,
+            norm: None,
+            gated: true,
+        };
+        let err = g.chain(&[link]).err().expect("a gated link it cannot pair");
+        assert!(err.to_string().contains("gated"), "{ty} × {rows}: {err}");
+    }
+}
