@@ -141,10 +141,10 @@ __device__ __forceinline__ void chain_wait(const u32* count, u32 ready) {
 #define CHAIN_PHASES 5
 
 // Thread 0 stamps phase `phase` of this block's share of product o with the SM's cycle count
-// (the emulator: a count of stamps), where CHAIN_STAMPS asks.
+// (the emulator: a count of stamps), where CHAIN_STAMPS asks and o has stamps (bf16).
 __device__ __forceinline__ void chain_stamp(const ChainOp& o, int phase) {
 #if CHAIN_STAMPS
-    if (threadIdx.x != 0) return;
+    if (threadIdx.x != 0 || !o.stamps) return;
 #ifdef MB_EMU
     static u64 ticks = 0;
     const u64 t = ++ticks;
@@ -172,18 +172,6 @@ __device__ __forceinline__ void chain_issue(const ChainOp& o, int u, u32 s) {
     }
 }
 
-// The sum of v over the block (every thread gets it); red: 8 floats of shared memory.
-__device__ __forceinline__ float chain_block_sum(float v, float* red) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
-    __syncthreads();
-    float s = 0.f;
-    for (int w = 0; w < (int)(blockDim.x >> 5); w++) s += red[w];
-    __syncthreads();
-    return s;
-}
-
 // x[i] for values i0 + 4j (j < 4, i0 a multiple of 4) of product o's input, read from L2
 // (other blocks wrote it in this launch): all loads first, so they are in flight together.
 __device__ __forceinline__ void chain_x4(const ChainOp& o, int i0, float4* x) {
@@ -207,20 +195,44 @@ __device__ __forceinline__ void chain_x4(const ChainOp& o, int i0, float4* x) {
     }
 }
 
-// Q4_K: stages product o's x (kx floats, zeros past k), RMS-normed where o asks (its input
-// ready: chain_wait). A thread takes 16-value spans of x (4 float4s, their loads in flight
-// together) where the input lies on 16 bytes and k is a multiple of 4, else single values.
-// Ends with a block barrier.
-__device__ void chain_stage_x(const ChainOp& o, int kx, float* xs, float* red) {
+// Product o's γ (RMSNorm weights, nw) for x's values i0 + 4j (j < 4; zeros past k).
+__device__ __forceinline__ void chain_gamma4(const float* nw, int k, int i0, float4* g) {
+#pragma unroll
+    for (int j = 0; j < 4; j++)
+        g[j] = i0 + 4 * j < k ? __ldg((const float4*)(nw + i0 + 4 * j))
+                              : make_float4(0.f, 0.f, 0.f, 0.f);
+}
+
+// Waits until *count reaches `ready` (count null: no wait), then stages x · γ for product
+// o (kx floats, zeros past k; γ its norm's weights, or 1) and, where o normalizes, leaves each
+// warp's share of Σ x² in red[warp] for chain_rms_scale: the RMS scale multiplies the row
+// sums, so staging needs no block reduction. A thread's γ for its first 16-value span is
+// loaded before the wait. Ends with a block barrier.
+__device__ void chain_stage_scaled_x(const ChainOp& o, const u32* count, u32 ready, int kx,
+                                     float* xs, float* red) {
+    const float* nw = (const float*)o.norm;
+    const bool spans = (o.in & 15) == 0 && (o.k & 3) == 0 && (o.norm & 15) == 0;
+    const int first = 16 * threadIdx.x;
+    float4 g[4];
+    if (spans && nw && first < kx) chain_gamma4(nw, o.k, first, g);
+    chain_wait(count, ready);
+    chain_stamp(o, 1);
     float ss = 0.f;
-    if ((o.in & 15) == 0 && (o.k & 3) == 0) {
-        for (int i0 = 16 * threadIdx.x; i0 < kx; i0 += 16 * blockDim.x) {
+    if (spans) {
+        for (int i0 = first; i0 < kx; i0 += 16 * blockDim.x) {
             float4 x[4];
             chain_x4(o, i0, x);
+            if (nw && i0 != first) chain_gamma4(nw, o.k, i0, g);
 #pragma unroll
             for (int j = 0; j < 4; j++) {
-                *(float4*)(xs + i0 + 4 * j) = x[j];
                 ss += x[j].x * x[j].x + x[j].y * x[j].y + x[j].z * x[j].z + x[j].w * x[j].w;
+                if (nw) {
+                    x[j].x *= g[j].x;
+                    x[j].y *= g[j].y;
+                    x[j].z *= g[j].z;
+                    x[j].w *= g[j].w;
+                }
+                *(float4*)(xs + i0 + 4 * j) = x[j];
             }
         }
     } else {
@@ -230,16 +242,36 @@ __device__ void chain_stage_x(const ChainOp& o, int kx, float* xs, float* red) {
             if (i < o.k) {
                 v = __ldcg(in + i);
                 if (o.pair) v = gelu_tanh(v) * __ldcg(in + o.k + i);
+                ss += v * v;
+                if (nw) v *= __ldg(nw + i);
             }
             xs[i] = v;
-            ss += v * v;
         }
     }
-    if (o.norm) {
-        const float scale = rsqrtf(chain_block_sum(ss, red) / (float)o.k + o.eps);
-        const float* nw = (const float*)o.norm;
-        for (int i = threadIdx.x; i < o.k; i += blockDim.x) xs[i] *= scale * __ldg(nw + i);
+    if (nw) {
+        ss = warp_sum(ss);
+        if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
     }
+    __syncthreads();
+}
+
+// The RMS scale of product o's x (1 where o has no norm) from the warps' sums that
+// chain_stage_scaled_x left in red, added in warp order (every thread the same bits).
+__device__ __forceinline__ float chain_rms_scale(const ChainOp& o, const float* red) {
+    if (!o.norm) return 1.f;
+    float s = 0.f;
+    for (int w = 0; w < (int)(blockDim.x >> 5); w++) s += red[w];
+    return rsqrtf(s / (float)o.k + o.eps);
+}
+
+// Q4_K: chain_stage_scaled_x, then x times its RMS scale where o normalizes (the 16-bit tiles
+// take x as the one-token GEMVs do). Ends with a block barrier.
+__device__ void chain_stage_normed_x(const ChainOp& o, const u32* count, u32 ready, int kx,
+                                     float* xs, float* red) {
+    chain_stage_scaled_x(o, count, ready, kx, xs, red);
+    if (!o.norm) return;
+    const float scale = chain_rms_scale(o, red);
+    for (int i = threadIdx.x; i < o.k; i += blockDim.x) xs[i] *= scale;
     __syncthreads();
 }
 
@@ -400,8 +432,9 @@ __device__ void chain_impl(const ChainOp* ops, int first, int count, u32* done, 
         const ChainOp& o = ops[use.op];
         if (use.op != staged) {
             staged = use.op;
-            if (o.dep >= first) chain_wait(done + o.dep, (u32)ops[o.dep].tiles);
-            chain_stage_x(o, o.chunks * U::K, xs, red);
+            const bool wait = o.dep >= first;
+            chain_stage_normed_x(o, wait ? done + o.dep : nullptr,
+                                 wait ? (u32)ops[o.dep].tiles : 0, o.chunks * U::K, xs, red);
             U::prepare(xs, o.chunks * U::K, tiles);
         }
         const int tile = use.u / o.chunks, chunk = use.u - tile * o.chunks;
@@ -533,75 +566,6 @@ __device__ __forceinline__ float chain_row_dot(int k, int chunk, const u8* stage
         }
     }
     return warp_sum(acc);
-}
-
-// Product o's γ (RMSNorm weights, nw) for x's values i0 + 4j (j < 4; zeros past k).
-__device__ __forceinline__ void chain_gamma4(const float* nw, int k, int i0, float4* g) {
-#pragma unroll
-    for (int j = 0; j < 4; j++)
-        g[j] = i0 + 4 * j < k ? __ldg((const float4*)(nw + i0 + 4 * j))
-                              : make_float4(0.f, 0.f, 0.f, 0.f);
-}
-
-// bf16: waits until *count reaches `ready` (count null: no wait), then stages x · γ for product
-// o (kx floats, zeros past k; γ its norm's weights, or 1) and, where o normalizes, leaves each
-// warp's share of Σ x² in red[warp] for chain_rms_scale: the RMS scale multiplies the row
-// sums, so staging needs no block reduction. A thread's γ for its first 16-value span is
-// loaded before the wait. Ends with a block barrier.
-__device__ void chain_stage_scaled_x(const ChainOp& o, const u32* count, u32 ready, int kx,
-                                     float* xs, float* red) {
-    const float* nw = (const float*)o.norm;
-    const bool spans = (o.in & 15) == 0 && (o.k & 3) == 0 && (o.norm & 15) == 0;
-    const int first = 16 * threadIdx.x;
-    float4 g[4];
-    if (spans && nw && first < kx) chain_gamma4(nw, o.k, first, g);
-    chain_wait(count, ready);
-    chain_stamp(o, 1);
-    float ss = 0.f;
-    if (spans) {
-        for (int i0 = first; i0 < kx; i0 += 16 * blockDim.x) {
-            float4 x[4];
-            chain_x4(o, i0, x);
-            if (nw && i0 != first) chain_gamma4(nw, o.k, i0, g);
-#pragma unroll
-            for (int j = 0; j < 4; j++) {
-                ss += x[j].x * x[j].x + x[j].y * x[j].y + x[j].z * x[j].z + x[j].w * x[j].w;
-                if (nw) {
-                    x[j].x *= g[j].x;
-                    x[j].y *= g[j].y;
-                    x[j].z *= g[j].z;
-                    x[j].w *= g[j].w;
-                }
-                *(float4*)(xs + i0 + 4 * j) = x[j];
-            }
-        }
-    } else {
-        const float* in = (const float*)o.in;
-        for (int i = threadIdx.x; i < kx; i += blockDim.x) {
-            float v = 0.f;
-            if (i < o.k) {
-                v = __ldcg(in + i);
-                if (o.pair) v = gelu_tanh(v) * __ldcg(in + o.k + i);
-                ss += v * v;
-                if (nw) v *= __ldg(nw + i);
-            }
-            xs[i] = v;
-        }
-    }
-    if (nw) {
-        ss = warp_sum(ss);
-        if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
-    }
-    __syncthreads();
-}
-
-// The RMS scale of product o's x (1 where o has no norm) from the warps' sums that
-// chain_stage_scaled_x left in red, added in warp order (every thread the same bits).
-__device__ __forceinline__ float chain_rms_scale(const ChainOp& o, const float* red) {
-    if (!o.norm) return 1.f;
-    float s = 0.f;
-    for (int w = 0; w < (int)(blockDim.x >> 5); w++) s += red[w];
-    return rsqrtf(s / (float)o.k + o.eps);
 }
 
 extern "C" __global__ void __launch_bounds__(32 * CHAIN_WARPS, 1)
