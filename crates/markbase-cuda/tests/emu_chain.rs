@@ -45,7 +45,6 @@ struct HostChain {
     scratch: Vec<(Vec<f32>, Vec<u32>)>,
     /// With `CHAIN_STAMPS=1`: each link's stamps for up to `MAX_BLOCKS` blocks.
     stamps: Vec<Vec<u64>>,
-    deps: Vec<Option<usize>>,
     done: Vec<u32>,
     exits: Vec<u32>,
     max_k: usize,
@@ -65,7 +64,6 @@ impl HostChain {
         let mut outputs: Vec<Vec<f32>> = spec.iter().map(|l| vec![f32::NAN; l.outputs()]).collect();
         let mut scratch = Vec::new();
         let mut stamps = Vec::new();
-        let mut deps = Vec::new();
         let mut table = Vec::new();
         for (j, l) in spec.iter().enumerate() {
             let (input, dep) = match l.source {
@@ -110,7 +108,6 @@ impl HostChain {
             table.extend(op.words().unwrap());
             scratch.push((parts, tickets));
             stamps.push(link_stamps);
-            deps.push(dep);
         }
         HostChain {
             format,
@@ -119,7 +116,6 @@ impl HostChain {
             outputs,
             scratch,
             stamps,
-            deps,
             done: vec![0; spec.len()],
             exits: vec![0],
             max_k: spec.iter().map(|l| l.k).max().unwrap(),
@@ -127,19 +123,19 @@ impl HostChain {
         }
     }
 
-    /// With stamps, after a whole-chain pass of `blocks` blocks: each block's phases of each
-    /// link in order, and each block's input ready (phase 1) after every block counted the link
-    /// it reads (phase 4) — the emulator's stamps count in one order over all blocks.
-    fn check_stamps(&self, what: &str, blocks: usize) {
+    /// With stamps, after a whole-chain pass of `spec` in `blocks` blocks: each block's phases
+    /// of each link in order, and each block's input ready (phase 1) after every block counted
+    /// the link it reads (phase 4) — the emulator's stamps count in one order over all blocks.
+    fn check_stamps(&self, spec: &[LinkSpec], what: &str, blocks: usize) {
         if !self.format.stamps {
             return;
         }
         let at = |j: usize, b: usize, p: usize| self.stamps[j][CHAIN_PHASES * b + p];
-        for (j, dep) in self.deps.iter().enumerate() {
+        for (j, l) in spec.iter().enumerate() {
             for b in 0..blocks {
                 let ordered = (1..CHAIN_PHASES).all(|p| at(j, b, p - 1) < at(j, b, p));
                 assert!(ordered, "{what}: link {j}, block {b}: phases out of order");
-                if let Some(d) = *dep {
+                if let Source::Link { link: d, .. } = l.source {
                     let counted = (0..blocks).map(|c| at(d, c, 4)).max().unwrap();
                     assert!(
                         at(j, b, 1) > counted,
@@ -228,7 +224,7 @@ fn check(ty: GgmlType, spec: &[LinkSpec], defines: &str) {
         chain.pass(&unit, Order::Ascending, blocks, true);
         let what = format!("chain {ty} {defines}, {blocks} blocks");
         check_chain(&what, spec, &inputs, &chain.outputs);
-        chain.check_stamps(&what, blocks as usize);
+        chain.check_stamps(spec, &what, blocks as usize);
         let first = chain.outputs.clone();
         for (order, whole) in [
             (Order::Ascending, true),
@@ -240,7 +236,7 @@ fn check(ty: GgmlType, spec: &[LinkSpec], defines: &str) {
         ] {
             chain.pass(&unit, order, blocks, whole);
             if whole {
-                chain.check_stamps(&format!("{what} ({order:?})"), blocks as usize);
+                chain.check_stamps(spec, &format!("{what} ({order:?})"), blocks as usize);
             }
             for (j, (a, b)) in first.iter().zip(&chain.outputs).enumerate() {
                 let same = a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
