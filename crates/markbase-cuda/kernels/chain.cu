@@ -24,12 +24,15 @@
 // bf16 (`chain_bf16`, session 58: 69–70 % of the H100's copy rate, against 36 % for session
 // 44's version of the Q4_K shape and 83 % for the backend's own operations; session 59's
 // stamps put its items at the copy rate and the loss in staging x at the boundaries, and its
-// staging without a block reduction, gated links and fields in shared memory: 75–76 %): a
+// staging without a block reduction, gated links and fields in shared memory: 75–76 %; session
+// 60: items by bulk copies, 75 → 76 %, and a boundary's time is not covered by the copies in
+// flight at any ring depth, so only shorter boundaries will raise it): a
 // block's share is whole rows (a gated product's whole pairs of rows), cut into items of a row's
-// CHAIN_K values (1 024, 2 KB). Its CHAIN_WARPS warps take every CHAIN_WARPS-th item, and each
-// lane streams its own 16-byte pieces of its warp's items through the warp's ring of
-// CHAIN_STAGES stages and multiplies exactly those pieces: no barrier, no lane waits for
-// another's copies, no address arithmetic but a row's. x is staged as x · γ and the norm's
+// CHAIN_K values (1 024, 2 KB). Its CHAIN_WARPS warps take every CHAIN_WARPS-th item, each
+// streaming its items through its own ring of CHAIN_STAGES stages — lane 0 requests an item
+// by one bulk copy counted on the stage's mbarrier (CHAIN_BULK), or each lane copies its own
+// 16-byte pieces — and each lane multiplies its own pieces: no block barrier an item, no
+// address arithmetic but a row's. x is staged as x · γ and the norm's
 // RMS scale multiplies the row sums (chain_stage_scaled_x). A warp's item sums go to shared
 // memory; after the block's last item of a product its threads add each row's items in order
 // and store the row. The count is of blocks done. The product in use and the next one sit in
@@ -54,6 +57,12 @@
 #endif
 #ifndef CHAIN_K
 #define CHAIN_K 1024
+#endif
+// 1: lane 0 of each warp requests the warp's items by bulk copies (TMA), one mbarrier a stage
+// (session 60: +2 % on E4B's products, H100); 0: every lane copies its own 16-byte pieces by
+// cp.async (faster where the boundaries cost little: docs/perf.md, session 60).
+#ifndef CHAIN_BULK
+#define CHAIN_BULK 1
 #endif
 // 1: thread 0 of each block stamps the SM's clock at the phases of its share of every bf16
 // product (chain_stamp), for `cuda_bench --chain bf16` to add up; 0: no stamps.
@@ -533,6 +542,37 @@ __device__ __forceinline__ void chain_row_issue(const ChainItems& c, u32 s, int 
     }
 }
 
+// Queues item c into the warp's stage at s: this lane's pieces by cp.async, or (CHAIN_BULK)
+// the whole item by one bulk copy from lane 0, on the stage's mbarrier `bar` (the warp read
+// the stage's last item before: the fence orders those reads before the copy's writes).
+__device__ __forceinline__ void chain_item_issue(const ChainItems& c, u32 s, u32 bar, int lane) {
+#if CHAIN_BULK
+    if (lane == 0) {
+        const int v0 = c.chunk * CHAIN_K;
+        const u32 bytes = 2 * min(CHAIN_K, c.k - v0);
+        bulk_fence();
+        mbar_arrive_expect_tx(bar, bytes);
+        bulk_copy(s, c.w + 2 * ((u64)c.row * c.k + v0), bytes, bar);
+    }
+#else
+    (void)bar;
+    chain_row_issue(c, s, lane);
+    cp_async_commit();
+#endif
+}
+
+// Waits until the warp's item t (in stage t % CHAIN_STAGES) has landed, the items after it
+// may still be on their way.
+__device__ __forceinline__ void chain_item_wait(u32 bars, int t) {
+#if CHAIN_BULK
+    mbar_wait(bars + 8 * (t % CHAIN_STAGES), (t / CHAIN_STAGES) & 1);
+#else
+    (void)bars;
+    (void)t;
+    cp_async_wait<CHAIN_STAGES - 2>();
+#endif
+}
+
 // One piece of a row, 8 bf16 values (16 bytes), times x's 8 values at xv.
 __device__ __forceinline__ float chain_piece_dot(uint4 q, const float* xv) {
     const float4 a = *(const float4*)xv, b = *(const float4*)(xv + 4);
@@ -575,8 +615,11 @@ extern "C" __global__ void __launch_bounds__(32 * CHAIN_WARPS, 1)
     const int last = first + count, w = threadIdx.x >> 5, lane = threadIdx.x & 31;
     u8* ring = chain_smem + w * CHAIN_STAGES * STAGE_BYTES;
     const u32 ring_at = shared_address(ring);
+    // The stages' mbarriers (CHAIN_BULK), the warp's CHAIN_STAGES of them.
+    u64* bars = (u64*)(chain_smem + CHAIN_WARPS * CHAIN_STAGES * STAGE_BYTES);
+    const u32 bars_at = shared_address(bars + w * CHAIN_STAGES);
     // The product in use and the next one, copied from `ops` a product ahead (warp 0).
-    ChainOp* slots = (ChainOp*)(chain_smem + CHAIN_WARPS * CHAIN_STAGES * STAGE_BYTES);
+    ChainOp* slots = (ChainOp*)(bars + CHAIN_WARPS * CHAIN_STAGES);
     float* xs = (float*)(slots + 2);
     float* red = xs + x_floats;
     float* partial = red + 32;
@@ -584,18 +627,26 @@ extern "C" __global__ void __launch_bounds__(32 * CHAIN_WARPS, 1)
     if (threadIdx.x < OP_WORDS)
         ((u32*)slots)[threadIdx.x] = ((const u32*)(ops + first))[threadIdx.x];
 
+#if CHAIN_BULK
+    if (lane == 0)
+        for (int s = 0; s < CHAIN_STAGES; s++) mbar_init(bars_at + 8 * s, 1);
+    mbar_init_fence();
+    __syncwarp();
+#endif
     ChainItems load{};
     load.op = first;
     load.u = w;
     chain_items_seek(ops, last, w, load);
-    // The first stages before the wait for the kernel ahead: weights only.
+    // The first stages before the wait for the kernel ahead: weights only. (Without bulk
+    // copies each stage is a cp.async group, committed even when empty.)
 #pragma unroll 1
     for (int s = 0; s < CHAIN_STAGES - 1; s++) {
         if (load.op < last) {
-            chain_row_issue(load, ring_at + s * STAGE_BYTES, lane);
+            chain_item_issue(load, ring_at + s * STAGE_BYTES, bars_at + 8 * s, lane);
             chain_items_next(ops, last, w, load);
+        } else if (!CHAIN_BULK) {
+            cp_async_commit();
         }
-        cp_async_commit();
     }
     wait_prior_grid();
     __syncthreads();
@@ -619,16 +670,16 @@ extern "C" __global__ void __launch_bounds__(32 * CHAIN_WARPS, 1)
         chain_stamp(o, 2);
         int chunk = w % chunks;
         for (int u = w; u < items; u += CHAIN_WARPS, t++) {
-            // Item t landed (this lane's pieces: no other lane reads them); the stage of item
-            // t − 1 is free for the item CHAIN_STAGES − 1 ahead.
-            cp_async_wait<CHAIN_STAGES - 2>();
+            // Item t landed; the stage of item t − 1 (read by every lane before the warp's
+            // last sum) is free for the item CHAIN_STAGES − 1 ahead.
+            chain_item_wait(bars_at, t);
             if (load.op < last) {
-                chain_row_issue(load,
-                                ring_at + (t + CHAIN_STAGES - 1) % CHAIN_STAGES * STAGE_BYTES,
-                                lane);
+                const int s = (t + CHAIN_STAGES - 1) % CHAIN_STAGES;
+                chain_item_issue(load, ring_at + s * STAGE_BYTES, bars_at + 8 * s, lane);
                 chain_items_next(ops, last, w, load);
+            } else if (!CHAIN_BULK) {
+                cp_async_commit();
             }
-            cp_async_commit();
             const float v =
                 chain_row_dot(k, chunk, ring + t % CHAIN_STAGES * STAGE_BYTES, xs, lane);
             if (lane == 0) partial[u] = v;

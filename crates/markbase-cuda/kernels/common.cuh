@@ -108,6 +108,74 @@ __device__ __forceinline__ void cp_async_wait() {
 #endif
 }
 
+// mbarriers and bulk copies (compute capability 9.0): a bulk copy (`cp.async.bulk`, the 1-D
+// form of TMA) of whole 16-byte pieces from global to shared memory, its bytes counted on an
+// mbarrier in shared memory that threads wait on by phase parity.
+
+// Initializes the mbarrier at shared address `bar` for `count` arrivals a phase.
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+#ifdef MB_EMU
+    mb_emu::mbar_init(bar, count);
+#else
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+#endif
+}
+
+// Makes the thread's mbarrier initializations visible to bulk copies (before a barrier).
+__device__ __forceinline__ void mbar_init_fence() {
+#ifndef MB_EMU
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#endif
+}
+
+// One arrival on mbarrier `bar`, expecting `bytes` more bytes of bulk copies this phase.
+__device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
+#ifdef MB_EMU
+    mb_emu::mbar_arrive_expect_tx(bar, bytes);
+#else
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
+                 : "memory");
+#endif
+}
+
+// Waits until the phase of parity `parity` of mbarrier `bar` has completed (its copies landed,
+// visible to this thread).
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+#ifdef MB_EMU
+    while (!mb_emu::mbar_try_wait(bar, parity)) mb_emu::spin();
+#else
+    u32 done;
+    do {
+        asm volatile(
+            "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; "
+            "selp.u32 %0, 1, 0, p; }"
+            : "=r"(done)
+            : "r"(bar), "r"(parity)
+            : "memory");
+    } while (!done);
+#endif
+}
+
+// Orders the thread's earlier shared-memory accesses before its later bulk copies' writes.
+__device__ __forceinline__ void bulk_fence() {
+#ifndef MB_EMU
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+}
+
+// A bulk copy of `bytes` (a multiple of 16; addresses 16-byte aligned) from global memory to
+// shared address `dst`, completing on mbarrier `bar` (whose phase expects them).
+__device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar) {
+#ifdef MB_EMU
+    mb_emu::bulk_copy(dst, src, bytes, bar);
+#else
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+        ::"r"(dst), "l"(src), "r"(bytes), "r"(bar)
+        : "memory");
+#endif
+}
+
 __device__ __forceinline__ float bf16_to_f32(u16 h) { return __uint_as_float(((u32)h) << 16); }
 
 __device__ __forceinline__ float f16_to_f32(u16 h) {

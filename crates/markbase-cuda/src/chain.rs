@@ -115,13 +115,14 @@ impl ChainFormat {
     }
 
     /// Dynamic shared memory of a block for products of up to `k` values and `sums` item sums:
-    /// the ring(s), (bf16) the product in use and the next, x, 32 floats of reductions and
-    /// flags, the sums and (Q4_K) x's 16-bit tiles (2.5 bytes a value).
+    /// the ring(s), (bf16) an mbarrier a stage of each warp's ring and the product in use and
+    /// the next, x, 32 floats of reductions and flags, the sums and (Q4_K) x's 16-bit tiles
+    /// (2.5 bytes a value).
     pub fn shared_bytes(&self, k: usize, sums: usize) -> usize {
         let x = self.x_floats(k);
         let tiles = if self.x_tiles { x * 5 / 2 } else { 0 };
         let slots = if self.item_sums {
-            2 * 4 * CHAIN_OP_WORDS
+            8 * self.stages * (self.threads as usize / 32) + 2 * 4 * CHAIN_OP_WORDS
         } else {
             0
         };

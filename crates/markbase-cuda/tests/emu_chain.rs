@@ -5,7 +5,8 @@
 //! (the launch left its counts and tickets at 0), a link a launch, in descending order, and
 //! with the first or the last blocks running ahead of the others (a count raised before its
 //! outputs were written shows as poisoned inputs) give the same bits; with 3 and 5 blocks and
-//! rings of their default and of 3 stages, and (bf16) 5 warps a block of 2 048-value items;
+//! rings of their default and of 3 stages, and (bf16) 5 warps a block of 2 048-value items,
+//! and items copied by each lane's cp.async instead of bulk copies;
 //! with the phases' stamps (bf16), every block's wait ends after the blocks it waits for
 //! counted their outputs.
 //!
@@ -266,6 +267,12 @@ fn bf16_chain_of_other_warps_and_items_matches_reference() {
         &test_chain(),
         "CHAIN_WARPS=5 CHAIN_K=2048 CHAIN_STAGES=2",
     );
+}
+
+#[test]
+fn bf16_chain_of_lanes_own_copies_matches_reference() {
+    check(GgmlType::BF16, &test_chain(), "CHAIN_BULK=0");
+    check(GgmlType::BF16, &test_chain(), "CHAIN_BULK=0 CHAIN_STAGES=2");
 }
 
 #[test]

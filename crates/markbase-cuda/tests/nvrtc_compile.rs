@@ -132,6 +132,15 @@ const VARIANTS: &[(Unit, &str, &str)] = &[
         "CHAIN_STAMPS=1",
         "%clock64",
     ),
+    (
+        Unit {
+            module: Module::Chain,
+            part: Part::Whole,
+        },
+        // chain_bf16's items copied by each lane's cp.async (the default: bulk copies).
+        "CHAIN_BULK=0",
+        "cp.async.cg.shared.global",
+    ),
 ];
 
 /// One compilation of the check: a whole module (every kernel, for comparison), one of the

@@ -749,6 +749,81 @@ inline void cp_async_wait(int n) {
     f.copies.swap(left);
 }
 
+// ---- bulk copies and mbarriers (compute capability 9.0) ---------------------------------
+
+// An mbarrier as the emulator keeps it in its 8 bytes of shared memory: the transaction
+// bytes still expected, the arrivals still expected in this phase, the arrivals a phase, and
+// the phase's parity.
+struct Mbar {
+    int tx;
+    unsigned short left;
+    unsigned char count, phase;
+};
+static_assert(sizeof(Mbar) == 8, "an mbarrier is 8 bytes");
+
+// A bulk copy on its way: its bytes (read when issued), where they land, and the mbarrier whose
+// transaction count they complete. They land when a thread next tests that mbarrier.
+struct Bulk {
+    char* dst;
+    Mbar* bar;
+    std::vector<char> bytes;
+};
+
+inline thread_local std::vector<Bulk> bulks;
+
+inline Mbar* mbar_at(unsigned bar) { return (Mbar*)shared_pointer(bar); }
+
+// mbarrier.init: a fresh mbarrier for `count` arrivals a phase (at most 255 here).
+inline void mbar_init(unsigned bar, unsigned count) {
+    if (count == 0 || count > 255) fail("mbarrier of %d arrivals", (int)count);
+    *mbar_at(bar) = Mbar{0, (unsigned short)count, (unsigned char)count, 0};
+}
+
+// The phase completes once its arrivals and transaction bytes are all in.
+inline void mbar_settle(Mbar* m) {
+    if (m->left == 0 && m->tx == 0) {
+        m->phase ^= 1;
+        m->left = m->count;
+    }
+}
+
+// mbarrier.arrive.expect_tx: `bytes` more transaction bytes expected, and one arrival.
+inline void mbar_arrive_expect_tx(unsigned bar, unsigned bytes) {
+    Mbar* m = mbar_at(bar);
+    if (m->left == 0) fail("mbarrier arrival past its count");
+    m->tx += (int)bytes;
+    m->left--;
+    mbar_settle(m);
+}
+
+// cp.async.bulk global → shared of `bytes` (a multiple of 16) completing on mbarrier `bar`.
+inline void bulk_copy(unsigned dst, const void* src, unsigned bytes, unsigned bar) {
+    if (bytes % 16 != 0 || (dst & 15) != 0 || ((uintptr_t)src & 15) != 0)
+        fail("bulk copy of %d bytes to %#x: sizes and addresses are multiples of 16", (int)bytes,
+             (int)dst);
+    Bulk b{(char*)shared_pointer(dst), mbar_at(bar), std::vector<char>(bytes)};
+    std::memcpy(b.bytes.data(), src, bytes);
+    bulks.push_back(std::move(b));
+}
+
+// mbarrier.try_wait.parity: lands the copies on `bar`, then whether its phase of parity
+// `parity` has completed.
+inline bool mbar_try_wait(unsigned bar, unsigned parity) {
+    Mbar* m = mbar_at(bar);
+    std::vector<Bulk> left;
+    for (Bulk& b : bulks) {
+        if (b.bar == m) {
+            std::memcpy(b.dst, b.bytes.data(), b.bytes.size());
+            m->tx -= (int)b.bytes.size();
+        } else {
+            left.push_back(std::move(b));
+        }
+    }
+    bulks.swap(left);
+    mbar_settle(m);
+    return m->phase != (parity & 1);
+}
+
 // ---- the launch ------------------------------------------------------------------------
 
 inline void fiber_entry() {
@@ -880,6 +955,7 @@ inline int prepare(Launch* L, unsigned long long blocks, size_t shared_bytes, ch
     }
     L->threads = (int)threads;
     L->warps = (int)((threads + 31) / 32);
+    bulks.clear();  // a failed launch may have left copies on their way
     L->blocks.resize(slots);
     L->fibers.resize(slots * threads);
     L->pending.resize(slots * L->warps * GROUPS);
