@@ -25,8 +25,9 @@
 // 44's version of the Q4_K shape and 83 % for the backend's own operations; session 59's
 // stamps put its items at the copy rate and the loss in staging x at the boundaries, and its
 // staging without a block reduction, gated links and fields in shared memory: 75–76 %; session
-// 60: items by bulk copies, 75 → 76 %, and a boundary's time is not covered by the copies in
-// flight at any ring depth, so only shorter boundaries will raise it): a
+// 60: items by bulk copies and L2 asked for the next weights while a block waits, 75 → 78 %,
+// and a boundary's time is not covered by the copies in flight at any ring depth, so only
+// shorter boundaries will raise it much): a
 // block's share is whole rows (a gated product's whole pairs of rows), cut into items of a row's
 // CHAIN_K values (1 024, 2 KB). Its CHAIN_WARPS warps take every CHAIN_WARPS-th item, each
 // streaming its items through its own ring of CHAIN_STAGES stages — lane 0 requests an item
@@ -57,6 +58,12 @@
 #endif
 #ifndef CHAIN_K
 #define CHAIN_K 1024
+#endif
+// KB of a block's next weights (after its rings' copies) L2 is asked for by one bulk prefetch
+// when the block has to wait for a product's input, so the memory streams on through the wait
+// (session 60: 64 KB, −1.2 % a pass on the H100); 0: none.
+#ifndef CHAIN_WAIT_L2
+#define CHAIN_WAIT_L2 64
 #endif
 // 1: lane 0 of each warp requests the warp's items by bulk copies (TMA), one mbarrier a stage
 // (session 60: +2 % on E4B's products, H100); 0: every lane copies its own 16-byte pieces by
@@ -137,11 +144,27 @@ __device__ __forceinline__ void chain_spin() {
 #endif
 }
 
-// Waits (thread 0, then the block) until *count reaches `ready`; count null: no wait.
-__device__ __forceinline__ void chain_wait(const u32* count, u32 ready) {
+// Waits (thread 0, then the block) until *count reaches `ready`; count null: no wait. Where
+// the block has to wait, thread 0 first asks L2 for the `ahead_bytes` at `ahead` (if any).
+__device__ __forceinline__ void chain_wait(const u32* count, u32 ready, const u8* ahead = nullptr,
+                                           u32 ahead_bytes = 0) {
     if (!count) return;
-    if (threadIdx.x == 0)
-        while (chain_acquire(count) < ready) chain_spin();
+    if (threadIdx.x == 0) {
+        bool asked = false;
+        while (chain_acquire(count) < ready) {
+            // The block has to wait, and its memory would idle: L2 is asked for the weights
+            // after the rings' copies (CHAIN_WAIT_L2).
+            if (!asked && ahead_bytes) {
+#ifndef MB_EMU
+                asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(ahead),
+                             "r"(ahead_bytes)
+                             : "memory");
+#endif
+                asked = true;
+            }
+            chain_spin();
+        }
+    }
     __syncthreads();
 }
 
@@ -212,19 +235,21 @@ __device__ __forceinline__ void chain_gamma4(const float* nw, int k, int i0, flo
                               : make_float4(0.f, 0.f, 0.f, 0.f);
 }
 
-// Waits until *count reaches `ready` (count null: no wait), then stages x · γ for product
+// Waits until *count reaches `ready` (count null: no wait; chain_wait, which asks L2 for
+// `ahead_bytes` at `ahead` if the block has to wait), then stages x · γ for product
 // o (kx floats, zeros past k; γ its norm's weights, or 1) and, where o normalizes, leaves each
 // warp's share of Σ x² in red[warp] for chain_rms_scale: the RMS scale multiplies the row
 // sums, so staging needs no block reduction. A thread's γ for its first 16-value span is
 // loaded before the wait. Ends with a block barrier.
 __device__ void chain_stage_scaled_x(const ChainOp& o, const u32* count, u32 ready, int kx,
-                                     float* xs, float* red) {
+                                     float* xs, float* red, const u8* ahead = nullptr,
+                                     u32 ahead_bytes = 0) {
     const float* nw = (const float*)o.norm;
     const bool spans = (o.in & 15) == 0 && (o.k & 3) == 0 && (o.norm & 15) == 0;
     const int first = 16 * threadIdx.x;
     float4 g[4];
     if (spans && nw && first < kx) chain_gamma4(nw, o.k, first, g);
-    chain_wait(count, ready);
+    chain_wait(count, ready, ahead, ahead_bytes);
     chain_stamp(o, 1);
     float ss = 0.f;
     if (spans) {
@@ -665,8 +690,19 @@ extern "C" __global__ void __launch_bounds__(32 * CHAIN_WARPS, 1)
         const int step_chunks = CHAIN_WARPS % chunks;
         float* out = (float*)o.out;
         const bool wait = o.dep >= first;
+        // What L2 is asked for if the block has to wait: from warp 0's next item to the end of
+        // the block's share of that item's product, up to CHAIN_WAIT_L2 KB.
+        const u8* ahead = nullptr;
+        u32 ahead_bytes = 0;
+        if (CHAIN_WAIT_L2 && threadIdx.x == 0 && load.op < last) {
+            const u64 from = (u64)load.row * load.k + load.chunk * CHAIN_K;
+            const int row_end = load.row + (load.end - load.u + load.chunk) / load.chunks;
+            ahead = load.w + 2 * from;
+            ahead_bytes = (u32)min(2 * ((u64)row_end * load.k - from),
+                                   (u64)CHAIN_WAIT_L2 * 1024) & ~15u;
+        }
         chain_stage_scaled_x(o, wait ? done + o.dep : nullptr, gridDim.x, chunks * CHAIN_K, xs,
-                             red);
+                             red, ahead, ahead_bytes);
         chain_stamp(o, 2);
         int chunk = w % chunks;
         for (int u = w; u < items; u += CHAIN_WARPS, t++) {
