@@ -8,7 +8,8 @@
 // arrived; the last one to arrive does the collective's work for all. A spin-wait loop calls
 // mb_emu::spin(), which lets the other fibers run. The inline PTX of the kernels has twins here
 // (`emu_*`), chosen with `#ifdef MB_EMU` beside each `asm`; cp.async lands at the wait that
-// covers it, and griddepcontrol, fences and prefetches do nothing (one kernel runs at a time).
+// covers it, a bulk copy when its mbarrier is next tested, and griddepcontrol, fences and
+// prefetches do nothing (one kernel runs at a time).
 // Shared memory: a `__shared__` array is a static of the unit (in section mb_shared: one copy,
 // so a resident launch of several blocks refuses a unit that has one), the dynamic part an
 // arena of each live block; both are poisoned (0xcd bytes) as a block starts. Errors (a
