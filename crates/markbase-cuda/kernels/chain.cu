@@ -567,9 +567,10 @@ __device__ __forceinline__ void chain_row_issue(const ChainItems& c, u32 s, int 
     }
 }
 
-// Queues item c into the warp's stage at s: this lane's pieces by cp.async, or (CHAIN_BULK)
-// the whole item by one bulk copy from lane 0, on the stage's mbarrier `bar` (the warp read
-// the stage's last item before: the fence orders those reads before the copy's writes).
+// Queues item c into the warp's stage at s: this lane's pieces by cp.async (the caller commits
+// the group), or (CHAIN_BULK) the whole item by one bulk copy from lane 0, on the stage's
+// mbarrier `bar` (the warp read the stage's last item before: the fence orders those reads
+// before the copy's writes).
 __device__ __forceinline__ void chain_item_issue(const ChainItems& c, u32 s, u32 bar, int lane) {
 #if CHAIN_BULK
     if (lane == 0) {
@@ -582,7 +583,6 @@ __device__ __forceinline__ void chain_item_issue(const ChainItems& c, u32 s, u32
 #else
     (void)bar;
     chain_row_issue(c, s, lane);
-    cp_async_commit();
 #endif
 }
 
@@ -669,9 +669,8 @@ extern "C" __global__ void __launch_bounds__(32 * CHAIN_WARPS, 1)
         if (load.op < last) {
             chain_item_issue(load, ring_at + s * STAGE_BYTES, bars_at + 8 * s, lane);
             chain_items_next(ops, last, w, load);
-        } else if (!CHAIN_BULK) {
-            cp_async_commit();
         }
+        if (!CHAIN_BULK) cp_async_commit();
     }
     wait_prior_grid();
     __syncthreads();
@@ -713,9 +712,8 @@ extern "C" __global__ void __launch_bounds__(32 * CHAIN_WARPS, 1)
                 const int s = (t + CHAIN_STAGES - 1) % CHAIN_STAGES;
                 chain_item_issue(load, ring_at + s * STAGE_BYTES, bars_at + 8 * s, lane);
                 chain_items_next(ops, last, w, load);
-            } else if (!CHAIN_BULK) {
-                cp_async_commit();
             }
+            if (!CHAIN_BULK) cp_async_commit();
             const float v =
                 chain_row_dot(k, chunk, ring + t % CHAIN_STAGES * STAGE_BYTES, xs, lane);
             if (lane == 0) partial[u] = v;
