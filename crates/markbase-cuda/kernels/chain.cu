@@ -53,8 +53,18 @@
 #ifndef CHAIN_WARPS
 #define CHAIN_WARPS 16
 #endif
+// 1: (bf16) a product's outputs counted a chunk at a time, its consumers starting on the chunks
+// already stored, a service warp a block staging x and storing rows (chain_bf16_piped, session
+// 61); 0: a count a product, every block waiting for the whole input (chain_bf16_counted).
+#ifndef CHAIN_PIPE
+#define CHAIN_PIPE 0
+#endif
 #ifndef CHAIN_STAGES
+#if CHAIN_PIPE
+#define CHAIN_STAGES 4
+#else
 #define CHAIN_STAGES 5
+#endif
 #endif
 #ifndef CHAIN_K
 #define CHAIN_K 1024
@@ -410,14 +420,15 @@ __device__ __forceinline__ void chain_end_share(u32* done, int op, int stored) {
     }
 }
 
-// The launch's end: the last block out sets the counts of products first .. last − 1 and
-// `exits` back to 0 (every block is past its waits by then).
-__device__ __forceinline__ void chain_exit(int first, int last, u32* done, u32* exits) {
+// The launch's end: the last block out sets the counts of products first .. last − 1 (`per`
+// a product) and `exits` back to 0 (every block is past its waits by then).
+__device__ __forceinline__ void chain_exit(int first, int last, u32* done, u32* exits,
+                                           int per = 1) {
     __syncthreads();
     if (threadIdx.x == 0) {
         __threadfence();
         if (atomicAdd(exits, 1u) == gridDim.x - 1) {
-            for (int j = first; j < last; j++) done[j] = 0;
+            for (int j = per * first; j < per * last; j++) done[j] = 0;
             *exits = 0;
             __threadfence();
         }
@@ -554,35 +565,38 @@ __device__ __forceinline__ void chain_items_next(const ChainOp* ops, int last, i
         chain_items_seek(ops, last, w, c);
 }
 
-// Queues this lane's 16-byte pieces of item c (8 values each: pieces lane + 32 m, those inside
-// the row) into the warp's stage at s, each at its place in the item.
-__device__ __forceinline__ void chain_row_issue(const ChainItems& c, u32 s, int lane) {
-    const int v0 = c.chunk * CHAIN_K;
-    const u8* g = c.w + 2 * ((u64)c.row * c.k + v0);
-    const bool whole = v0 + CHAIN_K <= c.k;
+// Queues this lane's 16-byte pieces of the item of chunk `chunk` of row `row` of weights w (k
+// values a row; 8 values a piece: pieces lane + 32 m, those inside the row) into the warp's
+// stage at s, each at its place in the item.
+__device__ __forceinline__ void chain_row_issue(const u8* w, int row, int k, int chunk, u32 s,
+                                                int lane) {
+    const int v0 = chunk * CHAIN_K;
+    const u8* g = w + 2 * ((u64)row * k + v0);
+    const bool whole = v0 + CHAIN_K <= k;
 #pragma unroll
     for (int m = 0; m < CHAIN_K / 256; m++) {
         const int v = 8 * (lane + 32 * m);
-        if (whole || v0 + v < c.k) cp_async16(s + 2 * v, g + 2 * v);
+        if (whole || v0 + v < k) cp_async16(s + 2 * v, g + 2 * v);
     }
 }
 
-// Queues item c into the warp's stage at s: this lane's pieces by cp.async (the caller commits
-// the group), or (CHAIN_BULK) the whole item by one bulk copy from lane 0, on the stage's
-// mbarrier `bar` (the warp read the stage's last item before: the fence orders those reads
-// before the copy's writes).
-__device__ __forceinline__ void chain_item_issue(const ChainItems& c, u32 s, u32 bar, int lane) {
+// Queues the item of chunk `chunk` of row `row` of weights w (k values a row) into the warp's
+// stage at s: this lane's pieces by cp.async (the caller commits the group), or (CHAIN_BULK)
+// the whole item by one bulk copy from lane 0, on the stage's mbarrier `bar` (the warp read the
+// stage's last item before: the fence orders those reads before the copy's writes).
+__device__ __forceinline__ void chain_item_issue(const u8* w, int row, int k, int chunk, u32 s,
+                                                 u32 bar, int lane) {
 #if CHAIN_BULK
     if (lane == 0) {
-        const int v0 = c.chunk * CHAIN_K;
-        const u32 bytes = 2 * min(CHAIN_K, c.k - v0);
+        const int v0 = chunk * CHAIN_K;
+        const u32 bytes = 2 * min(CHAIN_K, k - v0);
         bulk_fence();
         mbar_arrive_expect_tx(bar, bytes);
-        bulk_copy(s, c.w + 2 * ((u64)c.row * c.k + v0), bytes, bar);
+        bulk_copy(s, w + 2 * ((u64)row * k + v0), bytes, bar);
     }
 #else
     (void)bar;
-    chain_row_issue(c, s, lane);
+    chain_row_issue(w, row, k, chunk, s, lane);
 #endif
 }
 
@@ -633,8 +647,10 @@ __device__ __forceinline__ float chain_row_dot(int k, int chunk, const u8* stage
     return warp_sum(acc);
 }
 
-extern "C" __global__ void __launch_bounds__(32 * CHAIN_WARPS, 1)
-    chain_bf16(const ChainOp* ops, int first, int count, u32* done, u32* exits, int x_floats) {
+// chain_bf16 with a count a product (CHAIN_PIPE=0): every block waits for the whole input of a
+// product, then stages it.
+__device__ void chain_bf16_counted(const ChainOp* ops, int first, int count, u32* done,
+                                   u32* exits, int x_floats) {
     constexpr int STAGE_BYTES = 2 * CHAIN_K;
     extern __shared__ __align__(16) u8 chain_smem[];
     const int last = first + count, w = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -667,7 +683,8 @@ extern "C" __global__ void __launch_bounds__(32 * CHAIN_WARPS, 1)
 #pragma unroll 1
     for (int s = 0; s < CHAIN_STAGES - 1; s++) {
         if (load.op < last) {
-            chain_item_issue(load, ring_at + s * STAGE_BYTES, bars_at + 8 * s, lane);
+            chain_item_issue(load.w, load.row, load.k, load.chunk, ring_at + s * STAGE_BYTES,
+                             bars_at + 8 * s, lane);
             chain_items_next(ops, last, w, load);
         }
         if (!CHAIN_BULK) cp_async_commit();
@@ -710,7 +727,8 @@ extern "C" __global__ void __launch_bounds__(32 * CHAIN_WARPS, 1)
             chain_item_wait(bars_at, t);
             if (load.op < last) {
                 const int s = (t + CHAIN_STAGES - 1) % CHAIN_STAGES;
-                chain_item_issue(load, ring_at + s * STAGE_BYTES, bars_at + 8 * s, lane);
+                chain_item_issue(load.w, load.row, load.k, load.chunk, ring_at + s * STAGE_BYTES,
+                             bars_at + 8 * s, lane);
                 chain_items_next(ops, last, w, load);
             }
             if (!CHAIN_BULK) cp_async_commit();
@@ -750,4 +768,399 @@ extern "C" __global__ void __launch_bounds__(32 * CHAIN_WARPS, 1)
     }
     cp_async_wait<0>();
     chain_exit(first, last, done, exits);
+}
+
+// chain_bf16 pipelined (CHAIN_PIPE=1): a product's outputs are counted a chunk of CHAIN_K
+// values at a time, so a block starts on the chunks of its input already stored while the
+// rest are still being made. Block b of G takes the outputs b, b + G, b + 2G, … of every
+// product (each pair of a gated product's rows one output), so that every block stores some of
+// every output chunk, in chunk order. Its CHAIN_WARPS warps take the items of its rows chunk by
+// chunk — every row's chunk 0 first, then chunk 1, … — so a product needs its input's chunks
+// in order, and its rows end one after another in its last chunk's pass, the first output
+// chunk early in that pass. A block's last warp (the service warp) does the rest: it waits for
+// the input chunks of the block's next products on their counts in `done` (CHAIN_OUT_CHUNKS
+// a product), stages each as x · γ (γ the norm's weights) into one of two x buffers (a product
+// and the next), and, as the warps report a chunk's rows done (arrivals in shared memory), adds
+// their item sums, scales, stores and counts them. The warps wait only for the chunk of x an
+// item needs; the weights' rings run on across the products as before.
+
+// Output chunks of CHAIN_K values a product at most (its counts in `done`).
+#define CHAIN_OUT_CHUNKS 16
+// Slots of the warps' arrivals in shared memory: a sequence of output chunks over the launch,
+// each slot counting CHAIN_WARPS arrivals a use (the warps run at most two products, 32 output
+// chunks, ahead of the service warp's finalizing).
+#define CHAIN_FIN_SLOTS 64
+
+// How many of a product's `outs` outputs this block takes (b, b + G, …).
+__device__ __forceinline__ int pipe_outputs(int outs) {
+    const int b = blockIdx.x, g = gridDim.x;
+    return b < outs ? (outs - b + g - 1) / g : 0;
+}
+
+// The index among this block's outputs of its first output at or past output i.
+__device__ __forceinline__ int pipe_output_at(int i) {
+    const int b = blockIdx.x, g = gridDim.x;
+    return i <= b ? 0 : (i - b + g - 1) / g;
+}
+
+// The weight row of this block's item row jr: its output jr >> gated (a gated output's gate
+// and up rows).
+__device__ __forceinline__ int pipe_weight_row(int jr, int gated) {
+    return ((blockIdx.x + gridDim.x * (jr >> gated)) << gated) | (jr & gated);
+}
+
+// The end (exclusive) of this block's item rows of output chunk oc of a product of `outs`
+// outputs.
+__device__ __forceinline__ int pipe_chunk_rows_end(int oc, int outs, int gated) {
+    return pipe_output_at(min((oc + 1) * CHAIN_K, outs)) << gated;
+}
+
+// A warp's place in the pipelined chain: item u of product op (the block's items of it end
+// before `end`), which is chunk `chunk` of item row jr of the block's `rows`; the product's
+// fields the copies need.
+struct PipeItems {
+    int op, u, end, jr, chunk, rows, chunks, k, gated;
+    const u8* w;
+};
+
+// Moves c to warp w's first item at or after item c.u of product c.op (c.op == last: none
+// left); a product it moves past starts the warp at its item w.
+__device__ __forceinline__ void pipe_items_seek(const ChainOp* ops, int last, int w,
+                                                PipeItems& c) {
+    for (; c.op < last; c.op++, c.u = w) {
+        const ChainOp& o = ops[c.op];
+        c.rows = pipe_outputs(o.rows >> o.gated) << o.gated;
+        c.end = c.rows * o.chunks;
+        if (c.u < c.end) {
+            c.chunks = o.chunks;
+            c.k = o.k;
+            c.gated = o.gated;
+            c.w = (const u8*)o.w;
+            c.chunk = c.u / c.rows;
+            c.jr = c.u - c.chunk * c.rows;
+            return;
+        }
+    }
+}
+
+// Moves item row jr on by CHAIN_WARPS, into the next chunks past the block's `rows`.
+__device__ __forceinline__ void pipe_step(int& jr, int& chunk, int rows) {
+    jr += CHAIN_WARPS;
+    while (jr >= rows) {
+        jr -= rows;
+        chunk++;
+    }
+}
+
+__device__ __forceinline__ void pipe_items_next(const ChainOp* ops, int last, int w,
+                                                PipeItems& c) {
+    c.u += CHAIN_WARPS;
+    if (c.u < c.end)
+        pipe_step(c.jr, c.chunk, c.rows);
+    else
+        pipe_items_seek(ops, last, w, c);
+}
+
+// Waits until x buffer `flag`'s product is op with at least `need` chunks staged (need 0: its
+// staging begun, the buffer op's); returns the chunks staged (lane 0 polls, the warp waits).
+__device__ __forceinline__ int pipe_wait_staged(const u32* flag, int op, int need, int lane) {
+    const u32 want = ((u32)op << 8) | (u32)need;
+    u32 v = 0;
+    if (lane == 0)
+        while ((v = *(const volatile u32*)flag) < want) chain_spin();
+    v = __shfl_sync(0xffffffffu, v, 0);
+    __threadfence_block();
+    return v >> 8 == (u32)op ? (int)(v & 255) : need;
+}
+
+// Lane 0 reports the warp done with output chunks from .. to − 1 of the product whose first
+// output chunk is number `seq` of the launch (after its item sums' stores).
+__device__ __forceinline__ void pipe_arrive(u32* fin, int seq, int from, int to, int lane) {
+    if (lane != 0 || from >= to) return;
+    __threadfence_block();
+    for (int oc = from; oc < to; oc++) atomicAdd(fin + (seq + oc) % CHAIN_FIN_SLOTS, 1u);
+}
+
+// A relaxed load of *p (GPU scope): a poll, ordered by a fence after it.
+__device__ __forceinline__ u32 chain_poll(const u32* p) {
+#ifdef MB_EMU
+    return *(const volatile u32*)p;
+#else
+    u32 v;
+    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+#endif
+}
+
+// Whether the producer's output chunks that chunk c of product sp's x reads (its values
+// c · CHAIN_K … and, for a pair, k on) are stored by every block (one thread: its four polls
+// in flight together, then a fence that orders the staging's loads after them).
+__device__ bool pipe_input_ready(const ChainOp* ops, int first, int sp, int c, const u32* done) {
+    const ChainOp& o = ops[sp];
+    if (o.dep < first) return true;
+    const int k = o.k, v0 = c * CHAIN_K, n = min(CHAIN_K, k - v0);
+    const int at = (int)((o.in - ops[o.dep].out) / 4) + v0;
+    const u32* counts = done + CHAIN_OUT_CHUNKS * o.dep;
+    u32 least = min(chain_poll(counts + at / CHAIN_K), chain_poll(counts + (at + n - 1) / CHAIN_K));
+    if (o.pair)
+        least = min(least, min(chain_poll(counts + (at + k) / CHAIN_K),
+                               chain_poll(counts + (at + k + n - 1) / CHAIN_K)));
+    if (least < gridDim.x) return false;
+    __threadfence();
+    return true;
+}
+
+// Stages chunk c of product sp's x (buffer sp & 1; its input ready): values c · CHAIN_K … of
+// the input (and, for a pair, k on) as x · γ, adding their squares to this lane's `ss`; then
+// publishes the chunk in flags[sp & 1] (the service warp).
+__device__ void pipe_stage(const ChainOp* ops, int sp, int c, float* xs, int x_floats,
+                           float* tmp, u32* flags, float& ss, int lane) {
+    const ChainOp& o = ops[sp];
+    const int k = o.k, v0 = c * CHAIN_K, n = min(CHAIN_K, k - v0), pair = o.pair;
+    const int buf = sp & 1;
+    float* x = xs + buf * x_floats + v0;
+    const float* in = (const float*)o.in + v0;
+    const float* nw = o.norm ? (const float*)o.norm + v0 : nullptr;
+    if ((o.in & 15) == 0 && (o.norm & 15) == 0) {
+        // Every 16-byte piece of the chunk (and of its pair half and γ) on its way at once.
+        const u32 xa = shared_address(x), ta = shared_address(tmp);
+        for (int i = 4 * lane; i < n; i += 128) {
+            cp_async16(xa + 4 * i, in + i);
+            if (pair) cp_async16(ta + 4 * i, in + k + i);
+            if (nw) cp_async16(ta + 4 * (CHAIN_K + i), nw + i);
+        }
+        cp_async_commit();
+        cp_async_wait<0>();
+        for (int i = 4 * lane; i < n; i += 128) {
+            float4 a = *(float4*)(x + i);
+            if (pair) {
+                const float4 b = *(const float4*)(tmp + i);
+                a.x = gelu_tanh(a.x) * b.x;
+                a.y = gelu_tanh(a.y) * b.y;
+                a.z = gelu_tanh(a.z) * b.z;
+                a.w = gelu_tanh(a.w) * b.w;
+            }
+            ss += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w;
+            if (nw) {
+                const float4 g = *(const float4*)(tmp + CHAIN_K + i);
+                a.x *= g.x;
+                a.y *= g.y;
+                a.z *= g.z;
+                a.w *= g.w;
+            }
+            *(float4*)(x + i) = a;
+        }
+    } else {
+        for (int i = lane; i < n; i += 32) {
+            float v = __ldcg(in + i);
+            if (pair) v = gelu_tanh(v) * __ldcg(in + k + i);
+            ss += v * v;
+            if (nw) v *= __ldg(nw + i);
+            x[i] = v;
+        }
+    }
+    __syncwarp();
+    if (lane == 0) {
+        __threadfence_block();
+        *(volatile u32*)(flags + buf) = ((u32)sp << 8) | (u32)(c + 1);
+    }
+}
+
+// Adds, scales and stores this block's outputs of output chunk oc of product op (its item sums
+// in `partial`, x's Σ x² in sums[op & 1]), then counts the chunk as this block's in `done` (the
+// service warp).
+__device__ void pipe_finalize(const ChainOp& o, int op, int oc, u32* done, const float* partial,
+                              const float* sums, int lane) {
+    const int gated = o.gated, outs = o.rows >> gated, chunks = o.chunks, buf = op & 1;
+    float scale = 1.f;
+    if (o.norm) scale = rsqrtf(sums[buf] / (float)o.k + o.eps);
+    float* out = (float*)o.out;
+    const int end = pipe_output_at(min((oc + 1) * CHAIN_K, outs));
+    for (int j = pipe_output_at(oc * CHAIN_K) + lane; j < end; j += 32) {
+        // A row's chunks added in order, times x's RMS scale: the same bits every run.
+        const float* p = partial + 2 * (j << gated) * chunks + buf;
+        float sum = 0.f;
+        for (int c = 0; c < chunks; c++) sum += p[2 * c];
+        sum *= scale;
+        if (gated) {
+            float up = 0.f;
+            for (int c = 0; c < chunks; c++) up += p[2 * (chunks + c)];
+            sum = gelu_tanh(sum) * (up * scale);
+        }
+        out[blockIdx.x + gridDim.x * j] = sum;
+    }
+    __syncwarp();
+    if (lane == 0) {
+        __threadfence();
+        atomicAdd(done + CHAIN_OUT_CHUNKS * op + oc, 1u);
+    }
+}
+
+// What the service warp does next (pipe_serve).
+enum PipeAction { PIPE_DONE, PIPE_FINALIZE, PIPE_BEGIN, PIPE_STAGE };
+
+// The service warp of a pipelined chain (see above): stages the input chunks of product sp
+// (at most one product past the one it finalizes, fp, whose x buffer the next but one reuses)
+// as their counts allow, and finalizes fp's output chunks as the warps report them done, in
+// order, until the launch's products are all finalized. Lane 0 alone polls until it can act
+// (the others wait for its choice), then the warp acts.
+__device__ void pipe_serve(const ChainOp* ops, int first, int last, u32* done, float* xs,
+                           int x_floats, float* tmp, const float* partial, u32* fin, u32* flags,
+                           float* sums, int lane) {
+    int sp = first, sc = 0, fp = first, foc = 0, seq = 0;
+    bool begun = false;
+    float ss = 0.f;
+    for (;;) {
+        int act = PIPE_DONE;
+        if (lane == 0) {
+            for (;;) {
+                if (fp == last) break;
+                const u32 arrived = *(const volatile u32*)(fin + seq % CHAIN_FIN_SLOTS);
+                if (sp > fp && arrived >= (u32)CHAIN_WARPS * (seq / CHAIN_FIN_SLOTS + 1)) {
+                    act = PIPE_FINALIZE;
+                    break;
+                }
+                if (sp < last && !begun && sp <= fp + 1) {
+                    act = PIPE_BEGIN;
+                    break;
+                }
+                if (begun && pipe_input_ready(ops, first, sp, sc, done)) {
+                    act = PIPE_STAGE;
+                    break;
+                }
+                chain_spin();
+            }
+        }
+        act = __shfl_sync(0xffffffffu, act, 0);
+        __threadfence_block();
+        if (act == PIPE_DONE) return;
+        if (act == PIPE_FINALIZE) {
+            const ChainOp& f = ops[fp];
+            pipe_finalize(f, fp, foc, done, partial, sums, lane);
+            seq++;
+            if (++foc == ((f.rows >> f.gated) + CHAIN_K - 1) / CHAIN_K) {
+                foc = 0;
+                fp++;
+            }
+        } else if (act == PIPE_BEGIN) {
+            // sp's buffer is free: the warps are done with the product before it.
+            if (lane == 0) *(volatile u32*)(flags + (sp & 1)) = (u32)sp << 8;
+            begun = true;
+            ss = 0.f;
+        } else {
+            pipe_stage(ops, sp, sc, xs, x_floats, tmp, flags, ss, lane);
+            if (++sc == ops[sp].chunks) {
+                ss = warp_sum(ss);
+                if (lane == 0) sums[sp & 1] = ss;
+                __syncwarp();
+                sc = 0;
+                sp++;
+                begun = false;
+            }
+        }
+    }
+}
+
+__device__ void chain_bf16_piped(const ChainOp* ops, int first, int count, u32* done,
+                                 u32* exits, int x_floats) {
+    constexpr int STAGE_BYTES = 2 * CHAIN_K;
+    extern __shared__ __align__(16) u8 chain_smem[];
+    const int last = first + count, w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const bool service = w == CHAIN_WARPS;
+    u8* ring = chain_smem + w * CHAIN_STAGES * STAGE_BYTES;
+    const u32 ring_at = shared_address(ring);
+    // The stages' mbarriers (CHAIN_BULK), the warp's CHAIN_STAGES of them.
+    u64* bars = (u64*)(chain_smem + CHAIN_WARPS * CHAIN_STAGES * STAGE_BYTES);
+    const u32 bars_at = shared_address(bars + w * CHAIN_STAGES);
+    // The arrivals' slots; the x buffers' flags and Σ x²; the staging's pair halves and γ; the
+    // two x buffers; the item sums of two products, interleaved.
+    u32* fin = (u32*)(bars + CHAIN_WARPS * CHAIN_STAGES);
+    u32* flags = fin + CHAIN_FIN_SLOTS;
+    float* sums = (float*)(flags + 2);
+    float* tmp = sums + 2;
+    float* xs = tmp + 2 * CHAIN_K;
+    float* partial = xs + 2 * x_floats;
+    if (threadIdx.x < CHAIN_FIN_SLOTS) fin[threadIdx.x] = 0;
+    if (threadIdx.x < 2) flags[threadIdx.x] = 0;
+
+#if CHAIN_BULK
+    if (lane == 0 && !service)
+        for (int s = 0; s < CHAIN_STAGES; s++) mbar_init(bars_at + 8 * s, 1);
+    mbar_init_fence();
+    __syncwarp();
+#endif
+    PipeItems load{};
+    load.op = service ? last : first;
+    load.u = w;
+    pipe_items_seek(ops, last, w, load);
+    // The first stages before the wait for the kernel ahead: weights only. (Without bulk
+    // copies each stage is a cp.async group, committed even when empty.)
+#pragma unroll 1
+    for (int s = 0; s < CHAIN_STAGES - 1 && !service; s++) {
+        if (load.op < last) {
+            chain_item_issue(load.w, pipe_weight_row(load.jr, load.gated), load.k, load.chunk,
+                             ring_at + s * STAGE_BYTES, bars_at + 8 * s, lane);
+            pipe_items_next(ops, last, w, load);
+        }
+        if (!CHAIN_BULK) cp_async_commit();
+    }
+    wait_prior_grid();
+    __syncthreads();
+
+    if (service) {
+        pipe_serve(ops, first, last, done, xs, x_floats, tmp, partial, fin, flags, sums, lane);
+    } else {
+        int t = 0, seq = 0;  // item t sits in stage t % CHAIN_STAGES; seq: output chunks so far
+        for (int op = first; op < last; op++) {
+            const ChainOp& o = ops[op];
+            // The fields in registers: the copies' asm (a memory clobber) would reload them.
+            const int gated = o.gated, outs = o.rows >> gated, chunks = o.chunks, k = o.k;
+            const int rows = pipe_outputs(outs) << gated, items = rows * chunks;
+            const int ocs = (outs + CHAIN_K - 1) / CHAIN_K, buf = op & 1;
+            const float* x = xs + buf * x_floats;
+            int ready = pipe_wait_staged(flags + buf, op, 0, lane), arrived = 0, jr = 0, chunk = 0;
+            if (w < items) {
+                chunk = w / rows;
+                jr = w - chunk * rows;
+            }
+            for (int u = w; u < items; u += CHAIN_WARPS, t++) {
+                if (chunk >= ready) ready = pipe_wait_staged(flags + buf, op, chunk + 1, lane);
+                if (chunk == chunks - 1) {
+                    // The warp is past its rows of the output chunks that end by row jr.
+                    int to = arrived;
+                    while (to < ocs && pipe_chunk_rows_end(to, outs, gated) <= jr) to++;
+                    pipe_arrive(fin, seq, arrived, to, lane);
+                    arrived = to;
+                }
+                // Item t landed; the stage of item t − 1 (read by every lane before the warp's
+                // last sum) is free for the item CHAIN_STAGES − 1 ahead.
+                chain_item_wait(bars_at, t);
+                if (load.op < last) {
+                    const int s = (t + CHAIN_STAGES - 1) % CHAIN_STAGES;
+                    chain_item_issue(load.w, pipe_weight_row(load.jr, load.gated), load.k,
+                                     load.chunk, ring_at + s * STAGE_BYTES, bars_at + 8 * s,
+                                     lane);
+                    pipe_items_next(ops, last, w, load);
+                }
+                if (!CHAIN_BULK) cp_async_commit();
+                const float v =
+                    chain_row_dot(k, chunk, ring + t % CHAIN_STAGES * STAGE_BYTES, x, lane);
+                if (lane == 0) partial[2 * (jr * chunks + chunk) + buf] = v;
+                pipe_step(jr, chunk, rows);
+            }
+            pipe_arrive(fin, seq, arrived, ocs, lane);
+            seq += ocs;
+        }
+        cp_async_wait<0>();
+    }
+    chain_exit(first, last, done, exits, CHAIN_OUT_CHUNKS);
+}
+
+extern "C" __global__ void __launch_bounds__(32 * (CHAIN_WARPS + CHAIN_PIPE), 1)
+    chain_bf16(const ChainOp* ops, int first, int count, u32* done, u32* exits, int x_floats) {
+#if CHAIN_PIPE
+    chain_bf16_piped(ops, first, count, done, exits, x_floats);
+#else
+    chain_bf16_counted(ops, first, count, done, exits, x_floats);
+#endif
 }

@@ -21,8 +21,8 @@ use crate::sources::{define_number, defines_from_env, Module};
 pub const CHAIN_ROWS: usize = 8;
 
 /// How chain.cu lays out a weight format's products: values a unit (bf16: an item, a row's
-/// chunk), a unit's bytes of a row, the kernel, its threads, the define and number of the
-/// ring's stages.
+/// chunk), a unit's bytes of a row, the kernel, its threads and warps with a ring, the define
+/// and number of the ring's stages, whether (bf16) its boundaries are pipelined.
 #[derive(Clone, Copy, Debug)]
 pub struct ChainFormat {
     /// Values of a unit's rows.
@@ -35,6 +35,8 @@ pub struct ChainFormat {
     pub kernel: &'static str,
     /// Threads of a block.
     pub threads: u32,
+    /// Warps whose units a stage holds (bf16: each warp's own ring; Q4_K: a warp a row).
+    pub ring_warps: usize,
     /// `MARKBASE_CUDA_DEFINES`' name for the ring's stages.
     pub stages_define: &'static str,
     /// The ring's stages.
@@ -47,7 +49,16 @@ pub struct ChainFormat {
     /// Whether each block stamps the phases of its share of every product (bf16 with
     /// `CHAIN_STAMPS=1`; read back by [`Chain::stamps`]).
     pub stamps: bool,
+    /// Whether (bf16, `CHAIN_PIPE=1`) products are counted an output chunk at a time and each
+    /// block has a service warp staging x and storing rows (chain.cu `chain_bf16_piped`).
+    pub pipe: bool,
 }
+
+/// Output chunks a product of a pipelined chain has at most (chain.cu `CHAIN_OUT_CHUNKS`).
+pub const CHAIN_OUT_CHUNKS: usize = 16;
+
+/// Slots of a pipelined block's warps' arrivals (chain.cu `CHAIN_FIN_SLOTS`).
+const CHAIN_FIN_SLOTS: usize = 64;
 
 /// The phases a block's share of a product is stamped at: its start, its input ready, x
 /// staged, its items multiplied, its rows stored and counted (chain.cu `CHAIN_PHASES`).
@@ -64,11 +75,13 @@ pub fn chain_format(ty: GgmlType) -> Option<ChainFormat> {
             chunk_bytes: 2048,
             kernel: "chain_bf16",
             threads: 512,
+            ring_warps: 16,
             stages_define: "CHAIN_STAGES",
             stages: 5,
             x_tiles: false,
             item_sums: true,
             stamps: false,
+            pipe: false,
         }),
         GgmlType::Q4_K => Some(ChainFormat {
             k: 2048,
@@ -76,11 +89,13 @@ pub fn chain_format(ty: GgmlType) -> Option<ChainFormat> {
             chunk_bytes: 8 * 144,
             kernel: "chain_q4_k",
             threads: 256,
+            ring_warps: 8,
             stages_define: "CHAIN_Q4K_STAGES",
             stages: 16,
             x_tiles: true,
             item_sums: false,
             stamps: false,
+            pipe: false,
         }),
         _ => None,
     }
@@ -90,7 +105,7 @@ impl ChainFormat {
     /// Bytes of one stage over the block: a unit's row for each warp (bf16: an item in each
     /// warp's ring; Q4_K: a unit of 8 rows, a warp a row).
     pub fn stage_bytes(&self) -> usize {
-        self.threads as usize / 32 * self.chunk_bytes
+        self.ring_warps * self.chunk_bytes
     }
 
     /// Floats of x a block stages for products of up to `k` values (whole units).
@@ -99,19 +114,36 @@ impl ChainFormat {
     }
 
     /// Floats of item sums a block of a `blocks`-block launch keeps for products of `(rows,
-    /// k)` (bf16: its share's rows × units a row; 0 for Q4_K).
+    /// k, gated)` (bf16: its share's rows × units a row; 0 for Q4_K).
     pub fn sum_floats(
         &self,
-        products: impl Iterator<Item = (usize, usize)>,
+        products: impl Iterator<Item = (usize, usize, bool)>,
         blocks: usize,
     ) -> usize {
         if !self.item_sums {
             return 0;
         }
         products
-            .map(|(rows, k)| rows.div_ceil(blocks) * k.div_ceil(self.k))
+            .map(|(rows, k, gated)| {
+                // Pipelined: every G-th output of the product (a gated one's pairs of rows).
+                let rows = match self.pipe {
+                    true => (rows >> usize::from(gated)).div_ceil(blocks) << usize::from(gated),
+                    false => rows.div_ceil(blocks),
+                };
+                rows * k.div_ceil(self.k)
+            })
             .max()
             .unwrap_or(0)
+    }
+
+    /// Counts of finished outputs a product keeps in the launch's `done` (pipelined: one an
+    /// output chunk).
+    pub fn counts_per_link(&self) -> usize {
+        if self.pipe {
+            CHAIN_OUT_CHUNKS
+        } else {
+            1
+        }
     }
 
     /// Dynamic shared memory of a block for products of up to `k` values and `sums` item sums:
@@ -120,6 +152,13 @@ impl ChainFormat {
     /// (2.5 bytes a value).
     pub fn shared_bytes(&self, k: usize, sums: usize) -> usize {
         let x = self.x_floats(k);
+        if self.pipe {
+            // The rings and their mbarriers, the arrivals' slots, two flags and two Σ x², the
+            // staging's pair halves and γ (two items' values), two x buffers and the item sums
+            // of two products.
+            let rings = self.stages * self.stage_bytes() + 8 * self.stages * self.ring_warps;
+            return rings + 4 * (CHAIN_FIN_SLOTS + 4 + 2 * self.k + 2 * x + 2 * sums);
+        }
         let tiles = if self.x_tiles { x * 5 / 2 } else { 0 };
         let slots = if self.item_sums {
             8 * self.stages * (self.threads as usize / 32) + 2 * 4 * CHAIN_OP_WORDS
@@ -131,12 +170,20 @@ impl ChainFormat {
 
     /// The layout as the `#define` lines `lines` (e.g. `defines_from_env`) set it, as chain.cu
     /// reads them: the ring's stages (2–32) and, for bf16, the warps of a block (`CHAIN_WARPS`,
-    /// 1–32), an item's values (`CHAIN_K`, a multiple of 256 up to 4 096) and the phases'
-    /// stamps (`CHAIN_STAMPS`, 0 or 1); errors name a value out of range.
+    /// 1–32), an item's values (`CHAIN_K`, a multiple of 256 up to 4 096), the phases'
+    /// stamps (`CHAIN_STAMPS`, 0 or 1) and pipelined boundaries (`CHAIN_PIPE`, 0 or 1: a
+    /// service warp more, rings of 4 stages by default, no stamps); errors name a value out of
+    /// range.
     pub fn with_defines(mut self, lines: &str) -> Result<ChainFormat> {
+        if self.item_sums {
+            self.pipe = define_number(lines, "CHAIN_PIPE", (0, 1), 0)? == 1;
+            if self.pipe {
+                self.stages = 4;
+            }
+        }
         self.stages = define_number(lines, self.stages_define, (2, 32), self.stages)?;
         if self.item_sums {
-            let warps = define_number(lines, "CHAIN_WARPS", (1, 32), self.threads as usize / 32)?;
+            let warps = define_number(lines, "CHAIN_WARPS", (1, 32), self.ring_warps)?;
             let k = define_number(lines, "CHAIN_K", (256, 4096), self.k)?;
             if k % 256 != 0 {
                 return Err(Error::Invalid(format!(
@@ -145,8 +192,14 @@ impl ChainFormat {
             }
             self.k = k;
             self.chunk_bytes = 2 * k;
-            self.threads = 32 * warps as u32;
+            self.ring_warps = warps;
+            self.threads = 32 * (warps + usize::from(self.pipe)) as u32;
             self.stamps = define_number(lines, "CHAIN_STAMPS", (0, 1), 0)? == 1;
+            if self.stamps && self.pipe {
+                return Err(Error::Invalid(
+                    "CHAIN_STAMPS=1 with CHAIN_PIPE=1: a pipelined chain stamps no phases".into(),
+                ));
+            }
         }
         Ok(self)
     }
@@ -401,6 +454,15 @@ impl CudaBackend {
                 }
                 None => (0, 0.0),
             };
+            let outs = if l.gated { m.rows / 2 } else { m.rows };
+            if format.pipe && (outs > CHAIN_OUT_CHUNKS * format.k || k > 255 * format.k) {
+                return Err(bad(format!(
+                    "{outs} outputs of {k} values; a pipelined chain takes up to {} outputs \
+                     of up to {} values",
+                    CHAIN_OUT_CHUNKS * format.k,
+                    255 * format.k
+                )));
+            }
             if l.gated && (!format.item_sums || m.rows % 2 != 0) {
                 return Err(bad(format!(
                     "gated rows of {ty} weights, {} of them; gated links take an even number \
@@ -449,7 +511,7 @@ impl CudaBackend {
         }
         let mut table = self.alloc(words.len())?;
         self.write(&words, &mut table)?;
-        let sums = format.sum_floats(ops.iter().map(|o| (o.rows, o.k)), blocks);
+        let sums = format.sum_floats(ops.iter().map(|o| (o.rows, o.k, o.gated)), blocks);
         let shared = format.shared_bytes(max_k, sums);
         let limit = self.device().max_block_shared() as usize;
         if shared > limit {
@@ -465,7 +527,7 @@ impl CudaBackend {
             outputs,
             _scratch: scratch,
             stamps,
-            done: self.alloc(links.len())?,
+            done: self.alloc(links.len() * format.counts_per_link())?,
             exits: self.alloc(1)?,
             shared: shared as u32,
             weight_bytes,

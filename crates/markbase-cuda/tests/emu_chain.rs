@@ -49,7 +49,7 @@ struct HostChain {
     done: Vec<u32>,
     exits: Vec<u32>,
     max_k: usize,
-    products: Vec<(usize, usize)>,
+    products: Vec<(usize, usize, bool)>,
 }
 
 impl HostChain {
@@ -117,10 +117,10 @@ impl HostChain {
             outputs,
             scratch,
             stamps,
-            done: vec![0; spec.len()],
+            done: vec![0; spec.len() * format.counts_per_link()],
             exits: vec![0],
             max_k: spec.iter().map(|l| l.k).max().unwrap(),
-            products: spec.iter().map(|l| (l.rows, l.k)).collect(),
+            products: spec.iter().map(|l| (l.rows, l.k, l.gated)).collect(),
         }
     }
 
@@ -278,6 +278,17 @@ fn bf16_chain_of_lanes_own_copies_matches_reference() {
 #[test]
 fn bf16_chain_with_stamps_matches_reference_and_waits_for_its_inputs() {
     check(GgmlType::BF16, &test_chain(), "CHAIN_STAMPS=1");
+}
+
+#[test]
+fn bf16_chain_pipelined_matches_reference_and_repeats_bit_for_bit() {
+    check(GgmlType::BF16, &test_chain(), "CHAIN_PIPE=1");
+    check(
+        GgmlType::BF16,
+        &test_chain(),
+        "CHAIN_PIPE=1 CHAIN_WARPS=5 CHAIN_K=2048 CHAIN_STAGES=2",
+    );
+    check(GgmlType::BF16, &test_chain(), "CHAIN_PIPE=1 CHAIN_BULK=0");
 }
 
 #[test]

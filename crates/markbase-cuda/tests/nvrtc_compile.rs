@@ -141,6 +141,15 @@ const VARIANTS: &[(Unit, &str, &str)] = &[
         "CHAIN_BULK=0",
         "cp.async.cg.shared.global",
     ),
+    (
+        Unit {
+            module: Module::Chain,
+            part: Part::Whole,
+        },
+        // chain_bf16 pipelined: 16 warps and a service warp, polls of relaxed loads.
+        "CHAIN_PIPE=1",
+        "ld.relaxed.gpu.global.u32",
+    ),
 ];
 
 /// One compilation of the check: a whole module (every kernel, for comparison), one of the
