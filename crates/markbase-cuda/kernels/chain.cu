@@ -54,8 +54,8 @@
 #define CHAIN_WARPS 16
 #endif
 // 1: (bf16) a product's outputs counted a chunk at a time, its consumers starting on the chunks
-// already stored, a service warp a block staging x and storing rows (chain_bf16_piped, session
-// 61); 0: a count a product, every block waiting for the whole input (chain_bf16_counted).
+// already stored, a warp a block staging x and one storing rows (chain_bf16_piped, session 61);
+// 0: a count a product, every block waiting for the whole input (chain_bf16_counted).
 #ifndef CHAIN_PIPE
 #define CHAIN_PIPE 0
 #endif
@@ -777,18 +777,18 @@ __device__ void chain_bf16_counted(const ChainOp* ops, int first, int count, u32
 // every output chunk, in chunk order. Its CHAIN_WARPS warps take the items of its rows chunk by
 // chunk — every row's chunk 0 first, then chunk 1, … — so a product needs its input's chunks
 // in order, and its rows end one after another in its last chunk's pass, the first output
-// chunk early in that pass. A block's last warp (the service warp) does the rest: it waits for
-// the input chunks of the block's next products on their counts in `done` (CHAIN_OUT_CHUNKS
-// a product), stages each as x · γ (γ the norm's weights) into one of two x buffers (a product
-// and the next), and, as the warps report a chunk's rows done (arrivals in shared memory), adds
-// their item sums, scales, stores and counts them. The warps wait only for the chunk of x an
-// item needs; the weights' rings run on across the products as before.
+// chunk early in that pass. Two more warps do the rest. The stager waits for the input chunks
+// of the block's next products on their counts in `done` (CHAIN_OUT_CHUNKS a product) and
+// stages each as x · γ (γ the norm's weights) into one of two x buffers (a product and the
+// next). The finalizer, as the warps report a chunk's rows done (arrivals in shared memory),
+// adds their item sums, scales, stores and counts them. The warps wait only for the chunk of x
+// an item needs; the weights' rings run on across the products as before.
 
 // Output chunks of CHAIN_K values a product at most (its counts in `done`).
 #define CHAIN_OUT_CHUNKS 16
 // Slots of the warps' arrivals in shared memory: a sequence of output chunks over the launch,
 // each slot counting CHAIN_WARPS arrivals a use (the warps run at most two products, 32 output
-// chunks, ahead of the service warp's finalizing).
+// chunks, ahead of the finalizer).
 #define CHAIN_FIN_SLOTS 64
 
 // How many of a product's `outs` outputs this block takes (b, b + G, …).
@@ -911,10 +911,12 @@ __device__ bool pipe_input_ready(const ChainOp* ops, int first, int sp, int c, c
 }
 
 // Stages chunk c of product sp's x (buffer sp & 1; its input ready): values c · CHAIN_K … of
-// the input (and, for a pair, k on) as x · γ, adding their squares to this lane's `ss`; then
-// publishes the chunk in flags[sp & 1] (the service warp).
-__device__ void pipe_stage(const ChainOp* ops, int sp, int c, float* xs, int x_floats,
-                           float* tmp, u32* flags, float& ss, int lane) {
+// the input (and, for a pair, k on) as x · γ, adding their squares to this lane's `ss` (after
+// the last chunk, their sum to sums[sp & 1]); then publishes the chunk in flags[sp & 1] (the
+// stager warp).
+__device__ void pipe_stage(const ChainOp* ops, int sp, int c, bool last_chunk, float* xs,
+                           int x_floats, float* tmp, u32* flags, float* sums, float& ss,
+                           int lane) {
     const ChainOp& o = ops[sp];
     const int k = o.k, v0 = c * CHAIN_K, n = min(CHAIN_K, k - v0), pair = o.pair;
     const int buf = sp & 1;
@@ -959,6 +961,11 @@ __device__ void pipe_stage(const ChainOp* ops, int sp, int c, float* xs, int x_f
             x[i] = v;
         }
     }
+    if (last_chunk) {
+        // x's Σ x² for the product's RMS scale, before its last chunk shows as staged.
+        const float total = warp_sum(ss);
+        if (lane == 0) sums[buf] = total;
+    }
     __syncwarp();
     if (lane == 0) {
         __threadfence_block();
@@ -968,7 +975,7 @@ __device__ void pipe_stage(const ChainOp* ops, int sp, int c, float* xs, int x_f
 
 // Adds, scales and stores this block's outputs of output chunk oc of product op (its item sums
 // in `partial`, x's Σ x² in sums[op & 1]), then counts the chunk as this block's in `done` (the
-// service warp).
+// finalizer warp).
 __device__ void pipe_finalize(const ChainOp& o, int op, int oc, u32* done, const float* partial,
                               const float* sums, int lane) {
     const int gated = o.gated, outs = o.rows >> gated, chunks = o.chunks, buf = op & 1;
@@ -996,68 +1003,49 @@ __device__ void pipe_finalize(const ChainOp& o, int op, int oc, u32* done, const
     }
 }
 
-// What the service warp does next (pipe_serve).
-enum PipeAction { PIPE_DONE, PIPE_FINALIZE, PIPE_BEGIN, PIPE_STAGE };
-
-// The service warp of a pipelined chain (see above): stages the input chunks of product sp
-// (at most one product past the one it finalizes, fp, whose x buffer the next but one reuses)
-// as their counts allow, and finalizes fp's output chunks as the warps report them done, in
-// order, until the launch's products are all finalized. Lane 0 alone polls until it can act
+// The stager warp of a pipelined chain (see above): stages the input chunks of product sp, at
+// most one product past the one the finalizer warp is on (flags[2]; the next but one product
+// reuses its x buffer), in order, as their counts allow. Lane 0 alone polls until it can act
 // (the others wait for its choice), then the warp acts.
-__device__ void pipe_serve(const ChainOp* ops, int first, int last, u32* done, float* xs,
-                           int x_floats, float* tmp, const float* partial, u32* fin, u32* flags,
-                           float* sums, int lane) {
-    int sp = first, sc = 0, fp = first, foc = 0, seq = 0;
-    bool begun = false;
-    float ss = 0.f;
-    for (;;) {
-        int act = PIPE_DONE;
+__device__ void pipe_stager(const ChainOp* ops, int first, int last, const u32* done, float* xs,
+                            int x_floats, float* tmp, u32* flags, float* sums, int lane) {
+    for (int sp = first; sp < last; sp++) {
+        // sp's buffer is free once the warps are done with the product before it.
         if (lane == 0) {
-            for (;;) {
-                if (fp == last) break;
-                const u32 arrived = *(const volatile u32*)(fin + seq % CHAIN_FIN_SLOTS);
-                if (sp > fp && arrived >= (u32)CHAIN_WARPS * (seq / CHAIN_FIN_SLOTS + 1)) {
-                    act = PIPE_FINALIZE;
-                    break;
-                }
-                if (sp < last && !begun && sp <= fp + 1) {
-                    act = PIPE_BEGIN;
-                    break;
-                }
-                if (begun && pipe_input_ready(ops, first, sp, sc, done)) {
-                    act = PIPE_STAGE;
-                    break;
-                }
-                chain_spin();
-            }
+            while ((int)*(const volatile u32*)(flags + 2) + 1 < sp) chain_spin();
+            *(volatile u32*)(flags + (sp & 1)) = (u32)sp << 8;
         }
-        act = __shfl_sync(0xffffffffu, act, 0);
-        __threadfence_block();
-        if (act == PIPE_DONE) return;
-        if (act == PIPE_FINALIZE) {
-            const ChainOp& f = ops[fp];
-            pipe_finalize(f, fp, foc, done, partial, sums, lane);
-            seq++;
-            if (++foc == ((f.rows >> f.gated) + CHAIN_K - 1) / CHAIN_K) {
-                foc = 0;
-                fp++;
-            }
-        } else if (act == PIPE_BEGIN) {
-            // sp's buffer is free: the warps are done with the product before it.
-            if (lane == 0) *(volatile u32*)(flags + (sp & 1)) = (u32)sp << 8;
-            begun = true;
-            ss = 0.f;
-        } else {
-            pipe_stage(ops, sp, sc, xs, x_floats, tmp, flags, ss, lane);
-            if (++sc == ops[sp].chunks) {
-                ss = warp_sum(ss);
-                if (lane == 0) sums[sp & 1] = ss;
-                __syncwarp();
-                sc = 0;
-                sp++;
-                begun = false;
-            }
+        float ss = 0.f;
+        const int chunks = ops[sp].chunks;
+        for (int c = 0; c < chunks; c++) {
+            if (lane == 0)
+                while (!pipe_input_ready(ops, first, sp, c, done)) chain_spin();
+            __syncwarp();
+            pipe_stage(ops, sp, c, c + 1 == chunks, xs, x_floats, tmp, flags, sums, ss, lane);
         }
+    }
+}
+
+// The finalizer warp of a pipelined chain (see above): finalizes the output chunks of every
+// product in order as the warps report them done (lane 0 polls), and shows the product it is
+// on in flags[2].
+__device__ void pipe_finalizer(const ChainOp* ops, int first, int last, u32* done,
+                               const float* partial, const u32* fin, u32* flags,
+                               const float* sums, int lane) {
+    int seq = 0;
+    for (int fp = first; fp < last; fp++) {
+        const ChainOp& f = ops[fp];
+        const int ocs = ((f.rows >> f.gated) + CHAIN_K - 1) / CHAIN_K;
+        for (int oc = 0; oc < ocs; oc++, seq++) {
+            if (lane == 0) {
+                const u32 want = (u32)CHAIN_WARPS * (seq / CHAIN_FIN_SLOTS + 1);
+                while (*(const volatile u32*)(fin + seq % CHAIN_FIN_SLOTS) < want) chain_spin();
+            }
+            __syncwarp();
+            __threadfence_block();
+            pipe_finalize(f, fp, oc, done, partial, sums, lane);
+        }
+        if (lane == 0) *(volatile u32*)(flags + 2) = (u32)(fp + 1);
     }
 }
 
@@ -1066,22 +1054,24 @@ __device__ void chain_bf16_piped(const ChainOp* ops, int first, int count, u32* 
     constexpr int STAGE_BYTES = 2 * CHAIN_K;
     extern __shared__ __align__(16) u8 chain_smem[];
     const int last = first + count, w = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const bool service = w == CHAIN_WARPS;
+    const bool service = w >= CHAIN_WARPS;
     u8* ring = chain_smem + w * CHAIN_STAGES * STAGE_BYTES;
     const u32 ring_at = shared_address(ring);
     // The stages' mbarriers (CHAIN_BULK), the warp's CHAIN_STAGES of them.
     u64* bars = (u64*)(chain_smem + CHAIN_WARPS * CHAIN_STAGES * STAGE_BYTES);
     const u32 bars_at = shared_address(bars + w * CHAIN_STAGES);
-    // The arrivals' slots; the x buffers' flags and Σ x²; the staging's pair halves and γ; the
-    // two x buffers; the item sums of two products, interleaved.
-    u32* fin = (u32*)(bars + CHAIN_WARPS * CHAIN_STAGES);
+    // The arrivals' slots (16-byte aligned after the mbarriers); the x buffers' flags and the
+    // finalizer's product; their Σ x²; the staging's pair halves and γ; the two x buffers; the
+    // item sums of two products, interleaved.
+    constexpr int RINGS = CHAIN_WARPS * CHAIN_STAGES * (STAGE_BYTES + 8);
+    u32* fin = (u32*)(chain_smem + (RINGS + 15) / 16 * 16);
     u32* flags = fin + CHAIN_FIN_SLOTS;
-    float* sums = (float*)(flags + 2);
-    float* tmp = sums + 2;
+    float* sums = (float*)(flags + 4);
+    float* tmp = sums + 4;
     float* xs = tmp + 2 * CHAIN_K;
     float* partial = xs + 2 * x_floats;
     if (threadIdx.x < CHAIN_FIN_SLOTS) fin[threadIdx.x] = 0;
-    if (threadIdx.x < 2) flags[threadIdx.x] = 0;
+    if (threadIdx.x < 3) flags[threadIdx.x] = threadIdx.x == 2 ? first : 0;
 
 #if CHAIN_BULK
     if (lane == 0 && !service)
@@ -1107,8 +1097,10 @@ __device__ void chain_bf16_piped(const ChainOp* ops, int first, int count, u32* 
     wait_prior_grid();
     __syncthreads();
 
-    if (service) {
-        pipe_serve(ops, first, last, done, xs, x_floats, tmp, partial, fin, flags, sums, lane);
+    if (w == CHAIN_WARPS) {
+        pipe_stager(ops, first, last, done, xs, x_floats, tmp, flags, sums, lane);
+    } else if (service) {
+        pipe_finalizer(ops, first, last, done, partial, fin, flags, sums, lane);
     } else {
         int t = 0, seq = 0;  // item t sits in stage t % CHAIN_STAGES; seq: output chunks so far
         for (int op = first; op < last; op++) {
@@ -1156,7 +1148,7 @@ __device__ void chain_bf16_piped(const ChainOp* ops, int first, int count, u32* 
     chain_exit(first, last, done, exits, CHAIN_OUT_CHUNKS);
 }
 
-extern "C" __global__ void __launch_bounds__(32 * (CHAIN_WARPS + CHAIN_PIPE), 1)
+extern "C" __global__ void __launch_bounds__(32 * (CHAIN_WARPS + 2 * CHAIN_PIPE), 1)
     chain_bf16(const ChainOp* ops, int first, int count, u32* done, u32* exits, int x_floats) {
 #if CHAIN_PIPE
     chain_bf16_piped(ops, first, count, done, exits, x_floats);

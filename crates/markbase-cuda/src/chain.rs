@@ -50,7 +50,7 @@ pub struct ChainFormat {
     /// `CHAIN_STAMPS=1`; read back by [`Chain::stamps`]).
     pub stamps: bool,
     /// Whether (bf16, `CHAIN_PIPE=1`) products are counted an output chunk at a time and each
-    /// block has a service warp staging x and storing rows (chain.cu `chain_bf16_piped`).
+    /// block has a warp staging x and one storing rows (chain.cu `chain_bf16_piped`).
     pub pipe: bool,
 }
 
@@ -153,11 +153,12 @@ impl ChainFormat {
     pub fn shared_bytes(&self, k: usize, sums: usize) -> usize {
         let x = self.x_floats(k);
         if self.pipe {
-            // The rings and their mbarriers, the arrivals' slots, two flags and two Σ x², the
-            // staging's pair halves and γ (two items' values), two x buffers and the item sums
-            // of two products.
+            // The rings and their mbarriers (to 16 bytes), the arrivals' slots, the flags and
+            // the Σ x² (4 words each), the staging's pair halves and γ (two items' values), two
+            // x buffers and the item sums of two products.
             let rings = self.stages * self.stage_bytes() + 8 * self.stages * self.ring_warps;
-            return rings + 4 * (CHAIN_FIN_SLOTS + 4 + 2 * self.k + 2 * x + 2 * sums);
+            return rings.next_multiple_of(16)
+                + 4 * (CHAIN_FIN_SLOTS + 8 + 2 * self.k + 2 * x + 2 * sums);
         }
         let tiles = if self.x_tiles { x * 5 / 2 } else { 0 };
         let slots = if self.item_sums {
@@ -172,8 +173,8 @@ impl ChainFormat {
     /// reads them: the ring's stages (2–32) and, for bf16, the warps of a block (`CHAIN_WARPS`,
     /// 1–32), an item's values (`CHAIN_K`, a multiple of 256 up to 4 096), the phases'
     /// stamps (`CHAIN_STAMPS`, 0 or 1) and pipelined boundaries (`CHAIN_PIPE`, 0 or 1: a
-    /// service warp more, rings of 4 stages by default, no stamps); errors name a value out of
-    /// range.
+    /// stager and a finalizer warp more, rings of 4 stages by default, no stamps); errors name
+    /// a value out of range.
     pub fn with_defines(mut self, lines: &str) -> Result<ChainFormat> {
         if self.item_sums {
             self.pipe = define_number(lines, "CHAIN_PIPE", (0, 1), 0)? == 1;
@@ -193,7 +194,7 @@ impl ChainFormat {
             self.k = k;
             self.chunk_bytes = 2 * k;
             self.ring_warps = warps;
-            self.threads = 32 * (warps + usize::from(self.pipe)) as u32;
+            self.threads = 32 * (warps + 2 * usize::from(self.pipe)) as u32;
             self.stamps = define_number(lines, "CHAIN_STAMPS", (0, 1), 0)? == 1;
             if self.stamps && self.pipe {
                 return Err(Error::Invalid(
