@@ -61,7 +61,7 @@
 #endif
 #ifndef CHAIN_STAGES
 #if CHAIN_PIPE
-#define CHAIN_STAGES 4
+#define CHAIN_STAGES 3
 #else
 #define CHAIN_STAGES 5
 #endif
@@ -785,11 +785,13 @@ __device__ void chain_bf16_counted(const ChainOp* ops, int first, int count, u32
 // an item needs; the weights' rings run on across the products as before.
 
 // Output chunks of CHAIN_K values a product at most (its counts in `done`).
-#define CHAIN_OUT_CHUNKS 16
+#define CHAIN_OUT_CHUNKS 32
 // Slots of the warps' arrivals in shared memory: a sequence of output chunks over the launch,
-// each slot counting CHAIN_WARPS arrivals a use (the warps run at most two products, 32 output
+// each slot counting CHAIN_WARPS arrivals a use (the warps run at most two products, 64 output
 // chunks, ahead of the finalizer).
-#define CHAIN_FIN_SLOTS 64
+#define CHAIN_FIN_SLOTS 128
+// Chunks of CHAIN_K floats of the staging's scratch (a batch's pair halves and γ).
+#define CHAIN_TMP_CHUNKS 4
 
 // How many of a product's `outs` outputs this block takes (b, b + G, …).
 __device__ __forceinline__ int pipe_outputs(int outs) {
@@ -893,8 +895,8 @@ __device__ __forceinline__ u32 chain_poll(const u32* p) {
 }
 
 // Whether the producer's output chunks that chunk c of product sp's x reads (its values
-// c · CHAIN_K … and, for a pair, k on) are stored by every block (one thread: its four polls
-// in flight together, then a fence that orders the staging's loads after them).
+// c · CHAIN_K … and, for a pair, k on) are stored by every block (one thread, its four polls in
+// flight together; a fence after them orders the staging's loads).
 __device__ bool pipe_input_ready(const ChainOp* ops, int first, int sp, int c, const u32* done) {
     const ChainOp& o = ops[sp];
     if (o.dep < first) return true;
@@ -905,20 +907,19 @@ __device__ bool pipe_input_ready(const ChainOp* ops, int first, int sp, int c, c
     if (o.pair)
         least = min(least, min(chain_poll(counts + (at + k) / CHAIN_K),
                                chain_poll(counts + (at + k + n - 1) / CHAIN_K)));
-    if (least < gridDim.x) return false;
-    __threadfence();
-    return true;
+    return least >= gridDim.x;
 }
 
-// Stages chunk c of product sp's x (buffer sp & 1; its input ready): values c · CHAIN_K … of
-// the input (and, for a pair, k on) as x · γ, adding their squares to this lane's `ss` (after
-// the last chunk, their sum to sums[sp & 1]); then publishes the chunk in flags[sp & 1] (the
-// stager warp).
-__device__ void pipe_stage(const ChainOp* ops, int sp, int c, bool last_chunk, float* xs,
-                           int x_floats, float* tmp, u32* flags, float* sums, float& ss,
-                           int lane) {
+// Stages chunks c .. c + chunks − 1 of product sp's x (buffer sp & 1; their input ready):
+// values c · CHAIN_K … of the input (and, for a pair, k on) as x · γ, adding their squares to
+// this lane's `ss` (after the product's last chunk, their sum to sums[sp & 1]); then publishes
+// them in flags[sp & 1] (the stager warp; its scratch `tmp` holds the pair halves and γ).
+__device__ void pipe_stage(const ChainOp* ops, int sp, int c, int chunks, bool last_chunk,
+                           float* xs, int x_floats, float* tmp, u32* flags, float* sums,
+                           float& ss, int lane) {
     const ChainOp& o = ops[sp];
-    const int k = o.k, v0 = c * CHAIN_K, n = min(CHAIN_K, k - v0), pair = o.pair;
+    const int k = o.k, v0 = c * CHAIN_K, n = min(chunks * CHAIN_K, k - v0), pair = o.pair;
+    const int gamma_at = pair ? n : 0;
     const int buf = sp & 1;
     float* x = xs + buf * x_floats + v0;
     const float* in = (const float*)o.in + v0;
@@ -929,7 +930,7 @@ __device__ void pipe_stage(const ChainOp* ops, int sp, int c, bool last_chunk, f
         for (int i = 4 * lane; i < n; i += 128) {
             cp_async16(xa + 4 * i, in + i);
             if (pair) cp_async16(ta + 4 * i, in + k + i);
-            if (nw) cp_async16(ta + 4 * (CHAIN_K + i), nw + i);
+            if (nw) cp_async16(ta + 4 * (gamma_at + i), nw + i);
         }
         cp_async_commit();
         cp_async_wait<0>();
@@ -944,7 +945,7 @@ __device__ void pipe_stage(const ChainOp* ops, int sp, int c, bool last_chunk, f
             }
             ss += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w;
             if (nw) {
-                const float4 g = *(const float4*)(tmp + CHAIN_K + i);
+                const float4 g = *(const float4*)(tmp + gamma_at + i);
                 a.x *= g.x;
                 a.y *= g.y;
                 a.z *= g.z;
@@ -969,14 +970,13 @@ __device__ void pipe_stage(const ChainOp* ops, int sp, int c, bool last_chunk, f
     __syncwarp();
     if (lane == 0) {
         __threadfence_block();
-        *(volatile u32*)(flags + buf) = ((u32)sp << 8) | (u32)(c + 1);
+        *(volatile u32*)(flags + buf) = ((u32)sp << 8) | (u32)(c + chunks);
     }
 }
 
 // Adds, scales and stores this block's outputs of output chunk oc of product op (its item sums
-// in `partial`, x's Σ x² in sums[op & 1]), then counts the chunk as this block's in `done` (the
-// finalizer warp).
-__device__ void pipe_finalize(const ChainOp& o, int op, int oc, u32* done, const float* partial,
+// in `partial`, x's Σ x² in sums[op & 1]; the finalizer warp).
+__device__ void pipe_finalize(const ChainOp& o, int op, int oc, const float* partial,
                               const float* sums, int lane) {
     const int gated = o.gated, outs = o.rows >> gated, chunks = o.chunks, buf = op & 1;
     float scale = 1.f;
@@ -996,11 +996,13 @@ __device__ void pipe_finalize(const ChainOp& o, int op, int oc, u32* done, const
         }
         out[blockIdx.x + gridDim.x * j] = sum;
     }
-    __syncwarp();
-    if (lane == 0) {
-        __threadfence();
-        atomicAdd(done + CHAIN_OUT_CHUNKS * op + oc, 1u);
-    }
+}
+
+// How many of the next `room` (at most 32) things are ready, in a row from the first, which
+// lane 0 found ready; `ready` is lane l's finding for the l-th (the warp, every lane the same).
+__device__ __forceinline__ int pipe_ready_run(bool ready, int room, int lane) {
+    const u32 mask = __ballot_sync(0xffffffffu, lane == 0 || (lane < room && ready));
+    return min(room, ~mask ? __ffs(~mask) - 1 : 32);
 }
 
 // The stager warp of a pipelined chain (see above): stages the input chunks of product sp, at
@@ -1016,14 +1018,29 @@ __device__ void pipe_stager(const ChainOp* ops, int first, int last, const u32* 
             *(volatile u32*)(flags + (sp & 1)) = (u32)sp << 8;
         }
         float ss = 0.f;
-        const int chunks = ops[sp].chunks;
-        for (int c = 0; c < chunks; c++) {
+        const ChainOp& o = ops[sp];
+        const int chunks = o.chunks, scratch = o.pair + (o.norm != 0);
+        const int batch = scratch ? CHAIN_TMP_CHUNKS / scratch : 32;
+        for (int c = 0; c < chunks;) {
+            // Lane 0 waits for chunk c; the chunks after it ready by then go with it.
             if (lane == 0)
                 while (!pipe_input_ready(ops, first, sp, c, done)) chain_spin();
             __syncwarp();
-            pipe_stage(ops, sp, c, c + 1 == chunks, xs, x_floats, tmp, flags, sums, ss, lane);
+            const int room = min(chunks - c, batch);
+            const bool ready =
+                lane > 0 && lane < room && pipe_input_ready(ops, first, sp, c + lane, done);
+            const int n = pipe_ready_run(ready, room, lane);
+            __threadfence();
+            pipe_stage(ops, sp, c, n, c + n == chunks, xs, x_floats, tmp, flags, sums, ss, lane);
+            c += n;
         }
     }
+}
+
+// Whether every warp reported output chunk `seq` of the launch done.
+__device__ __forceinline__ bool pipe_arrived(const u32* fin, int seq) {
+    const u32 want = (u32)CHAIN_WARPS * (seq / CHAIN_FIN_SLOTS + 1);
+    return *(const volatile u32*)(fin + seq % CHAIN_FIN_SLOTS) >= want;
 }
 
 // The finalizer warp of a pipelined chain (see above): finalizes the output chunks of every
@@ -1036,14 +1053,23 @@ __device__ void pipe_finalizer(const ChainOp* ops, int first, int last, u32* don
     for (int fp = first; fp < last; fp++) {
         const ChainOp& f = ops[fp];
         const int ocs = ((f.rows >> f.gated) + CHAIN_K - 1) / CHAIN_K;
-        for (int oc = 0; oc < ocs; oc++, seq++) {
-            if (lane == 0) {
-                const u32 want = (u32)CHAIN_WARPS * (seq / CHAIN_FIN_SLOTS + 1);
-                while (*(const volatile u32*)(fin + seq % CHAIN_FIN_SLOTS) < want) chain_spin();
-            }
+        for (int oc = 0; oc < ocs;) {
+            // Lane 0 waits for output chunk oc; the chunks after it done by then go with it,
+            // counted after one fence.
+            if (lane == 0)
+                while (!pipe_arrived(fin, seq)) chain_spin();
             __syncwarp();
+            const int room = min(ocs - oc, 32);
+            const int n = pipe_ready_run(lane < room && pipe_arrived(fin, seq + lane), room, lane);
             __threadfence_block();
-            pipe_finalize(f, fp, oc, done, partial, sums, lane);
+            for (int i = 0; i < n; i++) pipe_finalize(f, fp, oc + i, partial, sums, lane);
+            __syncwarp();
+            if (lane == 0) {
+                __threadfence();
+                for (int i = 0; i < n; i++) atomicAdd(done + CHAIN_OUT_CHUNKS * fp + oc + i, 1u);
+            }
+            oc += n;
+            seq += n;
         }
         if (lane == 0) *(volatile u32*)(flags + 2) = (u32)(fp + 1);
     }
@@ -1068,7 +1094,7 @@ __device__ void chain_bf16_piped(const ChainOp* ops, int first, int count, u32* 
     u32* flags = fin + CHAIN_FIN_SLOTS;
     float* sums = (float*)(flags + 4);
     float* tmp = sums + 4;
-    float* xs = tmp + 2 * CHAIN_K;
+    float* xs = tmp + CHAIN_TMP_CHUNKS * CHAIN_K;
     float* partial = xs + 2 * x_floats;
     if (threadIdx.x < CHAIN_FIN_SLOTS) fin[threadIdx.x] = 0;
     if (threadIdx.x < 3) flags[threadIdx.x] = threadIdx.x == 2 ? first : 0;

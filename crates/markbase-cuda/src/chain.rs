@@ -55,10 +55,13 @@ pub struct ChainFormat {
 }
 
 /// Output chunks a product of a pipelined chain has at most (chain.cu `CHAIN_OUT_CHUNKS`).
-pub const CHAIN_OUT_CHUNKS: usize = 16;
+pub const CHAIN_OUT_CHUNKS: usize = 32;
 
 /// Slots of a pipelined block's warps' arrivals (chain.cu `CHAIN_FIN_SLOTS`).
-const CHAIN_FIN_SLOTS: usize = 64;
+const CHAIN_FIN_SLOTS: usize = 128;
+
+/// Items' values of a pipelined block's staging scratch (chain.cu `CHAIN_TMP_CHUNKS`).
+const CHAIN_TMP_CHUNKS: usize = 4;
 
 /// The phases a block's share of a product is stamped at: its start, its input ready, x
 /// staged, its items multiplied, its rows stored and counted (chain.cu `CHAIN_PHASES`).
@@ -154,11 +157,11 @@ impl ChainFormat {
         let x = self.x_floats(k);
         if self.pipe {
             // The rings and their mbarriers (to 16 bytes), the arrivals' slots, the flags and
-            // the Σ x² (4 words each), the staging's pair halves and γ (two items' values), two
-            // x buffers and the item sums of two products.
+            // the Σ x² (4 words each), the staging's pair halves and γ, two x buffers and the
+            // item sums of two products.
             let rings = self.stages * self.stage_bytes() + 8 * self.stages * self.ring_warps;
             return rings.next_multiple_of(16)
-                + 4 * (CHAIN_FIN_SLOTS + 8 + 2 * self.k + 2 * x + 2 * sums);
+                + 4 * (CHAIN_FIN_SLOTS + 8 + CHAIN_TMP_CHUNKS * self.k + 2 * x + 2 * sums);
         }
         let tiles = if self.x_tiles { x * 5 / 2 } else { 0 };
         let slots = if self.item_sums {
@@ -173,13 +176,13 @@ impl ChainFormat {
     /// reads them: the ring's stages (2–32) and, for bf16, the warps of a block (`CHAIN_WARPS`,
     /// 1–32), an item's values (`CHAIN_K`, a multiple of 256 up to 4 096), the phases'
     /// stamps (`CHAIN_STAMPS`, 0 or 1) and pipelined boundaries (`CHAIN_PIPE`, 0 or 1: a
-    /// stager and a finalizer warp more, rings of 4 stages by default, no stamps); errors name
+    /// stager and a finalizer warp more, rings of 3 stages by default, no stamps); errors name
     /// a value out of range.
     pub fn with_defines(mut self, lines: &str) -> Result<ChainFormat> {
         if self.item_sums {
             self.pipe = define_number(lines, "CHAIN_PIPE", (0, 1), 0)? == 1;
             if self.pipe {
-                self.stages = 4;
+                self.stages = 3;
             }
         }
         self.stages = define_number(lines, self.stages_define, (2, 32), self.stages)?;
