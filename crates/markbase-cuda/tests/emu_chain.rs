@@ -6,7 +6,8 @@
 //! with the first or the last blocks running ahead of the others (a count raised before its
 //! outputs were written shows as poisoned inputs) give the same bits; with 3 and 5 blocks and
 //! rings of their default and of 3 stages, and (bf16) 5 warps a block of 2 048-value items,
-//! and items copied by each lane's cp.async instead of bulk copies;
+//! and items copied by each lane's cp.async instead of bulk copies, and with the boundaries
+//! pipelined (`CHAIN_PIPE=1`: outputs counted a chunk at a time, a stager and a finalizer warp);
 //! with the phases' stamps (bf16), every block's wait ends after the blocks it waits for
 //! counted their outputs.
 //!
