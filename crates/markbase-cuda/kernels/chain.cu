@@ -214,6 +214,36 @@ __device__ __forceinline__ void chain_issue(const ChainOp& o, int u, u32 s) {
     }
 }
 
+// gelu_tanh(a) · b, value by value: x of a pair input from its two halves.
+__device__ __forceinline__ float4 chain_pair4(float4 a, float4 b) {
+    return make_float4(gelu_tanh(a.x) * b.x, gelu_tanh(a.y) * b.y, gelu_tanh(a.z) * b.z,
+                       gelu_tanh(a.w) * b.w);
+}
+
+// Adds x's squares to ss and returns x · γ (x as it is where γ is null), value by value.
+__device__ __forceinline__ float4 chain_scaled4(float4 x, const float4* g, float& ss) {
+    ss += x.x * x.x + x.y * x.y + x.z * x.z + x.w * x.w;
+    if (g) {
+        x.x *= g->x;
+        x.y *= g->y;
+        x.z *= g->z;
+        x.w *= g->w;
+    }
+    return x;
+}
+
+// Value i of product o's x · γ (γ the norm's weights nw, or none), read from L2 one at a time
+// (an input not 16-byte aligned), its square added to ss.
+__device__ __forceinline__ float chain_scaled_value(const ChainOp& o, const float* nw, int i,
+                                                    float& ss) {
+    const float* in = (const float*)o.in;
+    float v = __ldcg(in + i);
+    if (o.pair) v = gelu_tanh(v) * __ldcg(in + o.k + i);
+    ss += v * v;
+    if (nw) v *= __ldg(nw + i);
+    return v;
+}
+
 // x[i] for values i0 + 4j (j < 4, i0 a multiple of 4) of product o's input, read from L2
 // (other blocks wrote it in this launch): all loads first, so they are in flight together.
 __device__ __forceinline__ void chain_x4(const ChainOp& o, int i0, float4* x) {
@@ -226,15 +256,7 @@ __device__ __forceinline__ void chain_x4(const ChainOp& o, int i0, float4* x) {
         if (o.pair) b[j] = i < o.k ? __ldcg((const float4*)(in + o.k + i)) : a[j];
     }
 #pragma unroll
-    for (int j = 0; j < 4; j++) {
-        if (o.pair) {
-            a[j].x = gelu_tanh(a[j].x) * b[j].x;
-            a[j].y = gelu_tanh(a[j].y) * b[j].y;
-            a[j].z = gelu_tanh(a[j].z) * b[j].z;
-            a[j].w = gelu_tanh(a[j].w) * b[j].w;
-        }
-        x[j] = a[j];
-    }
+    for (int j = 0; j < 4; j++) x[j] = o.pair ? chain_pair4(a[j], b[j]) : a[j];
 }
 
 // Product o's γ (RMSNorm weights, nw) for x's values i0 + 4j (j < 4; zeros past k).
@@ -268,29 +290,12 @@ __device__ void chain_stage_scaled_x(const ChainOp& o, const u32* count, u32 rea
             chain_x4(o, i0, x);
             if (nw && i0 != first) chain_gamma4(nw, o.k, i0, g);
 #pragma unroll
-            for (int j = 0; j < 4; j++) {
-                ss += x[j].x * x[j].x + x[j].y * x[j].y + x[j].z * x[j].z + x[j].w * x[j].w;
-                if (nw) {
-                    x[j].x *= g[j].x;
-                    x[j].y *= g[j].y;
-                    x[j].z *= g[j].z;
-                    x[j].w *= g[j].w;
-                }
-                *(float4*)(xs + i0 + 4 * j) = x[j];
-            }
+            for (int j = 0; j < 4; j++)
+                *(float4*)(xs + i0 + 4 * j) = chain_scaled4(x[j], nw ? &g[j] : nullptr, ss);
         }
     } else {
-        const float* in = (const float*)o.in;
-        for (int i = threadIdx.x; i < kx; i += blockDim.x) {
-            float v = 0.f;
-            if (i < o.k) {
-                v = __ldcg(in + i);
-                if (o.pair) v = gelu_tanh(v) * __ldcg(in + o.k + i);
-                ss += v * v;
-                if (nw) v *= __ldg(nw + i);
-            }
-            xs[i] = v;
-        }
+        for (int i = threadIdx.x; i < kx; i += blockDim.x)
+            xs[i] = i < o.k ? chain_scaled_value(o, nw, i, ss) : 0.f;
     }
     if (nw) {
         ss = warp_sum(ss);
@@ -936,31 +941,13 @@ __device__ void pipe_stage(const ChainOp* ops, int sp, int c, int chunks, bool l
         cp_async_wait<0>();
         for (int i = 4 * lane; i < n; i += 128) {
             float4 a = *(float4*)(x + i);
-            if (pair) {
-                const float4 b = *(const float4*)(tmp + i);
-                a.x = gelu_tanh(a.x) * b.x;
-                a.y = gelu_tanh(a.y) * b.y;
-                a.z = gelu_tanh(a.z) * b.z;
-                a.w = gelu_tanh(a.w) * b.w;
-            }
-            ss += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w;
-            if (nw) {
-                const float4 g = *(const float4*)(tmp + gamma_at + i);
-                a.x *= g.x;
-                a.y *= g.y;
-                a.z *= g.z;
-                a.w *= g.w;
-            }
-            *(float4*)(x + i) = a;
+            if (pair) a = chain_pair4(a, *(const float4*)(tmp + i));
+            *(float4*)(x + i) =
+                chain_scaled4(a, nw ? (const float4*)(tmp + gamma_at + i) : nullptr, ss);
         }
     } else {
-        for (int i = lane; i < n; i += 32) {
-            float v = __ldcg(in + i);
-            if (pair) v = gelu_tanh(v) * __ldcg(in + k + i);
-            ss += v * v;
-            if (nw) v *= __ldg(nw + i);
-            x[i] = v;
-        }
+        const float* gamma = (const float*)o.norm;
+        for (int i = lane; i < n; i += 32) x[i] = chain_scaled_value(o, gamma, v0 + i, ss);
     }
     if (last_chunk) {
         // x's Σ x² for the product's RMS scale, before its last chunk shows as staged.
@@ -1012,7 +999,8 @@ __device__ __forceinline__ int pipe_ready_run(bool ready, int room, int lane) {
 __device__ void pipe_stager(const ChainOp* ops, int first, int last, const u32* done, float* xs,
                             int x_floats, float* tmp, u32* flags, float* sums, int lane) {
     for (int sp = first; sp < last; sp++) {
-        // sp's buffer is free once the warps are done with the product before it.
+        // sp's buffer is free once the finalizer is past the product two before it (the warps
+        // are done with that product's x).
         if (lane == 0) {
             while ((int)*(const volatile u32*)(flags + 2) + 1 < sp) chain_spin();
             *(volatile u32*)(flags + (sp & 1)) = (u32)sp << 8;

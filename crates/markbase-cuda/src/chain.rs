@@ -458,15 +458,6 @@ impl CudaBackend {
                 }
                 None => (0, 0.0),
             };
-            let outs = if l.gated { m.rows / 2 } else { m.rows };
-            if format.pipe && (outs > CHAIN_OUT_CHUNKS * format.k || k > 255 * format.k) {
-                return Err(bad(format!(
-                    "{outs} outputs of {k} values; a pipelined chain takes up to {} outputs \
-                     of up to {} values",
-                    CHAIN_OUT_CHUNKS * format.k,
-                    255 * format.k
-                )));
-            }
             if l.gated && (!format.item_sums || m.rows % 2 != 0) {
                 return Err(bad(format!(
                     "gated rows of {ty} weights, {} of them; gated links take an even number \
@@ -490,7 +481,16 @@ impl CudaBackend {
                 stamps: 0,
                 gated: l.gated,
             };
-            let out = self.alloc(op.outputs())?;
+            let outs = op.outputs();
+            if format.pipe && (outs > CHAIN_OUT_CHUNKS * format.k || k > 255 * format.k) {
+                return Err(bad(format!(
+                    "{outs} outputs of {k} values; a pipelined chain takes up to {} outputs \
+                     of up to {} values",
+                    CHAIN_OUT_CHUNKS * format.k,
+                    255 * format.k
+                )));
+            }
+            let out = self.alloc(outs)?;
             op.out = out.ptr;
             if !format.item_sums {
                 let parts = self.alloc(op.tiles() * op.chunks() * CHAIN_ROWS)?;
