@@ -537,7 +537,11 @@ fn fill_chunk(rng: &mut Rng, ty: GgmlType, out: &mut [u8], amp: f32) {
             for block in out.chunks_exact_mut(210) {
                 block[..192].iter_mut().for_each(|q| *q = rng.next() as u8);
                 for (j, sc) in block[192..208].iter_mut().enumerate() {
-                    *sc = if j.is_multiple_of(2) { 16 } else { (-16i8) as u8 };
+                    *sc = if j.is_multiple_of(2) {
+                        16
+                    } else {
+                        (-16i8) as u8
+                    };
                 }
                 block[208..].copy_from_slice(&d);
             }
