@@ -33,6 +33,7 @@ use crate::blas::{Blas, GemmCall};
 use crate::device::driver_err;
 use crate::device_wide::{capturing, Pinned};
 use crate::kernels::Launch;
+use crate::pdl_edges;
 
 /// Graphs kept; the one replayed longest ago goes first.
 const MAX_GRAPHS: usize = 32;
@@ -293,6 +294,9 @@ pub(crate) struct Recorder {
     pending: Option<Error>,
     /// Why graphs were turned off, if a capture failed.
     off_reason: Option<String>,
+    /// Captured products get programmatic edges ([`pdl_edges`]); off for good once a
+    /// capture with them is refused or fails.
+    product_edges: bool,
 }
 
 // SAFETY: the raw handles inside (kernel functions, cuBLASLt descriptors, the pinned buffer's
@@ -344,6 +348,7 @@ impl Steps {
             replays: 0,
             pending: None,
             off_reason: None,
+            product_edges: pdl_edges::enabled(),
         }))))
     }
 
@@ -384,6 +389,32 @@ impl Recorder {
         }
         self.issued = end;
         Ok(())
+    }
+
+    /// As [`Recorder::issue_range`], under stream capture, a cuBLASLt product right after a
+    /// kernel of ours getting a programmatic edge from it ([`pdl_edges`]); `false` (the rest
+    /// not issued) where a product's kernel refused its edge.
+    fn issue_captured(&mut self, end: usize) -> Result<bool> {
+        let blas = self.blas.as_deref();
+        let stream = self.stream.cu_stream();
+        for i in self.issued..end {
+            let op = &self.ops[i];
+            let after_kernel = i > 0 && matches!(self.ops[i - 1], Op::Kernel(_));
+            // SAFETY: the stream is capturing (record_segments_with).
+            let opened = match op {
+                Op::Gemm(_) if after_kernel => unsafe { pdl_edges::open(stream)? },
+                _ => None,
+            };
+            op.issue(&self.stream, blas)?;
+            // SAFETY: `node` is a node of the graph being captured.
+            if let Some(node) = opened {
+                if !unsafe { pdl_edges::check(node)? } {
+                    return Ok(false);
+                }
+            }
+        }
+        self.issued = end;
+        Ok(true)
     }
 
     /// Stops holding back: queues the arena's new arrays and every held operation.
@@ -579,6 +610,22 @@ impl Recorder {
     }
 
     fn record_segments(&mut self) -> Result<Vec<CudaGraph>> {
+        if self.product_edges {
+            if let Some(segments) = self.record_segments_with(true)? {
+                return Ok(segments);
+            }
+            // A product's kernel refused its edge, or the capture failed with edges: none
+            // from now on.
+            self.product_edges = false;
+        }
+        self.record_segments_with(false)?
+            .ok_or_else(|| Error::Invalid("CUDA graph capture returned nothing".into()))
+    }
+
+    /// The step's segments captured, with programmatic edges into cuBLASLt's products if
+    /// `edges`; `None` if, with edges, a product's kernel refused its edge
+    /// ([`pdl_edges::check`]) or the capture failed.
+    fn record_segments_with(&mut self, edges: bool) -> Result<Option<Vec<CudaGraph>>> {
         self.issued = 0;
         let mut segments = Vec::new();
         let _capturing = capturing();
@@ -588,18 +635,26 @@ impl Recorder {
             self.stream
                 .begin_capture(mode)
                 .map_err(|e| driver_err("stream capture", e))?;
-            let issued = self.issue_range(end);
+            let issued = if edges {
+                self.issue_captured(end)
+            } else {
+                self.issue_range(end).map(|()| true)
+            };
             let graph = self
                 .stream
                 .end_capture(sys::CUgraphInstantiate_flags(0))
                 .map_err(|e| driver_err("graph capture", e));
+            if edges && !matches!((&issued, &graph), (Ok(true), Ok(Some(_)))) {
+                // Refused or failed with edges: the caller captures again without them.
+                return Ok(None);
+            }
             issued?;
             segments
                 .push(graph?.ok_or_else(|| {
                     Error::Invalid("CUDA graph capture returned no graph".into())
                 })?);
         }
-        Ok(segments)
+        Ok(Some(segments))
     }
 
     /// Steps run as graph launches so far.
