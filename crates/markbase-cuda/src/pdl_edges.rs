@@ -125,6 +125,9 @@ pub(crate) unsafe fn check(node: sys::CUgraphNode) -> Result<bool> {
 }
 
 /// The function name of a graph node (empty for a node that is not a kernel).
+///
+/// # Safety
+/// `node` is a node of a live graph.
 unsafe fn kernel_name(node: sys::CUgraphNode) -> Result<String> {
     let mut ty = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
     sys::cuGraphNodeGetType(node, &mut ty)
@@ -137,10 +140,15 @@ unsafe fn kernel_name(node: sys::CUgraphNode) -> Result<String> {
     sys::cuGraphKernelNodeGetParams_v2(node, &mut params)
         .result()
         .map_err(|e| driver_err("kernel node", e))?;
+    // A node made from a library kernel may carry it in `kern` with no function.
     let mut name: *const std::ffi::c_char = std::ptr::null();
-    sys::cuFuncGetName(&mut name, params.func)
-        .result()
-        .map_err(|e| driver_err("kernel name", e))?;
+    if params.func.is_null() {
+        sys::cuKernelGetName(&mut name, params.kern)
+    } else {
+        sys::cuFuncGetName(&mut name, params.func)
+    }
+    .result()
+    .map_err(|e| driver_err("kernel name", e))?;
     Ok(if name.is_null() {
         String::new()
     } else {
