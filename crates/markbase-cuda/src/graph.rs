@@ -383,26 +383,22 @@ impl Recorder {
     }
 
     fn issue_range(&mut self, end: usize) -> Result<()> {
-        let blas = self.blas.as_deref();
-        for op in &self.ops[self.issued..end] {
-            op.issue(&self.stream, blas)?;
-        }
-        self.issued = end;
-        Ok(())
+        self.issue_up_to(end, false).map(drop)
     }
 
-    /// As [`Recorder::issue_range`], under stream capture, a cuBLASLt product right after a
-    /// kernel of ours getting a programmatic edge from it ([`pdl_edges`]); `false` (the rest
-    /// not issued) where a product's kernel refused its edge.
-    fn issue_captured(&mut self, end: usize) -> Result<bool> {
+    /// Issues the operations up to `end`. With `edges` (under stream capture only), a
+    /// cuBLASLt product right after a kernel of ours gets a programmatic edge from it
+    /// ([`pdl_edges`]); `false` (the rest not issued) where a product's kernel refused its
+    /// edge. Without `edges`, always `true`.
+    fn issue_up_to(&mut self, end: usize, edges: bool) -> Result<bool> {
         let blas = self.blas.as_deref();
         let stream = self.stream.cu_stream();
         for i in self.issued..end {
             let op = &self.ops[i];
-            let after_kernel = i > 0 && matches!(self.ops[i - 1], Op::Kernel(_));
-            // SAFETY: the stream is capturing (record_segments_with).
+            let after_kernel = || i > 0 && matches!(self.ops[i - 1], Op::Kernel(_));
+            // SAFETY: with `edges` the stream is capturing (record_segments_with).
             let opened = match op {
-                Op::Gemm(_) if after_kernel => unsafe { pdl_edges::open(stream)? },
+                Op::Gemm(_) if edges && after_kernel() => unsafe { pdl_edges::open(stream)? },
                 _ => None,
             };
             op.issue(&self.stream, blas)?;
@@ -635,11 +631,7 @@ impl Recorder {
             self.stream
                 .begin_capture(mode)
                 .map_err(|e| driver_err("stream capture", e))?;
-            let issued = if edges {
-                self.issue_captured(end)
-            } else {
-                self.issue_range(end).map(|()| true)
-            };
+            let issued = self.issue_up_to(end, edges);
             let graph = self
                 .stream
                 .end_capture(sys::CUgraphInstantiate_flags(0))

@@ -22,7 +22,7 @@ use markbase_core::Result;
 use crate::device::driver_err;
 
 /// The environment variable that turns the edges on (`1`).
-pub(crate) const CUBLASLT_PDL_VAR: &str = "MARKBASE_CUBLASLT_PDL";
+const CUBLASLT_PDL_VAR: &str = "MARKBASE_CUBLASLT_PDL";
 
 /// Whether captured products get programmatic edges.
 pub(crate) fn enabled() -> bool {
