@@ -388,11 +388,16 @@ impl Recorder {
 
     /// Issues the operations up to `end`. With `edges` (under stream capture only), a
     /// cuBLASLt product right after a kernel of ours gets a programmatic edge from it
-    /// ([`pdl_edges`]); `false` (the rest not issued) where a product's kernel refused its
-    /// edge. Without `edges`, always `true`.
-    fn issue_up_to(&mut self, end: usize, edges: bool) -> Result<bool> {
+    /// ([`pdl_edges`]). Returns how many edges were made, or the name of a product's kernel
+    /// that refused its edge (the rest not issued). Without `edges`, always `Ok(0)`.
+    fn issue_up_to(
+        &mut self,
+        end: usize,
+        edges: bool,
+    ) -> Result<std::result::Result<usize, String>> {
         let blas = self.blas.as_deref();
         let stream = self.stream.cu_stream();
+        let mut made = 0;
         for i in self.issued..end {
             let op = &self.ops[i];
             let after_kernel = || i > 0 && matches!(self.ops[i - 1], Op::Kernel(_));
@@ -404,13 +409,14 @@ impl Recorder {
             op.issue(&self.stream, blas)?;
             // SAFETY: `node` is a node of the graph being captured.
             if let Some(node) = opened {
-                if !unsafe { pdl_edges::check(node)? } {
-                    return Ok(false);
+                if let Some(kernel) = unsafe { pdl_edges::refusal(node)? } {
+                    return Ok(Err(kernel));
                 }
+                made += 1;
             }
         }
         self.issued = end;
-        Ok(true)
+        Ok(Ok(made))
     }
 
     /// Stops holding back: queues the arena's new arrays and every held operation.
@@ -607,23 +613,29 @@ impl Recorder {
 
     fn record_segments(&mut self) -> Result<Vec<CudaGraph>> {
         if self.product_edges {
-            if let Some(segments) = self.record_segments_with(true)? {
-                return Ok(segments);
+            match self.record_segments_with(true)? {
+                Ok(segments) => return Ok(segments),
+                Err(why) => {
+                    // None from now on.
+                    pdl_edges::report_dropped(&why);
+                    self.product_edges = false;
+                }
             }
-            // A product's kernel refused its edge, or the capture failed with edges: none
-            // from now on.
-            self.product_edges = false;
         }
-        self.record_segments_with(false)?
-            .ok_or_else(|| Error::Invalid("CUDA graph capture returned nothing".into()))
+        self.record_segments_with(false)?.map_err(Error::Invalid)
     }
 
     /// The step's segments captured, with programmatic edges into cuBLASLt's products if
-    /// `edges`; `None` if, with edges, a product's kernel refused its edge
-    /// ([`pdl_edges::check`]) or the capture failed.
-    fn record_segments_with(&mut self, edges: bool) -> Result<Option<Vec<CudaGraph>>> {
+    /// `edges`. With edges, a product's kernel that refused its edge
+    /// ([`pdl_edges::refusal`]) or a failed capture is the inner error (the caller captures
+    /// again without them); without, a failed capture is the outer one.
+    fn record_segments_with(
+        &mut self,
+        edges: bool,
+    ) -> Result<std::result::Result<Vec<CudaGraph>, String>> {
         self.issued = 0;
         let mut segments = Vec::new();
+        let mut made = 0;
         let _capturing = capturing();
         while self.issued < self.ops.len() {
             let end = (self.issued + SEGMENT_OPS).min(self.ops.len());
@@ -636,17 +648,27 @@ impl Recorder {
                 .stream
                 .end_capture(sys::CUgraphInstantiate_flags(0))
                 .map_err(|e| driver_err("graph capture", e));
-            if edges && !matches!((&issued, &graph), (Ok(true), Ok(Some(_)))) {
-                // Refused or failed with edges: the caller captures again without them.
-                return Ok(None);
+            if edges {
+                let why = match (&issued, &graph) {
+                    (Ok(Ok(_)), Ok(Some(_))) => None,
+                    (Ok(Err(kernel)), _) => Some(format!("kernel {kernel} does not wait")),
+                    (Err(e), _) | (_, Err(e)) => Some(format!("capture failed: {e}")),
+                    (_, Ok(None)) => Some("capture returned no graph".into()),
+                };
+                if let Some(why) = why {
+                    return Ok(Err(why));
+                }
             }
-            issued?;
+            made += issued?.unwrap_or(0);
             segments
                 .push(graph?.ok_or_else(|| {
                     Error::Invalid("CUDA graph capture returned no graph".into())
                 })?);
         }
-        Ok(Some(segments))
+        if edges {
+            pdl_edges::report_made(made);
+        }
+        Ok(Ok(segments))
     }
 
     /// Steps run as graph launches so far.

@@ -12,7 +12,8 @@
 //! a capture that fails with the edges, makes the recorder capture the step again without
 //! them and never add them again.
 //!
-//! Off unless `MARKBASE_CUBLASLT_PDL=1`.
+//! Off unless `MARKBASE_CUBLASLT_PDL=1`; when on, each capture says on stderr how many edges
+//! it made, or why they were dropped.
 
 use std::ffi::CStr;
 
@@ -38,7 +39,7 @@ fn waits_for_grid_ahead(name: &str) -> bool {
 }
 
 /// Makes the capture's next edge programmatic if the capture's one dependency is a kernel
-/// node; returns that node (to [`check`] after the product is captured).
+/// node; returns that node (to [`refusal`] after the product is captured).
 ///
 /// # Safety
 /// `stream` is capturing.
@@ -89,12 +90,12 @@ pub(crate) unsafe fn open(stream: sys::CUstream) -> Result<Option<sys::CUgraphNo
     Ok(Some(node))
 }
 
-/// Whether every node a programmatic edge from `node` leads to is a kernel that waits for
-/// the grid ahead ([`waits_for_grid_ahead`]).
+/// The name of a kernel a programmatic edge from `node` leads to that does not wait for the
+/// grid ahead ([`waits_for_grid_ahead`]); `None` if every such kernel waits.
 ///
 /// # Safety
 /// `node` is a node of a graph being captured.
-pub(crate) unsafe fn check(node: sys::CUgraphNode) -> Result<bool> {
+pub(crate) unsafe fn refusal(node: sys::CUgraphNode) -> Result<Option<String>> {
     let mut n = 0usize;
     sys::cuGraphNodeGetDependentNodes_v2(node, std::ptr::null_mut(), std::ptr::null_mut(), &mut n)
         .result()
@@ -117,11 +118,30 @@ pub(crate) unsafe fn check(node: sys::CUgraphNode) -> Result<bool> {
         if edge.type_ != programmatic {
             continue;
         }
-        if !waits_for_grid_ahead(&kernel_name(next)?) {
-            return Ok(false);
+        let name = kernel_name(next)?;
+        if !waits_for_grid_ahead(&name) {
+            return Ok(Some(if name.is_empty() {
+                "(not a kernel)".into()
+            } else {
+                name
+            }));
         }
     }
-    Ok(true)
+    Ok(None)
+}
+
+/// Says on stderr how many edges a step's capture made (the switch is a measurement aid).
+pub(crate) fn report_made(edges: usize) {
+    eprintln!(
+        "markbase-cuda: {CUBLASLT_PDL_VAR}: {edges} programmatic edges into cuBLASLt products"
+    );
+}
+
+/// Says on stderr why the edges are off from now on.
+pub(crate) fn report_dropped(why: &str) {
+    eprintln!(
+        "markbase-cuda: {CUBLASLT_PDL_VAR}: edges dropped, steps captured without them: {why}"
+    );
 }
 
 /// The function name of a graph node (empty for a node that is not a kernel).
