@@ -33,7 +33,6 @@ use crate::blas::{Blas, GemmCall};
 use crate::device::driver_err;
 use crate::device_wide::{capturing, Pinned};
 use crate::kernels::Launch;
-use crate::pdl_edges;
 
 /// Graphs kept; the one replayed longest ago goes first.
 const MAX_GRAPHS: usize = 32;
@@ -294,9 +293,6 @@ pub(crate) struct Recorder {
     pending: Option<Error>,
     /// Why graphs were turned off, if a capture failed.
     off_reason: Option<String>,
-    /// Captured products get programmatic edges ([`pdl_edges`]); off for good once a
-    /// capture with them is refused or fails.
-    product_edges: bool,
 }
 
 // SAFETY: the raw handles inside (kernel functions, cuBLASLt descriptors, the pinned buffer's
@@ -348,7 +344,6 @@ impl Steps {
             replays: 0,
             pending: None,
             off_reason: None,
-            product_edges: pdl_edges::enabled(),
         }))))
     }
 
@@ -383,40 +378,12 @@ impl Recorder {
     }
 
     fn issue_range(&mut self, end: usize) -> Result<()> {
-        self.issue_up_to(end, false).map(drop)
-    }
-
-    /// Issues the operations up to `end`. With `edges` (under stream capture only), a
-    /// cuBLASLt product right after a kernel of ours gets a programmatic edge from it
-    /// ([`pdl_edges`]). Returns how many edges were made, or the name of a product's kernel
-    /// that refused its edge (the rest not issued). Without `edges`, always `Ok(0)`.
-    fn issue_up_to(
-        &mut self,
-        end: usize,
-        edges: bool,
-    ) -> Result<std::result::Result<usize, String>> {
         let blas = self.blas.as_deref();
-        let stream = self.stream.cu_stream();
-        let mut made = 0;
-        for i in self.issued..end {
-            let op = &self.ops[i];
-            let after_kernel = || i > 0 && matches!(self.ops[i - 1], Op::Kernel(_));
-            // SAFETY: with `edges` the stream is capturing (record_segments_with).
-            let opened = match op {
-                Op::Gemm(_) if edges && after_kernel() => unsafe { pdl_edges::open(stream)? },
-                _ => None,
-            };
+        for op in &self.ops[self.issued..end] {
             op.issue(&self.stream, blas)?;
-            // SAFETY: `node` is a node of the graph being captured.
-            if let Some(node) = opened {
-                if let Some(kernel) = unsafe { pdl_edges::refusal(node)? } {
-                    return Ok(Err(kernel));
-                }
-                made += 1;
-            }
         }
         self.issued = end;
-        Ok(Ok(made))
+        Ok(())
     }
 
     /// Stops holding back: queues the arena's new arrays and every held operation.
@@ -612,30 +579,8 @@ impl Recorder {
     }
 
     fn record_segments(&mut self) -> Result<Vec<CudaGraph>> {
-        if self.product_edges {
-            match self.record_segments_with(true)? {
-                Ok(segments) => return Ok(segments),
-                Err(why) => {
-                    // None from now on.
-                    pdl_edges::report_dropped(&why);
-                    self.product_edges = false;
-                }
-            }
-        }
-        self.record_segments_with(false)?.map_err(Error::Invalid)
-    }
-
-    /// The step's segments captured, with programmatic edges into cuBLASLt's products if
-    /// `edges`. With edges, a product's kernel that refused its edge
-    /// ([`pdl_edges::refusal`]) or a failed capture is the inner error (the caller captures
-    /// again without them); without, a failed capture is the outer one.
-    fn record_segments_with(
-        &mut self,
-        edges: bool,
-    ) -> Result<std::result::Result<Vec<CudaGraph>, String>> {
         self.issued = 0;
         let mut segments = Vec::new();
-        let mut made = 0;
         let _capturing = capturing();
         while self.issued < self.ops.len() {
             let end = (self.issued + SEGMENT_OPS).min(self.ops.len());
@@ -643,32 +588,18 @@ impl Recorder {
             self.stream
                 .begin_capture(mode)
                 .map_err(|e| driver_err("stream capture", e))?;
-            let issued = self.issue_up_to(end, edges);
+            let issued = self.issue_range(end);
             let graph = self
                 .stream
                 .end_capture(sys::CUgraphInstantiate_flags(0))
                 .map_err(|e| driver_err("graph capture", e));
-            if edges {
-                let why = match (&issued, &graph) {
-                    (Ok(Ok(_)), Ok(Some(_))) => None,
-                    (Ok(Err(kernel)), _) => Some(format!("kernel {kernel} does not wait")),
-                    (Err(e), _) | (_, Err(e)) => Some(format!("capture failed: {e}")),
-                    (_, Ok(None)) => Some("capture returned no graph".into()),
-                };
-                if let Some(why) = why {
-                    return Ok(Err(why));
-                }
-            }
-            made += issued?.unwrap_or(0);
+            issued?;
             segments
                 .push(graph?.ok_or_else(|| {
                     Error::Invalid("CUDA graph capture returned no graph".into())
                 })?);
         }
-        if edges {
-            pdl_edges::report_made(made);
-        }
-        Ok(Ok(segments))
+        Ok(segments)
     }
 
     /// Steps run as graph launches so far.
