@@ -37,6 +37,7 @@ mod moe;
 mod moe_mma;
 mod norms;
 pub mod nvrtc;
+mod pdl_edges;
 mod products;
 mod rounded;
 mod sample;

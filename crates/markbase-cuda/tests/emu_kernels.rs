@@ -2852,3 +2852,41 @@ fn small_kernels_match_reference() {
         assert_eq!(from_16(&y, bf16), round_16(ty, &wide), "{name}");
     }
 }
+
+/// `pdl_probe_fill` (ops.cu): x, n, the pattern's first value, the hold in ns.
+type ProbeFill = unsafe extern "C" fn(x: *mut u16, n: u64, base: u32, hold_ns: u64);
+
+/// The wait probe's writer fills every one of its n values, past what its grid covers in one
+/// pass, with 1 + (i mod 8)/8 in bf16 from 0x3F80 and 1 + (i mod 8)/64 in f16 from 0x3C00 —
+/// values a product reads as nonzero.
+#[test]
+fn probe_writer_fills_its_pattern() {
+    let Some(ops) = emu_unit(Module::Ops, None) else {
+        return;
+    };
+    // SAFETY: ProbeFill is pdl_probe_fill's signature.
+    let kernel: ProbeFill = unsafe { ops.kernel("pdl_probe_fill") }.unwrap();
+    let n = 1000usize;
+    for (base, bf16) in [(0x3F80u32, true), (0x3C00, false)] {
+        let mut x = vec![0xFFFFu16; n];
+        let xp = x.as_mut_ptr() as usize;
+        // SAFETY: x holds n values and outlives the launch.
+        ops.launch([2, 1, 1], [128, 1, 1], 0, &|| unsafe {
+            kernel(xp as _, n as u64, base, 200_000)
+        })
+        .unwrap();
+        for (i, &v) in x.iter().enumerate() {
+            let value = if bf16 {
+                half::bf16::from_bits(v).to_f32()
+            } else {
+                f16::from_bits(v).to_f32()
+            };
+            let step = if bf16 { 1.0 / 8.0 } else { 1.0 / 64.0 };
+            assert_eq!(
+                value,
+                1.0 + step * (i % 8) as f32,
+                "value {i} (bf16 {bf16})"
+            );
+        }
+    }
+}
