@@ -125,11 +125,11 @@ extern "C" __global__ void f32_to_f16(const float* x, u16* y, u64 n) {
     if (i < n) y[i] = to_f16(x[i]);
 }
 
-// The writer of blas.rs's wait probe (product_edges.rs): lets the next kernel launch at once
-// (wait_prior_grid), holds every block spin_ns nanoseconds, then writes x[i] = base + 16·(i mod
-// 8), 16-bit values (bf16 1.0 … 1.875 from 0x3F80; f16 1.0 … 1.109 from 0x3C00). A product
-// behind a programmatic edge from this kernel that does not wait for it reads the zeros x held
-// before. The emulator, which runs one kernel at a time, does not hold.
+// The writer of the wait probe of cuBLASLt plans (pdl_edges.rs): lets the next kernel launch
+// at once (wait_prior_grid), holds every block spin_ns nanoseconds, then writes x[i] = base +
+// 16·(i mod 8), 16-bit values (bf16 1.0 … 1.875 from 0x3F80; f16 1.0 … 1.109 from 0x3C00).
+// A product behind a programmatic edge from this kernel that does not wait for it reads the
+// zeros x held before. The emulator, which runs one kernel at a time, does not hold.
 extern "C" __global__ void pdl_probe_fill(u16* x, u64 n, u32 base, u64 spin_ns) {
     wait_prior_grid();
 #ifndef MB_EMU

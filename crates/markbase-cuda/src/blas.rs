@@ -782,12 +782,11 @@ impl Blas {
                 .map(|_| ())
         };
         match self.steps.get().and_then(WeakSteps::upgrade) {
-            // Timing queues products, copies and waits on the backend's stream outside the
-            // recorder: with it locked (before the plans: the recorder's issuing takes them
-            // in that order) no other thread captures a step meanwhile — its capture would
-            // take in the timing's work, or fail — and whatever it held back for a graph
-            // goes first.
-            // Probing likewise.
+            // Timing and probing queue products, copies and waits on the backend's stream
+            // outside the recorder: with it locked (before the plans: the recorder's issuing
+            // takes them in that order) no other thread captures a step meanwhile — its
+            // capture would take in that work, or fail — and whatever it held back for a
+            // graph goes first.
             Some(steps) if timed || probed => steps.lock()?.foreign(plan)?,
             _ => plan()?,
         }
