@@ -150,6 +150,24 @@ impl Shape {
         key
     }
 
+    /// The product as the tuning and probe reports name it.
+    fn label(&self) -> String {
+        format!(
+            "{} rows × k {} × {} tokens (batch {})",
+            self.a.cols, self.a.rows, self.b.cols, self.batch.0
+        )
+    }
+
+    /// The wait probe's first activation value, 1.0 in the inputs' 16-bit format
+    /// ([`pdl_edges::ProbeShape::one`]); `None` for f32 inputs, which are not probed.
+    fn probe_one(&self) -> Option<u32> {
+        match self.input {
+            GemmInput::Bf16 => Some(0x3F80),
+            GemmInput::F16 => Some(0x3C00),
+            GemmInput::F32 => None,
+        }
+    }
+
     /// Bytes from the first output element to the last one's end, over the whole batch.
     fn output_bytes(&self) -> usize {
         let size = if self.output == GemmOutput::F32 { 4 } else { 2 };
@@ -426,10 +444,8 @@ impl Blas {
     /// ([`pdl_edges::product_waits`], on scratch activations and output); reported on stderr
     /// with `MARKBASE_CUBLASLT_TUNE=report`.
     fn probe_waits(&self, plan: &Plan, shape: Shape, a: u64, fill: &CudaFunction) -> Result<bool> {
-        let one = match shape.input {
-            GemmInput::Bf16 => 0x3F80,
-            GemmInput::F16 => 0x3C00,
-            GemmInput::F32 => return Ok(false),
+        let Some(one) = shape.probe_one() else {
+            return Ok(false);
         };
         let b = shape.b;
         let probe = pdl_edges::ProbeShape {
@@ -445,11 +461,8 @@ impl Blas {
         })?;
         if self.tune == Tune::Report {
             eprintln!(
-                "cuBLASLt probe: {} rows × k {} × {} tokens (batch {}): {}",
-                shape.a.cols,
-                shape.a.rows,
-                shape.b.cols,
-                shape.batch.0,
+                "cuBLASLt probe: {}: {}",
+                shape.label(),
                 if waits {
                     "waits for the kernel ahead (programmatic edge)"
                 } else {
@@ -685,13 +698,10 @@ impl Blas {
                 ),
             );
             eprintln!(
-                "cuBLASLt tuning: {} rows × k {} × {} tokens (batch {}): heuristic's first \
-                 {first}, fastest {best_time:.1} µs (candidate {best} of {ran} timed: k in \
-                 {split} parts, reduction {scheme}); {:.0} ms",
-                shape.a.cols,
-                shape.a.rows,
-                shape.b.cols,
-                shape.batch.0,
+                "cuBLASLt tuning: {}: heuristic's first {first}, fastest {best_time:.1} µs \
+                 (candidate {best} of {ran} timed: k in {split} parts, reduction {scheme}); \
+                 {:.0} ms",
+                shape.label(),
                 started.elapsed().as_secs_f64() * 1e3,
             );
         }
@@ -775,7 +785,7 @@ impl Blas {
         let timed =
             decode && self.tune != Tune::Off && !self.tuned()?.contains_key(&shape.tuning_key());
         // Decode-sized shapes (the ones steps capture) are probed for programmatic edges.
-        let probed = decode && self.probe_fill.get().is_some();
+        let probed = decode && shape.probe_one().is_some() && self.probe_fill.get().is_some();
         let plan = || {
             let probe = probed.then_some(ptrs[0]);
             self.plan_in(&mut *self.plans()?, shape, timed.then_some(ptrs), probe)
