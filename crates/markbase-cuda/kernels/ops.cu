@@ -125,28 +125,6 @@ extern "C" __global__ void f32_to_f16(const float* x, u16* y, u64 n) {
     if (i < n) y[i] = to_f16(x[i]);
 }
 
-// The writer of the wait probe of cuBLASLt plans (pdl_edges.rs): lets the next kernel launch
-// at once (wait_prior_grid), holds every block spin_ns nanoseconds, then writes x[i] = base +
-// 16·(i mod 8), 16-bit values (bf16 1.0 … 1.875 from 0x3F80; f16 1.0 … 1.109 from 0x3C00).
-// A product behind a programmatic edge from this kernel that does not wait for it reads the
-// zeros x held before. The emulator, which runs one kernel at a time, does not hold.
-extern "C" __global__ void pdl_probe_fill(u16* x, u64 n, u32 base, u64 spin_ns) {
-    wait_prior_grid();
-#ifndef MB_EMU
-    if (threadIdx.x == 0 && spin_ns) {
-        u64 start, now;
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
-        do {
-            asm volatile("nanosleep.u32 1000;");
-            asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-        } while (now - start < spin_ns);
-    }
-    __syncthreads();
-#endif
-    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
-        x[i] = (u16)(base + 16 * (i % 8));
-}
-
 // RMSNorm of row blockIdx.x (dim values): x · 1/sqrt(mean(x²) + eps) · weight (weight may be
 // null), written to out (add = 0) or added into it (add = 1); also stored into `rounded` as
 // `round_kind` says: rounded (store_rounded) or as Q4_K tiles (ROUND_Q4K_TILES: add = 0, dim a

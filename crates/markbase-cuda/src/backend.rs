@@ -35,7 +35,6 @@ use crate::mmq::{Tuning as MmqTuning, TICKETS as MMQ_TICKETS};
 use crate::moe::{moe_groups_pairs, MoeCall, MAX_EXPERTS, MAX_GRID_Y, MAX_TOP_K};
 use crate::moe_mma::moe_on_tensor_cores;
 use crate::norms::{norm_grid, EXTRA_NORMS, Q4K_TILES_MAX_DIM};
-use crate::pdl_edges;
 use crate::products::{gemv_suits, product_inputs, reads_copy, ProductInputs};
 use crate::rounded::{QueueCount, RoundTarget, RoundedCopy};
 use crate::sources::Module;
@@ -169,10 +168,6 @@ impl CudaBackend {
         let steps = Steps::new(&dev.stream, blas.clone(), graphs)?;
         if let Some(blas) = &blas {
             blas.attach(&steps);
-            // Programmatic edges into products need programmatic launch (pdl_edges.rs).
-            if dev.early_launch() && pdl_edges::enabled() {
-                blas.attach_probe(kernels.func(Module::Ops, "pdl_probe_fill")?);
-            }
         }
         let err = CudaBuffer::zeroed(&dev.stream, &steps, 1)?;
         let mmq_tickets = CudaBuffer::zeroed(&dev.stream, &steps, MMQ_TICKETS)?;

@@ -14,14 +14,13 @@ use std::ffi::c_void;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::cublaslt::{result as lt, sys};
-use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use markbase_core::{Error, Result};
 use sys::cublasLtMatmulAlgoConfigAttributes_t as ConfigAttr;
 
 use crate::device_wide::device_wide;
 use crate::graph::{Steps, WeakSteps};
 use crate::nvrtc::ensure_library;
-use crate::pdl_edges;
 use crate::rounded::QueueCount;
 use crate::tune;
 
@@ -150,24 +149,6 @@ impl Shape {
         key
     }
 
-    /// The product as the tuning and probe reports name it.
-    fn label(&self) -> String {
-        format!(
-            "{} rows × k {} × {} tokens (batch {})",
-            self.a.cols, self.a.rows, self.b.cols, self.batch.0
-        )
-    }
-
-    /// The wait probe's first activation value, 1.0 in the inputs' 16-bit format
-    /// ([`pdl_edges::ProbeShape::one`]); `None` for f32 inputs, which are not probed.
-    fn probe_one(&self) -> Option<u32> {
-        match self.input {
-            GemmInput::Bf16 => Some(0x3F80),
-            GemmInput::F16 => Some(0x3C00),
-            GemmInput::F32 => None,
-        }
-    }
-
     /// Bytes from the first output element to the last one's end, over the whole batch.
     fn output_bytes(&self) -> usize {
         let size = if self.output == GemmOutput::F32 { 4 } else { 2 };
@@ -202,9 +183,6 @@ struct Plan {
     desc: sys::cublasLtMatmulDesc_t,
     layouts: Vec<sys::cublasLtMatrixLayout_t>,
     algo: sys::cublasLtMatmulAlgo_t,
-    /// The product waits for the kernel ahead of it (probed: [`pdl_edges::product_waits`]),
-    /// so a captured step may give it a programmatic edge from that kernel.
-    waits: bool,
 }
 
 impl Drop for Plan {
@@ -298,9 +276,6 @@ pub(crate) struct Blas {
     tune: Tune,
     /// The backend's step recorder (which holds this), held while a shape is timed (`call`).
     steps: OnceLock<WeakSteps>,
-    /// ops.cu's `pdl_probe_fill`, where new plans are probed for programmatic edges
-    /// ([`pdl_edges`]).
-    probe_fill: OnceLock<CudaFunction>,
 }
 
 // SAFETY: the handle and plans are only used under the backend's operations, which queue on
@@ -353,14 +328,13 @@ impl Blas {
             queue,
             tune: Tune::from_env(),
             steps: OnceLock::new(),
-            probe_fill: OnceLock::new(),
         }))
     }
 
     /// The descriptors and algorithm for `shape`: with `tune` (the product's `[A, B, C]`) the
     /// fastest of its candidates, timed; else the one timed for its `tuning_key` where
     /// cuBLASLt accepts it for this shape, or the heuristic's first choice.
-    fn plan(&self, shape: Shape, tune: Option<[u64; 3]>, probe: Option<u64>) -> Result<Plan> {
+    fn plan(&self, shape: Shape, tune: Option<[u64; 3]>) -> Result<Plan> {
         let ty = match shape.input {
             GemmInput::F32 => sys::cudaDataType::CUDA_R_32F,
             GemmInput::Bf16 => sys::cudaDataType::CUDA_R_16BF,
@@ -377,7 +351,6 @@ impl Blas {
                 .map_err(|e| blas_err("matmul descriptor", e))?,
             layouts: Vec::with_capacity(3),
             algo: sys::cublasLtMatmulAlgo_t { data: [0; 8] },
-            waits: false,
         };
         let (count, strides) = shape.batch;
         for (i, (t, op)) in [(ty, shape.a), (ty, shape.b), (out_ty, shape.c)]
@@ -434,50 +407,7 @@ impl Blas {
                 None => self.candidates(&plan, shape, 1)?[0],
             },
         };
-        if let (Some(a), Some(fill)) = (probe, self.probe_fill.get()) {
-            plan.waits = self.probe_waits(&plan, shape, a, fill)?;
-        }
         Ok(plan)
-    }
-
-    /// Whether `plan`'s product on the weights at `a` waits for the kernel ahead of it
-    /// ([`pdl_edges::product_waits`], on scratch activations and output); reported on stderr
-    /// with `MARKBASE_CUBLASLT_TUNE=report`.
-    fn probe_waits(&self, plan: &Plan, shape: Shape, a: u64, fill: &CudaFunction) -> Result<bool> {
-        let Some(one) = shape.probe_one() else {
-            return Ok(false);
-        };
-        let b = shape.b;
-        let probe = pdl_edges::ProbeShape {
-            inputs: b.ld * b.cols.saturating_sub(1) + b.rows,
-            one,
-            out_bytes: shape.output_bytes(),
-            f32_out: shape.output == GemmOutput::F32,
-        };
-        let waits = pdl_edges::product_waits(&self.stream, fill, &probe, |x, c| {
-            // SAFETY: A is the product's own live weights (only read); `x` and `c` are
-            // scratch of the activations' and the output's sizes.
-            unsafe { self.matmul(plan, &plan.algo, shape.input, [a, x, c]) }
-        })?;
-        if self.tune == Tune::Report {
-            eprintln!(
-                "cuBLASLt probe: {}: {}",
-                shape.label(),
-                if waits {
-                    "waits for the kernel ahead (programmatic edge)"
-                } else {
-                    "does not wait (plain edge)"
-                },
-            );
-        }
-        Ok(waits)
-    }
-
-    /// Lets new plans be probed for programmatic edges with ops.cu's `pdl_probe_fill`
-    /// (the backend gives it on devices with programmatic launch with
-    /// `MARKBASE_CUBLASLT_PDL=1`).
-    pub(crate) fn attach_probe(&self, fill: CudaFunction) {
-        let _ = self.probe_fill.set(fill);
     }
 
     /// The timed algorithms.
@@ -698,10 +628,13 @@ impl Blas {
                 ),
             );
             eprintln!(
-                "cuBLASLt tuning: {}: heuristic's first {first}, fastest {best_time:.1} µs \
-                 (candidate {best} of {ran} timed: k in {split} parts, reduction {scheme}); \
-                 {:.0} ms",
-                shape.label(),
+                "cuBLASLt tuning: {} rows × k {} × {} tokens (batch {}): heuristic's first \
+                 {first}, fastest {best_time:.1} µs (candidate {best} of {ran} timed: k in \
+                 {split} parts, reduction {scheme}); {:.0} ms",
+                shape.a.cols,
+                shape.a.rows,
+                shape.b.cols,
+                shape.batch.0,
                 started.elapsed().as_secs_f64() * 1e3,
             );
         }
@@ -781,23 +714,21 @@ impl Blas {
     fn call(&self, shape: Shape, ptrs: [u64; 3]) -> Result<GemmCall> {
         // A shape not planned yet is timed unless its run of row counts was (the timings only
         // looked up for new shapes, not on every step's products).
-        let decode = shape.b.cols <= TUNE_MAX_ROWS && !self.plans()?.contains_key(&shape);
-        let timed =
-            decode && self.tune != Tune::Off && !self.tuned()?.contains_key(&shape.tuning_key());
-        // Decode-sized shapes (the ones steps capture) are probed for programmatic edges.
-        let probed = decode && shape.probe_one().is_some() && self.probe_fill.get().is_some();
+        let timed = self.tune != Tune::Off
+            && shape.b.cols <= TUNE_MAX_ROWS
+            && !self.plans()?.contains_key(&shape)
+            && !self.tuned()?.contains_key(&shape.tuning_key());
         let plan = || {
-            let probe = probed.then_some(ptrs[0]);
-            self.plan_in(&mut *self.plans()?, shape, timed.then_some(ptrs), probe)
+            self.plan_in(&mut *self.plans()?, shape, timed.then_some(ptrs))
                 .map(|_| ())
         };
         match self.steps.get().and_then(WeakSteps::upgrade) {
-            // Timing and probing queue products, copies and waits on the backend's stream
-            // outside the recorder: with it locked (before the plans: the recorder's issuing
-            // takes them in that order) no other thread captures a step meanwhile — its
-            // capture would take in that work, or fail — and whatever it held back for a
-            // graph goes first.
-            Some(steps) if timed || probed => steps.lock()?.foreign(plan)?,
+            // Timing queues products, copies and waits on the backend's stream outside the
+            // recorder: with it locked (before the plans: the recorder's issuing takes them
+            // in that order) no other thread captures a step meanwhile — its capture would
+            // take in the timing's work, or fail — and whatever it held back for a graph
+            // goes first.
+            Some(steps) if timed => steps.lock()?.foreign(plan)?,
             _ => plan()?,
         }
         // Counted when asked for (it may be issued later, or again under capture).
@@ -812,36 +743,31 @@ impl Blas {
     }
 
     /// The plan of `shape` in `plans`, made now if it is not there (a full table is emptied
-    /// first), timed on `tune`'s operands if given, probed on the weights at `probe` if given.
+    /// first), timed on `tune`'s operands if given.
     fn plan_in<'a>(
         &self,
         plans: &'a mut HashMap<Shape, Plan>,
         shape: Shape,
         tune: Option<[u64; 3]>,
-        probe: Option<u64>,
     ) -> Result<&'a Plan> {
         if !plans.contains_key(&shape) {
             if plans.len() >= MAX_PLANS {
                 plans.clear();
             }
-            let plan = self.plan(shape, tune, probe)?;
+            let plan = self.plan(shape, tune)?;
             plans.insert(shape, plan);
         }
         Ok(&plans[&shape])
     }
 
-    /// Queues `call` (planned again, untimed and unprobed — the stream may be capturing — if
-    /// its plan was dropped since). With `edge` (the stream capturing, the kernel ahead ours),
-    /// behind a programmatic edge from that kernel where the plan waits for it.
+    /// Queues `call` (planned again, untimed — the stream may be capturing — if its plan was
+    /// dropped since).
     ///
     /// # Safety
     /// The call's pointers must be live device allocations of the sizes its maker implied.
-    pub(crate) unsafe fn issue(&self, call: &GemmCall, edge: bool) -> Result<()> {
+    pub(crate) unsafe fn issue(&self, call: &GemmCall) -> Result<()> {
         let mut plans = self.plans()?;
-        let plan = self.plan_in(&mut plans, call.shape, None, None)?;
-        if edge && plan.waits {
-            pdl_edges::open(self.stream.cu_stream())?;
-        }
+        let plan = self.plan_in(&mut plans, call.shape, None)?;
         self.matmul(plan, &plan.algo, call.shape.input, call.ptrs)
     }
 
@@ -954,7 +880,7 @@ mod tests {
                 ptrs.map(alignment),
                 (1, [0; 3]),
             );
-            let plan = blas.plan(shape, None, None).unwrap();
+            let plan = blas.plan(shape, None).unwrap();
             let base = blas.candidates(&plan, shape, TUNE_CANDIDATES).unwrap();
             let algos = blas.with_splits(&plan, &base);
             assert!(

@@ -33,7 +33,6 @@ use crate::blas::{Blas, GemmCall};
 use crate::device::driver_err;
 use crate::device_wide::{capturing, Pinned};
 use crate::kernels::Launch;
-use crate::pdl_edges;
 
 /// Graphs kept; the one replayed longest ago goes first.
 const MAX_GRAPHS: usize = 32;
@@ -140,10 +139,7 @@ impl Op {
         }
     }
 
-    /// Queues the operation; a product with `edge` (under capture, right after a kernel of
-    /// ours) behind a programmatic edge from that kernel where its plan allows
-    /// ([`Blas::issue`]).
-    fn issue(&self, stream: &CudaStream, blas: Option<&Blas>, edge: bool) -> Result<()> {
+    fn issue(&self, stream: &CudaStream, blas: Option<&Blas>) -> Result<()> {
         match self {
             Op::Kernel(l) => l.issue(stream),
             Op::Copy(c) => c.issue(stream),
@@ -151,7 +147,7 @@ impl Op {
                 let blas =
                     blas.ok_or_else(|| Error::Invalid("cuBLASLt product without cuBLASLt".into()))?;
                 // SAFETY: the backend checked the operands when it made the call.
-                unsafe { blas.issue(g, edge) }
+                unsafe { blas.issue(g) }
             }
         }
     }
@@ -297,9 +293,6 @@ pub(crate) struct Recorder {
     pending: Option<Error>,
     /// Why graphs were turned off, if a capture failed.
     off_reason: Option<String>,
-    /// Captures give products programmatic edges where their plans allow; off for good
-    /// once a capture with them fails.
-    product_edges: bool,
 }
 
 // SAFETY: the raw handles inside (kernel functions, cuBLASLt descriptors, the pinned buffer's
@@ -351,7 +344,6 @@ impl Steps {
             replays: 0,
             pending: None,
             off_reason: None,
-            product_edges: pdl_edges::enabled(),
         }))))
     }
 
@@ -385,13 +377,10 @@ impl Recorder {
         self.pending.take().map_or(Ok(()), Err)
     }
 
-    /// Issues the operations up to `end`; with `edges` (under capture), each product right
-    /// after a kernel of ours behind a programmatic edge from it where its plan allows.
-    fn issue_range(&mut self, end: usize, edges: bool) -> Result<()> {
+    fn issue_range(&mut self, end: usize) -> Result<()> {
         let blas = self.blas.as_deref();
-        for i in self.issued..end {
-            let edge = edges && i > 0 && matches!(self.ops[i - 1], Op::Kernel(_));
-            self.ops[i].issue(&self.stream, blas, edge)?;
+        for op in &self.ops[self.issued..end] {
+            op.issue(&self.stream, blas)?;
         }
         self.issued = end;
         Ok(())
@@ -403,7 +392,7 @@ impl Recorder {
             self.holding = false;
             self.candidates.clear();
             self.arena.copy_pending(&self.stream)?;
-            self.issue_range(self.ops.len(), false)?;
+            self.issue_range(self.ops.len())?;
         }
         Ok(())
     }
@@ -412,7 +401,7 @@ impl Recorder {
     pub(crate) fn queue(&mut self, op: Op) -> Result<()> {
         self.check_pending()?;
         if !self.enabled {
-            return op.issue(&self.stream, self.blas.as_deref(), false);
+            return op.issue(&self.stream, self.blas.as_deref());
         }
         if self.ops.is_empty() && !self.foreign && !self.graphs.is_empty() {
             // A new step: it may be one of the graphs.
@@ -434,7 +423,7 @@ impl Recorder {
             }
             return Ok(());
         }
-        self.issue_range(self.ops.len(), false)
+        self.issue_range(self.ops.len())
     }
 
     /// Launches segment `i` of graph `g` (the step's arrays placed so far copied first).
@@ -590,19 +579,6 @@ impl Recorder {
     }
 
     fn record_segments(&mut self) -> Result<Vec<CudaGraph>> {
-        if self.product_edges {
-            match self.record_segments_with(true) {
-                Ok(segments) => return Ok(segments),
-                // Captured again without programmatic edges, and never with them again.
-                Err(_) => self.product_edges = false,
-            }
-        }
-        self.record_segments_with(false)
-    }
-
-    /// The step's segments captured; with `edges`, products behind programmatic edges where
-    /// their plans allow ([`Recorder::issue_range`]).
-    fn record_segments_with(&mut self, edges: bool) -> Result<Vec<CudaGraph>> {
         self.issued = 0;
         let mut segments = Vec::new();
         let _capturing = capturing();
@@ -612,7 +588,7 @@ impl Recorder {
             self.stream
                 .begin_capture(mode)
                 .map_err(|e| driver_err("stream capture", e))?;
-            let issued = self.issue_range(end, edges);
+            let issued = self.issue_range(end);
             let graph = self
                 .stream
                 .end_capture(sys::CUgraphInstantiate_flags(0))

@@ -37,7 +37,6 @@ mod moe;
 mod moe_mma;
 mod norms;
 pub mod nvrtc;
-mod pdl_edges;
 mod products;
 mod rounded;
 mod sample;
