@@ -1,0 +1,451 @@
+// What one dependent all-to-all boundary costs on this GPU, and whether a hop's weight bytes
+// stream through it. Every block of a grid of one block a multiprocessor reads the whole
+// vector the hop before wrote (D 32-bit words, through L2), sums it, and writes its own slice
+// of the next vector from that sum. A batch-1 decode step is a chain of such boundaries (each
+// product needs all of its input vector: q/k/v, o, gate + up, down, the per-layer-input pair),
+// so the time a boundary takes, times the boundaries a step has, is a floor under the step's
+// time beyond its bytes unless the bytes stream through the boundaries (docs/perf.md, session
+// 66). Timed over HOPS boundaries:
+//   graph+PDL   a CUDA graph of HOPS launches with programmatic dependent launch (what the
+//               backend replays): griddepcontrol.wait, then launch_dependents, then the hop;
+//   graph       the same graph without it (each launch waits for the one ahead to end);
+//   persistent  one launch; between hops a grid-wide barrier (a fence, one atomic add a block,
+//               thread 0 polling the count) — the chain's hand-over (sessions 44, 58–61);
+//   barrier     the persistent barrier alone, no vector read or written;
+// then hops that also stream a product's bytes: graph+PDL hops whose first loads go out before
+// the wait (the next kernel launched early or late), and persistent hops fed by a producer warp
+// that copies every hop's weights into a ring of shared memory as fast as slots free up (built
+// in session 66 and not yet run on a GPU: its numbers are the next lease's first measurement).
+// Integer sums wrap, so every order gives the same words: the host replays the hops and checks
+// the last vector, so a boundary that let a block read too early fails the run.
+// Build and run on the GPU machine:
+//   nvcc -O3 -arch=sm_90a -o /tmp/boundary_cost scripts/boundary_cost.cu && /tmp/boundary_cost
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+#include <algorithm>
+#include <cuda_runtime.h>
+
+typedef unsigned int u32_t;
+
+constexpr int THREADS = 256, HOPS = 420, REPEATS = 15;
+
+#define CHECK(x)                                                                     \
+    do {                                                                             \
+        cudaError_t e = (x);                                                         \
+        if (e != cudaSuccess) {                                                      \
+            fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x,                \
+                    cudaGetErrorString(e));                                          \
+            exit(1);                                                                 \
+        }                                                                            \
+    } while (0)
+
+__host__ __device__ unsigned next_word(unsigned sum, unsigned i) {
+    return sum * 2654435761u + i;
+}
+
+// The sum of x[0..d) over the block (every thread gets it).
+__device__ unsigned block_sum(const unsigned* x, int d) {
+    __shared__ unsigned part[THREADS / 32];
+    unsigned s = 0;
+    for (int i = threadIdx.x; i < d; i += THREADS) s += __ldcg(x + i);
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = s;
+    __syncthreads();
+    unsigned t = 0;
+    for (int w = 0; w < THREADS / 32; w++) t += part[w];
+    __syncthreads();
+    return t;
+}
+
+// Block b's slice of the next vector.
+__device__ void write_slice(unsigned* y, int d, unsigned sum) {
+    int chunk = (d + gridDim.x - 1) / gridDim.x;
+    int lo = blockIdx.x * chunk, hi = min(d, lo + chunk);
+    for (int i = lo + threadIdx.x; i < hi; i += THREADS) __stcg(y + i, next_word(sum, i));
+}
+
+// One boundary: with `per_block` > 0 the block also streams its share of `w` (16-byte
+// words), the first AHEAD of each thread's loads issued before the wait — the weights of a
+// product, which no kernel writes — and the rest after it, UNROLL loads in flight a thread.
+// `late`: the next kernel may launch only once this block has streamed its share
+// (griddepcontrol.launch_dependents after the loop, not right after the wait), so the next
+// kernel's loads before its wait are issued as this one ends rather than as it begins.
+constexpr int UNROLL = 8;
+
+template <int AHEAD>
+__global__ void hop(const unsigned* x, unsigned* y, int d, int pdl, const uint4* w,
+                    long long per_block, int late) {
+    const uint4* mine = w + blockIdx.x * per_block;
+    uint4 ahead[AHEAD];
+#pragma unroll
+    for (int k = 0; k < AHEAD; k++) {
+        long long i = threadIdx.x + (long long)k * THREADS;
+        ahead[k] = i < per_block ? __ldcs(mine + i) : make_uint4(0, 0, 0, 0);
+    }
+    if (pdl) {
+        asm volatile("griddepcontrol.wait;" ::: "memory");
+        if (!late) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    }
+    unsigned sum = block_sum(x, d), acc = 0;
+#pragma unroll
+    for (int k = 0; k < AHEAD; k++) acc += ahead[k].x ^ ahead[k].y ^ ahead[k].z ^ ahead[k].w;
+    for (long long i = threadIdx.x + (long long)AHEAD * THREADS; i < per_block;
+         i += (long long)UNROLL * THREADS) {
+        uint4 v[UNROLL];
+#pragma unroll
+        for (int k = 0; k < UNROLL; k++) {
+            long long j = i + (long long)k * THREADS;
+            v[k] = j < per_block ? __ldcs(mine + j) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int k = 0; k < UNROLL; k++) acc += v[k].x ^ v[k].y ^ v[k].z ^ v[k].w;
+    }
+    if (pdl && late) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    // The weights' sum must not be dropped, nor change the vector: `w` is all 0x01 bytes, so
+    // acc never equals this marker.
+    if (acc == 0xdeadbeefu) y[0] = acc;
+    write_slice(y, d, sum);
+}
+
+// The copy rate's reference: `n` 16-byte words of `w` read by one launch.
+__global__ void stream(const uint4* w, long long n, unsigned* sink) {
+    unsigned acc = 0;
+    for (long long i = blockIdx.x * (long long)THREADS + threadIdx.x; i < n;
+         i += (long long)gridDim.x * THREADS * UNROLL) {
+        uint4 v[UNROLL];
+#pragma unroll
+        for (int k = 0; k < UNROLL; k++) {
+            long long j = i + (long long)k * gridDim.x * THREADS;
+            v[k] = j < n ? __ldcs(w + j) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int k = 0; k < UNROLL; k++) acc += v[k].x ^ v[k].y ^ v[k].z ^ v[k].w;
+    }
+    if (acc == 0xdeadbeefu) sink[0] = acc;
+}
+
+__device__ void grid_barrier(unsigned* count, unsigned target) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        atomicAdd(count, 1u);
+        while (*(volatile unsigned*)count < target) {
+        }
+        __threadfence();
+    }
+    __syncthreads();
+}
+
+__global__ void persistent(unsigned* a, unsigned* b, int d, int hops, unsigned* count,
+                           int exchange) {
+    for (int h = 0; h < hops; h++) {
+        unsigned* x = h % 2 ? b : a;
+        unsigned* y = h % 2 ? a : b;
+        if (exchange) write_slice(y, d, block_sum(x, d));
+        grid_barrier(count, (unsigned)(h + 1) * gridDim.x);
+    }
+}
+
+// The hops of `persistent` with weights streamed by a producer of their own: in each block
+// one lane of an extra warp copies the block's share of every hop's weights, hop after hop,
+// into a ring of `stages` slots of STAGE bytes of shared memory by bulk copies (TMA), as fast
+// as slots are free; the block's THREADS consumer threads wait for each hop's vector (the grid
+// barrier), sum it, take that hop's slots from the ring and free them, and write their slice.
+// The producer never waits for a boundary, only for a free slot, so its copies may keep the
+// memory busy while the consumers hand a vector over.
+constexpr int STAGE = 16384;
+
+__device__ __forceinline__ u32_t smem_addr(const void* p) {
+    return (u32_t)__cvta_generic_to_shared(p);
+}
+
+__device__ __forceinline__ void mbar_wait(u32_t bar, u32_t parity) {
+    u32_t done;
+    do {
+        asm volatile(
+            "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; "
+            "selp.u32 %0, 1, 0, p; }"
+            : "=r"(done)
+            : "r"(bar), "r"(parity)
+            : "memory");
+    } while (!done);
+}
+
+__global__ void streamed(unsigned* a, unsigned* b, int d, int hops, unsigned* count,
+                         const uint4* w, long long per_block, long long places, int stages) {
+    extern __shared__ __align__(128) unsigned char ring[];
+    __shared__ __align__(8) unsigned long long full[16], empty[16];
+    const long long bytes = per_block * 16;
+    const int chunks = (int)((bytes + STAGE - 1) / STAGE);
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < stages; i++) {
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&full[i])));
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(&empty[i])),
+                         "r"(THREADS / 32));
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    if (threadIdx.x >= THREADS) {  // the producer warp
+        if (threadIdx.x != THREADS) return;
+        long long it = 0;
+        for (int h = 0; h < hops; h++) {
+            const unsigned char* src =
+                (const unsigned char*)(w + (h % places) * per_block * gridDim.x) +
+                blockIdx.x * bytes;
+            for (int c = 0; c < chunks; c++, it++) {
+                int slot = (int)(it % stages);
+                long long round = it / stages;
+                if (round > 0) mbar_wait(smem_addr(&empty[slot]), (u32_t)((round - 1) & 1));
+                u32_t n = (u32_t)min((long long)STAGE, bytes - (long long)c * STAGE);
+                u32_t bar = smem_addr(&full[slot]);
+                asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar),
+                             "r"(n)
+                             : "memory");
+                asm volatile(
+                    "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], "
+                    "%2, [%3];" ::"r"(smem_addr(ring + slot * STAGE)),
+                    "l"(src + (long long)c * STAGE), "r"(n), "r"(bar)
+                    : "memory");
+            }
+        }
+        return;
+    }
+    __shared__ unsigned part[THREADS / 32];
+    unsigned acc = 0;
+    long long it = 0;
+    for (int h = 0; h < hops; h++) {
+        unsigned* x = h % 2 ? b : a;
+        unsigned* y = h % 2 ? a : b;
+        // The consumers' block sum (named barrier 1: the producer warp takes no part).
+        unsigned sum = 0;
+        for (int i = threadIdx.x; i < d; i += THREADS) sum += __ldcg(x + i);
+        for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+        if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = sum;
+        asm volatile("bar.sync 1, %0;" ::"r"(THREADS) : "memory");
+        sum = 0;
+        for (int i = 0; i < THREADS / 32; i++) sum += part[i];
+        for (int c = 0; c < chunks; c++, it++) {
+            int slot = (int)(it % stages);
+            mbar_wait(smem_addr(&full[slot]), (u32_t)((it / stages) & 1));
+            int n = (int)min((long long)STAGE, bytes - (long long)c * STAGE) / 16;
+            const uint4* v = (const uint4*)(ring + slot * STAGE);
+            for (int i = threadIdx.x; i < n; i += THREADS) {
+                uint4 q = v[i];
+                acc += q.x ^ q.y ^ q.z ^ q.w;
+            }
+            __syncwarp();
+            if (threadIdx.x % 32 == 0)
+                asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(
+                                 smem_addr(&empty[slot]))
+                             : "memory");
+        }
+        if (acc == 0xdeadbeefu) y[0] = acc;
+        write_slice(y, d, sum);
+        // The grid barrier among the consumers.
+        asm volatile("bar.sync 1, %0;" ::"r"(THREADS) : "memory");
+        if (threadIdx.x == 0) {
+            __threadfence();
+            atomicAdd(count, 1u);
+            while (*(volatile unsigned*)count < (unsigned)(h + 1) * gridDim.x) {
+            }
+            __threadfence();
+        }
+        asm volatile("bar.sync 1, %0;" ::"r"(THREADS) : "memory");
+    }
+}
+
+static std::vector<unsigned> first_vector(int d) {
+    std::vector<unsigned> v(d);
+    for (int i = 0; i < d; i++) v[i] = i * 7u + 1u;
+    return v;
+}
+
+static std::vector<unsigned> replay(int d, int hops) {
+    std::vector<unsigned> v = first_vector(d), w(d);
+    for (int h = 0; h < hops; h++) {
+        unsigned s = 0;
+        for (unsigned x : v) s += x;
+        for (int i = 0; i < d; i++) w[i] = next_word(s, i);
+        std::swap(v, w);
+    }
+    return v;
+}
+
+// Median of REPEATS timings (µs a boundary) of `run`, after one untimed run; checks the last
+// vector (at `last`) after every run when `d` > 0.
+template <class F>
+static double time_it(F run, cudaStream_t s, int d, unsigned* a, const unsigned* last) {
+    std::vector<unsigned> want = d ? replay(d, HOPS) : std::vector<unsigned>(), got(d);
+    cudaEvent_t t0, t1;
+    CHECK(cudaEventCreate(&t0));
+    CHECK(cudaEventCreate(&t1));
+    std::vector<double> us;
+    for (int r = 0; r <= REPEATS; r++) {
+        std::vector<unsigned> v = first_vector(d);
+        if (d) CHECK(cudaMemcpy(a, v.data(), d * 4, cudaMemcpyHostToDevice));
+        CHECK(cudaEventRecord(t0, s));
+        run();
+        CHECK(cudaEventRecord(t1, s));
+        CHECK(cudaEventSynchronize(t1));
+        float ms;
+        CHECK(cudaEventElapsedTime(&ms, t0, t1));
+        if (r > 0) us.push_back(ms * 1000.0 / HOPS);
+        if (d) {
+            CHECK(cudaMemcpy(got.data(), last, d * 4, cudaMemcpyDeviceToHost));
+            if (got != want) {
+                fprintf(stderr, "wrong vector after %d hops (d = %d)\n", HOPS, d);
+                exit(1);
+            }
+        }
+    }
+    std::sort(us.begin(), us.end());
+    return us[us.size() / 2];
+}
+
+// A graph of HOPS boundaries (`pdl`: with programmatic dependent launch), hop h streaming
+// the `per_block` · sms words of `w` at h's place in a buffer of `w_len` words (so no hop finds
+// its weights in L2).
+template <int AHEAD>
+static cudaGraphExec_t chain_graph(cudaStream_t s, int sms, unsigned* a, unsigned* b, int d,
+                                   int pdl, const uint4* w, long long per_block,
+                                   long long w_len, int late) {
+    cudaGraph_t g;
+    cudaGraphExec_t ge;
+    CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+    long long span = per_block * sms, places = span ? w_len / span : 1;
+    for (int h = 0; h < HOPS; h++) {
+        cudaLaunchConfig_t cfg = {};
+        cfg.gridDim = dim3(sms);
+        cfg.blockDim = dim3(THREADS);
+        cfg.stream = s;
+        cudaLaunchAttribute attr;
+        attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attr.val.programmaticStreamSerializationAllowed = 1;
+        cfg.attrs = &attr;
+        cfg.numAttrs = pdl;
+        const unsigned* x = h % 2 ? b : a;
+        unsigned* y = h % 2 ? a : b;
+        const uint4* wh = w + (h % places) * span;
+        CHECK(cudaLaunchKernelEx(&cfg, hop<AHEAD>, x, y, d, pdl, wh, per_block, late));
+    }
+    CHECK(cudaStreamEndCapture(s, &g));
+    CHECK(cudaGraphInstantiate(&ge, g, 0));
+    CHECK(cudaGraphDestroy(g));
+    return ge;
+}
+
+int main() {
+    int dev = 0, sms = 0;
+    CHECK(cudaGetDevice(&dev));
+    CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    cudaDeviceProp prop;
+    CHECK(cudaGetDeviceProperties(&prop, dev));
+    printf("%s, %d multiprocessors; %d boundaries a run, median of %d runs, µs a boundary\n",
+           prop.name, sms, HOPS, REPEATS);
+    unsigned *a, *b, *count;
+    CHECK(cudaMalloc(&a, 10240 * 4));
+    CHECK(cudaMalloc(&b, 10240 * 4));
+    CHECK(cudaMalloc(&count, 4));
+    const long long w_len = (4ll << 30) / 16;
+    uint4* w;
+    CHECK(cudaMalloc(&w, w_len * 16));
+    CHECK(cudaMemset(w, 1, w_len * 16));
+    cudaStream_t s;
+    CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    // HOPS is even, so the last vector is back in `a`.
+    for (int d : {2560, 10240}) {
+        double graph_us[2];
+        for (int pdl = 1; pdl >= 0; pdl--) {
+            cudaGraphExec_t ge = chain_graph<8>(s, sms, a, b, d, pdl, w, 0, w_len, 0);
+            graph_us[pdl] = time_it([&] { CHECK(cudaGraphLaunch(ge, s)); }, s, d, a, a);
+            CHECK(cudaGraphExecDestroy(ge));
+        }
+        auto persistent_run = [&](int exchange) {
+            return [&, exchange] {
+                CHECK(cudaMemsetAsync(count, 0, 4, s));
+                int hops = HOPS, ex = exchange;
+                void* args[] = {&a, &b, &d, &hops, &count, &ex};
+                CHECK(cudaLaunchCooperativeKernel((void*)persistent, dim3(sms), dim3(THREADS),
+                                                  args, 0, s));
+            };
+        };
+        double pers = time_it(persistent_run(1), s, d, a, a);
+        double bare = time_it(persistent_run(0), s, 0, a, a);
+        printf("D = %5d words: graph+PDL %.2f, graph %.2f, persistent %.2f, barrier %.2f\n", d,
+               graph_us[1], graph_us[0], pers, bare);
+    }
+    // Does a boundary hide behind the bytes a hop streams? The copy rate first (one launch
+    // over the whole buffer), then graph+PDL hops of a product's bytes each (E4B bf16: the
+    // per-layer-input projection, q or o, down), against the boundary alone plus the bytes at
+    // that rate (no overlap) and the larger of the two (full overlap).
+    unsigned* sink = count;
+    double rate_gbs;
+    {
+        cudaEvent_t t0, t1;
+        CHECK(cudaEventCreate(&t0));
+        CHECK(cudaEventCreate(&t1));
+        std::vector<float> ms(REPEATS);
+        for (int r = 0; r <= REPEATS; r++) {
+            CHECK(cudaEventRecord(t0, s));
+            stream<<<sms * 8, THREADS, 0, s>>>(w, w_len, sink);
+            CHECK(cudaEventRecord(t1, s));
+            CHECK(cudaEventSynchronize(t1));
+            if (r > 0) CHECK(cudaEventElapsedTime(&ms[r - 1], t0, t1));
+        }
+        std::sort(ms.begin(), ms.end());
+        rate_gbs = w_len * 16.0 / (ms[REPEATS / 2] * 1e6);
+    }
+    printf("read rate, one launch over %.1f GB: %.0f GB/s\n", w_len * 16 / 1e9, rate_gbs);
+    const int d = 2560;
+    double alone = 0;
+    printf("graph+PDL hops, µs a hop: the next kernel launched right after the wait (early) or "
+           "once the blocks have streamed (late), 8 or 16 loads a thread before the wait\n");
+    for (double mb : {0.0, 1.31, 10.49, 52.43}) {
+        long long per_block = (long long)(mb * 1e6 / 16 / sms);
+        double us[4];
+        for (int v = 0; v < 4; v++) {
+            int late = v & 1;
+            cudaGraphExec_t ge =
+                v < 2 ? chain_graph<8>(s, sms, a, b, d, 1, w, per_block, w_len, late)
+                      : chain_graph<16>(s, sms, a, b, d, 1, w, per_block, w_len, late);
+            us[v] = time_it([&] { CHECK(cudaGraphLaunch(ge, s)); }, s, d, a, a);
+            CHECK(cudaGraphExecDestroy(ge));
+        }
+        if (per_block == 0) alone = us[0];
+        double bytes_us = per_block * sms * 16.0 / (rate_gbs * 1e3);
+        printf("%6.2f MB a hop: early/8 %6.2f, late/8 %6.2f, early/16 %6.2f, late/16 %6.2f; "
+               "bytes at the rate %6.2f, no overlap %6.2f, full overlap %6.2f\n",
+               mb, us[0], us[1], us[2], us[3], bytes_us, alone + bytes_us,
+               std::max(alone, bytes_us));
+    }
+    // The same hops in one persistent launch, the weights by the producer warp's ring.
+    printf("persistent hops, weights by a producer warp's ring of 16 KB slots (µs a hop)\n");
+    for (double mb : {0.0, 1.31, 10.49, 52.43}) {
+        long long per_block = (long long)(mb * 1e6 / 16 / sms);
+        long long span = per_block * sms, places = span ? w_len / span : 1;
+        double us[3];
+        int ring_stages[3] = {4, 8, 12};
+        for (int v = 0; v < 3; v++) {
+            int st = ring_stages[v];
+            CHECK(cudaFuncSetAttribute(streamed, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       st * STAGE));
+            us[v] = time_it(
+                [&] {
+                    CHECK(cudaMemsetAsync(count, 0, 4, s));
+                    int hops = HOPS;
+                    const uint4* wp = w;
+                    void* args[] = {&a, &b, (void*)&d, &hops, &count, &wp, &per_block, &places,
+                                    &st};
+                    CHECK(cudaLaunchCooperativeKernel((void*)streamed, dim3(sms),
+                                                      dim3(THREADS + 32), args, st * STAGE, s));
+                },
+                s, d, a, a);
+        }
+        double bytes_us = per_block * sms * 16.0 / (rate_gbs * 1e3);
+        printf("%6.2f MB a hop: ring of 4 %6.2f, 8 %6.2f, 12 %6.2f; bytes at the rate %6.2f\n",
+               mb, us[0], us[1], us[2], bytes_us);
+    }
+    return 0;
+}
