@@ -25,8 +25,8 @@
 #include <vector>
 #include <algorithm>
 #include <cuda_runtime.h>
-
-typedef unsigned int u32_t;
+// The backend's device helpers (mbarriers, bulk copies, shared addresses).
+#include "../crates/markbase-cuda/kernels/common.cuh"
 
 constexpr int THREADS = 256, HOPS = 420, REPEATS = 15;
 
@@ -156,22 +156,6 @@ __global__ void persistent(unsigned* a, unsigned* b, int d, int hops, unsigned* 
 // memory busy while the consumers hand a vector over.
 constexpr int STAGE = 16384;
 
-__device__ __forceinline__ u32_t smem_addr(const void* p) {
-    return (u32_t)__cvta_generic_to_shared(p);
-}
-
-__device__ __forceinline__ void mbar_wait(u32_t bar, u32_t parity) {
-    u32_t done;
-    do {
-        asm volatile(
-            "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; "
-            "selp.u32 %0, 1, 0, p; }"
-            : "=r"(done)
-            : "r"(bar), "r"(parity)
-            : "memory");
-    } while (!done);
-}
-
 __global__ void streamed(unsigned* a, unsigned* b, int d, int hops, unsigned* count,
                          const uint4* w, long long per_block, long long places, int stages) {
     extern __shared__ __align__(128) unsigned char ring[];
@@ -180,11 +164,10 @@ __global__ void streamed(unsigned* a, unsigned* b, int d, int hops, unsigned* co
     const int chunks = (int)((bytes + STAGE - 1) / STAGE);
     if (threadIdx.x == 0) {
         for (int i = 0; i < stages; i++) {
-            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&full[i])));
-            asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(&empty[i])),
-                         "r"(THREADS / 32));
+            mbar_init(shared_address(&full[i]), 1);
+            mbar_init(shared_address(&empty[i]), THREADS / 32);
         }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        mbar_init_fence();
     }
     __syncthreads();
     if (threadIdx.x >= THREADS) {  // the producer warp
@@ -197,17 +180,11 @@ __global__ void streamed(unsigned* a, unsigned* b, int d, int hops, unsigned* co
             for (int c = 0; c < chunks; c++, it++) {
                 int slot = (int)(it % stages);
                 long long round = it / stages;
-                if (round > 0) mbar_wait(smem_addr(&empty[slot]), (u32_t)((round - 1) & 1));
-                u32_t n = (u32_t)min((long long)STAGE, bytes - (long long)c * STAGE);
-                u32_t bar = smem_addr(&full[slot]);
-                asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar),
-                             "r"(n)
-                             : "memory");
-                asm volatile(
-                    "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], "
-                    "%2, [%3];" ::"r"(smem_addr(ring + slot * STAGE)),
-                    "l"(src + (long long)c * STAGE), "r"(n), "r"(bar)
-                    : "memory");
+                if (round > 0) mbar_wait(shared_address(&empty[slot]), (u32)((round - 1) & 1));
+                u32 n = (u32)min((long long)STAGE, bytes - (long long)c * STAGE);
+                u32 bar = shared_address(&full[slot]);
+                mbar_arrive_expect_tx(bar, n);
+                bulk_copy(shared_address(ring + slot * STAGE), src + (long long)c * STAGE, n, bar);
             }
         }
         return;
@@ -228,7 +205,7 @@ __global__ void streamed(unsigned* a, unsigned* b, int d, int hops, unsigned* co
         for (int i = 0; i < THREADS / 32; i++) sum += part[i];
         for (int c = 0; c < chunks; c++, it++) {
             int slot = (int)(it % stages);
-            mbar_wait(smem_addr(&full[slot]), (u32_t)((it / stages) & 1));
+            mbar_wait(shared_address(&full[slot]), (u32)((it / stages) & 1));
             int n = (int)min((long long)STAGE, bytes - (long long)c * STAGE) / 16;
             const uint4* v = (const uint4*)(ring + slot * STAGE);
             for (int i = threadIdx.x; i < n; i += THREADS) {
@@ -238,7 +215,7 @@ __global__ void streamed(unsigned* a, unsigned* b, int d, int hops, unsigned* co
             __syncwarp();
             if (threadIdx.x % 32 == 0)
                 asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(
-                                 smem_addr(&empty[slot]))
+                                 shared_address(&empty[slot]))
                              : "memory");
         }
         if (acc == 0xdeadbeefu) y[0] = acc;
