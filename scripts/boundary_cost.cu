@@ -44,17 +44,23 @@ __host__ __device__ unsigned next_word(unsigned sum, unsigned i) {
     return sum * 2654435761u + i;
 }
 
-// The sum of x[0..d) over the block (every thread gets it).
+// A barrier of the block's first THREADS threads (named barrier 1): the whole block in every
+// kernel but `streamed`, whose producer warp takes no part.
+__device__ __forceinline__ void workers_sync() {
+    asm volatile("bar.sync 1, %0;" ::"r"(THREADS) : "memory");
+}
+
+// The sum of x[0..d) over the block's first THREADS threads (each of them gets it).
 __device__ unsigned block_sum(const unsigned* x, int d) {
     __shared__ unsigned part[THREADS / 32];
     unsigned s = 0;
     for (int i = threadIdx.x; i < d; i += THREADS) s += __ldcg(x + i);
     for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
     if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = s;
-    __syncthreads();
+    workers_sync();
     unsigned t = 0;
     for (int w = 0; w < THREADS / 32; w++) t += part[w];
-    __syncthreads();
+    workers_sync();
     return t;
 }
 
@@ -125,8 +131,9 @@ __global__ void stream(const uint4* w, long long n, unsigned* sink) {
     if (acc == 0xdeadbeefu) sink[0] = acc;
 }
 
+// Every block's first THREADS threads wait here until `target` arrivals have been counted.
 __device__ void grid_barrier(unsigned* count, unsigned target) {
-    __syncthreads();
+    workers_sync();
     if (threadIdx.x == 0) {
         __threadfence();
         atomicAdd(count, 1u);
@@ -134,7 +141,7 @@ __device__ void grid_barrier(unsigned* count, unsigned target) {
         }
         __threadfence();
     }
-    __syncthreads();
+    workers_sync();
 }
 
 __global__ void persistent(unsigned* a, unsigned* b, int d, int hops, unsigned* count,
@@ -189,20 +196,12 @@ __global__ void streamed(unsigned* a, unsigned* b, int d, int hops, unsigned* co
         }
         return;
     }
-    __shared__ unsigned part[THREADS / 32];
     unsigned acc = 0;
     long long it = 0;
     for (int h = 0; h < hops; h++) {
         unsigned* x = h % 2 ? b : a;
         unsigned* y = h % 2 ? a : b;
-        // The consumers' block sum (named barrier 1: the producer warp takes no part).
-        unsigned sum = 0;
-        for (int i = threadIdx.x; i < d; i += THREADS) sum += __ldcg(x + i);
-        for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-        if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = sum;
-        asm volatile("bar.sync 1, %0;" ::"r"(THREADS) : "memory");
-        sum = 0;
-        for (int i = 0; i < THREADS / 32; i++) sum += part[i];
+        unsigned sum = block_sum(x, d);
         for (int c = 0; c < chunks; c++, it++) {
             int slot = (int)(it % stages);
             mbar_wait(shared_address(&full[slot]), (u32)((it / stages) & 1));
@@ -220,16 +219,7 @@ __global__ void streamed(unsigned* a, unsigned* b, int d, int hops, unsigned* co
         }
         if (acc == 0xdeadbeefu) y[0] = acc;
         write_slice(y, d, sum);
-        // The grid barrier among the consumers.
-        asm volatile("bar.sync 1, %0;" ::"r"(THREADS) : "memory");
-        if (threadIdx.x == 0) {
-            __threadfence();
-            atomicAdd(count, 1u);
-            while (*(volatile unsigned*)count < (unsigned)(h + 1) * gridDim.x) {
-            }
-            __threadfence();
-        }
-        asm volatile("bar.sync 1, %0;" ::"r"(THREADS) : "memory");
+        grid_barrier(count, (unsigned)(h + 1) * gridDim.x);
     }
 }
 
