@@ -132,14 +132,30 @@ __global__ void stream(const uint4* w, long long n, unsigned* sink) {
 }
 
 // Every block's first THREADS threads wait here until `target` arrivals have been counted.
-__device__ void grid_barrier(unsigned* count, unsigned target) {
+// `kind` 0: a full fence, one atomic add, thread 0 polling the count, a full fence;
+// 1: the add and the polling without fences (no ordering: for hops that hand nothing over);
+// 2: a release add and acquire polls (fence.acq_rel only where the data needs it);
+// 3: kind 0 with a 64 ns sleep between polls.
+__device__ void grid_barrier(unsigned* count, unsigned target, int kind = 0) {
     workers_sync();
     if (threadIdx.x == 0) {
-        __threadfence();
-        atomicAdd(count, 1u);
-        while (*(volatile unsigned*)count < target) {
+        if (kind == 2) {
+            asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(count) : "memory");
+            unsigned seen;
+            do {
+                asm volatile("ld.acquire.gpu.global.u32 %0, [%1];"
+                             : "=r"(seen)
+                             : "l"(count)
+                             : "memory");
+            } while (seen < target);
+        } else {
+            if (kind != 1) __threadfence();
+            atomicAdd(count, 1u);
+            while (*(volatile unsigned*)count < target) {
+                if (kind == 3) __nanosleep(64);
+            }
+            if (kind != 1) __threadfence();
         }
-        __threadfence();
     }
     workers_sync();
 }
@@ -161,14 +177,16 @@ __global__ void persistent(unsigned* a, unsigned* b, int d, int hops, unsigned* 
 // barrier), sum it, take that hop's slots from the ring and free them, and write their slice.
 // The producer never waits for a boundary, only for a free slot, so its copies may keep the
 // memory busy while the consumers hand a vector over.
-constexpr int STAGE = 16384;
+// The cycles of `streamed`'s stand-in for a barrier (boundary 3): ≈ 1.5 µs at 1.98 GHz.
+constexpr long long SPIN_CYCLES = 2900;
 
 __global__ void streamed(unsigned* a, unsigned* b, int d, int hops, unsigned* count,
-                         const uint4* w, long long per_block, long long places, int stages) {
+                         const uint4* w, long long per_block, long long places, int stages,
+                         int stage, int boundary, int barrier_kind) {
     extern __shared__ __align__(128) unsigned char ring[];
     __shared__ __align__(8) unsigned long long full[16], empty[16];
     const long long bytes = per_block * 16;
-    const int chunks = (int)((bytes + STAGE - 1) / STAGE);
+    const int chunks = (int)((bytes + stage - 1) / stage);
     if (threadIdx.x == 0) {
         for (int i = 0; i < stages; i++) {
             mbar_init(shared_address(&full[i]), 1);
@@ -188,10 +206,10 @@ __global__ void streamed(unsigned* a, unsigned* b, int d, int hops, unsigned* co
                 int slot = (int)(it % stages);
                 long long round = it / stages;
                 if (round > 0) mbar_wait(shared_address(&empty[slot]), (u32)((round - 1) & 1));
-                u32 n = (u32)min((long long)STAGE, bytes - (long long)c * STAGE);
+                u32 n = (u32)min((long long)stage, bytes - (long long)c * stage);
                 u32 bar = shared_address(&full[slot]);
                 mbar_arrive_expect_tx(bar, n);
-                bulk_copy(shared_address(ring + slot * STAGE), src + (long long)c * STAGE, n, bar);
+                bulk_copy(shared_address(ring + slot * stage), src + (long long)c * stage, n, bar);
             }
         }
         return;
@@ -201,12 +219,12 @@ __global__ void streamed(unsigned* a, unsigned* b, int d, int hops, unsigned* co
     for (int h = 0; h < hops; h++) {
         unsigned* x = h % 2 ? b : a;
         unsigned* y = h % 2 ? a : b;
-        unsigned sum = block_sum(x, d);
+        unsigned sum = boundary == 2 ? block_sum(x, d) : 0;
         for (int c = 0; c < chunks; c++, it++) {
             int slot = (int)(it % stages);
             mbar_wait(shared_address(&full[slot]), (u32)((it / stages) & 1));
-            int n = (int)min((long long)STAGE, bytes - (long long)c * STAGE) / 16;
-            const uint4* v = (const uint4*)(ring + slot * STAGE);
+            int n = (int)min((long long)stage, bytes - (long long)c * stage) / 16;
+            const uint4* v = (const uint4*)(ring + slot * stage);
             for (int i = threadIdx.x; i < n; i += THREADS) {
                 uint4 q = v[i];
                 acc += q.x ^ q.y ^ q.z ^ q.w;
@@ -218,8 +236,17 @@ __global__ void streamed(unsigned* a, unsigned* b, int d, int hops, unsigned* co
                              : "memory");
         }
         if (acc == 0xdeadbeefu) y[0] = acc;
-        write_slice(y, d, sum);
-        grid_barrier(count, (unsigned)(h + 1) * gridDim.x);
+        if (boundary == 2) write_slice(y, d, sum);
+        if (boundary == 3) {  // no barrier: thread 0 spins SPIN_CYCLES, the others wait for it
+            if (threadIdx.x == 0) {
+                long long t0 = clock64();
+                while (clock64() - t0 < SPIN_CYCLES) {
+                }
+            }
+            workers_sync();
+        } else if (boundary) {
+            grid_barrier(count, (unsigned)(h + 1) * gridDim.x, barrier_kind);
+        }
     }
 }
 
@@ -387,32 +414,40 @@ int main() {
                mb, us[0], us[1], us[2], us[3], bytes_us, alone + bytes_us,
                std::max(alone, bytes_us));
     }
-    // The same hops in one persistent launch, the weights by the producer warp's ring.
-    printf("persistent hops, weights by a producer warp's ring of 16 KB slots (µs a hop)\n");
+    // The same hops in one persistent launch, the weights by the producer warp's ring: with
+    // the whole boundary (rings of 4, 8, 12 slots), with the grid barrier alone and with no
+    // boundary at all (8 slots; the ring's own streaming rate).
+    printf("persistent hops, weights by a producer warp's ring of 8 slots of 16 KB (µs a hop); "
+           "barriers: 0 fences, 1 none, 2 release/acquire, 3 fences and polls 64 ns apart\n");
     for (double mb : {0.0, 1.31, 10.49, 52.43}) {
         long long per_block = (long long)(mb * 1e6 / 16 / sms);
         long long span = per_block * sms, places = span ? w_len / span : 1;
-        double us[3];
-        int ring_stages[3] = {4, 8, 12};
-        for (int v = 0; v < 3; v++) {
-            int st = ring_stages[v];
+        // (mode, barrier kind): the whole boundary with barriers 0, 2, 3; the barrier alone
+        // with 0, 1, 2, 3; a spin of SPIN_CYCLES instead; no boundary.
+        const int variants[9][2] = {{2, 0}, {2, 2}, {2, 3}, {1, 0}, {1, 1},
+                                    {1, 2}, {1, 3}, {3, 0}, {0, 0}};
+        double us[9];
+        for (int v = 0; v < 9; v++) {
+            int st = 8, stage = 16384, mode = variants[v][0], kind = variants[v][1];
             CHECK(cudaFuncSetAttribute(streamed, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       st * STAGE));
+                                       st * stage));
             us[v] = time_it(
                 [&] {
                     CHECK(cudaMemsetAsync(count, 0, 4, s));
                     int hops = HOPS;
                     const uint4* wp = w;
-                    void* args[] = {&a, &b, (void*)&d, &hops, &count, &wp, &per_block, &places,
-                                    &st};
+                    void* args[] = {&a,  &b,     (void*)&d, &hops, &count, &wp, &per_block,
+                                    &places, &st, &stage,    &mode, &kind};
                     CHECK(cudaLaunchCooperativeKernel((void*)streamed, dim3(sms),
-                                                      dim3(THREADS + 32), args, st * STAGE, s));
+                                                      dim3(THREADS + 32), args, st * stage, s));
                 },
-                s, d, a, a);
+                s, mode == 2 ? d : 0, a, a);
         }
         double bytes_us = per_block * sms * 16.0 / (rate_gbs * 1e3);
-        printf("%6.2f MB a hop: ring of 4 %6.2f, 8 %6.2f, 12 %6.2f; bytes at the rate %6.2f\n",
-               mb, us[0], us[1], us[2], bytes_us);
+        printf("%6.2f MB a hop: hand-over with barrier 0 %6.2f, 2 %6.2f, 3 %6.2f; barrier alone "
+               "0 %6.2f, 1 %6.2f, 2 %6.2f, 3 %6.2f; a spin instead %6.2f; no boundary %6.2f; "
+               "bytes at the rate %6.2f\n",
+               mb, us[0], us[1], us[2], us[3], us[4], us[5], us[6], us[7], us[8], bytes_us);
     }
     return 0;
 }
