@@ -4,8 +4,8 @@
 // of the next vector from that sum. A batch-1 decode step is a chain of such boundaries (each
 // product needs all of its input vector: q/k/v, o, gate + up, down, the per-layer-input pair),
 // so the time a boundary takes, times the boundaries a step has, is a floor under the step's
-// time beyond its bytes unless the bytes stream through the boundaries (docs/perf.md, session
-// 66). Timed over HOPS boundaries:
+// time beyond its bytes unless the bytes stream through the boundaries (docs/perf.md, sessions
+// 66 and 67). Timed over HOPS boundaries:
 //   graph+PDL   a CUDA graph of HOPS launches with programmatic dependent launch (what the
 //               backend replays): griddepcontrol.wait, then launch_dependents, then the hop;
 //   graph       the same graph without it (each launch waits for the one ahead to end);
@@ -14,10 +14,13 @@
 //   barrier     the persistent barrier alone, no vector read or written;
 // then hops that also stream a product's bytes: graph+PDL hops whose first loads go out before
 // the wait (the next kernel launched early or late), and persistent hops fed by a producer warp
-// that copies every hop's weights into a ring of shared memory as fast as slots free up (built
-// in session 66 and not yet run on a GPU: its numbers are the next lease's first measurement).
+// that copies every hop's weights into a ring of shared memory as fast as slots free up, with
+// the whole hand-over (barrier forms 0 and 2), the barrier alone (forms 0–3), a spin in its
+// place, no boundary, or a hand-over of tagged words with no barrier and no fence (session 67:
+// the ring streams through a spin, not through any hand-over of data).
 // Integer sums wrap, so every order gives the same words: the host replays the hops and checks
-// the last vector, so a boundary that let a block read too early fails the run.
+// the last vector (the tagged hops' words and tags too), so a boundary that let a block read
+// too early fails the run.
 // Build and run on the GPU machine:
 //   nvcc -O3 -arch=sm_90a -o /tmp/boundary_cost scripts/boundary_cost.cu && /tmp/boundary_cost
 #include <cstdio>
@@ -170,18 +173,75 @@ __global__ void persistent(unsigned* a, unsigned* b, int d, int hops, unsigned* 
     }
 }
 
-// The hops of `persistent` with weights streamed by a producer of their own: in each block
-// one lane of an extra warp copies the block's share of every hop's weights, hop after hop,
-// into a ring of `stages` slots of STAGE bytes of shared memory by bulk copies (TMA), as fast
-// as slots are free; the block's THREADS consumer threads wait for each hop's vector (the grid
-// barrier), sum it, take that hop's slots from the ring and free them, and write their slice.
-// The producer never waits for a boundary, only for a free slot, so its copies may keep the
-// memory busy while the consumers hand a vector over.
+// A hand-over with no barrier and no fence (boundary 4): each word of a vector travels with
+// the hop that wrote it, as one 64-bit relaxed store (the word above, its tag below), and a
+// reader loads its words TAGGED_AHEAD at a time and loads again each one whose tag is not yet
+// the hop's own.
+constexpr int TAGGED_AHEAD = 10;
+
+__device__ __forceinline__ unsigned long long load_relaxed(const unsigned long long* p) {
+    unsigned long long v;
+    asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// The sum of the words of x[0..d) tagged `tag`, over the block's first THREADS threads.
+__device__ unsigned tagged_sum(const unsigned long long* x, int d, unsigned tag) {
+    __shared__ unsigned part[THREADS / 32];
+    unsigned s = 0;
+    for (int i0 = threadIdx.x; i0 < d; i0 += TAGGED_AHEAD * THREADS) {
+        unsigned long long v[TAGGED_AHEAD];
+#pragma unroll
+        for (int k = 0; k < TAGGED_AHEAD; k++) {
+            int i = i0 + k * THREADS;
+            v[k] = i < d ? load_relaxed(x + i) : tag;
+        }
+#pragma unroll
+        for (int k = 0; k < TAGGED_AHEAD; k++) {
+            int i = i0 + k * THREADS;
+            while ((unsigned)v[k] != tag) v[k] = load_relaxed(x + i);
+            s += (unsigned)(v[k] >> 32);
+        }
+    }
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = s;
+    workers_sync();
+    unsigned t = 0;
+    for (int w = 0; w < THREADS / 32; w++) t += part[w];
+    workers_sync();
+    return t;
+}
+
+// Block b's slice of the next vector, tagged `tag`.
+__device__ void write_tagged_slice(unsigned long long* y, int d, unsigned sum, unsigned tag) {
+    int chunk = (d + gridDim.x - 1) / gridDim.x;
+    int lo = blockIdx.x * chunk, hi = min(d, lo + chunk);
+    for (int i = lo + threadIdx.x; i < hi; i += THREADS) {
+        unsigned long long v = ((unsigned long long)next_word(sum, i) << 32) | tag;
+        asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(y + i), "l"(v) : "memory");
+    }
+}
+
+// The first vector of a tagged run, tagged `tag`.
+__global__ void tagged_first(unsigned long long* x, int d, unsigned tag) {
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < d; i += gridDim.x * blockDim.x)
+        x[i] = ((unsigned long long)(i * 7u + 1u) << 32) | tag;
+}
+
 // The cycles of `streamed`'s stand-in for a barrier (boundary 3): ≈ 1.5 µs at 1.98 GHz.
 constexpr long long SPIN_CYCLES = 2900;
 
+// The hops of `persistent` with weights streamed by a producer of their own: in each block
+// one lane of an extra warp copies the block's share of every hop's weights, hop after hop,
+// into a ring of `stages` slots of `stage` bytes of shared memory by bulk copies (TMA), as
+// fast as slots are free; the block's THREADS consumer threads take that hop's slots from the
+// ring and free them around the hop's boundary. The producer never waits for a boundary, only
+// for a free slot, so its copies may keep the memory busy while the consumers hand a vector
+// over. `boundary`: 0 none; 1 the grid barrier alone (form `barrier_kind`); 2 the whole
+// hand-over (sum, slice, barrier); 3 a spin of SPIN_CYCLES instead; 4 the tagged hand-over
+// (hop h reads words tagged tag0 + h).
 __global__ void streamed(unsigned* a, unsigned* b, int d, int hops, unsigned* count,
-                         const uint4* w, long long per_block, long long places, int stages,
+                         unsigned tag0, const uint4* w, long long per_block, long long places, int stages,
                          int stage, int boundary, int barrier_kind) {
     extern __shared__ __align__(128) unsigned char ring[];
     __shared__ __align__(8) unsigned long long full[16], empty[16];
@@ -219,7 +279,10 @@ __global__ void streamed(unsigned* a, unsigned* b, int d, int hops, unsigned* co
     for (int h = 0; h < hops; h++) {
         unsigned* x = h % 2 ? b : a;
         unsigned* y = h % 2 ? a : b;
-        unsigned sum = boundary == 2 ? block_sum(x, d) : 0;
+        unsigned long long* tx = (unsigned long long*)x;
+        unsigned sum = boundary == 2   ? block_sum(x, d)
+                       : boundary == 4 ? tagged_sum(tx, d, tag0 + h)
+                                       : 0;
         for (int c = 0; c < chunks; c++, it++) {
             int slot = (int)(it % stages);
             mbar_wait(shared_address(&full[slot]), (u32)((it / stages) & 1));
@@ -237,6 +300,7 @@ __global__ void streamed(unsigned* a, unsigned* b, int d, int hops, unsigned* co
         }
         if (acc == 0xdeadbeefu) y[0] = acc;
         if (boundary == 2) write_slice(y, d, sum);
+        if (boundary == 4) write_tagged_slice((unsigned long long*)y, d, sum, tag0 + h + 1);
         if (boundary == 3) {  // no barrier: thread 0 spins SPIN_CYCLES, the others wait for it
             if (threadIdx.x == 0) {
                 long long t0 = clock64();
@@ -339,8 +403,8 @@ int main() {
     printf("%s, %d multiprocessors; %d boundaries a run, median of %d runs, µs a boundary\n",
            prop.name, sms, HOPS, REPEATS);
     unsigned *a, *b, *count;
-    CHECK(cudaMalloc(&a, 10240 * 4));
-    CHECK(cudaMalloc(&b, 10240 * 4));
+    CHECK(cudaMalloc(&a, 10240 * 8));
+    CHECK(cudaMalloc(&b, 10240 * 8));
     CHECK(cudaMalloc(&count, 4));
     const long long w_len = (4ll << 30) / 16;
     uint4* w;
@@ -424,30 +488,51 @@ int main() {
         long long span = per_block * sms, places = span ? w_len / span : 1;
         // (mode, barrier kind): the whole boundary with barriers 0, 2, 3; the barrier alone
         // with 0, 1, 2, 3; a spin of SPIN_CYCLES instead; no boundary.
-        const int variants[9][2] = {{2, 0}, {2, 2}, {2, 3}, {1, 0}, {1, 1},
-                                    {1, 2}, {1, 3}, {3, 0}, {0, 0}};
-        double us[9];
-        for (int v = 0; v < 9; v++) {
+        const int variants[10][2] = {{2, 0}, {2, 2}, {2, 3}, {1, 0}, {1, 1},
+                                     {1, 2}, {1, 3}, {3, 0}, {0, 0}, {4, 0}};
+        double us[10];
+        unsigned tag0 = 1;
+        for (int v = 0; v < 10; v++) {
             int st = 8, stage = 16384, mode = variants[v][0], kind = variants[v][1];
             CHECK(cudaFuncSetAttribute(streamed, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        st * stage));
-            us[v] = time_it(
-                [&] {
-                    CHECK(cudaMemsetAsync(count, 0, 4, s));
-                    int hops = HOPS;
-                    const uint4* wp = w;
-                    void* args[] = {&a,  &b,     (void*)&d, &hops, &count, &wp, &per_block,
-                                    &places, &st, &stage,    &mode, &kind};
-                    CHECK(cudaLaunchCooperativeKernel((void*)streamed, dim3(sms),
-                                                      dim3(THREADS + 32), args, st * stage, s));
-                },
-                s, mode == 2 ? d : 0, a, a);
+            // Tagged runs: no tag left in the buffers by the other hops, a fresh tag a run.
+            if (mode == 4) {
+                CHECK(cudaMemset(a, 0, 10240 * 8));
+                CHECK(cudaMemset(b, 0, 10240 * 8));
+            }
+            auto run = [&] {
+                CHECK(cudaMemsetAsync(count, 0, 4, s));
+                if (mode == 4) tagged_first<<<8, THREADS, 0, s>>>((unsigned long long*)a, d, tag0);
+                int hops = HOPS;
+                const uint4* wp = w;
+                void* args[] = {&a,      &b,  (void*)&d, &hops, &count, &tag0, &wp,
+                                &per_block, &places, &st, &stage, &mode, &kind};
+                CHECK(cudaLaunchCooperativeKernel((void*)streamed, dim3(sms), dim3(THREADS + 32),
+                                                  args, st * stage, s));
+                tag0 += HOPS + 1;
+            };
+            us[v] = time_it(run, s, mode == 2 ? d : 0, a, a);
+            if (mode == 4) {  // one more run, its last vector's words and tags checked
+                run();
+                CHECK(cudaStreamSynchronize(s));
+                std::vector<unsigned long long> got(d);
+                CHECK(cudaMemcpy(got.data(), a, d * 8, cudaMemcpyDeviceToHost));
+                std::vector<unsigned> want = replay(d, HOPS);
+                for (int i = 0; i < d; i++)
+                    if ((unsigned)(got[i] >> 32) != want[i] ||
+                        (unsigned)got[i] != tag0 - 1) {
+                        fprintf(stderr, "tagged hops: wrong vector at %d\n", i);
+                        exit(1);
+                    }
+            }
         }
         double bytes_us = per_block * sms * 16.0 / (rate_gbs * 1e3);
         printf("%6.2f MB a hop: hand-over with barrier 0 %6.2f, 2 %6.2f, 3 %6.2f; barrier alone "
                "0 %6.2f, 1 %6.2f, 2 %6.2f, 3 %6.2f; a spin instead %6.2f; no boundary %6.2f; "
-               "bytes at the rate %6.2f\n",
-               mb, us[0], us[1], us[2], us[3], us[4], us[5], us[6], us[7], us[8], bytes_us);
+               "tagged hand-over %6.2f; bytes at the rate %6.2f\n",
+               mb, us[0], us[1], us[2], us[3], us[4], us[5], us[6], us[7], us[8], us[9],
+               bytes_us);
     }
     return 0;
 }
