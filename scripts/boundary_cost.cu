@@ -237,12 +237,14 @@ constexpr long long SPIN_CYCLES = 2900;
 // fast as slots are free; the block's THREADS consumer threads take that hop's slots from the
 // ring and free them around the hop's boundary. The producer never waits for a boundary, only
 // for a free slot, so its copies may keep the memory busy while the consumers hand a vector
-// over. `boundary`: 0 none; 1 the grid barrier alone (form `barrier_kind`); 2 the whole
+// over; with `inflight` > 0 it also waits until no more than `inflight` of its copies are in
+// flight, so that free slots are left to copy into while the consumers hand over. `boundary`:
+// 0 none; 1 the grid barrier alone (form `barrier_kind`); 2 the whole
 // hand-over (sum, slice, barrier); 3 a spin of SPIN_CYCLES instead; 4 the tagged hand-over
 // (hop h reads words tagged tag0 + h).
 __global__ void streamed(unsigned* a, unsigned* b, int d, int hops, unsigned* count,
                          unsigned tag0, const uint4* w, long long per_block, long long places, int stages,
-                         int stage, int boundary, int barrier_kind) {
+                         int stage, int inflight, int boundary, int barrier_kind) {
     extern __shared__ __align__(128) unsigned char ring[];
     __shared__ __align__(8) unsigned long long full[16], empty[16];
     const long long bytes = per_block * 16;
@@ -266,6 +268,10 @@ __global__ void streamed(unsigned* a, unsigned* b, int d, int hops, unsigned* co
                 int slot = (int)(it % stages);
                 long long round = it / stages;
                 if (round > 0) mbar_wait(shared_address(&empty[slot]), (u32)((round - 1) & 1));
+                if (inflight && it >= inflight) {  // copy it − inflight has landed
+                    long long j = it - inflight;
+                    mbar_wait(shared_address(&full[j % stages]), (u32)((j / stages) & 1));
+                }
                 u32 n = (u32)min((long long)stage, bytes - (long long)c * stage);
                 u32 bar = shared_address(&full[slot]);
                 mbar_arrive_expect_tx(bar, n);
@@ -394,6 +400,66 @@ static cudaGraphExec_t chain_graph(cudaStream_t s, int sms, unsigned* a, unsigne
     return ge;
 }
 
+// A producer warp's ring: slots, bytes a slot, copies in flight at most (0: the ring's).
+struct Ring {
+    int stages, stage, inflight;
+};
+
+// What the tables of `streamed` hops share: the buffers, the stream, the grid, the read rate.
+struct Probe {
+    unsigned *a, *b, *count;
+    const uint4* w;
+    long long w_len;
+    cudaStream_t s;
+    int sms, d;
+    double rate_gbs;
+    unsigned tag0 = 1;
+
+    // µs a hop of `mb` MB at the read rate.
+    double bytes_us(double mb) const {
+        return per_block(mb) * sms * 16.0 / (rate_gbs * 1e3);
+    }
+    long long per_block(double mb) const { return (long long)(mb * 1e6 / 16 / sms); }
+
+    // µs a hop of `streamed` with `mb` MB a hop through ring `r`, boundary `mode` and barrier
+    // form `kind`; the last vector checked after every run (hand-overs) or once after the
+    // timed runs (tagged hand-overs, their tags too).
+    double streamed_hop(double mb, Ring r, int mode, int kind) {
+        long long pb = per_block(mb), span = pb * sms, places = span ? w_len / span : 1;
+        CHECK(cudaFuncSetAttribute(streamed, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                   r.stages * r.stage));
+        // Tagged runs: no tag left in the buffers by the other hops, a fresh tag a run.
+        if (mode == 4) {
+            CHECK(cudaMemset(a, 0, 10240 * 8));
+            CHECK(cudaMemset(b, 0, 10240 * 8));
+        }
+        auto run = [&] {
+            CHECK(cudaMemsetAsync(count, 0, 4, s));
+            if (mode == 4) tagged_first<<<8, THREADS, 0, s>>>((unsigned long long*)a, d, tag0);
+            int hops = HOPS;
+            void* args[] = {&a,      &b,       &d,       &hops,       &count, &tag0, &w, &pb,
+                            &places, &r.stages, &r.stage, &r.inflight, &mode,  &kind};
+            CHECK(cudaLaunchCooperativeKernel((void*)streamed, dim3(sms), dim3(THREADS + 32),
+                                              args, r.stages * r.stage, s));
+            tag0 += HOPS + 1;
+        };
+        double us = time_it(run, s, mode == 2 ? d : 0, a, a);
+        if (mode == 4) {
+            run();
+            CHECK(cudaStreamSynchronize(s));
+            std::vector<unsigned long long> got(d);
+            CHECK(cudaMemcpy(got.data(), a, d * 8, cudaMemcpyDeviceToHost));
+            std::vector<unsigned> want = replay(d, HOPS);
+            for (int i = 0; i < d; i++)
+                if ((unsigned)(got[i] >> 32) != want[i] || (unsigned)got[i] != tag0 - 1) {
+                    fprintf(stderr, "tagged hops: wrong vector at %d\n", i);
+                    exit(1);
+                }
+        }
+        return us;
+    }
+};
+
 int main() {
     int dev = 0, sms = 0;
     CHECK(cudaGetDevice(&dev));
@@ -478,61 +544,38 @@ int main() {
                mb, us[0], us[1], us[2], us[3], bytes_us, alone + bytes_us,
                std::max(alone, bytes_us));
     }
-    // The same hops in one persistent launch, the weights by the producer warp's ring: with
-    // the whole boundary (rings of 4, 8, 12 slots), with the grid barrier alone and with no
-    // boundary at all (8 slots; the ring's own streaming rate).
+    Probe probe{a, b, count, w, w_len, s, sms, d, rate_gbs};
+    // The same hops in one persistent launch, the weights by the producer warp's ring of 8
+    // slots of 16 KB: the whole hand-over (barrier forms 0, 2, 3), the barrier alone (forms
+    // 0–3), a spin of SPIN_CYCLES instead, no boundary, the tagged hand-over.
     printf("persistent hops, weights by a producer warp's ring of 8 slots of 16 KB (µs a hop); "
            "barriers: 0 fences, 1 none, 2 release/acquire, 3 fences and polls 64 ns apart\n");
     for (double mb : {0.0, 1.31, 10.49, 52.43}) {
-        long long per_block = (long long)(mb * 1e6 / 16 / sms);
-        long long span = per_block * sms, places = span ? w_len / span : 1;
-        // (mode, barrier kind): the whole boundary with barriers 0, 2, 3; the barrier alone
-        // with 0, 1, 2, 3; a spin of SPIN_CYCLES instead; no boundary.
         const int variants[10][2] = {{2, 0}, {2, 2}, {2, 3}, {1, 0}, {1, 1},
                                      {1, 2}, {1, 3}, {3, 0}, {0, 0}, {4, 0}};
         double us[10];
-        unsigned tag0 = 1;
-        for (int v = 0; v < 10; v++) {
-            int st = 8, stage = 16384, mode = variants[v][0], kind = variants[v][1];
-            CHECK(cudaFuncSetAttribute(streamed, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       st * stage));
-            // Tagged runs: no tag left in the buffers by the other hops, a fresh tag a run.
-            if (mode == 4) {
-                CHECK(cudaMemset(a, 0, 10240 * 8));
-                CHECK(cudaMemset(b, 0, 10240 * 8));
-            }
-            auto run = [&] {
-                CHECK(cudaMemsetAsync(count, 0, 4, s));
-                if (mode == 4) tagged_first<<<8, THREADS, 0, s>>>((unsigned long long*)a, d, tag0);
-                int hops = HOPS;
-                const uint4* wp = w;
-                void* args[] = {&a,      &b,  (void*)&d, &hops, &count, &tag0, &wp,
-                                &per_block, &places, &st, &stage, &mode, &kind};
-                CHECK(cudaLaunchCooperativeKernel((void*)streamed, dim3(sms), dim3(THREADS + 32),
-                                                  args, st * stage, s));
-                tag0 += HOPS + 1;
-            };
-            us[v] = time_it(run, s, mode == 2 ? d : 0, a, a);
-            if (mode == 4) {  // one more run, its last vector's words and tags checked
-                run();
-                CHECK(cudaStreamSynchronize(s));
-                std::vector<unsigned long long> got(d);
-                CHECK(cudaMemcpy(got.data(), a, d * 8, cudaMemcpyDeviceToHost));
-                std::vector<unsigned> want = replay(d, HOPS);
-                for (int i = 0; i < d; i++)
-                    if ((unsigned)(got[i] >> 32) != want[i] ||
-                        (unsigned)got[i] != tag0 - 1) {
-                        fprintf(stderr, "tagged hops: wrong vector at %d\n", i);
-                        exit(1);
-                    }
-            }
-        }
-        double bytes_us = per_block * sms * 16.0 / (rate_gbs * 1e3);
+        for (int v = 0; v < 10; v++)
+            us[v] = probe.streamed_hop(mb, {8, 16384, 0}, variants[v][0], variants[v][1]);
         printf("%6.2f MB a hop: hand-over with barrier 0 %6.2f, 2 %6.2f, 3 %6.2f; barrier alone "
                "0 %6.2f, 1 %6.2f, 2 %6.2f, 3 %6.2f; a spin instead %6.2f; no boundary %6.2f; "
                "tagged hand-over %6.2f; bytes at the rate %6.2f\n",
                mb, us[0], us[1], us[2], us[3], us[4], us[5], us[6], us[7], us[8], us[9],
-               bytes_us);
+               probe.bytes_us(mb));
+    }
+    // A paced ring: no more than `inflight` copies in flight, the rest of the ring free to copy
+    // into while the consumers hand over (if a hand-over's round trips are served behind the
+    // copies in flight, an unpaced ring has drained by the time they return).
+    printf("paced rings (slots × 16 KB / copies in flight at most), µs a hop: no boundary, "
+           "hand-over with barrier 0, tagged hand-over\n");
+    const Ring paced[6] = {{8, 16384, 0}, {8, 16384, 2}, {8, 16384, 3},
+                           {8, 16384, 4}, {12, 16384, 3}, {12, 16384, 4}};
+    for (double mb : {10.49, 52.43}) {
+        printf("%6.2f MB a hop (bytes at the rate %6.2f):", mb, probe.bytes_us(mb));
+        for (const Ring& r : paced)
+            printf(" %d/%d %.2f %.2f %.2f;", r.stages, r.inflight ? r.inflight : r.stages,
+                   probe.streamed_hop(mb, r, 0, 0), probe.streamed_hop(mb, r, 2, 0),
+                   probe.streamed_hop(mb, r, 4, 0));
+        printf("\n");
     }
     return 0;
 }
