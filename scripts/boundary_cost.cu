@@ -53,11 +53,9 @@ __device__ __forceinline__ void workers_sync() {
     asm volatile("bar.sync 1, %0;" ::"r"(THREADS) : "memory");
 }
 
-// The sum of x[0..d) over the block's first THREADS threads (each of them gets it).
-__device__ unsigned block_sum(const unsigned* x, int d) {
+// The sum of the block's first THREADS threads' `s` (each of them gets it).
+__device__ unsigned block_total(unsigned s) {
     __shared__ unsigned part[THREADS / 32];
-    unsigned s = 0;
-    for (int i = threadIdx.x; i < d; i += THREADS) s += __ldcg(x + i);
     for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
     if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = s;
     workers_sync();
@@ -65,6 +63,13 @@ __device__ unsigned block_sum(const unsigned* x, int d) {
     for (int w = 0; w < THREADS / 32; w++) t += part[w];
     workers_sync();
     return t;
+}
+
+// The sum of x[0..d) over the block's first THREADS threads (each of them gets it).
+__device__ unsigned block_sum(const unsigned* x, int d) {
+    unsigned s = 0;
+    for (int i = threadIdx.x; i < d; i += THREADS) s += __ldcg(x + i);
+    return block_total(s);
 }
 
 // Block b's slice of the next vector.
@@ -187,7 +192,6 @@ __device__ __forceinline__ unsigned long long load_relaxed(const unsigned long l
 
 // The sum of the words of x[0..d) tagged `tag`, over the block's first THREADS threads.
 __device__ unsigned tagged_sum(const unsigned long long* x, int d, unsigned tag) {
-    __shared__ unsigned part[THREADS / 32];
     unsigned s = 0;
     for (int i0 = threadIdx.x; i0 < d; i0 += TAGGED_AHEAD * THREADS) {
         unsigned long long v[TAGGED_AHEAD];
@@ -203,13 +207,7 @@ __device__ unsigned tagged_sum(const unsigned long long* x, int d, unsigned tag)
             s += (unsigned)(v[k] >> 32);
         }
     }
-    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-    if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = s;
-    workers_sync();
-    unsigned t = 0;
-    for (int w = 0; w < THREADS / 32; w++) t += part[w];
-    workers_sync();
-    return t;
+    return block_total(s);
 }
 
 // Block b's slice of the next vector, tagged `tag`.
