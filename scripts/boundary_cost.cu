@@ -72,11 +72,17 @@ __device__ unsigned block_sum(const unsigned* x, int d) {
     return block_total(s);
 }
 
+// The first and one-past-last index of block b's slice of a vector of d words.
+__device__ int2 slice_of(int d) {
+    int chunk = (d + gridDim.x - 1) / gridDim.x;
+    int lo = blockIdx.x * chunk;
+    return make_int2(lo, min(d, lo + chunk));
+}
+
 // Block b's slice of the next vector.
 __device__ void write_slice(unsigned* y, int d, unsigned sum) {
-    int chunk = (d + gridDim.x - 1) / gridDim.x;
-    int lo = blockIdx.x * chunk, hi = min(d, lo + chunk);
-    for (int i = lo + threadIdx.x; i < hi; i += THREADS) __stcg(y + i, next_word(sum, i));
+    int2 r = slice_of(d);
+    for (int i = r.x + threadIdx.x; i < r.y; i += THREADS) __stcg(y + i, next_word(sum, i));
 }
 
 // One boundary: with `per_block` > 0 the block also streams its share of `w` (16-byte
@@ -212,9 +218,8 @@ __device__ unsigned tagged_sum(const unsigned long long* x, int d, unsigned tag)
 
 // Block b's slice of the next vector, tagged `tag`.
 __device__ void write_tagged_slice(unsigned long long* y, int d, unsigned sum, unsigned tag) {
-    int chunk = (d + gridDim.x - 1) / gridDim.x;
-    int lo = blockIdx.x * chunk, hi = min(d, lo + chunk);
-    for (int i = lo + threadIdx.x; i < hi; i += THREADS) {
+    int2 r = slice_of(d);
+    for (int i = r.x + threadIdx.x; i < r.y; i += THREADS) {
         unsigned long long v = ((unsigned long long)next_word(sum, i) << 32) | tag;
         asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(y + i), "l"(v) : "memory");
     }
@@ -241,8 +246,8 @@ constexpr long long SPIN_CYCLES = 2900;
 // hand-over (sum, slice, barrier); 3 a spin of SPIN_CYCLES instead; 4 the tagged hand-over
 // (hop h reads words tagged tag0 + h).
 __global__ void streamed(unsigned* a, unsigned* b, int d, int hops, unsigned* count,
-                         unsigned tag0, const uint4* w, long long per_block, long long places, int stages,
-                         int stage, int inflight, int boundary, int barrier_kind) {
+                         unsigned tag0, const uint4* w, long long per_block, long long places,
+                         int stages, int stage, int inflight, int boundary, int barrier_kind) {
     extern __shared__ __align__(128) unsigned char ring[];
     __shared__ __align__(8) unsigned long long full[16], empty[16];
     const long long bytes = per_block * 16;
@@ -283,9 +288,8 @@ __global__ void streamed(unsigned* a, unsigned* b, int d, int hops, unsigned* co
     for (int h = 0; h < hops; h++) {
         unsigned* x = h % 2 ? b : a;
         unsigned* y = h % 2 ? a : b;
-        unsigned long long* tx = (unsigned long long*)x;
         unsigned sum = boundary == 2   ? block_sum(x, d)
-                       : boundary == 4 ? tagged_sum(tx, d, tag0 + h)
+                       : boundary == 4 ? tagged_sum((unsigned long long*)x, d, tag0 + h)
                                        : 0;
         for (int c = 0; c < chunks; c++, it++) {
             int slot = (int)(it % stages);
@@ -521,11 +525,12 @@ int main() {
     }
     printf("read rate, one launch over %.1f GB: %.0f GB/s\n", w_len * 16 / 1e9, rate_gbs);
     const int d = 2560;
+    Probe probe{a, b, count, w, w_len, s, sms, d, rate_gbs};
     double alone = 0;
     printf("graph+PDL hops, µs a hop: the next kernel launched right after the wait (early) or "
            "once the blocks have streamed (late), 8 or 16 loads a thread before the wait\n");
     for (double mb : {0.0, 1.31, 10.49, 52.43}) {
-        long long per_block = (long long)(mb * 1e6 / 16 / sms);
+        long long per_block = probe.per_block(mb);
         double us[4];
         for (int v = 0; v < 4; v++) {
             int late = v & 1;
@@ -536,13 +541,12 @@ int main() {
             CHECK(cudaGraphExecDestroy(ge));
         }
         if (per_block == 0) alone = us[0];
-        double bytes_us = per_block * sms * 16.0 / (rate_gbs * 1e3);
+        double bytes_us = probe.bytes_us(mb);
         printf("%6.2f MB a hop: early/8 %6.2f, late/8 %6.2f, early/16 %6.2f, late/16 %6.2f; "
                "bytes at the rate %6.2f, no overlap %6.2f, full overlap %6.2f\n",
                mb, us[0], us[1], us[2], us[3], bytes_us, alone + bytes_us,
                std::max(alone, bytes_us));
     }
-    Probe probe{a, b, count, w, w_len, s, sms, d, rate_gbs};
     // The same hops in one persistent launch, the weights by the producer warp's ring of 8
     // slots of 16 KB: the whole hand-over (barrier forms 0, 2, 3), the barrier alone (forms
     // 0–3), a spin of SPIN_CYCLES instead, no boundary, the tagged hand-over.
