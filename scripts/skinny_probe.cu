@@ -250,14 +250,14 @@ struct Lt {
     }
 };
 
-// Median µs a product of a graph of LAUNCHES products, each over the next copy of the weights.
+// Median µs a product of a graph of `launches` products (`product(i)` queues the i-th).
 template <typename F>
-float time_graph(cudaStream_t st, int copies, F&& product) {
+float time_graph(cudaStream_t st, int launches, F&& product) {
     cudaGraph_t graph;
     cudaGraphExec_t exec;
     CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
     bool ok = true;
-    for (int i = 0; i < LAUNCHES; ++i) ok &= product(i % copies);
+    for (int i = 0; i < launches; ++i) ok &= product(i);
     CHECK(cudaStreamEndCapture(st, &graph));
     if (!ok) {
         cudaGraphDestroy(graph);
@@ -276,7 +276,7 @@ float time_graph(cudaStream_t st, int copies, F&& product) {
         CHECK(cudaEventSynchronize(e1));
         float ms;
         CHECK(cudaEventElapsedTime(&ms, e0, e1));
-        if (r) ts.push_back(ms * 1000.f / LAUNCHES);
+        if (r) ts.push_back(ms * 1000.f / launches);
     }
     std::sort(ts.begin(), ts.end());
     cudaGraphExecDestroy(exec);
@@ -312,7 +312,7 @@ int main() {
     void *ca, *cb;
     CHECK(cudaMalloc(&ca, cbytes));
     CHECK(cudaMalloc(&cb, cbytes));
-    float copy_us = time_graph(st, 1, [&](int) {
+    float copy_us = time_graph(st, LAUNCHES, [&](int) {
         return cudaMemcpyAsync(cb, ca, cbytes, cudaMemcpyDeviceToDevice, st) == cudaSuccess;
     });
     double rate = 2.0 * cbytes / (copy_us * 1e-6);  // bytes a second
@@ -334,6 +334,7 @@ int main() {
                             {"ple proj", 2560, 256}};
     const Config configs[] = {{1, 1}, {1, 2}, {1, 4}, {1, 8}, {1, 16}, {2, 1}, {2, 2}, {2, 4},
                               {2, 8}, {2, 16}, {4, 1}, {4, 2}, {4, 4}, {4, 8}, {4, 16}};
+    std::vector<Config> bests;
     for (const Shape& sh : shapes) {
         size_t wn = (size_t)sh.rows * sh.K, wbytes = wn * 2;
         int copies = std::max(2, (int)((256ull << 20) / wbytes) + 1);
@@ -348,8 +349,8 @@ int main() {
         fill<<<64, 256, 0, st>>>(x, (size_t)T * sh.K, 91);
         CHECK(cudaStreamSynchronize(st));
         Lt lt(sh.rows, sh.K);
-        float lt_us = time_graph(st, copies, [&](int i) {
-            lt.run(st, w + i * wn, x, o_lt);
+        float lt_us = time_graph(st, LAUNCHES, [&](int i) {
+            lt.run(st, w + i % copies * wn, x, o_lt);
             return true;
         });
         float best = 1e9f;
@@ -357,8 +358,8 @@ int main() {
         printf("%-8s %5d x %5d (%5.2f MB, bytes at the rate %5.2f): cuBLASLt %6.2f; ours",
                sh.name, sh.rows, sh.K, wbytes / 1e6, wbytes / rate * 1e6, lt_us);
         for (Config cfg : configs) {
-            float us = time_graph(st, copies, [&](int i) {
-                return launch_skinny(st, cfg, w + i * wn, x, o_ours, sh.rows, sh.K);
+            float us = time_graph(st, LAUNCHES, [&](int i) {
+                return launch_skinny(st, cfg, w + i % copies * wn, x, o_ours, sh.rows, sh.K);
             });
             if (us < 0) continue;
             printf(" %d/%d %.2f", cfg.warps, cfg.splits, us);
@@ -387,6 +388,39 @@ int main() {
         CHECK(cudaFree(x));
         CHECK(cudaFree(o_ours));
         CHECK(cudaFree(o_lt));
+        bests.push_back(best_cfg);
     }
+
+    // A layer's seven products in order over LAYERS sets of weights of their own (none found in
+    // L2), cuBLASLt's against ours (each shape at its best split above), 2 · LAYERS layers a
+    // graph: µs a layer.
+    constexpr int LAYERS = 8, SHAPES = sizeof shapes / sizeof shapes[0];
+    size_t offset[SHAPES + 1] = {0};
+    for (int i = 0; i < SHAPES; ++i)
+        offset[i + 1] = offset[i] + (size_t)shapes[i].rows * shapes[i].K;
+    __nv_bfloat16 *lw, *lx;
+    float* lo;
+    CHECK(cudaMalloc(&lw, offset[SHAPES] * 2 * LAYERS));
+    CHECK(cudaMalloc(&lx, (size_t)T * 10240 * 2));
+    CHECK(cudaMalloc(&lo, (size_t)T * 20480 * 4));
+    fill<<<1024, 256, 0, st>>>(lw, offset[SHAPES] * LAYERS, 5);
+    fill<<<64, 256, 0, st>>>(lx, (size_t)T * 10240, 7);
+    CHECK(cudaStreamSynchronize(st));
+    std::vector<Lt*> lts;
+    for (const Shape& sh : shapes) lts.push_back(new Lt(sh.rows, sh.K));
+    auto weights = [&](int i) {
+        return lw + (i / SHAPES % LAYERS) * offset[SHAPES] + offset[i % SHAPES];
+    };
+    float lt_layer = time_graph(st, 2 * LAYERS * SHAPES, [&](int i) {
+        lts[i % SHAPES]->run(st, weights(i), lx, lo);
+        return true;
+    }) * SHAPES;
+    float our_layer = time_graph(st, 2 * LAYERS * SHAPES, [&](int i) {
+        const Shape& sh = shapes[i % SHAPES];
+        return launch_skinny(st, bests[i % SHAPES], weights(i), lx, lo, sh.rows, sh.K);
+    }) * SHAPES;
+    printf("a layer's seven products (%.2f MB, bytes at the rate %.2f µs): cuBLASLt %.2f µs, "
+           "ours %.2f µs\n",
+           offset[SHAPES] * 2 / 1e6, offset[SHAPES] * 2 / rate * 1e6, lt_layer, our_layer);
     return 0;
 }
