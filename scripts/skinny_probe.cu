@@ -7,10 +7,11 @@
 // blocks add their partial sums through distributed shared memory (each block the same slice,
 // in rank order) before one store — no atomics, no second launch. Weights go from global
 // memory straight into registers, 16 bytes a lane (a quad reads 64 contiguous bytes of a row),
-// STAGES k-steps of 32 ahead; `mma.sync.m16n8k16` takes them as A fragments with k permuted
+// a few k-steps of 32 ahead; `mma.sync.m16n8k16` takes them as A fragments with k permuted
 // within each 32 (lane c's 8 values are logical k 2c, 2c+1, 2c+8, 2c+9 of two k16 steps), and
-// the 64 tokens' activations, staged once in shared memory, are read with the same permutation
-// (one 16-byte load a lane a token tile), so the sums are the plain products.
+// the 64 tokens' activations are read with the same permutation (one 16-byte load a lane a
+// token tile), so the sums are the plain products: staged once in shared memory before the
+// first product, or loaded from global memory beside the weights (`skinny`'s two forms).
 // Timed against cuBLASLt (bf16 in, f32 out, its heuristic's first algorithm), both as a CUDA
 // graph of back-to-back products over copies of the weights that do not fit in L2; the outputs
 // compared. Build and run on the GPU machine:
@@ -31,7 +32,6 @@ namespace cg = cooperative_groups;
 constexpr int T = 64;        // token rows
 constexpr int NT = T / 8;    // n8 tiles of tokens
 constexpr int MT = 2;        // m16 tiles of weight rows a warp
-constexpr int STAGES = 4;    // k-steps of 32 a warp has in flight
 constexpr int LAUNCHES = 40, REPEATS = 7;
 
 #define CHECK(x)                                                                     \
@@ -56,8 +56,8 @@ constexpr int LAUNCHES = 40, REPEATS = 7;
 // eight token rows a quarter-warp reads fall on distinct banks.
 __host__ __device__ int x_pitch(int kc) { return (kc + 63) / 64 * 64 + 32; }
 
-__host__ int smem_bytes(int kc, int warps) {
-    int xs = T * x_pitch(kc) * 2;
+__host__ int smem_bytes(bool staged, int kc, int warps) {
+    int xs = staged ? T * x_pitch(kc) * 2 : 0;
     int parts = 32 * warps * T * 4;
     return std::max(xs, parts);
 }
@@ -80,7 +80,11 @@ __device__ __forceinline__ void mma(float* d, unsigned a0, unsigned a1, unsigned
 }
 
 // out[t · rows + r] = Σ_k x[t · K + k] · w[r · K + k] for T tokens; grid (rows / (32 · warps),
-// S) in clusters of (1, S, 1), kc = K / S a multiple of 32.
+// S) in clusters of (1, S, 1), kc = K / S a multiple of 32. STAGED: the block's activations
+// copied to shared memory before the first product (ST k-steps of weights in flight); else each
+// lane loads its activations from global memory (L1 shared by the block's warps) beside the
+// weights, ST k-steps of both in flight.
+template <bool STAGED, int ST>
 __global__ void __launch_bounds__(128) skinny(const __nv_bfloat16* __restrict__ w,
                                               const __nv_bfloat16* __restrict__ x,
                                               float* __restrict__ out, int rows, int K, int kc) {
@@ -100,26 +104,34 @@ __global__ void __launch_bounds__(128) skinny(const __nv_bfloat16* __restrict__ 
             int r = block_row0 + warp * 32 + m * 16 + g + 8 * h;
             wp[m][h] = reinterpret_cast<const uint4*>(w + (size_t)r * K + k0 + c * 8);
         }
-    uint4 ring[STAGES][MT][2];
+    // Lane (g, c)'s activations of token tile n: token 8n + g, 16 bytes at k0 + 32 · step + 8c.
+    const uint4* xp = reinterpret_cast<const uint4*>(x + (size_t)g * K + k0 + c * 8);
+    const size_t tile = (size_t)8 * K / 8;  // uint4s from one token tile to the next
+    uint4 ring[ST][MT][2], xring[STAGED ? 1 : ST][NT];
 #pragma unroll
-    for (int s = 0; s < STAGES; ++s)
-        if (s < steps)
+    for (int s = 0; s < ST; ++s)
+        if (s < steps) {
 #pragma unroll
             for (int m = 0; m < MT; ++m)
 #pragma unroll
                 for (int h = 0; h < 2; ++h) ring[s][m][h] = load_stream(wp[m][h] + s * 4);
+            if (!STAGED)
+#pragma unroll
+                for (int n = 0; n < NT; ++n) xring[STAGED ? 0 : s][n] = xp[n * tile + s * 4];
+        }
 
-    // The tokens' activations for this k-range, 16 bytes a copy.
     __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem);
-    const int pieces = kc / 8;
-    for (int i = threadIdx.x; i < T * pieces; i += blockDim.x) {
-        int t = i / pieces, j = i % pieces;
-        unsigned dst = (unsigned)__cvta_generic_to_shared(xs + t * pitch + j * 8);
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst),
-                     "l"(x + (size_t)t * K + k0 + j * 8));
+    if (STAGED) {  // the tokens' activations for this k-range, 16 bytes a copy
+        const int pieces = kc / 8;
+        for (int i = threadIdx.x; i < T * pieces; i += blockDim.x) {
+            int t = i / pieces, j = i % pieces;
+            unsigned dst = (unsigned)__cvta_generic_to_shared(xs + t * pitch + j * 8);
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst),
+                         "l"(x + (size_t)t * K + k0 + j * 8));
+        }
+        asm volatile("cp.async.commit_group;\ncp.async.wait_all;" ::: "memory");
+        __syncthreads();
     }
-    asm volatile("cp.async.commit_group;\ncp.async.wait_all;" ::: "memory");
-    __syncthreads();
 
     float acc[MT][NT][4];
 #pragma unroll
@@ -129,30 +141,39 @@ __global__ void __launch_bounds__(128) skinny(const __nv_bfloat16* __restrict__ 
 #pragma unroll
             for (int i = 0; i < 4; ++i) acc[m][n][i] = 0.f;
 
-    for (int base = 0; base < steps; base += STAGES) {
+    for (int base = 0; base < steps; base += ST) {
 #pragma unroll
-        for (int s = 0; s < STAGES; ++s) {
+        for (int s = 0; s < ST; ++s) {
             const int step = base + s;
             if (step < steps) {
-                uint4 a[MT][2];
+                const bool more = step + ST < steps;
+                uint4 a[MT][2], bx[NT];
 #pragma unroll
                 for (int m = 0; m < MT; ++m)
 #pragma unroll
                     for (int h = 0; h < 2; ++h) {
                         a[m][h] = ring[s][m][h];
-                        if (step + STAGES < steps)
-                            ring[s][m][h] = load_stream(wp[m][h] + (step + STAGES) * 4);
+                        if (more) ring[s][m][h] = load_stream(wp[m][h] + (step + ST) * 4);
                     }
 #pragma unroll
                 for (int n = 0; n < NT; ++n) {
-                    uint4 b = *reinterpret_cast<const uint4*>(xs + (n * 8 + g) * pitch +
-                                                              step * 32 + c * 8);
-#pragma unroll
-                    for (int m = 0; m < MT; ++m) {
-                        mma(acc[m][n], a[m][0].x, a[m][1].x, a[m][0].y, a[m][1].y, b.x, b.y);
-                        mma(acc[m][n], a[m][0].z, a[m][1].z, a[m][0].w, a[m][1].w, b.z, b.w);
+                    if (STAGED) {
+                        bx[n] = *reinterpret_cast<const uint4*>(xs + (n * 8 + g) * pitch +
+                                                                step * 32 + c * 8);
+                    } else {
+                        bx[n] = xring[STAGED ? 0 : s][n];
+                        if (more) xring[STAGED ? 0 : s][n] = xp[n * tile + (step + ST) * 4];
                     }
                 }
+#pragma unroll
+                for (int n = 0; n < NT; ++n)
+#pragma unroll
+                    for (int m = 0; m < MT; ++m) {
+                        mma(acc[m][n], a[m][0].x, a[m][1].x, a[m][0].y, a[m][1].y, bx[n].x,
+                            bx[n].y);
+                        mma(acc[m][n], a[m][0].z, a[m][1].z, a[m][0].w, a[m][1].w, bx[n].z,
+                            bx[n].w);
+                    }
             }
         }
     }
@@ -182,6 +203,7 @@ __global__ void __launch_bounds__(128) skinny(const __nv_bfloat16* __restrict__ 
 }
 
 struct Config {
+    bool staged;
     int warps, splits;
 };
 
@@ -190,7 +212,9 @@ bool launch_skinny(cudaStream_t st, Config cfg, const __nv_bfloat16* w, const __
                    float* out, int rows, int K) {
     int kc = K / cfg.splits;
     if (K % cfg.splits || kc % 32 || rows % (32 * cfg.warps)) return false;
-    int smem = smem_bytes(kc, cfg.warps);
+    int smem = smem_bytes(cfg.staged, kc, cfg.warps);
+    void (*kernel)(const __nv_bfloat16*, const __nv_bfloat16*, float*, int, int, int) =
+        cfg.staged ? skinny<true, 4> : skinny<false, 2>;
     if (smem > 227 * 1024) return false;
     cudaLaunchConfig_t lc = {};
     lc.gridDim = dim3(rows / (32 * cfg.warps), cfg.splits);
@@ -205,11 +229,11 @@ bool launch_skinny(cudaStream_t st, Config cfg, const __nv_bfloat16* w, const __
     lc.attrs = at;
     lc.numAttrs = 1;
     int clusters = 0;
-    if (cudaOccupancyMaxActiveClusters(&clusters, skinny, &lc) != cudaSuccess || clusters < 1) {
+    if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &lc) != cudaSuccess || clusters < 1) {
         cudaGetLastError();
         return false;
     }
-    return cudaLaunchKernelEx(&lc, skinny, w, x, out, rows, K, kc) == cudaSuccess;
+    return cudaLaunchKernelEx(&lc, kernel, w, x, out, rows, K, kc) == cudaSuccess;
 }
 
 struct Lt {
@@ -298,12 +322,16 @@ __global__ void fill(__nv_bfloat16* p, size_t n, unsigned seed) {
 }
 
 int main() {
-    CHECK(cudaFuncSetAttribute(skinny, cudaFuncAttributeMaxDynamicSharedMemorySize, 227 * 1024));
-    CHECK(cudaFuncSetAttribute(skinny, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+    for (auto kernel : {skinny<true, 4>, skinny<false, 2>}) {
+        CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                   227 * 1024));
+        CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+    }
     cudaDeviceProp prop;
     CHECK(cudaGetDeviceProperties(&prop, 0));
-    cudaFuncAttributes fa;
-    CHECK(cudaFuncGetAttributes(&fa, skinny));
+    cudaFuncAttributes fa, fd;
+    CHECK(cudaFuncGetAttributes(&fa, skinny<true, 4>));
+    CHECK(cudaFuncGetAttributes(&fd, skinny<false, 2>));
     cudaStream_t st;
     CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
 
@@ -319,10 +347,10 @@ int main() {
     CHECK(cudaFree(ca));
     CHECK(cudaFree(cb));
     printf("%s, %d multiprocessors, L2 %d MB; copy rate %.0f GB/s; %d tokens, µs a product "
-           "(median of %d graphs of %d); skinny: %d registers, %zu bytes of local memory; "
-           "ours as warps/splits µs\n",
+           "(median of %d graphs of %d); staged: %d registers, %zu bytes of local memory, direct: "
+           "%d, %zu; ours as s(taged)/d(irect) warps/splits µs\n",
            prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20, rate / 1e9, T, REPEATS,
-           LAUNCHES, fa.numRegs, fa.localSizeBytes);
+           LAUNCHES, fa.numRegs, fa.localSizeBytes, fd.numRegs, fd.localSizeBytes);
 
     struct Shape {
         const char* name;
@@ -332,8 +360,10 @@ int main() {
                             {"o", 2560, 2048},        {"gate+up", 20480, 2560},
                             {"down", 2560, 10240},    {"ple gate", 256, 2560},
                             {"ple proj", 2560, 256}};
-    const Config configs[] = {{1, 1}, {1, 2}, {1, 4}, {1, 8}, {1, 16}, {2, 1}, {2, 2}, {2, 4},
-                              {2, 8}, {2, 16}, {4, 1}, {4, 2}, {4, 4}, {4, 8}, {4, 16}};
+    std::vector<Config> configs;
+    for (bool staged : {true, false})
+        for (int warps : {1, 2, 4})
+            for (int splits : {1, 2, 4, 8, 16}) configs.push_back({staged, warps, splits});
     std::vector<Config> bests;
     for (const Shape& sh : shapes) {
         size_t wn = (size_t)sh.rows * sh.K, wbytes = wn * 2;
@@ -354,7 +384,7 @@ int main() {
             return true;
         });
         float best = 1e9f;
-        Config best_cfg = {0, 0};
+        Config best_cfg = {true, 0, 0};
         printf("%-8s %5d x %5d (%5.2f MB, bytes at the rate %5.2f): cuBLASLt %6.2f; ours",
                sh.name, sh.rows, sh.K, wbytes / 1e6, wbytes / rate * 1e6, lt_us);
         for (Config cfg : configs) {
@@ -362,7 +392,7 @@ int main() {
                 return launch_skinny(st, cfg, w + i % copies * wn, x, o_ours, sh.rows, sh.K);
             });
             if (us < 0) continue;
-            printf(" %d/%d %.2f", cfg.warps, cfg.splits, us);
+            printf(" %c%d/%d %.2f", cfg.staged ? 's' : 'd', cfg.warps, cfg.splits, us);
             if (us < best) best = us, best_cfg = cfg;
         }
         // Check the best config's sums (over copy 0) against cuBLASLt's.
@@ -380,9 +410,9 @@ int main() {
             diff = std::max(diff, (double)std::fabs(a[i] - b[i]));
             peak = std::max(peak, (double)std::fabs(b[i]));
         }
-        printf("\n    best %d warps / %d splits %.2f µs (%.0f GB/s); max |ours - cuBLASLt| "
+        printf("\n    best %s %d warps / %d splits %.2f µs (%.0f GB/s); max |ours - cuBLASLt| "
                "%.3g of max |out| %.3g%s\n",
-               best_cfg.warps, best_cfg.splits, best, wbytes / (best * 1e-6) / 1e9, diff, peak,
+               best_cfg.staged ? "staged" : "direct", best_cfg.warps, best_cfg.splits, best, wbytes / (best * 1e-6) / 1e9, diff, peak,
                diff > 1e-3 * peak ? "  MISMATCH" : "");
         CHECK(cudaFree(w));
         CHECK(cudaFree(x));
