@@ -30,18 +30,9 @@
 #include <cuda_runtime.h>
 // The backend's device helpers (mbarriers, bulk copies, shared addresses).
 #include "../crates/markbase-cuda/kernels/common.cuh"
+#include "cuda_check.cuh"
 
 constexpr int THREADS = 256, HOPS = 420, REPEATS = 15;
-
-#define CHECK(x)                                                                     \
-    do {                                                                             \
-        cudaError_t e = (x);                                                         \
-        if (e != cudaSuccess) {                                                      \
-            fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x,                \
-                    cudaGetErrorString(e));                                          \
-            exit(1);                                                                 \
-        }                                                                            \
-    } while (0)
 
 __host__ __device__ unsigned next_word(unsigned sum, unsigned i) {
     return sum * 2654435761u + i;

@@ -26,6 +26,7 @@
 #include <cuda_bf16.h>
 #include <cooperative_groups.h>
 #include <cublasLt.h>
+#include "cuda_check.cuh"
 
 namespace cg = cooperative_groups;
 
@@ -34,15 +35,6 @@ constexpr int NT = T / 8;    // n8 tiles of tokens
 constexpr int MT = 2;        // m16 tiles of weight rows a warp
 constexpr int LAUNCHES = 40, REPEATS = 7;
 
-#define CHECK(x)                                                                     \
-    do {                                                                             \
-        cudaError_t e = (x);                                                         \
-        if (e != cudaSuccess) {                                                      \
-            fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x,                \
-                    cudaGetErrorString(e));                                          \
-            exit(1);                                                                 \
-        }                                                                            \
-    } while (0)
 #define CHECK_LT(x)                                                                  \
     do {                                                                             \
         cublasStatus_t s = (x);                                                      \
